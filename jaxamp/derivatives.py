@@ -1,0 +1,304 @@
+"""Scaled input derivatives of a per-point network: the DerivScaler's derivative engine.
+
+A derivative is named like Modulus: ``u__x`` is du/dx, ``u__x__y`` is d/dy(du/dx). The
+engine computes all requested derivatives level by level with nested reverse-mode AD
+(``jax.jacrev`` of the level below, one reverse pass per differentiated variable, each
+giving that variable's gradient with respect to every input at once) and ``vmap`` over
+points. Each differentiation follows SPEC.md "One derivative step":
+
+1. multiply the differentiated variable by its scaler's scale (the backward seed);
+2. differentiate through the network's mixed-precision graph;
+3. flag inf/NaN in the *scaled* result under the scaler's key;
+4. multiply by ``1/scale`` in float32, inside the differentiable graph.
+
+Everything is traced: scales come in as arrays, flags come out as arrays, so the engine
+runs inside one ``jax.jit`` with no host synchronisation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import jax
+import jax.numpy as jnp
+
+from jaxamp.config import AmpConfig
+from jaxamp.scaler import DynamicScaler, ScaleState
+
+PointFn = Callable[..., jax.Array]  # fn(params, x: f32[n_inputs]) -> f32[n_outputs]
+SEP = "__"
+
+
+def parse_name(name: str) -> Tuple[str, Tuple[str, ...]]:
+    """``"u__x__y"`` -> ``("u", ("x", "y"))``."""
+    parts = name.split(SEP)
+    return parts[0], tuple(parts[1:])
+
+
+def order_of(name: str) -> int:
+    return len(parse_name(name)[1])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Level:
+    """How one derivative order is obtained from the order below it (static, hashable)."""
+
+    parents: Tuple[str, ...]  # names differentiated at this level (all of the order below)
+    parent_rows: Tuple[int, ...]  # their rows in the level below's value vector
+    parent_keys: Tuple[str, ...]  # scaler key of each parent (empty strings when unscaled)
+    names: Tuple[str, ...]  # derivatives this level produces
+    child_parent: Tuple[int, ...]  # for each produced name, the index into `parents`
+    child_input: Tuple[int, ...]  # for each produced name, the input index it differentiates by
+
+
+class Derivatives:
+    """Engine for named, scaled derivatives of a per-point network function.
+
+    Args:
+      fn: ``fn(params, x) -> y`` for ONE point: ``x`` is ``f32[len(inputs)]``, ``y`` is
+        ``f32[len(outputs)]``. (A Flax model: ``lambda p, x: model.apply(p, x)``.)
+      inputs: names of the entries of ``x`` (e.g. ``("x", "y")``).
+      outputs: names of the entries of ``y`` (e.g. ``("u", "v", "p")``).
+      derivatives: names to compute, e.g. ``("u__x", "u__y__y", "p__x")``; every lower-order
+        derivative they need is computed (and returned) too.
+      amp: mixed-precision settings (scaler mode, special terms, max scales). ``None`` or a
+        config whose scalers are inactive (AMP off, bf16, fp32) computes plain derivatives
+        with no scaling, no checks and no scaler keys.
+
+    Call ``engine(params, points, scales)`` (see :meth:`__call__`).
+    """
+
+    def __init__(
+        self,
+        fn: PointFn,
+        *,
+        inputs: Sequence[str],
+        outputs: Sequence[str],
+        derivatives: Sequence[str],
+        amp: Optional[AmpConfig] = None,
+    ) -> None:
+        if not callable(fn):
+            raise TypeError(f"Derivatives: `fn`={fn!r} must be callable as fn(params, x).")
+        self.fn = fn
+        self.inputs = _check_names("inputs", inputs)
+        self.outputs = _check_names("outputs", outputs)
+        if set(self.inputs) & set(self.outputs):
+            raise ValueError(
+                f"Derivatives: names {sorted(set(self.inputs) & set(self.outputs))} appear in both "
+                "`inputs` and `outputs`; each name must be one or the other."
+            )
+        if isinstance(derivatives, str):
+            raise TypeError(f"Derivatives: `derivatives`={derivatives!r} must be a list of names, not a string.")
+        self.amp = amp if amp is not None else AmpConfig(enabled=False)
+        if not isinstance(self.amp, AmpConfig):
+            raise TypeError(f"Derivatives: `amp`={amp!r} must be an AmpConfig or None.")
+        self.scaled = self.amp.scaler_enabled
+        self.requested = tuple(derivatives)
+        for name in self.requested:
+            self._check_derivative_name(name)
+        self.levels = self._plan()
+        self.names = self.outputs + tuple(n for level in self.levels for n in level.names)
+        keys = (k for level in self.levels for k in level.parent_keys if k)
+        self.scaler_keys: Tuple[str, ...] = tuple(dict.fromkeys(keys))
+
+    # ------------------------------------------------------------------ planning
+    def _check_derivative_name(self, name: str) -> None:
+        if not isinstance(name, str):
+            raise TypeError(f"Derivatives: derivative name {name!r} must be a string like 'u__x'.")
+        base, wrt = parse_name(name)
+        if base not in self.outputs:
+            raise ValueError(
+                f"Derivatives: derivative {name!r} differentiates {base!r}, which is not an output; "
+                f"outputs are {list(self.outputs)}."
+            )
+        for var in wrt:
+            if var not in self.inputs:
+                raise ValueError(
+                    f"Derivatives: derivative {name!r} is taken with respect to {var!r}, which is not an "
+                    f"input; inputs are {list(self.inputs)}."
+                )
+
+    def scaler_key(self, parent: str) -> str:
+        """The scaler key that guards differentiating ``parent`` (SPEC "Names of derivatives")."""
+        if self.amp.mode == "per_term_scaler" or parent in self.amp.special_terms:
+            return parent
+        return str(order_of(parent) + 1)
+
+    def _plan(self) -> Tuple[_Level, ...]:
+        needed = set()
+        for name in self.requested:
+            base, wrt = parse_name(name)
+            for k in range(1, len(wrt) + 1):
+                needed.add(SEP.join((base, *wrt[:k])))
+        max_order = max((order_of(n) for n in needed), default=0)
+        below = list(self.outputs)
+        levels = []
+        for order in range(1, max_order + 1):
+            names = tuple(sorted(n for n in needed if order_of(n) == order))
+            parents = tuple(sorted({n.rsplit(SEP, 1)[0] for n in names}))
+            levels.append(
+                _Level(
+                    parents=parents,
+                    parent_rows=tuple(below.index(p) for p in parents),
+                    parent_keys=tuple(self.scaler_key(p) if self.scaled else "" for p in parents),
+                    names=names,
+                    child_parent=tuple(parents.index(n.rsplit(SEP, 1)[0]) for n in names),
+                    child_input=tuple(self.inputs.index(parse_name(n)[1][-1]) for n in names),
+                )
+            )
+            below = list(names)
+        return tuple(levels)
+
+    # ------------------------------------------------------------------ scalers
+    @property
+    def scalers(self) -> Dict[str, DynamicScaler]:
+        """The scale rule of every scaler key this engine uses (empty when scaling is off)."""
+        return {key: self.amp.derivative_scaler_for(key) for key in self.scaler_keys}
+
+    def init_scaler_states(self) -> Dict[str, ScaleState]:
+        return {key: rule.init() for key, rule in self.scalers.items()}
+
+    # ------------------------------------------------------------------ evaluation
+    def point_values(
+        self, params, x: jax.Array, scales: Mapping[str, jax.Array]
+    ) -> Tuple[Dict[str, jax.Array], Dict[str, jax.Array]]:
+        """All values at one point ``x: f32[n_inputs]``: ``({name: f32[]}, {key: bool[]})``."""
+        level_fn = self._level_fns(params, scales)
+        top, aux = level_fn[-1](x)
+        vectors = aux["values"] + [top]
+        values = {}
+        for names, vec in zip([self.outputs] + [lv.names for lv in self.levels], vectors):
+            values.update({n: vec[i] for i, n in enumerate(names)})
+        return values, aux["found_inf"]
+
+    def __call__(
+        self,
+        params,
+        points: Union[Mapping[str, jax.Array], jax.Array],
+        scales: Optional[Mapping[str, jax.Array]] = None,
+    ) -> Tuple[Dict[str, jax.Array], Dict[str, jax.Array]]:
+        """Values and derivatives at a batch of points.
+
+        Args:
+          params: the network parameters passed to ``fn``.
+          points: ``{input name: f32[N]}`` or an array ``f32[N, n_inputs]``.
+          scales: ``{scaler key: f32[]}`` with at least :attr:`scaler_keys` (e.g. the
+            ``scale`` of each state from :meth:`init_scaler_states`). Ignored when scaling is off.
+
+        Returns:
+          ``(values, found_inf)``: ``values[name]`` is ``f32[N]`` (unscaled) for every output
+          and every derivative computed; ``found_inf[key]`` is ``bool[]``, True when any scaled
+          derivative guarded by ``key`` is inf/NaN at any point.
+        """
+        x = self._stack_points(points)
+        scales = self._check_scales(scales)
+        values, flags = jax.vmap(lambda p: self.point_values(params, p, scales))(x)
+        return values, {key: jnp.any(flag) for key, flag in flags.items()}
+
+    def _check_scales(self, scales) -> Dict[str, jax.Array]:
+        if not self.scaled:
+            return {}
+        if scales is None:
+            raise ValueError(
+                f"Derivatives: `scales` is required when float16 derivative scaling is on; pass "
+                f"{{key: scale}} for the keys {list(self.scaler_keys)} (e.g. from a TrainState)."
+            )
+        missing = [k for k in self.scaler_keys if k not in scales]
+        if missing:
+            raise KeyError(
+                f"Derivatives: `scales` lacks the scaler key(s) {missing}; it has {sorted(scales)}. "
+                "Create the states with engine.init_scaler_states() (or TrainState.create(..., engines=...))."
+            )
+        return {k: jnp.asarray(scales[k], jnp.float32) for k in self.scaler_keys}
+
+    def _stack_points(self, points) -> jax.Array:
+        if isinstance(points, Mapping):
+            missing = [n for n in self.inputs if n not in points]
+            if missing:
+                raise KeyError(f"Derivatives: `points` lacks input(s) {missing}; it has {sorted(points)}.")
+            cols = [jnp.asarray(points[n]) for n in self.inputs]
+            for n, c in zip(self.inputs, cols):
+                if c.ndim != 1 or c.shape != cols[0].shape:
+                    raise ValueError(
+                        f"Derivatives: points[{n!r}] has shape {c.shape}; every input must be a 1-D array "
+                        f"of the same length N (here {cols[0].shape})."
+                    )
+            x = jnp.stack(cols, axis=-1)
+        else:
+            x = jnp.asarray(points)
+            if x.ndim != 2 or x.shape[-1] != len(self.inputs):
+                raise ValueError(
+                    f"Derivatives: `points` has shape {x.shape}; expected [N, {len(self.inputs)}] "
+                    f"for inputs {list(self.inputs)}."
+                )
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"Derivatives: `points` must be floating point (float32), got dtype {x.dtype}.")
+        return x.astype(jnp.float32)
+
+    def _level_fns(self, params, scales: Mapping[str, jax.Array]) -> List[Callable]:
+        """Per-point functions ``x -> (values of order k, aux)`` for k = 0..max order.
+
+        ``aux`` holds the values of every lower order and the found-inf flags so far.
+        """
+        n_out = len(self.outputs)
+
+        def level0(x):
+            y = jnp.asarray(self.fn(params, x))
+            if y.shape != (n_out,):
+                raise ValueError(
+                    f"Derivatives: fn(params, x) returned shape {y.shape} for one point; expected "
+                    f"({n_out},) for outputs {list(self.outputs)}."
+                )
+            return y.astype(jnp.float32), {"values": [], "found_inf": {}}
+
+        fns = [level0]
+        for level in self.levels:
+            fns.append(self._next_level(fns[-1], level, scales))
+        return fns
+
+    def _next_level(self, below: Callable, level: _Level, scales: Mapping[str, jax.Array]) -> Callable:
+        rows = jnp.asarray(level.parent_rows)
+        child_parent = jnp.asarray(level.child_parent)
+        child_input = jnp.asarray(level.child_input)
+        if self.scaled:
+            seeds = jnp.stack([scales[k] for k in level.parent_keys])  # f32[n_parents]
+            inv_seeds = 1.0 / seeds
+
+        def seeded(x):
+            vals, aux = below(x)
+            parents = vals[rows]
+            if self.scaled:
+                parents = parents * seeds  # step 1: the scaled seed of each reverse pass
+            return parents, (vals, aux)
+
+        def level_fn(x):
+            jac, (vals, aux) = jax.jacrev(seeded, has_aux=True)(x)  # step 2: f32[n_parents, n_inputs]
+            picked = jac[child_parent, child_input]  # scaled derivatives this level returns
+            flags = dict(aux["found_inf"])
+            if self.scaled:
+                bad = ~jnp.isfinite(picked)  # step 3: check the scaled values
+                for key in dict.fromkeys(level.parent_keys):
+                    mask = jnp.asarray([level.parent_keys[p] == key for p in level.child_parent])
+                    hit = jnp.any(bad & mask)
+                    flags[key] = hit if key not in flags else flags[key] | hit
+                picked = picked * inv_seeds[child_parent]  # step 4: unscale in f32, differentiably
+            return picked, {"values": aux["values"] + [vals], "found_inf": flags}
+
+        return level_fn
+
+
+def _check_names(arg: str, names: Sequence[str]) -> Tuple[str, ...]:
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise TypeError(f"Derivatives: `{arg}`={names!r} must be a list of names (strings).")
+    names = tuple(names)
+    if not names:
+        raise ValueError(f"Derivatives: `{arg}` is empty; give at least one name.")
+    for n in names:
+        if not n or SEP in n or not n.isidentifier():
+            raise ValueError(
+                f"Derivatives: {arg} name {n!r} is not allowed: names must be identifiers without '{SEP}'."
+            )
+    if len(set(names)) != len(names):
+        raise ValueError(f"Derivatives: `{arg}`={list(names)} has duplicates.")
+    return names

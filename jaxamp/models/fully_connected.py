@@ -1,0 +1,108 @@
+"""Modulus-style fully connected network in Flax, with explicit precision placement.
+
+Parameters are always float32. Each layer is told its compute dtype explicitly (Flax's
+``dtype=None`` would silently promote float16 inputs with float32 params to float32).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxamp.config import AmpConfig
+from jaxamp.models.activations import apply_activation, check_activation
+
+
+class WeightNormDense(nn.Module):
+    """``y = x @ (g * v / ||v||) + b``, the norm taken per output unit (Modulus' WeightNormLinear).
+
+    Params (float32): ``kernel`` ``[in, out]`` (Glorot-uniform), ``weight_g`` ``[out]``
+    (ones, only with weight norm), ``bias`` ``[out]`` (zeros). The effective weight is built
+    in float32, then the matmul runs in ``dtype``.
+    """
+
+    features: int
+    weight_norm: bool = True
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.param("kernel", nn.initializers.glorot_uniform(), (x.shape[-1], self.features), jnp.float32)
+        if self.weight_norm:
+            g = self.param("weight_g", nn.initializers.ones, (self.features,), jnp.float32)
+            kernel = kernel * (g / jnp.linalg.norm(kernel, axis=0))
+        bias = self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32)
+        x = x.astype(self.dtype)
+        return jnp.dot(x, kernel.astype(self.dtype)) + bias.astype(self.dtype)
+
+
+class FullyConnected(nn.Module):
+    """Modulus Sym's FullyConnectedArch: ``nr_layers`` hidden layers of ``layer_size`` units,
+    weight norm on the hidden layers, a plain linear output layer.
+
+    Precision (see :meth:`from_amp`): hidden and output layers compute in ``dtype``;
+    ``fp32_first_layer`` keeps the first layer and its activation in float32;
+    ``fp32_activations`` evaluates every activation in float32. Inputs may be float32 of
+    shape ``[..., in_features]``; outputs are float32 ``[..., out_features]``.
+
+    ``skip_connections``: as Modulus, the output of every second hidden layer (0, 2, 4, ...)
+    is added to the next such output.
+    """
+
+    out_features: int
+    layer_size: int = 512
+    nr_layers: int = 6
+    activation: str = "silu"
+    skip_connections: bool = False
+    weight_norm: bool = True
+    dtype: jnp.dtype = jnp.float32
+    fp32_first_layer: bool = True
+    fp32_activations: bool = True
+
+    @classmethod
+    def from_amp(cls, config: AmpConfig, out_features: int, **kwargs) -> "FullyConnected":
+        """The network with the precision placement that ``config`` asks for."""
+        reduced = config.compute_dtype != jnp.float32
+        return cls(
+            out_features=out_features,
+            dtype=config.compute_dtype,
+            fp32_first_layer=reduced and not config.autocast_firstlayer,
+            fp32_activations=reduced and not config.autocast_activation,
+            **kwargs,
+        )
+
+    def _validate(self) -> None:
+        check_activation(self.activation)
+        for name in ("out_features", "layer_size", "nr_layers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"FullyConnected: `{name}`={value!r} must be a positive integer.")
+        if jnp.dtype(self.dtype) not in (jnp.float16, jnp.bfloat16, jnp.float32):
+            raise ValueError(f"FullyConnected: `dtype`={self.dtype!r} must be float16, bfloat16 or float32.")
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        self._validate()
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"FullyConnected: inputs must be floating point, got dtype {x.dtype}.")
+        act_dtype: Optional[jnp.dtype] = jnp.float32 if self.fp32_activations else None
+        x_skip = None
+        for i in range(self.nr_layers):
+            if i == 0 and self.fp32_first_layer:
+                x = WeightNormDense(self.layer_size, self.weight_norm, jnp.float32, name=f"layers_{i}")(
+                    x.astype(jnp.float32)
+                )
+                x = apply_activation(self.activation, x, None).astype(self.dtype)
+            else:
+                x = WeightNormDense(self.layer_size, self.weight_norm, self.dtype, name=f"layers_{i}")(x)
+                x = apply_activation(self.activation, x, act_dtype)
+            if self.skip_connections and i % 2 == 0:
+                if x_skip is not None:
+                    x, x_skip = x + x_skip, x
+                else:
+                    x_skip = x
+        x = WeightNormDense(self.out_features, False, self.dtype, name="final_layer")(x)
+        return x.astype(jnp.float32)

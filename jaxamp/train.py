@@ -74,7 +74,7 @@ def clip_by_global_norm(grads: Any, max_norm: float) -> Tuple[Any, jax.Array]:
 
     Returns the clipped tree and the global norm before clipping.
     """
-    norm = optax.global_norm(grads)
+    norm = optax.tree.norm(grads)
     coef = jnp.minimum(jnp.float32(max_norm) / (norm + jnp.float32(1e-6)), jnp.float32(1.0))
     return jax.tree_util.tree_map(lambda g: g * coef.astype(g.dtype), grads), norm
 
@@ -149,7 +149,7 @@ def make_train_step(
         if grad_clip_max_norm > 0:
             grads, grad_norm = clip_by_global_norm(grads, grad_clip_max_norm)
         else:
-            grad_norm = optax.global_norm(grads)
+            grad_norm = optax.tree.norm(grads)
         updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
         new_params = optax.apply_updates(state.params, updates)
         apply = jnp.logical_and(~deriv_overflow, grads_finite)

@@ -1,0 +1,65 @@
+import pytest
+
+import jaxamp
+from jaxamp import AmpConfig, ConfigError
+
+
+def test_defaults_are_modulus_amp_keys():
+    c = AmpConfig()
+    assert (c.enabled, c.mode, c.dtype, c.autocast_activation, c.autocast_firstlayer, c.default_max_scale_log2) == (
+        True, "per_order_scaler", "float16", False, False, 0)
+    assert dict(c.custom_max_scales_log2) == {} and c.scaler_enabled
+    assert not AmpConfig(dtype="bfloat16").scaler_enabled and not AmpConfig(enabled=False).scaler_enabled
+    assert str(AmpConfig(enabled=False, dtype="float16").compute_dtype) == "float32"
+
+
+def test_from_yaml_with_amp_section(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "amp:\n  enabled: true\n  mode: per_term_scaler\n  dtype: float16\n  autocast_activation: false\n"
+        "  autocast_firstlayer: true\n  default_max_scale_log2: 0\n  custom_max_scales_log2: {2: 3, nu: 20}\n"
+        "  special_terms: [nu]\n  derivative_scaler: {growth_interval: 500}\n  loss_scaler: {init_scale: 1024.0}\n"
+    )
+    c = AmpConfig.from_yaml(path)
+    assert c.mode == "per_term_scaler" and c.autocast_firstlayer and c.special_terms == ("nu",)
+    assert dict(c.custom_max_scales_log2) == {"2": 3, "nu": 20}
+    assert c.derivative_scaler_for("2").max_scale == 8.0 and c.derivative_scaler_for("nu").max_scale == 2.0**20
+    assert c.derivative_scaler_for("1").growth_interval == 500
+    assert c.make_loss_scaler().init_scale == 1024.0
+    assert AmpConfig.from_dict(c.to_dict()) == c
+
+
+@pytest.mark.parametrize(
+    "values, fragment",
+    [
+        ({"dtype": "float8"}, "amp.dtype='float8' is not allowed: expected one of ['float16', 'bfloat16', 'float32']"),
+        ({"mode": "per_layer"}, "amp.mode='per_layer' is not allowed"),
+        ({"enabled": "yes"}, "amp.enabled='yes' is not allowed: expected true or false"),
+        ({"default_max_scale_log2": 1.5}, "amp.default_max_scale_log2=1.5"),
+        ({"default_max_scale_log2": 500}, "integer exponent in [-126, 127]"),
+        ({"custom_max_scales_log2": {0: 2}}, "an order >= 1"),
+        ({"custom_max_scales_log2": {2: "big"}}, "custom_max_scales_log2[2]='big'"),
+        ({"custom_max_scales_log2": {2: -3}}, "`init_scale`=1.0 must not exceed `max_scale`=0.125"),
+        ({"special_terms": "nu"}, "amp.special_terms='nu'"),
+        ({"derivative_scaler": {"max_scale": 4}}, "amp.derivative_scaler.max_scale=4"),
+        ({"loss_scaler": {"growth_interval": 0}}, "amp.loss_scaler: DynamicScaler: `growth_interval`=0"),
+        ({"precision": "fp16"}, "unknown key(s) ['precision']"),
+    ],
+)
+def test_bad_values_are_rejected_with_key_value_and_rule(values, fragment):
+    with pytest.raises(ConfigError) as e:
+        AmpConfig.from_dict(values)
+    assert fragment in str(e.value)
+
+
+def test_not_a_mapping():
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        AmpConfig.from_dict(["amp"])
+
+
+def test_policy_casts():
+    import jax.numpy as jnp
+
+    p = jaxamp.get_policy(AmpConfig(dtype="bfloat16"))
+    assert p.compute_dtype == jnp.bfloat16 and p.param_dtype == jnp.float32 and p.output_dtype == jnp.float32
+    assert jaxamp.get_policy(AmpConfig(enabled=False)).compute_dtype == jnp.float32

@@ -1,0 +1,196 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxamp
+from jaxamp.models import FullyConnected
+
+STRICT_FP16 = {"xla_allow_excess_precision": False}  # fp16 ops round to fp16, no f32 shortcuts
+
+
+def small_net(dtype=jnp.float32, **kw):
+    kw = dict(out_features=2, layer_size=16, nr_layers=2, activation="tanh", dtype=dtype) | kw
+    return FullyConnected(**kw)
+
+
+@pytest.fixture(scope="module")
+def net_and_params():
+    net = small_net()
+    params = net.init(jax.random.PRNGKey(3), jnp.zeros(2))
+    return net, params
+
+
+def test_fp32_derivatives_match_jax_hessian_and_nested_jacfwd(net_and_params):
+    net, params = net_and_params
+    names = ("u__x", "u__y", "v__x", "u__x__x", "u__x__y", "u__y__y", "v__y__x", "u__x__x__y", "v__y__y__y", "u__x__y__x")
+    eng = jaxamp.Derivatives(lambda p, x: net.apply(p, x), inputs=("x", "y"), outputs=("u", "v"), derivatives=names)
+    pts = jax.random.uniform(jax.random.PRNGKey(1), (32, 2), minval=-1, maxval=1)
+    with jax.default_matmul_precision("highest"):
+        vals, flags = jax.jit(eng.__call__)(params, pts)
+        f = lambda x: net.apply(params, x)
+        jac = jax.vmap(jax.jacfwd(f))(pts)  # [N, out, in]
+        hess = jax.vmap(jax.hessian(f))(pts)  # [N, out, in, in]
+        third = jax.vmap(jax.jacfwd(jax.jacfwd(jax.jacfwd(f))))(pts)  # [N, out, in, in, in]
+    assert flags == {}
+    o, i = {"u": 0, "v": 1}, {"x": 0, "y": 1}
+    for name in names:
+        base, *wrt = name.split("__")
+        idx = (slice(None), o[base], *[i[w] for w in wrt])
+        ref = {1: jac, 2: hess, 3: third}[len(wrt)][idx]
+        np.testing.assert_allclose(vals[name], ref, rtol=1e-5, atol=1e-5 * float(jnp.abs(ref).max()), err_msg=name)
+    np.testing.assert_allclose(vals["u"], jax.vmap(f)(pts)[:, 0], rtol=1e-5, atol=1e-6)
+
+
+def test_derivatives_of_an_analytic_function_to_fourth_order():
+    fn = lambda p, x: jnp.stack([jnp.sin(2 * x[0]) * jnp.exp(x[1])])
+    eng = jaxamp.Derivatives(fn, inputs=("x", "y"), outputs=("u",), derivatives=("u__x__x__x__x", "u__x__y__y"))
+    x, y = jnp.linspace(-1, 1, 7), jnp.linspace(0, 0.5, 7)
+    vals, _ = jax.jit(eng.__call__)(None, {"x": x, "y": y})
+    np.testing.assert_allclose(vals["u__x__x__x__x"], 16 * jnp.sin(2 * x) * jnp.exp(y), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(vals["u__x__y__y"], 2 * jnp.cos(2 * x) * jnp.exp(y), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(vals["u__x"], 2 * jnp.cos(2 * x) * jnp.exp(y), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["per_order_scaler", "per_term_scaler"])
+def test_scaled_values_equal_unscaled_values(net_and_params, mode):
+    """The fp16 config switches scaling on; the network itself stays fp32, so scaling and
+    unscaling must leave the values unchanged up to fp32 rounding (exact for powers of 2)."""
+    net, params = net_and_params
+    names = ("u__x__x", "u__y", "v__x__y__y")
+    fn = lambda p, x: net.apply(p, x)
+    plain = jaxamp.Derivatives(fn, inputs=("x", "y"), outputs=("u", "v"), derivatives=names)
+    scaled = jaxamp.Derivatives(fn, inputs=("x", "y"), outputs=("u", "v"), derivatives=names,
+                                amp=jaxamp.AmpConfig(dtype="float16", mode=mode))
+    pts = jax.random.normal(jax.random.PRNGKey(2), (16, 2))
+    ref, _ = jax.jit(plain.__call__)(params, pts)
+    for pick in (lambda i: 2.0 ** -(i + 1), lambda i: 0.3 + 0.1 * i):
+        scales = {k: pick(i) for i, k in enumerate(scaled.scaler_keys)}
+        vals, flags = jax.jit(scaled.__call__)(params, pts, scales)
+        assert set(flags) == set(scaled.scaler_keys) and not any(bool(f) for f in flags.values())
+        for name in ref:
+            atol = 1e-6 * float(jnp.abs(ref[name]).max())  # fp32 rounding relative to the field
+            np.testing.assert_allclose(vals[name], ref[name], rtol=2e-6, atol=atol, err_msg=name)
+
+
+def test_scaling_reaches_the_backward_pass():
+    """The scale is the seed of each reverse pass: a huge scale overflows fp16 intermediates even
+    though the unscaled value is small (excess precision disabled, see STRICT_FP16)."""
+    amp = jaxamp.AmpConfig(dtype="float16", autocast_firstlayer=True, autocast_activation=True)
+    net = FullyConnected.from_amp(amp, out_features=1, layer_size=8, nr_layers=2)
+    params = net.init(jax.random.PRNGKey(0), jnp.zeros(1))
+    eng = jaxamp.Derivatives(lambda p, x: net.apply(p, x), inputs=("x",), outputs=("u",), derivatives=("u__x",), amp=amp)
+    call = jax.jit(eng.__call__, compiler_options=STRICT_FP16)
+    _, ok = call(params, {"x": jnp.linspace(0, 1, 4)}, {"1": 1.0})
+    _, bad = call(params, {"x": jnp.linspace(0, 1, 4)}, {"1": 2.0**20})
+    assert not bool(ok["1"]) and bool(bad["1"])
+
+
+def test_crafted_fp16_overflow_backs_off_to_fp32_values():
+    """u__x__x overflows fp16 inside the second backward pass: the first layer runs in fp16
+    (autocast_firstlayer=True) with weight_g x500, so |u_xx| reaches ~1.7e5 > 65504 while
+    |u_x| stays ~700. Excess precision is ruled out by compiling with
+    xla_allow_excess_precision=False (and the unscaled run must overflow, or this test fails)."""
+    amp = jaxamp.AmpConfig(dtype="float16", autocast_firstlayer=True)
+    net16 = FullyConnected.from_amp(amp, out_features=1, layer_size=32, nr_layers=3)
+    net32 = FullyConnected(out_features=1, layer_size=32, nr_layers=3)
+    params = net16.init(jax.random.PRNGKey(0), jnp.zeros(1))
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, v: v * 500 if "layers_0" in jax.tree_util.keystr(path) and "weight_g" in jax.tree_util.keystr(path) else v,
+        params,
+    )
+    names = ("u__x__x",)
+    e16 = jaxamp.Derivatives(lambda p, x: net16.apply(p, x), inputs=("x",), outputs=("u",), derivatives=names, amp=amp)
+    e32 = jaxamp.Derivatives(lambda p, x: net32.apply(p, x), inputs=("x",), outputs=("u",), derivatives=names)
+    pts = {"x": jnp.linspace(-0.02, 0.02, 64)}
+    with jax.default_matmul_precision("highest"):
+        ref, _ = jax.jit(e32.__call__)(params, pts)
+    assert float(jnp.abs(ref["u__x__x"]).max()) > 65504 > float(jnp.abs(ref["u__x"]).max())
+
+    call = jax.jit(e16.__call__, compiler_options=STRICT_FP16)
+    states = e16.init_scaler_states()
+    backoffs = 0
+    while True:
+        vals, found = call(params, pts, {k: s.scale for k, s in states.items()})
+        if backoffs == 0:
+            assert bool(found["2"]) and not bool(found["1"]), "only the second-order key overflows"
+            assert not bool(jnp.all(jnp.isfinite(vals["u__x__x"])))
+        if not bool(found["2"]):
+            break
+        states = {k: e16.scalers[k].update(s, found[k]) for k, s in states.items()}
+        backoffs += 1
+        assert backoffs < 10
+    assert backoffs >= 1 and float(states["2"].scale) == 0.5**backoffs and float(states["1"].scale) == 1.0
+    assert bool(jnp.all(jnp.isfinite(vals["u__x__x"])))
+    # fp16 tolerance: ~10 fp16 roundings (eps 2^-11) along the graph, relative to the field's max.
+    scale_of_field = float(jnp.abs(ref["u__x__x"]).max())
+    np.testing.assert_allclose(vals["u__x__x"], ref["u__x__x"], atol=1e-2 * scale_of_field)
+    np.testing.assert_allclose(vals["u__x"], ref["u__x"], atol=1e-2 * float(jnp.abs(ref["u__x"]).max()))
+
+
+def test_scaler_keys_per_mode_special_terms_and_custom_max_scales():
+    fn = lambda p, x: jnp.stack([x[0] * x[1], x[0] ** 2, x[1]])
+    kw = dict(inputs=("x", "y"), outputs=("u", "v", "nu"), derivatives=("u__x__y", "v__x__x", "nu__x", "nu__x__y"))
+    per_order = jaxamp.Derivatives(fn, **kw, amp=jaxamp.AmpConfig())
+    assert per_order.scaler_keys == ("1", "2")
+    per_term = jaxamp.Derivatives(fn, **kw, amp=jaxamp.AmpConfig(mode="per_term_scaler"))
+    assert set(per_term.scaler_keys) == {"u", "v", "nu", "u__x", "v__x", "nu__x"}
+    special = jaxamp.Derivatives(
+        fn, **kw, amp=jaxamp.AmpConfig(special_terms=["nu"], custom_max_scales_log2={"nu": 20, 2: 3})
+    )
+    assert set(special.scaler_keys) == {"1", "2", "nu"}
+    assert special.scaler_key("nu") == "nu" and special.scaler_key("nu__x") == "2"
+    rules = special.scalers
+    assert rules["nu"].max_scale == 2.0**20 and rules["2"].max_scale == 8.0 and rules["1"].max_scale == 1.0
+
+
+@pytest.mark.parametrize("amp", [None, jaxamp.AmpConfig(dtype="bfloat16"), jaxamp.AmpConfig(dtype="float32"),
+                                 jaxamp.AmpConfig(enabled=False)])
+def test_inactive_scaling_adds_nothing_to_the_graph(net_and_params, amp):
+    net, params = net_and_params
+    fn = lambda p, x: net.apply(p, x)
+    kw = dict(inputs=("x", "y"), outputs=("u", "v"), derivatives=("u__x__x", "v__y"))
+    eng = jaxamp.Derivatives(fn, **kw, amp=amp)
+    assert eng.scaler_keys == () and eng.init_scaler_states() == {}
+    pts = jnp.ones((4, 2))
+    plain = jax.make_jaxpr(jaxamp.Derivatives(fn, **kw).__call__)(params, pts)
+    assert str(jax.make_jaxpr(eng.__call__)(params, pts)) == str(plain)
+    assert "is_finite" not in str(plain)
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, fragment",
+    [
+        (dict(derivatives=("w__x",)), ValueError, "differentiates 'w', which is not an output"),
+        (dict(derivatives=("u__z",)), ValueError, "with respect to 'z', which is not an input"),
+        (dict(derivatives="u__x"), TypeError, "must be a list of names"),
+        (dict(inputs=("x", "x")), ValueError, "has duplicates"),
+        (dict(inputs=("x__1",)), ValueError, "names must be identifiers without '__'"),
+        (dict(outputs=("u", "x")), ValueError, "appear in both"),
+        (dict(amp="float16"), TypeError, "must be an AmpConfig"),
+    ],
+)
+def test_bad_construction_is_rejected(kwargs, exc, fragment):
+    args = dict(inputs=("x", "y"), outputs=("u",), derivatives=("u__x",)) | kwargs
+    with pytest.raises(exc) as e:
+        jaxamp.Derivatives(lambda p, x: x[:1], **args)
+    assert fragment in str(e.value)
+
+
+def test_bad_calls_are_rejected_at_trace_time():
+    eng = jaxamp.Derivatives(lambda p, x: x[:1], inputs=("x", "y"), outputs=("u",), derivatives=("u__x",),
+                             amp=jaxamp.AmpConfig())
+    good = {"1": jnp.float32(1)}
+    with pytest.raises(ValueError, match=r"expected \[N, 2\]"):
+        eng(None, jnp.ones((4, 3)), good)
+    with pytest.raises(KeyError, match="lacks input"):
+        eng(None, {"x": jnp.ones(4)}, good)
+    with pytest.raises(TypeError, match="floating point"):
+        eng(None, jnp.ones((4, 2), jnp.int32), good)
+    with pytest.raises(KeyError, match=r"lacks the scaler key\(s\) \['1'\]"):
+        eng(None, jnp.ones((4, 2)), {})
+    with pytest.raises(ValueError, match="`scales` is required"):
+        eng(None, jnp.ones((4, 2)))
+    wrong_out = jaxamp.Derivatives(lambda p, x: x, inputs=("x", "y"), outputs=("u",), derivatives=("u__x",))
+    with pytest.raises(ValueError, match=r"returned shape \(2,\)"):
+        wrong_out(None, jnp.ones((4, 2)))

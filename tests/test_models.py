@@ -1,0 +1,89 @@
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxamp
+from jaxamp.models import FullyConnected
+
+
+def eqns(model, params, x, primitive):
+    """Every equation of ``primitive`` in the forward graph, sub-jaxprs included, in order."""
+    out = []
+
+    def walk(jaxpr):
+        for e in jaxpr.eqns:
+            if e.primitive.name == primitive:
+                out.append(e)
+            for sub in jax.extend.core.jaxprs_in_params(e.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(lambda p, x: model.apply(p, x))(params, x).jaxpr)
+    return out
+
+
+def make(amp, **kw):
+    model = FullyConnected.from_amp(amp, out_features=3, layer_size=8, nr_layers=3, **kw)
+    params = model.init(jax.random.PRNGKey(0), jnp.zeros(2))
+    return model, params
+
+
+def test_params_are_f32_and_outputs_f32_for_every_dtype():
+    for dtype in ("float16", "bfloat16", "float32"):
+        model, params = make(jaxamp.AmpConfig(dtype=dtype))
+        assert all(p.dtype == jnp.float32 for p in jax.tree_util.tree_leaves(params))
+        assert model.apply(params, jnp.ones((5, 2))).dtype == jnp.float32
+
+
+def test_first_layer_in_fp32_unless_autocast_firstlayer():
+    x = jnp.ones(2)
+    model, params = make(jaxamp.AmpConfig(dtype="float16"))
+    dots = eqns(model, params, x, "dot_general")
+    assert [str(e.invars[0].aval.dtype) for e in dots] == ["float32", "float16", "float16", "float16"]
+    model, params = make(jaxamp.AmpConfig(dtype="float16", autocast_firstlayer=True))
+    dots = eqns(model, params, x, "dot_general")
+    assert [str(e.invars[0].aval.dtype) for e in dots] == ["float16"] * 4
+
+
+@pytest.mark.parametrize("autocast_activation, act_dtype", [(False, "float32"), (True, "float16")])
+def test_activation_dtype_follows_autocast_activation(autocast_activation, act_dtype):
+    model, params = make(jaxamp.AmpConfig(dtype="float16", autocast_firstlayer=True,
+                                          autocast_activation=autocast_activation))
+    sig = eqns(model, params, jnp.ones(2), "logistic")
+    assert len(sig) == 3 and all(str(e.invars[0].aval.dtype) == act_dtype for e in sig)
+
+
+def test_weight_norm_rows_have_norm_g_and_skip_connections_change_output():
+    model = FullyConnected(out_features=1, layer_size=8, nr_layers=4)
+    params = model.init(jax.random.PRNGKey(1), jnp.zeros(3))
+    p = params["params"]["layers_1"]
+    w = p["kernel"] * (p["weight_g"] / jnp.linalg.norm(p["kernel"], axis=0))
+    np.testing.assert_allclose(jnp.linalg.norm(w, axis=0), p["weight_g"], rtol=1e-6)
+    assert "weight_g" not in params["params"]["final_layer"]
+    skip = FullyConnected(out_features=1, layer_size=8, nr_layers=4, skip_connections=True)
+    x = jnp.ones((2, 3))
+    assert not np.allclose(model.apply(params, x), skip.apply(params, x))
+    # Modulus' rule: outputs of layers 0 and 2 are summed -> same as manual recomputation
+    h = x
+    outs = []
+    for i in range(4):
+        q = params["params"][f"layers_{i}"]
+        h = jax.nn.silu(h @ (q["kernel"] * q["weight_g"] / jnp.linalg.norm(q["kernel"], axis=0)) + q["bias"])
+        outs.append(h)
+        if i == 2:
+            h = h + outs[0]
+    ref = h @ params["params"]["final_layer"]["kernel"] + params["params"]["final_layer"]["bias"]
+    np.testing.assert_allclose(skip.apply(params, x), ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kw, fragment", [
+    (dict(activation="relu6"), "activation='relu6' is not supported"),
+    (dict(layer_size=0), "`layer_size`=0 must be a positive integer"),
+    (dict(dtype=jnp.int8), "must be float16, bfloat16 or float32"),
+])
+def test_bad_model_settings(kw, fragment):
+    model = FullyConnected(out_features=1, **kw)
+    with pytest.raises((ValueError, TypeError)) as e:
+        model.init(jax.random.PRNGKey(0), jnp.zeros(1))
+    assert fragment in str(e.value)

@@ -1,0 +1,140 @@
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxamp
+from jaxamp import DynamicScaler, ScaleState
+from tests.scaler_reference import reference_update
+
+SPEC_VECTOR_1 = dict(growth_factor=2.0, backoff_factor=0.25, growth_interval=2, max_scale=8.0,
+                     recover_threshold=2.0, recover_growth_interval=1)
+
+
+def run(rule, state, flags, jit):
+    update = jax.jit(rule.update) if jit else rule.update
+    out = []
+    for f in flags:
+        state = update(state, jnp.asarray(f))
+        out.append((float(state.scale), int(state.growth_tracker)))
+    return out
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_spec_vector_1(jit):
+    rule = DynamicScaler(init_scale=4.0, **SPEC_VECTOR_1)
+    flags = [False] * 6 + [True] * 2 + [False] * 3 + [False]
+    expected = [(4, 1), (8, 0), (8, 1), (8, 0), (8, 1), (8, 0), (2, 0), (0.5, 0), (1, 0), (2, 0), (4, 0), (4, 1)]
+    assert run(rule, rule.init(), flags, jit) == expected
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_spec_vector_2_through_a_tanh_mlp(jit):
+    """SPEC's second vector: the flags come from a real fp16 tanh MLP's derivatives; NaN input
+    points produce the overflow steps."""
+    amp = jaxamp.AmpConfig(
+        dtype="float16",
+        default_max_scale_log2=1,
+        derivative_scaler=dict(growth_interval=2, recover_threshold=0.5, recover_growth_interval=1),
+    )
+    model = jaxamp.models.FullyConnected.from_amp(amp, out_features=1, layer_size=16, nr_layers=2, activation="tanh")
+    params = model.init(jax.random.PRNGKey(0), jnp.zeros(1))
+    engine = jaxamp.Derivatives(lambda p, x: model.apply(p, x), inputs=("x",), outputs=("u",),
+                                derivatives=("u__x",), amp=amp)
+    assert engine.scaler_keys == ("1",)
+    rule = engine.scalers["1"]
+    update = jax.jit(rule.update) if jit else rule.update
+    state = engine.init_scaler_states()["1"]
+    assert (float(state.scale), int(state.growth_tracker)) == (1.0, 0)
+    clean, poisoned = jnp.linspace(0, 1, 8), jnp.full((8,), jnp.nan).at[0].set(0.5)
+    derivs = jax.jit(engine.__call__)  # the jit flag applies to the update rule
+    seen = []
+    for x in [clean] * 4 + [poisoned] * 3 + [clean] * 3:
+        _, found = derivs(params, {"x": x}, {"1": state.scale})
+        state = update(state, found["1"])
+        seen.append((float(state.scale), int(state.growth_tracker)))
+    assert seen == [(1, 1), (2, 0), (2, 1), (2, 0), (1, 0), (0.5, 0), (0.25, 0), (0.5, 0), (1, 0), (1, 1)]
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("rule_name", ["derivative", "loss", "floor"])
+def test_random_sequence_matches_python_transcription(jit, rule_name):
+    rule = {
+        "derivative": jaxamp.derivative_scaler(max_scale=4.0, growth_interval=7, recover_growth_interval=3),
+        "loss": jaxamp.loss_scaler(growth_interval=5, recover_growth_interval=2, recover_threshold=2.0**10),
+        "floor": jaxamp.derivative_scaler(growth_interval=9, recover_growth_interval=2, min_scale=2.0**-8),
+    }[rule_name]
+    rng = np.random.default_rng(1234)
+    # 15 % overflow steps keep every rule within float32's normal range (XLA flushes
+    # subnormals to zero where numpy does not; a scale that low is meaningless anyway).
+    flags = rng.random(10_000) < 0.15
+    hyper = {f.name: getattr(rule, f.name) for f in dataclasses.fields(rule) if f.name != "init_scale"}
+    scale, tracker, expected = rule.init_scale, 0, []
+    for f in flags:
+        scale, tracker = reference_update(scale, tracker, bool(f), **hyper)
+        expected.append((float(scale), tracker))
+    assert len({s for s, _ in expected}) > 5, "the sequence should visit many scales"
+    if jit:
+        def body(state, f):
+            state = rule.update(state, f)
+            return state, (state.scale, state.growth_tracker)
+        _, (scales, trackers) = jax.jit(lambda s, f: jax.lax.scan(body, s, f))(rule.init(), jnp.asarray(flags))
+        got = list(zip(np.asarray(scales).tolist(), np.asarray(trackers).tolist()))
+    else:
+        with jax.disable_jit():
+            got = run(rule, rule.init(), flags[:300], jit=False)
+        expected = expected[:300]  # eager dispatch is slow; the jitted run covers all 10 000
+    assert got == expected
+
+
+def test_update_vmaps_over_a_batch_of_states():
+    rule = jaxamp.derivative_scaler(max_scale=8.0, growth_interval=2, recover_growth_interval=1)
+    states = ScaleState(jnp.asarray([1.0, 0.5, 0.01, 8.0]), jnp.asarray([0, 1, 0, 1], jnp.int32))
+    flags = jnp.asarray([False, False, False, True])
+    out = jax.vmap(rule.update)(states, flags)
+    for i in range(4):
+        one = rule.update(ScaleState(states.scale[i], states.growth_tracker[i]), flags[i])
+        assert float(out.scale[i]) == float(one.scale) and int(out.growth_tracker[i]) == int(one.growth_tracker)
+
+
+def test_state_dtypes():
+    s = jaxamp.loss_scaler().init()
+    assert s.scale.dtype == jnp.float32 and s.scale.shape == ()
+    assert s.growth_tracker.dtype == jnp.int32 and s.growth_tracker.shape == ()
+    assert float(s.scale) == 2.0**16
+
+
+def test_defaults_follow_spec():
+    d, l = jaxamp.derivative_scaler(), jaxamp.loss_scaler()
+    assert (d.init_scale, d.max_scale, d.growth_factor, d.backoff_factor, d.growth_interval,
+            d.recover_threshold, d.recover_growth_interval) == (1, 1, 2, 0.5, 1000, 2**-6, 100)
+    assert (l.init_scale, l.max_scale, l.growth_factor, l.backoff_factor, l.growth_interval,
+            l.recover_threshold, l.recover_growth_interval) == (2**16, 2**30, 2, 0.5, 1000, 2**7, 100)
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        (dict(init_scale=4.0, max_scale=2.0), "`init_scale`=4.0 must not exceed `max_scale`=2.0"),
+        (dict(recover_threshold=4.0, max_scale=2.0), "`recover_threshold`=4.0 must not exceed"),
+        (dict(recover_growth_interval=20, growth_interval=10), "`recover_growth_interval`=20 must not exceed"),
+        (dict(growth_factor=0.0), "`growth_factor`=0.0 must be a positive"),
+        (dict(backoff_factor=-0.5), "`backoff_factor`=-0.5 must be a positive"),
+        (dict(growth_interval=0), "`growth_interval`=0 must be a positive integer"),
+        (dict(max_scale=float("inf")), "`max_scale`=inf"),
+        (dict(min_scale=2.0), "`min_scale`=2.0 must not exceed `init_scale`"),
+    ],
+)
+def test_construction_rejects_bad_hyperparameters(kwargs, fragment):
+    with pytest.raises(ValueError, match=None) as e:
+        DynamicScaler(**kwargs)
+    assert fragment in str(e.value)
+
+
+def test_hyperparameters_are_keyword_only_and_typed():
+    with pytest.raises(TypeError):
+        DynamicScaler(1.0)  # noqa
+    with pytest.raises(TypeError, match="growth_interval"):
+        DynamicScaler(growth_interval=10.5)

@@ -15,6 +15,9 @@ import jax
 import jax.numpy as jnp
 
 
+SMALLEST_NORMAL = 2.0**-126  # float32; the hard floor of every scale
+
+
 class ScaleState(NamedTuple):
     """State of one dynamic scaler. A pytree of two scalars."""
 
@@ -42,7 +45,9 @@ class DynamicScaler:
       ``growth_interval``) the scale grows by ``growth_factor``, capped at ``max_scale``,
       and the tracker resets.
 
-    ``min_scale`` (default None: no floor, as Modulus) optionally bounds the backoff.
+    ``min_scale`` (default None: no floor, as Modulus) optionally bounds the backoff. In any
+    case the scale never backs off below float32's smallest normal number, 2**-126: XLA
+    flushes subnormals to zero, and a zero scale could never grow back (0 * 2 = 0).
     All hyper-parameters are keyword-only and validated at construction.
     """
 
@@ -124,9 +129,8 @@ class DynamicScaler:
         scale = jnp.asarray(state.scale, jnp.float32)
         tracker = jnp.asarray(state.growth_tracker, jnp.int32)
 
-        backed_off = scale * jnp.float32(self.backoff_factor)
-        if self.min_scale is not None:
-            backed_off = jnp.maximum(backed_off, jnp.float32(self.min_scale))
+        floor = SMALLEST_NORMAL if self.min_scale is None else max(self.min_scale, SMALLEST_NORMAL)
+        backed_off = jnp.maximum(scale * jnp.float32(self.backoff_factor), jnp.float32(floor))
 
         n = tracker + 1
         interval = jnp.where(

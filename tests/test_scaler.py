@@ -99,6 +99,15 @@ def test_update_vmaps_over_a_batch_of_states():
         assert float(out.scale[i]) == float(one.scale) and int(out.growth_tracker[i]) == int(one.growth_tracker)
 
 
+def test_scale_never_backs_off_below_the_smallest_normal_float32():
+    rule = jaxamp.derivative_scaler()
+    state = jax.jit(lambda s: jax.lax.fori_loop(0, 200, lambda i, s: rule.update(s, True), s))(rule.init())
+    assert float(state.scale) == 2.0**-126
+    assert float(rule.update(state, False).scale) == 2.0**-126  # and it can grow back from there
+    grown = jax.lax.fori_loop(0, 100, lambda i, s: rule.update(s, False), state)
+    assert float(grown.scale) == 2.0**-125
+
+
 def test_state_dtypes():
     s = jaxamp.loss_scaler().init()
     assert s.scale.dtype == jnp.float32 and s.scale.shape == ()

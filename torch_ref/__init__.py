@@ -1,0 +1,24 @@
+"""torch_ref: a CPU/CUDA PyTorch reference of jaxamp's DerivScaler (SPEC.md), in Modulus' idiom.
+
+It stands alone (never imports jax or jaxamp) and mirrors jaxamp file for file:
+
+  config:       AmpSettings, as_settings           (the Modulus ``amp:`` keys)
+  scalers:      DynamicScaler, ScaleState, derivative_scaler, loss_scaler
+  derivatives:  Derivatives, merge_found_inf       (autograd.grad with create_graph=True)
+  training:     TrainState, make_train_step        (torch.optim + clip_grad_norm_)
+  conversion:   flax_to_torch, torch_to_flax       (weight transfer, weight norm's (v, g))
+  models:       torch_ref.models.FullyConnected
+"""
+
+from torch_ref import models
+from torch_ref.config import AmpSettings, as_settings
+from torch_ref.convert import flax_to_torch, torch_to_flax
+from torch_ref.derivatives import Derivatives, merge_found_inf
+from torch_ref.scaler import DynamicScaler, ScaleState, derivative_scaler, loss_scaler
+from torch_ref.train import APPLIED, SKIP_DERIVATIVE_OVERFLOW, SKIP_NONFINITE_GRADS, TrainState, make_train_step
+
+__all__ = [
+    "AmpSettings", "as_settings", "DynamicScaler", "ScaleState", "derivative_scaler", "loss_scaler",
+    "Derivatives", "merge_found_inf", "TrainState", "make_train_step", "APPLIED",
+    "SKIP_DERIVATIVE_OVERFLOW", "SKIP_NONFINITE_GRADS", "flax_to_torch", "torch_to_flax", "models",
+]

@@ -8,10 +8,11 @@ Public API:
   training:     TrainState, make_train_step, merge_found_inf, clip_by_global_norm
   checkpoints:  Checkpointer
   helpers:      all_finite, any_true, select_tree
-  models:       jaxamp.models.FullyConnected (import jaxamp.models)
+  models:       jaxamp.models.FullyConnected, jaxamp.models.FourierNet
+  devices:      jaxamp.parallel (make_mesh, shard_batch, replicate, data_parallel_step)
 """
 
-from jaxamp import models
+from jaxamp import models, parallel
 from jaxamp.checkpoint import Checkpointer
 from jaxamp.config import AmpConfig, ConfigError
 from jaxamp.derivatives import Derivatives
@@ -51,4 +52,5 @@ __all__ = [
     "any_true",
     "select_tree",
     "models",
+    "parallel",
 ]

@@ -2,9 +2,8 @@
 
 A derivative is named like Modulus: ``u__x`` is du/dx, ``u__x__y`` is d/dy(du/dx). The
 engine computes all requested derivatives level by level with nested reverse-mode AD
-(``jax.jacrev`` of the level below, one reverse pass per differentiated variable, each
-giving that variable's gradient with respect to every input at once) and ``vmap`` over
-points. Each differentiation follows SPEC.md "One derivative step":
+(``jax.grad`` of the variable below: one reverse pass per differentiated variable, giving
+its gradient with respect to every input at once) and ``vmap`` over points. Each differentiation follows SPEC.md "One derivative step":
 
 1. multiply the differentiated variable by its scaler's scale (the backward seed);
 2. differentiate through the network's mixed-precision graph;
@@ -163,14 +162,29 @@ class Derivatives:
     def point_values(
         self, params, x: jax.Array, scales: Mapping[str, jax.Array]
     ) -> Tuple[Dict[str, jax.Array], Dict[str, jax.Array]]:
-        """All values at one point ``x: f32[n_inputs]``: ``({name: f32[]}, {key: bool[]})``."""
-        level_fn = self._level_fns(params, scales)
-        top, aux = level_fn[-1](x)
-        vectors = aux["values"] + [top]
-        values = {}
-        for names, vec in zip([self.outputs] + [lv.names for lv in self.levels], vectors):
-            values.update({n: vec[i] for i, n in enumerate(names)})
-        return values, aux["found_inf"]
+        """All values at one point ``x: f32[n_inputs]``: ``({name: f32[]}, {key: bool[]})``.
+
+        One reverse pass per differentiated variable (its gradient with respect to every
+        input at once); each variable of order k is itself a function of ``x`` built from the
+        variable below it, so higher orders differentiate through the lower orders' scaled,
+        unscaled graphs.
+        """
+        fns = _VariableFns(self, params, scales)
+        y = fns.outputs(x)
+        values = {name: y[i] for i, name in enumerate(self.outputs)}
+        flags: Dict[str, jax.Array] = {}
+        for level in self.levels:
+            for p, parent in enumerate(level.parents):
+                children = [(n, col) for n, cp, col in zip(level.names, level.child_parent, level.child_input) if cp == p]
+                grad = fns.scaled_grad(parent)(x)  # steps 1-2: f32[n_inputs], scaled
+                picked = jnp.stack([grad[col] for _, col in children])
+                if self.scaled:
+                    key = level.parent_keys[p]
+                    hit = jnp.any(~jnp.isfinite(picked))  # step 3: check the scaled values
+                    flags[key] = hit if key not in flags else flags[key] | hit
+                    picked = picked * fns.inv_scale(parent)  # step 4: unscale in f32
+                values.update({n: picked[i] for i, (n, _) in enumerate(children)})
+        return values, flags
 
     def __call__(
         self,
@@ -236,56 +250,60 @@ class Derivatives:
             raise TypeError(f"Derivatives: `points` must be floating point (float32), got dtype {x.dtype}.")
         return x.astype(jnp.float32)
 
-    def _level_fns(self, params, scales: Mapping[str, jax.Array]) -> List[Callable]:
-        """Per-point functions ``x -> (values of order k, aux)`` for k = 0..max order.
 
-        ``aux`` holds the values of every lower order and the found-inf flags so far.
-        """
-        n_out = len(self.outputs)
+class _VariableFns:
+    """Per-point functions of ``x`` for every variable an engine needs, built once per trace.
 
-        def level0(x):
-            y = jnp.asarray(self.fn(params, x))
-            if y.shape != (n_out,):
-                raise ValueError(
-                    f"Derivatives: fn(params, x) returned shape {y.shape} for one point; expected "
-                    f"({n_out},) for outputs {list(self.outputs)}."
-                )
-            return y.astype(jnp.float32), {"values": [], "found_inf": {}}
+    ``value(name)(x)`` is the unscaled value of a variable (an output or a derivative);
+    ``scaled_grad(name)(x)`` is ``grad(scale * value(name))(x)``, the scaled gradient with
+    respect to every input. Indices are static, so no gather/scatter enters the graph.
+    """
 
-        fns = [level0]
-        for level in self.levels:
-            fns.append(self._next_level(fns[-1], level, scales))
-        return fns
+    def __init__(self, engine: "Derivatives", params, scales: Mapping[str, jax.Array]) -> None:
+        self.engine, self.params, self.scales = engine, params, scales
+        self._values: Dict[str, Callable] = {}
+        self._grads: Dict[str, Callable] = {}
 
-    def _next_level(self, below: Callable, level: _Level, scales: Mapping[str, jax.Array]) -> Callable:
-        rows = jnp.asarray(level.parent_rows)
-        child_parent = jnp.asarray(level.child_parent)
-        child_input = jnp.asarray(level.child_input)
-        if self.scaled:
-            seeds = jnp.stack([scales[k] for k in level.parent_keys])  # f32[n_parents]
-            inv_seeds = 1.0 / seeds
+    def outputs(self, x: jax.Array) -> jax.Array:
+        outputs = self.engine.outputs
+        y = jnp.asarray(self.engine.fn(self.params, x))
+        if y.shape != (len(outputs),):
+            raise ValueError(
+                f"Derivatives: fn(params, x) returned shape {y.shape} for one point; expected "
+                f"({len(outputs)},) for outputs {list(outputs)}."
+            )
+        return y.astype(jnp.float32)
 
-        def seeded(x):
-            vals, aux = below(x)
-            parents = vals[rows]
-            if self.scaled:
-                parents = parents * seeds  # step 1: the scaled seed of each reverse pass
-            return parents, (vals, aux)
+    def scale(self, name: str) -> Optional[jax.Array]:
+        return self.scales[self.engine.scaler_key(name)] if self.engine.scaled else None
 
-        def level_fn(x):
-            jac, (vals, aux) = jax.jacrev(seeded, has_aux=True)(x)  # step 2: f32[n_parents, n_inputs]
-            picked = jac[child_parent, child_input]  # scaled derivatives this level returns
-            flags = dict(aux["found_inf"])
-            if self.scaled:
-                bad = ~jnp.isfinite(picked)  # step 3: check the scaled values
-                for key in dict.fromkeys(level.parent_keys):
-                    mask = jnp.asarray([level.parent_keys[p] == key for p in level.child_parent])
-                    hit = jnp.any(bad & mask)
-                    flags[key] = hit if key not in flags else flags[key] | hit
-                picked = picked * inv_seeds[child_parent]  # step 4: unscale in f32, differentiably
-            return picked, {"values": aux["values"] + [vals], "found_inf": flags}
+    def inv_scale(self, name: str) -> jax.Array:
+        return jnp.float32(1.0) / self.scale(name)
 
-        return level_fn
+    def value(self, name: str) -> Callable[[jax.Array], jax.Array]:
+        if name not in self._values:
+            if name in self.engine.outputs:
+                i = self.engine.outputs.index(name)
+                fn = lambda x: self.outputs(x)[i]  # noqa: E731
+            else:
+                parent, var = name.rsplit(SEP, 1)
+                col, grad = self.engine.inputs.index(var), self.scaled_grad(parent)
+                if self.engine.scaled:
+                    fn = lambda x: grad(x)[col] * self.inv_scale(parent)  # noqa: E731
+                else:
+                    fn = lambda x: grad(x)[col]  # noqa: E731
+            self._values[name] = fn
+        return self._values[name]
+
+    def scaled_grad(self, name: str) -> Callable[[jax.Array], jax.Array]:
+        if name not in self._grads:
+            value = self.value(name)
+            if self.engine.scaled:
+                seeded = lambda x: value(x) * self.scale(name)  # noqa: E731
+            else:
+                seeded = value
+            self._grads[name] = jax.grad(seeded)
+        return self._grads[name]
 
 
 def _check_names(arg: str, names: Sequence[str]) -> Tuple[str, ...]:

@@ -1,0 +1,1 @@
+"""Shared machinery of the PINN examples: configs, the training loop, plots, the CLI."""

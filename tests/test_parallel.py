@@ -1,0 +1,189 @@
+"""Data-parallel training (jaxamp.parallel): one global skip decision on every device.
+
+The multi-device checks need 8 fake CPU devices, which must be requested before JAX starts,
+so they run in subprocesses (tests/parallel_worker.py with
+XLA_FLAGS=--xla_force_host_platform_device_count=8); the float32 and float16 halves run at
+the same time, one per core. This process only runs the argument checks on whatever devices
+it has. Overflows are *injected* (NaN collocation points), so nothing depends on XLA
+keeping excess precision.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jaxamp import parallel
+
+WORKER = Path(__file__).with_name("parallel_worker.py")
+STEPS = 100
+
+
+@pytest.fixture(scope="module")
+def worker() -> Dict[str, Any]:
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), "--steps", str(STEPS), "--part", part],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for part in ("fp32", "fp16")
+    ]
+    result: Dict[str, Any] = {}
+    for p in procs:
+        out, err = p.communicate(timeout=900)
+        assert p.returncode == 0, f"parallel_worker.py failed (rc {p.returncode}):\n{err[-4000:]}"
+        result.update(json.loads(out.strip().splitlines()[-1]))
+    assert result["device_count"] == 8
+    return result
+
+
+def test_fp32_loss_trajectory_same_on_1_2_8_devices(worker):
+    runs = worker["float32"]
+    base = np.array(runs["1"]["loss"])
+    assert base.shape == (STEPS,) and np.all(np.isfinite(base))
+    assert base[-1] < 0.5 * base[0], "the run must actually train for the comparison to mean anything"
+    for n in ("2", "8"):
+        loss = np.array(runs[n]["loss"])
+        np.testing.assert_allclose(loss, base, rtol=1e-5, err_msg=f"{n} devices vs 1")
+        assert not any(runs[n]["skipped"])
+        assert runs[n]["replicas_identical"] == [True]
+
+
+def test_fp16_scaler_trajectories_identical_on_1_2_8_devices(worker):
+    runs = worker["float16"]
+    keys = [k for k in runs["1"] if k.startswith(("scale_log2/", "found_inf/")) or k in ("skipped", "skip_reason")]
+    assert {"scale_log2/loss", "scale_log2/1", "scale_log2/2"} <= set(keys)
+    reasons = runs["1"]["skip_reason"]
+    # The trajectory exercises every branch: growth, injected derivative overflow (NaN point at
+    # steps 20, 21: reason 1) and real weight-gradient overflow of the growing loss scale (reason 2).
+    assert reasons[20] == reasons[21] == 1 and 2 in reasons and len(set(runs["1"]["scale_log2/1"])) == 3
+    for n in ("2", "8"):
+        for k in keys:
+            assert runs[n][k] == runs["1"][k], f"{k} differs between {n} devices and 1"
+        assert runs[n]["replicas_identical"] == [True]
+        # fp16 losses agree loosely (reduction order differs); the decisions above agree exactly.
+        a, b = np.array(runs[n]["loss"]), np.array(runs["1"]["loss"])
+        ok = np.isfinite(b)
+        np.testing.assert_array_equal(np.isfinite(a), ok)
+        np.testing.assert_allclose(a[ok], b[ok], rtol=1e-3)
+
+
+def test_overflow_on_one_shard_skips_everywhere(worker):
+    r = worker["inject"]
+    assert r["nan_devices"] == [5], "the NaN point must land on exactly one device's shard"
+    assert r["skipped"] and r["skip_reason"] == 1  # derivative overflow
+    assert r["found_inf"] == {"1": True, "2": True}
+    assert r["params_unchanged"] and r["opt_state_unchanged"] and r["loss_scale_unchanged"]
+    assert r["replicas_identical_after_skip"]
+    for key, (scale, tracker) in r["deriv_scales_before"].items():
+        assert r["deriv_scales_after"][key] == [scale * 0.5, 0]  # backoff 0.5, tracker reset
+        assert r["deriv_scale_replicas"][key] == [scale * 0.5] * 8
+    assert not r["next_step_skipped"] and r["params_changed_after_next"] and r["replicas_identical_after_next"]
+
+
+def test_compiled_step_reduces_flags_across_devices(worker):
+    h = worker["hlo"]
+    assert h["counts"]["all-reduce"] >= 1
+    assert any("pred" in t for t in h["all_reduce_types"]), h["all_reduce_types"]  # the overflow flags
+    assert any("f32" in t for t in h["all_reduce_types"]), h["all_reduce_types"]  # loss / gradients
+
+
+def test_indivisible_batch_errors_name_the_sizes(worker):
+    e = worker["errors"]
+    assert "63" in e["shard_batch"] and "8 device" in e["shard_batch"]
+    assert "60" in e["data_parallel_step"] and "8 device" in e["data_parallel_step"]
+    assert "`devices`=9" in e["make_mesh"]
+
+
+def test_multihost_two_processes_share_one_skip_decision():
+    """jax.distributed.initialize with 2 local processes x 2 fake CPU devices (gloo)."""
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), "--multihost", str(i), "--port", str(port)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        outputs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:  # a process left waiting for its peer must not outlive the test
+            if p.poll() is None:
+                p.kill()
+    results = []
+    for p, (out, err) in zip(procs, outputs):
+        assert p.returncode == 0, f"multihost worker failed (rc {p.returncode}):\n{err[-4000:]}"
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    for r in results:
+        assert r["process_count"] == 2 and r["device_count"] == 4 and r["global_batch_shape"] == [16]
+        # step 0: 2 + mean(0..15) on every device of both processes
+        assert r["step0"] == {"skipped": False, "state": [9.5, 9.5]}
+        # step 1: NaN only in process 1's half -> both processes skip
+        assert r["step1"] == {"skipped": True, "state": [9.5, 9.5]}
+
+
+# ---- argument checks in this process (any device count) ----
+
+def test_make_mesh_arguments():
+    n = len(jax.devices())
+    assert parallel.make_mesh().shape == {"batch": n}
+    assert parallel.make_mesh(1).shape == {"batch": 1}
+    assert parallel.make_mesh(jax.devices()[:1], axis_name="data").axis_names == ("data",)
+    with pytest.raises(ValueError, match=rf"`devices`={n + 1} must be between 1 and the {n}"):
+        parallel.make_mesh(n + 1)
+    with pytest.raises(ValueError, match="`devices`=0"):
+        parallel.make_mesh(0)
+    with pytest.raises(TypeError, match="`devices`=True"):
+        parallel.make_mesh(True)
+    with pytest.raises(ValueError, match="more than once"):
+        parallel.make_mesh([jax.devices()[0]] * 2)
+    with pytest.raises(ValueError, match="`axis_name`"):
+        parallel.make_mesh(1, axis_name="")
+
+
+def test_mesh_and_batch_checks():
+    mesh = parallel.make_mesh(1)
+    two_axes = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("a", "b"))
+    with pytest.raises(ValueError, match="one-axis mesh"):
+        parallel.shard_batch({"x": np.zeros(4)}, two_axes)
+    with pytest.raises(TypeError, match="`mesh`"):
+        parallel.replicate({"w": np.zeros(2)}, "cpu")
+    with pytest.raises(ValueError, match=r"\['t'\] is a scalar"):
+        parallel.shard_batch({"t": np.float32(1.0)}, mesh)
+    with pytest.raises(ValueError, match="batch_spec"):
+        parallel.data_parallel_step(lambda s, b: (s, b), mesh, batch_spec=P("model"))
+    with pytest.raises(ValueError, match="in_shardings"):
+        parallel.data_parallel_step(lambda s, b: (s, b), mesh, in_shardings=None)
+    with pytest.raises(TypeError, match="`step`"):
+        parallel.data_parallel_step(None, mesh)
+
+
+def test_one_device_path_and_mixed_batch_spec():
+    mesh = parallel.make_mesh(1)
+
+    def step(state, batch):
+        new = state + jnp.mean(batch["interior"]) + jnp.sum(batch["boundary"])
+        return new, {"m": jnp.mean(batch["interior"])}
+
+    run = parallel.data_parallel_step(step, mesh, batch_spec={"interior": P("batch"), "boundary": P()})
+    state = parallel.replicate(jnp.float32(1.0), mesh)
+    batch = {"interior": parallel.shard_batch(np.arange(4, dtype=np.float32), mesh), "boundary": np.ones(3, np.float32)}
+    new, metrics = run(state, batch)
+    assert float(new) == 1.0 + 1.5 + 3.0 and float(metrics["m"]) == 1.5
+    assert parallel.replicas_identical(new)

@@ -10,6 +10,7 @@ import os
 from typing import Any, Optional, Union
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 
@@ -64,9 +65,10 @@ class Checkpointer:
         abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, like)
         restored = self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
         # Orbax hands back containers of its own choosing for some nodes; rebuild ``like``'s.
-        return jax.tree_util.tree_unflatten(
-            jax.tree_util.tree_structure(like), jax.tree_util.tree_leaves(restored)
-        )
+        # Its arrays come committed to a device, which would make a step jitted before the
+        # restore compile again: hand back plain (uncommitted) arrays, as a fresh state has.
+        leaves = [jnp.asarray(x) for x in jax.device_get(jax.tree_util.tree_leaves(restored))]
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), leaves)
 
     def close(self) -> None:
         self._manager.close()

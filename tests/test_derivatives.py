@@ -21,10 +21,12 @@ def net_and_params():
     return net, params
 
 
-def test_fp32_derivatives_match_jax_hessian_and_nested_jacfwd(net_and_params):
+@pytest.mark.parametrize("method", jaxamp.derivatives.METHODS)
+def test_fp32_derivatives_match_jax_hessian_and_nested_jacfwd(net_and_params, method):
     net, params = net_and_params
     names = ("u__x", "u__y", "v__x", "u__x__x", "u__x__y", "u__y__y", "v__y__x", "u__x__x__y", "v__y__y__y", "u__x__y__x")
-    eng = jaxamp.Derivatives(lambda p, x: net.apply(p, x), inputs=("x", "y"), outputs=("u", "v"), derivatives=names)
+    eng = jaxamp.Derivatives(lambda p, x: net.apply(p, x), inputs=("x", "y"), outputs=("u", "v"), derivatives=names,
+                             method=method)
     pts = jax.random.uniform(jax.random.PRNGKey(1), (32, 2), minval=-1, maxval=1)
     with jax.default_matmul_precision("highest"):
         vals, flags = jax.jit(eng.__call__)(params, pts)
@@ -52,8 +54,9 @@ def test_derivatives_of_an_analytic_function_to_fourth_order():
     np.testing.assert_allclose(vals["u__x"], 2 * jnp.cos(2 * x) * jnp.exp(y), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("mode", ["per_order_scaler", "per_term_scaler"])
-def test_scaled_values_equal_unscaled_values(net_and_params, mode):
+@pytest.mark.parametrize("mode, method", [("per_order_scaler", "reverse"), ("per_term_scaler", "reverse"),
+                                          ("per_term_scaler", "forward_over_reverse")])
+def test_scaled_values_equal_unscaled_values(net_and_params, mode, method):
     """The fp16 config switches scaling on; the network itself stays fp32, so scaling and
     unscaling must leave the values unchanged up to fp32 rounding (exact for powers of 2)."""
     net, params = net_and_params
@@ -61,7 +64,7 @@ def test_scaled_values_equal_unscaled_values(net_and_params, mode):
     fn = lambda p, x: net.apply(p, x)
     plain = jaxamp.Derivatives(fn, inputs=("x", "y"), outputs=("u", "v"), derivatives=names)
     scaled = jaxamp.Derivatives(fn, inputs=("x", "y"), outputs=("u", "v"), derivatives=names,
-                                amp=jaxamp.AmpConfig(dtype="float16", mode=mode))
+                                amp=jaxamp.AmpConfig(dtype="float16", mode=mode), method=method)
     pts = jax.random.normal(jax.random.PRNGKey(2), (16, 2))
     ref, _ = jax.jit(plain.__call__)(params, pts)
     for pick in (lambda i: 2.0 ** -(i + 1), lambda i: 0.3 + 0.1 * i):
@@ -86,7 +89,8 @@ def test_scaling_reaches_the_backward_pass():
     assert not bool(ok["1"]) and bool(bad["1"])
 
 
-def test_crafted_fp16_overflow_backs_off_to_fp32_values():
+@pytest.mark.parametrize("method", jaxamp.derivatives.METHODS)
+def test_crafted_fp16_overflow_backs_off_to_fp32_values(method):
     """u__x__x overflows fp16 inside the second backward pass: the first layer runs in fp16
     (autocast_firstlayer=True) with weight_g x500, so |u_xx| reaches ~1.7e5 > 65504 while
     |u_x| stays ~700. Excess precision is ruled out by compiling with
@@ -100,7 +104,8 @@ def test_crafted_fp16_overflow_backs_off_to_fp32_values():
         params,
     )
     names = ("u__x__x",)
-    e16 = jaxamp.Derivatives(lambda p, x: net16.apply(p, x), inputs=("x",), outputs=("u",), derivatives=names, amp=amp)
+    e16 = jaxamp.Derivatives(lambda p, x: net16.apply(p, x), inputs=("x",), outputs=("u",), derivatives=names, amp=amp,
+                             method=method)
     e32 = jaxamp.Derivatives(lambda p, x: net32.apply(p, x), inputs=("x",), outputs=("u",), derivatives=names)
     pts = {"x": jnp.linspace(-0.02, 0.02, 64)}
     with jax.default_matmul_precision("highest"):
@@ -168,6 +173,7 @@ def test_inactive_scaling_adds_nothing_to_the_graph(net_and_params, amp):
         (dict(inputs=("x__1",)), ValueError, "names must be identifiers without '__'"),
         (dict(outputs=("u", "x")), ValueError, "appear in both"),
         (dict(amp="float16"), TypeError, "must be an AmpConfig"),
+        (dict(method="jet"), ValueError, "`method`='jet' is not supported"),
     ],
 )
 def test_bad_construction_is_rejected(kwargs, exc, fragment):

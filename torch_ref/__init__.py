@@ -6,13 +6,14 @@ It stands alone (never imports jax or jaxamp) and mirrors jaxamp file for file:
   scalers:      DynamicScaler, ScaleState, derivative_scaler, loss_scaler
   derivatives:  Derivatives, merge_found_inf       (autograd.grad with create_graph=True)
   training:     TrainState, make_train_step        (torch.optim + clip_grad_norm_)
-  conversion:   flax_to_torch, torch_to_flax       (weight transfer, weight norm's (v, g))
+  conversion:   flax_to_torch, torch_to_flax       (weight transfer, weight norm's (v, g)),
+                scale_states_from_jax, scale_states_to_jax (scaler states, bit for bit)
   models:       torch_ref.models.FullyConnected
 """
 
 from torch_ref import models
 from torch_ref.config import AmpSettings, as_settings
-from torch_ref.convert import flax_to_torch, torch_to_flax
+from torch_ref.convert import flax_to_torch, scale_states_from_jax, scale_states_to_jax, torch_to_flax
 from torch_ref.derivatives import Derivatives, merge_found_inf
 from torch_ref.scaler import DynamicScaler, ScaleState, derivative_scaler, loss_scaler
 from torch_ref.train import APPLIED, SKIP_DERIVATIVE_OVERFLOW, SKIP_NONFINITE_GRADS, TrainState, make_train_step
@@ -20,5 +21,5 @@ from torch_ref.train import APPLIED, SKIP_DERIVATIVE_OVERFLOW, SKIP_NONFINITE_GR
 __all__ = [
     "AmpSettings", "as_settings", "DynamicScaler", "ScaleState", "derivative_scaler", "loss_scaler",
     "Derivatives", "merge_found_inf", "TrainState", "make_train_step", "APPLIED",
-    "SKIP_DERIVATIVE_OVERFLOW", "SKIP_NONFINITE_GRADS", "flax_to_torch", "torch_to_flax", "models",
+    "SKIP_DERIVATIVE_OVERFLOW", "SKIP_NONFINITE_GRADS", "flax_to_torch", "torch_to_flax", "scale_states_from_jax", "scale_states_to_jax", "models",
 ]

@@ -9,15 +9,21 @@ Flax (``params["params"]``)                     torch_ref / Modulus state_dict
 Values are copied bit for bit (float32) both ways, so a round trip is exact. Only numpy is
 needed on the Flax side: the Flax tree comes back as nested dicts of ``numpy`` arrays
 (``jax.numpy.asarray`` them, or pass them straight to ``model.apply``).
+
+Scaler states (``{key: state}``, e.g. a jaxamp ``TrainState.deriv_scales``) go across with
+:func:`scale_states_from_jax` and :func:`scale_states_to_jax`, also bit for bit, so a scaler
+saved by one framework continues in the other exactly as it would have at home.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Dict, Mapping
+from typing import Any, Dict, Mapping, Union
 
 import numpy as np
 import torch
+
+from torch_ref.scaler import ScaleState
 
 _FLAX_LAYER = re.compile(r"^(layers_(\d+)|final_layer)$")
 _TORCH_KEY = re.compile(r"^(layers\.(\d+)|final_layer)\.linear\.(weight|weight_g|bias)$")
@@ -65,3 +71,45 @@ def torch_to_flax(state_dict: Mapping[str, torch.Tensor]) -> Dict[str, Dict[str,
         else:
             inner.setdefault(layer, {})["bias"] = arr
     return {"params": inner}
+
+
+def _scale_fields(key: str, state: Any) -> Mapping[str, Any]:
+    if isinstance(state, ScaleState):
+        return {"scale": state.scale, "growth_tracker": state.growth_tracker}
+    if isinstance(state, Mapping):
+        return state
+    if hasattr(state, "scale") and hasattr(state, "growth_tracker"):  # jaxamp.ScaleState (a NamedTuple)
+        return {"scale": state.scale, "growth_tracker": state.growth_tracker}
+    raise TypeError(
+        f"scaler state {key!r}={state!r} must be a ScaleState (jaxamp or torch_ref) or a mapping "
+        "with 'scale' and 'growth_tracker'."
+    )
+
+
+def scale_states_from_jax(
+    states: Mapping[str, Any], device: Union[str, torch.device, None] = None
+) -> Dict[str, ScaleState]:
+    """``{key: jaxamp.ScaleState or {"scale", "growth_tracker"}}`` -> ``{key: torch_ref.ScaleState}``.
+
+    Accepts jax, numpy or torch scalars (e.g. ``TrainState.deriv_scales`` restored by
+    ``jaxamp.Checkpointer``); float32 scale and int32 tracker are kept exactly.
+    """
+    if not isinstance(states, Mapping):
+        raise TypeError(f"scale_states_from_jax: `states`={states!r} must be a mapping {{key: state}}.")
+    return {str(k): ScaleState.from_state_dict(_scale_fields(k, v), device) for k, v in states.items()}
+
+
+def scale_states_to_jax(states: Mapping[str, Any]) -> Dict[str, Dict[str, np.ndarray]]:
+    """``{key: torch_ref.ScaleState or its state_dict}`` -> ``{key: {"scale": f32[], "growth_tracker": i32[]}}``.
+
+    numpy 0-d arrays (torch_ref never imports jax): build jaxamp states with
+    ``{k: jaxamp.ScaleState(**v) for k, v in out.items()}``.
+    """
+    if not isinstance(states, Mapping):
+        raise TypeError(f"scale_states_to_jax: `states`={states!r} must be a mapping {{key: state}}.")
+    out = {}
+    for k, v in states.items():
+        st = ScaleState.from_state_dict(_scale_fields(k, v))
+        out[str(k)] = {"scale": np.asarray(st.scale.numpy(), np.float32).reshape(()),
+                       "growth_tracker": np.asarray(st.growth_tracker.numpy(), np.int32).reshape(())}
+    return out

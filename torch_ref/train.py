@@ -140,7 +140,7 @@ def make_train_step(
         reason = SKIP_DERIVATIVE_OVERFLOW if deriv_overflow else (APPLIED if finite else SKIP_NONFINITE_GRADS)
         metrics: Dict[str, Any] = {"loss": float(loss.detach()), "skipped": not apply, "skip_reason": reason,
                                    "grad_norm": float(grad_norm)}
-        metrics.update({f"terms/{k}": float(v) for k, v in terms.items()})
+        metrics.update({f"terms/{k}": float(v.detach()) for k, v in terms.items()})
         metrics["scale_log2/loss"] = math.log2(float(state.loss_scale.scale))
         metrics.update({f"scale_log2/{k}": math.log2(float(s.scale)) for k, s in state.deriv_scales.items()})
         metrics.update({f"found_inf/{k}": v for k, v in flags.items()})

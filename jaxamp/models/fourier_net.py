@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxamp.config import AmpConfig
-from jaxamp.models.fully_connected import FullyConnected
+from jaxamp.models.fully_connected import FullyConnected, precision_fields
 
 FREQUENCY_KINDS = ("axis", "diagonal", "full", "gaussian")
 DEFAULT_FREQUENCIES: Tuple = ("axis", tuple(range(10)))
@@ -88,16 +88,9 @@ class FourierNet(nn.Module):
     @classmethod
     def from_amp(cls, config: AmpConfig, out_features: int, **kwargs) -> "FourierNet":
         """The network with the precision placement that ``config`` asks for."""
-        reduced = config.compute_dtype != jnp.float32
         if "frequencies" in kwargs:
             kwargs["frequencies"] = _freeze(kwargs["frequencies"])
-        return cls(
-            out_features=out_features,
-            dtype=config.compute_dtype,
-            fp32_first_layer=reduced and not config.autocast_firstlayer,
-            fp32_activations=reduced and not config.autocast_activation,
-            **kwargs,
-        )
+        return cls(out_features=out_features, **precision_fields(config), **kwargs)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:

@@ -16,6 +16,17 @@ from jaxamp.config import AmpConfig
 from jaxamp.models.activations import apply_activation, check_activation
 
 
+def precision_fields(config: AmpConfig) -> dict:
+    """The precision fields of a network module (``dtype``, ``fp32_first_layer``,
+    ``fp32_activations``) for ``config``: the ``autocast_*`` flags act for any reduced dtype."""
+    reduced = config.compute_dtype != jnp.float32
+    return dict(
+        dtype=config.compute_dtype,
+        fp32_first_layer=reduced and not config.autocast_firstlayer,
+        fp32_activations=reduced and not config.autocast_activation,
+    )
+
+
 class WeightNormDense(nn.Module):
     """``y = x @ (g * v / ||v||) + b``, the norm taken per output unit (Modulus' WeightNormLinear).
 
@@ -65,14 +76,7 @@ class FullyConnected(nn.Module):
     @classmethod
     def from_amp(cls, config: AmpConfig, out_features: int, **kwargs) -> "FullyConnected":
         """The network with the precision placement that ``config`` asks for."""
-        reduced = config.compute_dtype != jnp.float32
-        return cls(
-            out_features=out_features,
-            dtype=config.compute_dtype,
-            fp32_first_layer=reduced and not config.autocast_firstlayer,
-            fp32_activations=reduced and not config.autocast_activation,
-            **kwargs,
-        )
+        return cls(out_features=out_features, **precision_fields(config), **kwargs)
 
     def _validate(self) -> None:
         check_activation(self.activation)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Sequence, Tuple
 
@@ -23,10 +24,27 @@ def build_pair(amp: jaxamp.AmpConfig, n_in: int, n_out: int, *, layer_size: int 
                seed: int = 0, activation: str = "silu"):
     """(jax model, flax params, torch model) with identical float32 weights."""
     jm = JaxFC.from_amp(amp, out_features=n_out, layer_size=layer_size, nr_layers=nr_layers, activation=activation)
-    params = jm.init(jax.random.PRNGKey(seed), jnp.zeros(n_in))
+    params = init_params(n_in, n_out, layer_size, nr_layers, seed)
+    return jm, params, torch_twin(amp, params, n_in, n_out, layer_size=layer_size, nr_layers=nr_layers,
+                                  activation=activation)
+
+
+@functools.lru_cache(maxsize=None)
+def init_params(n_in: int, n_out: int, layer_size: int, nr_layers: int, seed: int):
+    """Flax params of a ``FullyConnected``, initialised once per shape and seed (jitted).
+
+    Parameters are float32 whatever the compute dtype, activation or precision placement, so
+    every configuration of one shape shares them (a test checks this holds)."""
+    jm = JaxFC(out_features=n_out, layer_size=layer_size, nr_layers=nr_layers)
+    return jax.jit(jm.init)(jax.random.PRNGKey(seed), jnp.zeros(n_in))
+
+
+def torch_twin(amp: jaxamp.AmpConfig, params, n_in: int, n_out: int, *, layer_size: int = 32, nr_layers: int = 3,
+               activation: str = "silu") -> TorchFC:
+    """A fresh torch_ref network holding the float32 weights of the Flax ``params``."""
     tm = TorchFC.from_amp(amp.to_dict(), n_in, n_out, layer_size=layer_size, nr_layers=nr_layers, activation=activation)
     tm.load_state_dict(torch_ref.flax_to_torch(params))
-    return jm, params, tm
+    return tm
 
 
 def engines(jm, tm, amp, inputs: Sequence[str], outputs: Sequence[str], derivatives: Sequence[str]):

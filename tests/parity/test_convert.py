@@ -35,3 +35,41 @@ def test_unknown_names_are_rejected_by_name():
         torch_ref.torch_to_flax({"conv.weight": torch.zeros(1)})
     with pytest.raises(KeyError, match="dense_0"):
         torch_ref.flax_to_torch({"params": {"dense_0": {"kernel": np.zeros((1, 1))}}})
+
+
+def test_shared_init_params_match_every_precision_configuration():
+    """parity_helpers.init_params shares one init across configurations: check that is sound."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxamp.models import FullyConnected
+    from parity_helpers import init_params
+
+    shared = init_params(1, 1, 8, 2, 5)
+    amp = jaxamp.AmpConfig(dtype="float16", autocast_firstlayer=True, autocast_activation=True)
+    own_model = FullyConnected.from_amp(amp, out_features=1, layer_size=8, nr_layers=2, activation="tanh")
+    own = jax.jit(own_model.init)(jax.random.PRNGKey(5), jnp.zeros(1))
+    same = jax.tree_util.tree_map(lambda a, b: a.dtype == b.dtype and bool(jnp.array_equal(a, b)), shared, own)
+    assert jax.tree_util.tree_structure(shared) == jax.tree_util.tree_structure(own)
+    assert all(jax.tree_util.tree_leaves(same))
+
+
+def test_scale_states_cross_exactly_and_bad_input_is_named():
+    """torch_ref.scale_states_from_jax / scale_states_to_jax keep float32 scale and int32 tracker exactly."""
+    import jax.numpy as jnp
+
+    jax_states = {"1": jaxamp.ScaleState(jnp.float32(2.0**-126), jnp.int32(7)),
+                  "u__x": jaxamp.ScaleState(jnp.float32(0.3), jnp.int32(0))}  # 0.3: not a power of two
+    t = torch_ref.scale_states_from_jax(jax_states)
+    assert t["1"].scale.dtype == torch.float32 and t["1"].growth_tracker.dtype == torch.int32
+    assert float(t["1"].scale) == 2.0**-126 and int(t["1"].growth_tracker) == 7
+    back = {k: jaxamp.ScaleState(**v) for k, v in torch_ref.scale_states_to_jax(t).items()}
+    for k, s in jax_states.items():
+        assert back[k].scale.dtype == np.float32 and back[k].growth_tracker.dtype == np.int32
+        assert back[k].scale == s.scale and back[k].growth_tracker == s.growth_tracker
+    with pytest.raises(TypeError, match="`states`"):
+        torch_ref.scale_states_from_jax([1.0])
+    with pytest.raises(TypeError, match="scaler state '2'"):
+        torch_ref.scale_states_to_jax({"2": 1.0})
+    with pytest.raises(KeyError, match="growth_tracker"):
+        torch_ref.scale_states_from_jax({"2": {"scale": 1.0}})

@@ -1,0 +1,131 @@
+"""The benchmark runner in its seconds-long smoke mode, so that it cannot rot; and the
+alternative derivative engines against jaxamp.Derivatives (same values, same flags)."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `benchmarks/` is not an installed package: import it from the checkout
+    sys.path.insert(0, str(ROOT))
+
+import jaxamp  # noqa: E402
+from benchmarks import engines as E  # noqa: E402
+from benchmarks import ldc  # noqa: E402
+from benchmarks.runner import parse_size  # noqa: E402
+from jaxamp.models import FullyConnected  # noqa: E402
+
+
+def _run(tmp_path, *args):
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "benchmarks", "--preset", "smoke", "--out", str(out), *args]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(out.read_text()), p.stdout
+
+
+def _positive_time(s):
+    assert s["n"] >= 1
+    for k in ("median", "p25", "p75", "min", "max"):
+        assert math.isfinite(s[k]) and s[k] > 0, (k, s)
+
+
+@pytest.mark.slow  # ~50 s of CPU: two train-step compiles in a fresh process, plus torch
+def test_smoke_runner_writes_json_with_positive_finite_times(tmp_path):
+    res, stdout = _run(tmp_path, "--sections", "step", "torch", "orders")
+    assert res["meta"]["backend"] == "cpu" and res["meta"]["preset"] == "smoke"
+    (block,) = res["step"]
+    assert set(block["modes"]) == {"fp16_plain", "fp16_scaled_order"}
+    for m in block["modes"].values():
+        _positive_time(m["step_s"])
+        assert m["flops"] > 0 and m["compile_s"] > 0 and m["xla_memory"]["temp_bytes"] > 0
+    _positive_time(block["ratios"]["scaler_overhead_order"])
+    assert "LDC step" in stdout and "scaler_overhead_order" in stdout  # the table is printed
+    t = res["torch"]
+    if "skipped" not in t:  # torch_ref present: JAX and torch_ref eager on the same step
+        r = t["modes"]["fp16_scaled_order"]
+        _positive_time(r["jax_s"]), _positive_time(r["torch_eager_s"])
+        _positive_time(r["ratio_jax_over_torch_eager"])
+    cases = res["orders"]["cases"]
+    assert set(cases) == {"fp16_scaled/reverse/1", "fp16_scaled/fwd_over_rev/1", "fp16_unscaled/reverse/1",
+                          "fp16_unscaled/fwd_over_rev/1", "fp16_unscaled/jet/1"}  # fmt: skip
+    for name, c in cases.items():
+        _positive_time(c["time_s"])
+        if "/reverse/" not in name:
+            assert c["max_rel_diff_vs_reverse"] < 1e-2, (name, c)
+
+
+@pytest.mark.slow
+def test_smoke_memory_section_measures_a_fresh_process(tmp_path):
+    res, _ = _run(tmp_path, "--sections", "memory")
+    r = res["memory"]["modes"]["fp16_scaled_order"]
+    assert "error" not in r, r
+    assert r["peak_rss_bytes"] >= r["rss_before_compile_bytes"] > 0
+
+
+def test_parse_size_rejects_bad_text_and_accepts_defaults():
+    s = parse_size("4x128:1000")
+    assert (s.nr_layers, s.layer_size, s.n_interior, s.n_lid, s.n_noslip) == (4, 128, 1000, 250, 250)
+    with pytest.raises(ValueError, match="4by128"):
+        parse_size("4by128")
+    with pytest.raises(ValueError, match="nr_layers"):
+        parse_size("0x128:10")
+    with pytest.raises(ValueError, match="mode='fp8'"):
+        ldc.mode_settings("fp8")
+
+
+def _engines(amp, derivatives, kinds):
+    model = FullyConnected.from_amp(amp or jaxamp.AmpConfig(enabled=False), out_features=2, layer_size=16, nr_layers=2)
+    params = model.init(jax.random.PRNGKey(0), jnp.zeros(2))
+    fn = lambda p, x: model.apply(p, x)  # noqa: E731
+    kw = dict(inputs=("x", "y"), outputs=("u", "v"), derivatives=derivatives, amp=amp)
+    return params, {k: jax.jit(E.make_engine(k, fn, **kw).__call__) for k in kinds}
+
+
+@pytest.mark.parametrize("mode", ["per_order_scaler", "per_term_scaler"])
+def test_forward_over_reverse_matches_jaxamp_scaled_fp16(mode):
+    amp = jaxamp.AmpConfig(dtype="float16", mode=mode)
+    ders = ("u__x__x__x", "u__x__y", "v__y__y")
+    params, eng = _engines(amp, ders, ("reverse", "fwd_over_rev"))
+    x = jax.random.uniform(jax.random.PRNGKey(1), (8, 2), minval=-1, maxval=1)
+    keys = jaxamp.Derivatives(lambda p, x: x, inputs=("x", "y"), outputs=("u", "v"), derivatives=ders, amp=amp)
+    scales = {k: jnp.float32(2.0**-3) for k in keys.scaler_keys}
+    ref, ref_flags = eng["reverse"](params, x, scales)
+    got, flags = eng["fwd_over_rev"](params, x, scales)
+    assert set(got) == set(ref) and set(flags) == set(ref_flags)
+    assert E.max_rel_diff(got, ref) < 5e-3  # float16 rounding differs between the two orders of evaluation
+    assert not any(bool(f) for f in flags.values())
+    # A NaN point: both engines flag every key (the NaN reaches every derivative).
+    bad = x.at[3, 0].set(jnp.nan)
+    assert {k: bool(v) for k, v in eng["fwd_over_rev"](params, bad, scales)[1].items()} == {
+        k: bool(v) for k, v in eng["reverse"](params, bad, scales)[1].items()
+    }
+
+
+def test_forward_over_reverse_and_jet_match_jaxamp_fp32():
+    ders = E.pure_derivatives(3, outputs=("u", "v"))
+    params, eng = _engines(None, ders, E.KINDS)
+    x = jax.random.uniform(jax.random.PRNGKey(2), (8, 2), minval=-1, maxval=1)
+    ref, _ = eng["reverse"](params, x)
+    for kind in ("fwd_over_rev", "jet"):
+        got, flags = eng[kind](params, x)
+        assert set(got) == set(ref) and flags == {}
+        np.testing.assert_array_less(E.max_rel_diff(got, ref), 1e-5)
+
+
+def test_jet_rejects_scaling_and_mixed_derivatives():
+    with pytest.raises(ValueError, match="Taylor mode cannot reproduce"):
+        _engines(jaxamp.AmpConfig(dtype="float16"), ("u__x__x",), ("jet",))
+    with pytest.raises(ValueError, match="mixed"):
+        _engines(None, ("u__x__y",), ("jet",))
+    with pytest.raises(ValueError, match="kind='taylor'"):
+        E.make_engine("taylor", lambda p, x: x, inputs=("x",), outputs=("u",), derivatives=())

@@ -73,6 +73,7 @@ COMMON_CHECKS: Dict[str, Check] = {
     "training.max_steps": positive_int(),
     "training.chunk_steps": positive_int(),
     "training.checkpoint_every": positive_int(),
+    "training.devices": positive_int(),
     "eval.grid": (lambda v: v >= 2, "an integer >= 2"),
     "model.frequencies": (
         lambda v: _frequencies_ok(v),

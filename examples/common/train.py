@@ -68,6 +68,25 @@ class Setup:
         )
         self.sample_key = jax.random.fold_in(jax.random.PRNGKey(cfg["seed"]), 1)
         self._chunks: Dict[int, Callable] = {}
+        self.mesh = self._make_mesh(cfg["training"]["devices"])
+
+    def _make_mesh(self, devices: int):
+        """A data-parallel mesh for ``training.devices > 1`` (None for one device)."""
+        if devices == 1:
+            return None
+        if devices > jax.device_count():
+            raise ConfigError(
+                f"training.devices={devices} is not allowed: expected at most the {jax.device_count()} "
+                "device(s) JAX sees (on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N)."
+            )
+        shapes = jax.eval_shape(self.problem.sample, self.sample_key)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]:
+            if leaf.shape[0] % devices:
+                raise ConfigError(
+                    f"training.devices={devices} is not allowed: the batch part {jax.tree_util.keystr(path)} "
+                    f"has {leaf.shape[0]} points, not divisible by {devices}; change batch.* or training.devices."
+                )
+        return jaxamp.parallel.make_mesh(devices)
 
     def _loss_fn(self, params, batch, scales):
         flags: List[Dict[str, jax.Array]] = []
@@ -86,7 +105,12 @@ class Setup:
     def init_state(self) -> jaxamp.TrainState:
         x0 = jnp.zeros(len(self.problem.inputs), jnp.float32)
         params = self.model.init(jax.random.PRNGKey(self.cfg["seed"]), x0)
-        return jaxamp.TrainState.create(params=params, optimizer=self.optimizer, amp=self.amp, engines=self.engines)
+        state = jaxamp.TrainState.create(params=params, optimizer=self.optimizer, amp=self.amp, engines=self.engines)
+        return self.place(state)
+
+    def place(self, state: jaxamp.TrainState) -> jaxamp.TrainState:
+        """Replicate the state over the mesh (a no-op on one device)."""
+        return state if self.mesh is None else jaxamp.parallel.replicate(state, self.mesh)
 
     def chunk(self, n: int) -> Callable:
         """Jitted ``state -> (state, metrics stacked over n steps)``; points resampled each step
@@ -95,6 +119,9 @@ class Setup:
 
             def body(state, _):
                 batch = self.problem.sample(jax.random.fold_in(self.sample_key, state.step))
+                if self.mesh is not None:  # points split over the devices, state replicated
+                    sharding = jaxamp.parallel.batch_sharding(self.mesh)
+                    batch = jax.tree_util.tree_map(lambda a: jax.lax.with_sharding_constraint(a, sharding), batch)
                 return self.step_fn(state, batch)
 
             self._chunks[n] = jax.jit(lambda s: jax.lax.scan(body, s, None, length=n))
@@ -179,7 +206,7 @@ def train_and_evaluate(
     metrics_path = os.path.join(workdir, "metrics.jsonl")
     state = setup.init_state()
     if resume and ckpt.latest_step() is not None:
-        state = ckpt.restore(state)
+        state = setup.place(ckpt.restore(state))
         # Drop records written after the checkpoint (the run died between the two).
         _write_metrics(metrics_path, _read_metrics(metrics_path, upto=int(state.step)), mode="w")
     else:

@@ -18,7 +18,8 @@ from poisson_pair import fresh_pair, losses, run_jax, run_torch, trajectory
 # scale 2 on while torch_ref's stay finite up to loss scale 64 (measured at step 48; see the
 # report of this change), so trajectories would part for a reason this test does not target.
 INJECT = frozenset({40, 41, 42, 43, 44, 45, 200})
-FP16_LOSS_RTOL = 5e-2  # measured max 1.8e-2 over the 300 steps (loss 43.6 -> 9.3e-3)
+FP16_STEPS = 500
+FP16_LOSS_RTOL = 5e-2  # measured max 4.0e-2 over the 500 steps (loss 43.6 -> 3.5e-3)
 
 
 def test_fp32_training_losses_agree_to_1e_4():
@@ -42,8 +43,8 @@ def test_fp32_training_losses_agree_to_1e_4():
 
 def test_fp16_training_parity():
     js, jstep, ts, tstep = fresh_pair("fp16")
-    _, jm = run_jax(js, jstep, range(300), INJECT)
-    tm = run_torch(ts, tstep, range(300), INJECT)
+    _, jm = run_jax(js, jstep, range(FP16_STEPS), INJECT)
+    tm = run_torch(ts, tstep, range(FP16_STEPS), INJECT)
     assert trajectory(jm) == trajectory(tm)
     skipped = np.array([m["skipped"] for m in tm])
     assert skipped.sum() == len(INJECT) and skipped[sorted(INJECT)].all()

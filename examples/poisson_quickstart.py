@@ -27,7 +27,7 @@ def loss_fn(params, batch, scales):
 
 
 def main(steps: int = 3000) -> float:
-    optimizer = optax.adam(1e-3)
+    optimizer = optax.adam(optax.cosine_decay_schedule(1e-3, steps))
     params = model.init(jax.random.PRNGKey(0), jnp.zeros(1))
     state = jaxamp.TrainState.create(params=params, optimizer=optimizer, amp=amp, engines=[engine])
     step = jax.jit(jaxamp.make_train_step(loss_fn, optimizer, amp=amp))

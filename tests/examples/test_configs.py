@@ -21,7 +21,7 @@ def test_variant_overrides_its_base_and_cli_overrides_both():
     cpu = load_config("ldc_cpu", checks=LDC.checks)
     assert cpu["model"]["layer_size"] == 128 and cpu["optimizer"]["lr"] == 1e-3  # inherited
     demo = load_config("ldc_demo", ["training.max_steps=7", "amp.dtype=bfloat16", "mode=custom"], checks=LDC.checks)
-    assert demo["problem"]["lid_speed"] == 10.0 and demo["model"]["layer_size"] == 128
+    assert demo["problem"]["box"] == 0.05 and demo["optimizer"]["lr"] == 3e-3 and demo["model"]["layer_size"] == 128
     assert demo["training"]["max_steps"] == 7 and demo["amp"]["dtype"] == "bfloat16"
 
 

@@ -330,7 +330,7 @@ def _forward_over_reverse(engine: "Derivatives", params, x: jax.Array, scales: M
     the scaled values. Each level returns the lower levels' values as auxiliary outputs: every
     value the loss sees is computed once, and the weight gradient flows through one graph.
     """
-    n_out, n_in = len(engine.outputs), len(engine.inputs)
+    n_in = len(engine.inputs)
 
     def outputs(x):
         return _VariableFns(engine, params, scales).outputs(x), {"values": [], "scaled": []}

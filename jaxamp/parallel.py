@@ -40,7 +40,7 @@ a 2-process x 2-device run over localhost with gloo; real multi-node GPU runs ar
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence, Tuple, TypeVar, Union
+from typing import Any, Callable, Sequence, Tuple, TypeVar, Union
 
 import jax
 import numpy as np

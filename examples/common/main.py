@@ -10,7 +10,7 @@ import json
 import sys
 from typing import Optional, Sequence, Type
 
-from examples.common.config import ConfigError, load_config
+from examples.common.config import load_config
 from examples.common.problem import Problem
 
 

@@ -12,7 +12,7 @@ import json
 import math
 import os
 import time
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Type
+from typing import Any, Callable, Dict, List, Mapping, Optional, Type
 
 import jax
 import jax.numpy as jnp

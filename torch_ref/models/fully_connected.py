@@ -19,7 +19,7 @@ State-dict names follow Modulus: ``layers.{i}.linear.weight`` ``[out, in]``,
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, Mapping, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 from torch import nn

@@ -4,13 +4,10 @@ Each engine has :class:`jaxamp.Derivatives`' interface (``engine(params, points,
 (values, found_inf)``) and plan (it reuses a ``jaxamp.Derivatives`` for names, levels and
 scaler keys), so they are drop-in comparable:
 
-- ``"reverse"``: ``jaxamp.Derivatives`` itself (nested ``jax.jacrev``), the reference.
-- ``"fwd_over_rev"``: order 1 by reverse mode (one ``jacrev`` per point, as jaxamp), every
-  higher order by forward mode (``jax.jvp`` of the level below, one JVP per input direction
-  and scaler key). Scaling has SPEC's semantics: the JVP's *tangent seed* is the scaler's
-  scale (``scale * e_i`` instead of ``e_i``), so every float16 tangent carries the scaled
-  value; the scaled result is checked for inf/NaN under the key, then multiplied by
-  ``1/scale`` in float32 inside the differentiable graph.
+- ``"reverse"``: ``jaxamp.Derivatives`` itself (nested reverse mode), the reference.
+- ``"fwd_over_rev"``: ``jaxamp.Derivatives(method="forward_over_reverse")``: order 1 by
+  reverse mode, every higher order by ``jax.jvp`` with the scale as the tangent seed (it
+  started here as a benchmark-only engine and moved into the core).
 - ``"jet"``: Taylor mode (``jax.experimental.jet``), one jet per input direction giving
   every order at once. Only pure derivatives (``u__x__x``, not ``u__x__y``) and only
   *unscaled*: a single jet seeds all orders with one number ``t`` (order k sees ``t**k``),
@@ -19,7 +16,7 @@ scaler keys), so they are drop-in comparable:
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -51,74 +48,6 @@ class _Alternative:
 
     def point_values(self, params, x, scales):  # pragma: no cover - abstract
         raise NotImplementedError
-
-
-class ForwardOverReverse(_Alternative):
-    """Order 1 by ``jax.jacrev``; orders >= 2 by ``jax.jvp`` with the scale as tangent seed."""
-
-    def point_values(self, params, x, scales):
-        n_out = len(self.outputs)
-
-        def level0(x):
-            return jnp.asarray(self.fn(params, x)).reshape(n_out).astype(jnp.float32), {"values": [], "found_inf": {}}
-
-        fn = level0
-        for depth, level in enumerate(self.levels):
-            fn = self._reverse_level(fn, level, scales) if depth == 0 else self._forward_level(fn, level, scales)
-        top, aux = fn(x)
-        values = {}
-        for names, vec in zip([self.outputs] + [lv.names for lv in self.levels], aux["values"] + [top]):
-            values.update({n: vec[i] for i, n in enumerate(names)})
-        return values, aux["found_inf"]
-
-    def _finish(self, level, picked, keys_of_child, scales, aux, vals):
-        """Steps 3-4: flag the scaled values per key, unscale in float32."""
-        flags = dict(aux["found_inf"])
-        if self.scaled:
-            bad = ~jnp.isfinite(picked)
-            for key in dict.fromkeys(keys_of_child):
-                mask = jnp.asarray([k == key for k in keys_of_child])
-                hit = jnp.any(bad & mask)
-                flags[key] = flags[key] | hit if key in flags else hit
-            picked = picked / jnp.stack([scales[k] for k in keys_of_child])
-        return picked, {"values": aux["values"] + [vals], "found_inf": flags}
-
-    def _reverse_level(self, below, level, scales):
-        rows = jnp.asarray(level.parent_rows)
-        keys_of_child = [level.parent_keys[p] for p in level.child_parent]
-
-        def seeded(x):
-            vals, aux = below(x)
-            parents = vals[rows]
-            if self.scaled:
-                parents = parents * jnp.stack([scales[k] for k in level.parent_keys])
-            return parents, (vals, aux)
-
-        def level_fn(x):
-            jac, (vals, aux) = jax.jacrev(seeded, has_aux=True)(x)
-            picked = jac[jnp.asarray(level.child_parent), jnp.asarray(level.child_input)]
-            return self._finish(level, picked, keys_of_child, scales, aux, vals)
-
-        return level_fn
-
-    def _forward_level(self, below, level, scales):
-        keys_of_child = [level.parent_keys[p] for p in level.child_parent]
-        groups: Dict[Tuple[str, int], List[int]] = {}
-        for c, (key, i) in enumerate(zip(keys_of_child, level.child_input)):
-            groups.setdefault((key, i), []).append(c)
-        n_in = len(self.inputs)
-
-        def level_fn(x):
-            picked: List = [None] * len(level.names)
-            for (key, i), children in groups.items():
-                seed = scales[key] if self.scaled else jnp.float32(1.0)
-                tangent = jnp.zeros((n_in,), jnp.float32).at[i].set(seed)
-                vals, tvals, aux = jax.jvp(below, (x,), (tangent,), has_aux=True)
-                for c in children:
-                    picked[c] = tvals[level.parent_rows[level.child_parent[c]]]
-            return self._finish(level, jnp.stack(picked), keys_of_child, scales, aux, vals)
-
-        return level_fn
 
 
 class Jet(_Alternative):
@@ -162,7 +91,7 @@ def make_engine(kind: str, fn: Callable, *, inputs: Sequence[str], outputs: Sequ
     if kind == "reverse":
         return jaxamp.Derivatives(fn, **kw)
     if kind == "fwd_over_rev":
-        return ForwardOverReverse(fn, **kw)
+        return jaxamp.Derivatives(fn, **kw, method="forward_over_reverse")
     if kind == "jet":
         return Jet(fn, **kw)
     raise ValueError(f"make_engine: kind={kind!r} is not known: expected one of {list(KINDS)}.")

@@ -1,10 +1,12 @@
-"""Alternative derivative engines, for measurement against jaxamp's nested reverse mode.
+"""Derivative engines, measured against jaxamp's nested reverse mode (the reference path).
 
 Each engine has :class:`jaxamp.Derivatives`' interface (``engine(params, points, scales) ->
 (values, found_inf)``) and plan (it reuses a ``jaxamp.Derivatives`` for names, levels and
 scaler keys), so they are drop-in comparable:
 
-- ``"reverse"``: ``jaxamp.Derivatives`` itself (nested reverse mode), the reference.
+- ``"reverse"``: ``jaxamp.Derivatives(method="reverse")`` (nested reverse mode), the reference.
+- ``"forward"``: ``jaxamp.Derivatives(method="forward")``, the default: nested ``jax.jvp``,
+  one chain per derivative path, tangents seeded with the scales.
 - ``"fwd_over_rev"``: ``jaxamp.Derivatives(method="forward_over_reverse")``: order 1 by
   reverse mode, every higher order by ``jax.jvp`` with the scale as the tangent seed (it
   started here as a benchmark-only engine and moved into the core).
@@ -25,14 +27,15 @@ from jax.experimental import jet as jet_mod
 import jaxamp
 from jaxamp.derivatives import parse_name
 
-KINDS = ("reverse", "fwd_over_rev", "jet")
+KINDS = ("reverse", "forward", "fwd_over_rev", "jet")
 
 
 class _Alternative:
     """Shared plumbing: the plan of a reference ``jaxamp.Derivatives``."""
 
     def __init__(self, fn, *, inputs, outputs, derivatives, amp: Optional[jaxamp.AmpConfig] = None) -> None:
-        self.ref = jaxamp.Derivatives(fn, inputs=inputs, outputs=outputs, derivatives=derivatives, amp=amp)
+        self.ref = jaxamp.Derivatives(fn, inputs=inputs, outputs=outputs, derivatives=derivatives, amp=amp,
+                                      method="reverse")
         self.fn = fn
         self.inputs, self.outputs, self.levels = self.ref.inputs, self.ref.outputs, self.ref.levels
         self.scaled, self.scaler_keys = self.ref.scaled, self.ref.scaler_keys
@@ -88,8 +91,8 @@ def make_engine(kind: str, fn: Callable, *, inputs: Sequence[str], outputs: Sequ
                 derivatives: Sequence[str], amp: Optional[jaxamp.AmpConfig] = None):  # fmt: skip
     """An engine of ``kind`` (one of :data:`KINDS`) with ``jaxamp.Derivatives``' interface."""
     kw = dict(inputs=inputs, outputs=outputs, derivatives=derivatives, amp=amp)
-    if kind == "reverse":
-        return jaxamp.Derivatives(fn, **kw)
+    if kind in ("reverse", "forward"):
+        return jaxamp.Derivatives(fn, **kw, method=kind)
     if kind == "fwd_over_rev":
         return jaxamp.Derivatives(fn, **kw, method="forward_over_reverse")
     if kind == "jet":

@@ -1,11 +1,13 @@
 """Scaled input derivatives of a per-point network: the DerivScaler's derivative engine.
 
 A derivative is named like Modulus: ``u__x`` is du/dx, ``u__x__y`` is d/dy(du/dx). The
-engine computes all requested derivatives level by level with nested reverse-mode AD
-(``jax.grad`` of the variable below: one reverse pass per differentiated variable, giving
-its gradient with respect to every input at once) and ``vmap`` over points. Each differentiation follows SPEC.md "One derivative step":
+engine computes all requested derivatives of a per-point function with nested AD and
+``vmap`` over points: by default nested forward mode (``jax.jvp`` of the level below, the
+tangent seeded with the scale); ``method="reverse"`` is nested ``jax.grad`` as Modulus'
+autograd, the reference path. Each differentiation follows SPEC.md "One derivative step":
 
-1. multiply the differentiated variable by its scaler's scale (the backward seed);
+1. multiply the differentiated variable by its scaler's scale (the backward seed; in
+   forward mode the tangent seed, which scales every float16 tangent the same way);
 2. differentiate through the network's mixed-precision graph;
 3. flag inf/NaN in the *scaled* result under the scaler's key;
 4. multiply by ``1/scale`` in float32, inside the differentiable graph.
@@ -25,7 +27,7 @@ import jax.numpy as jnp
 from jaxamp.config import AmpConfig
 from jaxamp.scaler import DynamicScaler, ScaleState
 
-METHODS = ("reverse", "forward_over_reverse")
+METHODS = ("reverse", "forward", "forward_over_reverse")
 PointFn = Callable[..., jax.Array]  # fn(params, x: f32[n_inputs]) -> f32[n_outputs]
 SEP = "__"
 
@@ -65,14 +67,18 @@ class Derivatives:
       amp: mixed-precision settings (scaler mode, special terms, max scales). ``None`` or a
         config whose scalers are inactive (AMP off, bf16, fp32) computes plain derivatives
         with no scaling, no checks and no scaler keys.
-      method: ``"reverse"`` (default): nested reverse mode, one ``jax.grad`` per
-        differentiated variable, as Modulus' autograd; the reference path of the parity
-        tests. ``"forward_over_reverse"``: order 1 by reverse mode, orders >= 2 by
-        ``jax.jvp`` with the scale as the tangent seed, one pass per (scaler key, input).
-        Same values (to rounding) and checks. On CPU it compiles to fewer FLOPs (the cavity's
-        10 derivatives with weight gradients: 1.9e9 vs 2.4e9) and is faster for one output's
-        pure higher derivatives, but timed ~20 % slower than reverse on the cavity step, so
-        reverse stays the default; see the README's benchmark section.
+      method: how derivatives are taken; all three give the same values (to rounding) and
+        the same checks under the same scaler keys.
+        ``"forward"`` (default): nested ``jax.jvp``, one chain per derivative path (its
+        (scaler key, input) steps), each tangent seeded with its scale; a pass yields every
+        output's derivative along the path and the lower orders on the way, so under
+        per-order scaling ``u__x__x`` and ``v__x__x`` share a pass. Fastest measured for
+        PINN-sized inputs (the cavity's 10 derivatives and weight gradients on CPU: ~20 ms
+        per step vs ~45 ms reverse); per-term scaling needs a pass per term.
+        ``"reverse"``: nested ``jax.grad``, one reverse pass per differentiated variable, as
+        Modulus' autograd; the reference path of the torch parity tests.
+        ``"forward_over_reverse"``: order 1 by ``jax.jacrev``, orders >= 2 by ``jax.jvp``;
+        kept for benchmarks.
 
     Call ``engine(params, points, scales)`` (see :meth:`__call__`).
     """
@@ -85,7 +91,7 @@ class Derivatives:
         outputs: Sequence[str],
         derivatives: Sequence[str],
         amp: Optional[AmpConfig] = None,
-        method: str = "reverse",
+        method: str = "forward",
     ) -> None:
         if method not in METHODS:
             raise ValueError(f"Derivatives: `method`={method!r} is not supported: expected one of {list(METHODS)}.")
@@ -177,13 +183,14 @@ class Derivatives:
     ) -> Tuple[Dict[str, jax.Array], Dict[str, jax.Array]]:
         """All values at one point ``x: f32[n_inputs]``: ``({name: f32[]}, {key: bool[]})``.
 
-        One reverse pass per differentiated variable (its gradient with respect to every
-        input at once); each variable of order k is itself a function of ``x`` built from the
-        variable below it, so higher orders differentiate through the lower orders' scaled,
-        unscaled graphs.
+        Every method differentiates the variable below through its scaled, unscaled graph, so
+        higher orders see the lower orders' ``1/scale``. ``"reverse"`` (here): one reverse
+        pass per differentiated variable, its gradient with respect to every input at once.
         """
+        if self.method == "forward":
+            return _forward(self, params, x, scales)
         if self.method == "forward_over_reverse":
-            return _forward_over_reverse(self, params, x, scales)
+            return _jvp_chain(self, params, x, scales)
         fns = _VariableFns(self, params, scales)
         y = fns.outputs(x)
         values = {name: y[i] for i, name in enumerate(self.outputs)}
@@ -321,29 +328,91 @@ class _VariableFns:
         return self._grads[name]
 
 
-def _forward_over_reverse(engine: "Derivatives", params, x: jax.Array, scales: Mapping[str, jax.Array]):
-    """``point_values`` by forward-over-reverse, as one chain of nested functions.
+def _forward(engine: "Derivatives", params, x: jax.Array, scales: Mapping[str, jax.Array]):
+    """``point_values`` by nested forward mode, one chain of ``jax.jvp`` per derivative path.
 
-    Order 1: one ``jax.jacrev`` of the outputs (a reverse pass per differentiated output,
-    the seed scaled per row). Order k >= 2: ``jax.jvp`` of the order-(k-1) function along one
-    input per (scaler key, input), the tangent seeded with the scale, so float16 tangents carry
-    the scaled values. Each level returns the lower levels' values as auxiliary outputs: every
-    value the loss sees is computed once, and the weight gradient flows through one graph.
+    A derivative's path is its sequence of (scaler key, input) steps: ``u__x__y`` under
+    per-order scaling is ``(("1", x), ("2", y))``. Step ``(key, input)`` is ``jax.jvp`` of the
+    level below along that input with the tangent seeded by the key's scale, so float16
+    tangents carry the scaled values (SPEC steps 1-2 with a forward pass); the scaled tangent
+    is kept for the check (step 3) and multiplied by ``1/scale`` in float32 (step 4) before
+    the next step differentiates it. One pass per maximal path: its primal outputs are the
+    lower-order values along the path, and every output's tangent comes out of it, so under
+    per-order scaling ``u__x__x`` and ``v__x__x`` (and ``u__x``, ``p__x``) share one pass.
+    """
+    base_fns = _VariableFns(engine, params, scales)
+    out_row = {name: i for i, name in enumerate(engine.outputs)}
+
+    def path_of(name: str) -> Tuple[Tuple[str, int], ...]:
+        base, wrt = parse_name(name)
+        steps, parent = [], base
+        for var in wrt:
+            steps.append((engine.scaler_key(parent) if engine.scaled else "", engine.inputs.index(var)))
+            parent = SEP.join((parent, var))
+        return tuple(steps)
+
+    names = [n for level in engine.levels for n in level.names]
+    paths = {n: path_of(n) for n in names}
+    maximal = [p for p in dict.fromkeys(paths.values()) if not any(q != p and q[: len(p)] == p for q in paths.values())]
+
+    def chain(path):
+        """``x -> (unscaled tangents f32[n_outputs], aux)`` after the steps of ``path``; aux
+        holds the unscaled vectors of the levels below and the scaled tangents of each step."""
+        if not path:
+            return lambda x: (base_fns.outputs(x), {"below": [], "scaled": []})
+        below, (key, col) = chain(path[:-1]), path[-1]
+
+        def fn(x):
+            seed = scales[key] if engine.scaled else jnp.float32(1.0)
+            tangent = jnp.zeros((len(engine.inputs),), jnp.float32).at[col].set(seed)
+            primal, scaled, aux = jax.jvp(below, (x,), (tangent,), has_aux=True)
+            unscaled = scaled * (jnp.float32(1.0) / seed) if engine.scaled else scaled
+            return unscaled, {"below": aux["below"] + [primal], "scaled": aux["scaled"] + [scaled]}
+
+        return fn
+
+    results = {}
+    for path in maximal:
+        top, aux = chain(path)(x)
+        results[path] = (aux["below"] + [top], aux["scaled"])
+    values = {}
+    flags: Dict[str, jax.Array] = {}
+    for name in names:
+        path = paths[name]
+        levels, scaled = results[next(m for m in maximal if m[: len(path)] == path)]
+        row = out_row[parse_name(name)[0]]
+        values[name] = levels[len(path)][row]
+        if engine.scaled:
+            key = path[-1][0]
+            hit = ~jnp.isfinite(scaled[len(path) - 1][row])  # step 3 on the scaled value
+            flags[key] = hit if key not in flags else flags[key] | hit
+    outputs = results[maximal[0]][0][0] if maximal else base_fns.outputs(x)
+    values.update({n: outputs[i] for i, n in enumerate(engine.outputs)})
+    return values, flags
+
+
+def _jvp_chain(engine: "Derivatives", params, x: jax.Array, scales: Mapping[str, jax.Array]):
+    """``point_values`` for ``forward_over_reverse``, as one chain of nested per-level functions.
+
+    Order k >= 2: ``jax.jvp`` of the order-(k-1)
+    function along one input per (scaler key, input), the tangent seeded with the scale, so
+    the float16 tangents carry the scaled values (SPEC steps 1-2 with a forward pass). Order
+    1: one ``jax.jacrev`` of the outputs, each row's seed scaled. Each level returns
+    the lower levels' values as auxiliary outputs: every value the loss sees is computed
+    once, and the weight gradient flows through one graph. Tangents no derivative needs are
+    dead code that XLA removes.
     """
     n_in = len(engine.inputs)
 
     def outputs(x):
         return _VariableFns(engine, params, scales).outputs(x), {"values": [], "scaled": []}
 
-    def finish(level, scaled, keys, aux, vals):
+    def finish(scaled, keys, aux, vals):
         """Steps 3-4 bookkeeping: keep the scaled values for the checks, unscale in float32."""
-        if engine.scaled:
-            unscaled = scaled * jnp.stack([1.0 / scales[k] for k in keys])
-        else:
-            unscaled = scaled
+        unscaled = scaled * jnp.stack([1.0 / scales[k] for k in keys]) if engine.scaled else scaled
         return unscaled, {"values": aux["values"] + [vals], "scaled": aux["scaled"] + [scaled]}
 
-    def first_order(level):
+    def by_jacrev(level):
         rows = jnp.asarray(level.parent_rows)
         keys = [level.parent_keys[p] for p in level.child_parent]
 
@@ -357,11 +426,11 @@ def _forward_over_reverse(engine: "Derivatives", params, x: jax.Array, scales: M
         def level_fn(x):
             jac, (vals, aux) = jax.jacrev(seeded, has_aux=True)(x)
             scaled = jnp.stack([jac[p, col] for p, col in zip(level.child_parent, level.child_input)])
-            return finish(level, scaled, keys, aux, vals)
+            return finish(scaled, keys, aux, vals)
 
         return level_fn
 
-    def higher_order(below, level):
+    def by_jvp(below, level):
         keys = [level.parent_keys[p] for p in level.child_parent]
         groups: Dict[Tuple[str, int], List[int]] = {}
         for c, (key, col) in enumerate(zip(keys, level.child_input)):
@@ -375,13 +444,13 @@ def _forward_over_reverse(engine: "Derivatives", params, x: jax.Array, scales: M
                 vals, tangents, aux = jax.jvp(below, (x,), (tangent,), has_aux=True)
                 for c in children:
                     scaled[c] = tangents[level.parent_rows[level.child_parent[c]]]
-            return finish(level, jnp.stack(scaled), keys, aux, vals)
+            return finish(jnp.stack(scaled), keys, aux, vals)
 
         return level_fn
 
     fn = outputs
     for depth, level in enumerate(engine.levels):
-        fn = first_order(level) if depth == 0 else higher_order(fn, level)
+        fn = by_jvp(fn, level) if depth else by_jacrev(level)
     top, aux = fn(x)
     vectors = aux["values"] + [top]
     values = {}

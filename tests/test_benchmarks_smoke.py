@@ -56,8 +56,9 @@ def test_smoke_runner_writes_json_with_positive_finite_times(tmp_path):
         _positive_time(r["jax_s"]), _positive_time(r["torch_eager_s"])
         _positive_time(r["ratio_jax_over_torch_eager"])
     cases = res["orders"]["cases"]
-    assert set(cases) == {"fp16_scaled/reverse/1", "fp16_scaled/fwd_over_rev/1", "fp16_unscaled/reverse/1",
-                          "fp16_unscaled/fwd_over_rev/1", "fp16_unscaled/jet/1"}  # fmt: skip
+    assert set(cases) == {"fp16_scaled/reverse/1", "fp16_scaled/forward/1", "fp16_scaled/fwd_over_rev/1",
+                          "fp16_unscaled/reverse/1", "fp16_unscaled/forward/1", "fp16_unscaled/fwd_over_rev/1",
+                          "fp16_unscaled/jet/1"}  # fmt: skip
     for name, c in cases.items():
         _positive_time(c["time_s"])
         if "/reverse/" not in name:
@@ -92,31 +93,32 @@ def _engines(amp, derivatives, kinds):
 
 
 @pytest.mark.parametrize("mode", ["per_order_scaler", "per_term_scaler"])
-def test_forward_over_reverse_matches_jaxamp_scaled_fp16(mode):
+@pytest.mark.parametrize("kind", ["forward", "fwd_over_rev"])
+def test_forward_engines_match_reverse_scaled_fp16(mode, kind):
     amp = jaxamp.AmpConfig(dtype="float16", mode=mode)
     ders = ("u__x__x__x", "u__x__y", "v__y__y")
-    params, eng = _engines(amp, ders, ("reverse", "fwd_over_rev"))
+    params, eng = _engines(amp, ders, ("reverse", kind))
     x = jax.random.uniform(jax.random.PRNGKey(1), (8, 2), minval=-1, maxval=1)
     keys = jaxamp.Derivatives(lambda p, x: x, inputs=("x", "y"), outputs=("u", "v"), derivatives=ders, amp=amp)
     scales = {k: jnp.float32(2.0**-3) for k in keys.scaler_keys}
     ref, ref_flags = eng["reverse"](params, x, scales)
-    got, flags = eng["fwd_over_rev"](params, x, scales)
+    got, flags = eng[kind](params, x, scales)
     assert set(got) == set(ref) and set(flags) == set(ref_flags)
     assert E.max_rel_diff(got, ref) < 5e-3  # float16 rounding differs between the two orders of evaluation
     assert not any(bool(f) for f in flags.values())
     # A NaN point: both engines flag every key (the NaN reaches every derivative).
     bad = x.at[3, 0].set(jnp.nan)
-    assert {k: bool(v) for k, v in eng["fwd_over_rev"](params, bad, scales)[1].items()} == {
+    assert {k: bool(v) for k, v in eng[kind](params, bad, scales)[1].items()} == {
         k: bool(v) for k, v in eng["reverse"](params, bad, scales)[1].items()
     }
 
 
-def test_forward_over_reverse_and_jet_match_jaxamp_fp32():
+def test_forward_engines_and_jet_match_reverse_fp32():
     ders = E.pure_derivatives(3, outputs=("u", "v"))
     params, eng = _engines(None, ders, E.KINDS)
     x = jax.random.uniform(jax.random.PRNGKey(2), (8, 2), minval=-1, maxval=1)
     ref, _ = eng["reverse"](params, x)
-    for kind in ("fwd_over_rev", "jet"):
+    for kind in ("forward", "fwd_over_rev", "jet"):
         got, flags = eng[kind](params, x)
         assert set(got) == set(ref) and flags == {}
         np.testing.assert_array_less(E.max_rel_diff(got, ref), 1e-5)

@@ -55,6 +55,7 @@ def test_derivatives_of_an_analytic_function_to_fourth_order():
 
 
 @pytest.mark.parametrize("mode, method", [("per_order_scaler", "reverse"), ("per_term_scaler", "reverse"),
+                                          ("per_order_scaler", "forward"), ("per_term_scaler", "forward"),
                                           ("per_term_scaler", "forward_over_reverse")])
 def test_scaled_values_equal_unscaled_values(net_and_params, mode, method):
     """The fp16 config switches scaling on; the network itself stays fp32, so scaling and
@@ -76,13 +77,16 @@ def test_scaled_values_equal_unscaled_values(net_and_params, mode, method):
             np.testing.assert_allclose(vals[name], ref[name], rtol=2e-6, atol=atol, err_msg=name)
 
 
-def test_scaling_reaches_the_backward_pass():
-    """The scale is the seed of each reverse pass: a huge scale overflows fp16 intermediates even
-    though the unscaled value is small (excess precision disabled, see STRICT_FP16)."""
+@pytest.mark.parametrize("method", jaxamp.derivatives.METHODS)
+def test_scaling_reaches_the_derivative_pass(method):
+    """The scale is the seed of each reverse pass (or each forward tangent): a huge scale
+    overflows fp16 intermediates even though the unscaled value is small (excess precision
+    disabled, see STRICT_FP16)."""
     amp = jaxamp.AmpConfig(dtype="float16", autocast_firstlayer=True, autocast_activation=True)
     net = FullyConnected.from_amp(amp, out_features=1, layer_size=8, nr_layers=2)
     params = net.init(jax.random.PRNGKey(0), jnp.zeros(1))
-    eng = jaxamp.Derivatives(lambda p, x: net.apply(p, x), inputs=("x",), outputs=("u",), derivatives=("u__x",), amp=amp)
+    eng = jaxamp.Derivatives(lambda p, x: net.apply(p, x), inputs=("x",), outputs=("u",), derivatives=("u__x",), amp=amp,
+                             method=method)
     call = jax.jit(eng.__call__, compiler_options=STRICT_FP16)
     _, ok = call(params, {"x": jnp.linspace(0, 1, 4)}, {"1": 1.0})
     _, bad = call(params, {"x": jnp.linspace(0, 1, 4)}, {"1": 2.0**20})

@@ -49,7 +49,7 @@ def torch_twin(amp: jaxamp.AmpConfig, params, n_in: int, n_out: int, *, layer_si
 
 def engines(jm, tm, amp, inputs: Sequence[str], outputs: Sequence[str], derivatives: Sequence[str]):
     je = jaxamp.Derivatives(lambda p, x: jm.apply(p, x), inputs=inputs, outputs=outputs,
-                            derivatives=derivatives, amp=amp)
+                            derivatives=derivatives, amp=amp, method="reverse")  # torch's path
     te = torch_ref.Derivatives(tm, inputs=inputs, outputs=outputs, derivatives=derivatives, amp=amp.to_dict())
     return je, te
 

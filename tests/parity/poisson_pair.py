@@ -79,7 +79,7 @@ def jax_side(config: str):
     amp, lr0 = CONFIGS[config]
     jm, params, _ = build_pair(amp, 1, 1, seed=0)
     je = jaxamp.Derivatives(lambda p, x: jm.apply(p, x), inputs=("x",), outputs=("u",),
-                            derivatives=("u__x__x",), amp=amp)
+                            derivatives=("u__x__x",), amp=amp, method="reverse")
     opt = optax.adam(optax.exponential_decay(lr0, 100, 0.5))
     step = jax.jit(jaxamp.make_train_step(_jax_loss(je), opt, amp=amp), compiler_options=NO_EXCESS)
     return je, opt, step, params

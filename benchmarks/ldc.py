@@ -148,14 +148,17 @@ def residuals(d: Dict[str, jax.Array]) -> Dict[str, jax.Array]:
     }
 
 
-def build_step(mode: str, size: LDCSize, params: Any = None, points: Dict[str, jax.Array] = None) -> LDCStep:
-    """The LDC train step (Adam 1e-3, clip 0.5) for ``mode``, on shared ``params``/``points``."""
+def build_step(mode: str, size: LDCSize, params: Any = None, points: Dict[str, jax.Array] = None,
+               method: str = "forward") -> LDCStep:  # fmt: skip
+    """The LDC train step (Adam 1e-3, clip 0.5) for ``mode``, on shared ``params``/``points``;
+    ``method`` is the derivative engine's (``jaxamp.Derivatives``)."""
     net_amp, engine_amp, step_amp, precision = mode_settings(mode)
     params = init_params(size) if params is None else params
     points = make_points(size) if points is None else points
     model = FullyConnected.from_amp(net_amp, out_features=3, layer_size=size.layer_size, nr_layers=size.nr_layers)
     engine = jaxamp.Derivatives(
-        lambda p, x: model.apply(p, x), inputs=INPUTS, outputs=OUTPUTS, derivatives=DERIVATIVES, amp=engine_amp
+        lambda p, x: model.apply(p, x), inputs=INPUTS, outputs=OUTPUTS, derivatives=DERIVATIVES, amp=engine_amp,
+        method=method,
     )
 
     def loss_fn(p, batch, scales):

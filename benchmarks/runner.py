@@ -12,7 +12,7 @@ import math
 import subprocess
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -24,13 +24,15 @@ from benchmarks import ldc, timing
 from benchmarks.report import print_tables
 
 PRESETS: Dict[str, Dict[str, Any]] = {
-    "smoke": dict(sizes=["2x16:32/16/16"], modes=["fp16_plain", "fp16_scaled_order"],
+    "smoke": dict(sizes=["2x16:32/16/16"], modes=["fp16_plain", "fp16_scaled_order"], reverse_modes=["fp16_scaled_order"],
                   reps=2, inner=1, torch=True, torch_modes=["fp16_scaled_order"], torch_compile=False,
                   orders_size="2x16:16", max_order=1, orders_reps=2, memory_modes=["fp16_scaled_order"]),
-    "cpu": dict(sizes=["4x128:1000/200/200"], modes=list(ldc.MODES), reps=5, inner=1, torch=True,
+    "cpu": dict(sizes=["4x128:1000/200/200"], modes=list(ldc.MODES), reverse_modes=["fp32_highest", "fp16_scaled_order"],
+                reps=5, inner=1, torch=True,
                 torch_modes=["fp32_highest", "fp16_scaled_order"], torch_compile=True,
                 orders_size="4x128:256", max_order=4, orders_reps=5, memory_modes=list(ldc.MODES)),
-    "gpu": dict(sizes=["6x512:4000/1000/1000"], modes=list(ldc.MODES), reps=15, inner=5, torch=False,
+    "gpu": dict(sizes=["6x512:4000/1000/1000"], modes=list(ldc.MODES), reverse_modes=["fp32_highest", "fp16_scaled_order"],
+                reps=15, inner=5, torch=False,
                 torch_modes=[], torch_compile=False, orders_size="6x512:4000", max_order=4, orders_reps=10,
                 memory_modes=list(ldc.MODES)),
 }  # fmt: skip
@@ -50,7 +52,8 @@ def parse_size(text: str) -> ldc.LDCSize:
     return ldc.LDCSize(nr_layers=layers, layer_size=width, n_interior=n_int, n_lid=n_lid, n_noslip=n_ns)
 
 
-_COMPILED: Dict[Any, Any] = {}  # (size, mode) -> (LDCStep, compiled, compile seconds), shared by sections
+_COMPILED: Dict[Any, Any] = {}  # (size, mode, method) -> (LDCStep, compiled, compile s), shared by sections
+REVERSE = "@reverse"  # case-name suffix: the same mode with Derivatives(method="reverse")
 
 
 def compile_step(s: ldc.LDCStep):
@@ -60,20 +63,25 @@ def compile_step(s: ldc.LDCStep):
     return compiled, time.perf_counter() - t
 
 
-def cached_step(mode: str, size: ldc.LDCSize, params: Any, points: Any):
+def cached_step(mode: str, size: ldc.LDCSize, params: Any, points: Any, method: str = "forward"):
     """Build and compile the LDC step of ``mode`` once per run (same weights and points)."""
-    if (size, mode) not in _COMPILED:
-        s = ldc.build_step(mode, size, params, points)
-        _COMPILED[(size, mode)] = (s, *compile_step(s))
-    return _COMPILED[(size, mode)]
+    if (size, mode, method) not in _COMPILED:
+        s = ldc.build_step(mode, size, params, points, method=method)
+        _COMPILED[(size, mode, method)] = (s, *compile_step(s))
+    return _COMPILED[(size, mode, method)]
 
 
-def bench_steps(size: ldc.LDCSize, modes: List[str], reps: int, inner: int, info: Dict[str, Any]) -> Dict[str, Any]:
-    """Interleaved step times of every mode on shared weights and points, with FLOPs and ratios."""
+def bench_steps(size: ldc.LDCSize, modes: List[str], reps: int, inner: int, info: Dict[str, Any],
+                reverse_modes: Sequence[str] = ()) -> Dict[str, Any]:  # fmt: skip
+    """Interleaved step times of every mode on shared weights and points, with FLOPs and ratios.
+    Modes use the default (forward) derivative engine; ``reverse_modes`` are timed again with
+    nested reverse mode, as ``"<mode>@reverse"``."""
     params, points = ldc.init_params(size), ldc.make_points(size)
     runs, out = {}, {"size": size.label, "modes": {}}
-    for mode in modes:
-        s, compiled, compile_s = cached_step(mode, size, params, points)
+    cases = [(m, "forward") for m in modes] + [(m, "reverse") for m in reverse_modes]
+    for mode, method in cases:
+        s, compiled, compile_s = cached_step(mode, size, params, points, method)
+        mode = mode + REVERSE if method == "reverse" else mode
         holder = {"state": s.state}
 
         def run(compiled=compiled, holder=holder, batch=s.batch):
@@ -90,7 +98,7 @@ def bench_steps(size: ldc.LDCSize, modes: List[str], reps: int, inner: int, info
         m["samples_s"] = times
         fl = m["flops"]
         m["tflops"] = fl / m["step_s"]["median"] / 1e12 if fl else None
-        peak = timing.peak_flops(info["device_kind"], PEAK_KEY.get(mode, "float16"))
+        peak = timing.peak_flops(info["device_kind"], PEAK_KEY.get(mode.replace(REVERSE, ""), "float16"))
         m["peak_tflops"] = peak / 1e12 if peak else None
         m["peak_fraction"] = m["tflops"] * 1e12 / peak if (peak and m["tflops"]) else None
     pairs = {
@@ -101,6 +109,7 @@ def bench_steps(size: ldc.LDCSize, modes: List[str], reps: int, inner: int, info
         "speedup_fp16_scaled_vs_fp32_highest": ("fp32_highest", "fp16_scaled_order"),
         "speedup_bf16_vs_fp32_highest": ("fp32_highest", "bf16"),
         "speedup_fp32_default_vs_highest": ("fp32_highest", "fp32_default"),
+        **{f"speedup_forward_vs_reverse_{m}": (m + REVERSE, m) for m in reverse_modes},
     }
     out["ratios"] = {k: timing.paired_ratio(samples[a], samples[b]) for k, (a, b) in pairs.items()
                      if a in samples and b in samples}  # fmt: skip
@@ -236,6 +245,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     ap.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
     ap.add_argument("--sizes", nargs="+", help="override, e.g. 4x128:1000/200/200 6x512:4000/1000/1000")
     ap.add_argument("--modes", nargs="+", choices=ldc.MODES)
+    ap.add_argument("--reverse-modes", nargs="*", choices=ldc.MODES,
+                    help="modes timed again with Derivatives(method='reverse'), for the engine ratio")
     ap.add_argument("--reps", type=int)
     ap.add_argument("--orders-size", help="override, e.g. 4x128:256 (net LAYERSxWIDTH : points)")
     ap.add_argument("--max-order", type=int, choices=[1, 2, 3, 4])
@@ -250,7 +261,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         print(json.dumps(memory_child(a.memory_child, a.sizes[0])))
         return {}
     cfg = dict(PRESETS[a.preset])
-    for key in ("sizes", "modes", "reps", "orders_size", "max_order", "memory_modes"):
+    for key in ("sizes", "modes", "reverse_modes", "reps", "orders_size", "max_order", "memory_modes"):
         if getattr(a, key) is not None:
             cfg[key] = getattr(a, key)
     if cfg["reps"] < 1:
@@ -267,7 +278,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         return False
 
     if "step" in a.sections:
-        res["step"] = [bench_steps(s, cfg["modes"], cfg["reps"], cfg["inner"], info) for s in sizes]
+        res["step"] = [bench_steps(s, cfg["modes"], cfg["reps"], cfg["inner"], info, cfg["reverse_modes"])
+                       for s in sizes]  # fmt: skip
     if "torch" in a.sections and cfg["torch"] and budget_left("torch"):
         res["torch"] = bench_torch(sizes[0], cfg["torch_modes"], cfg["reps"], cfg["torch_compile"])
     if "orders" in a.sections and budget_left("orders"):

@@ -32,8 +32,13 @@ def problems() -> Dict[str, Any]:
 
 
 def run_demo(config: str, seeds: Sequence[int], modes: Sequence[str], workdir: str,
-             overrides: Sequence[str] = (), progress: bool = True) -> List[Dict[str, Any]]:
-    """Train every (seed, mode); return one row per run (also written to workdir)."""
+             overrides: Sequence[str] = (), progress: bool = True, plots: bool = True) -> List[Dict[str, Any]]:
+    """Train every (seed, mode); return one row per run (also written to workdir).
+
+    Every config is loaded and checked before the first run starts. A run whose workdir
+    already holds checkpoints is resumed (a finished one only re-evaluated), so an
+    interrupted demo continues where it stopped.
+    """
     from examples.common.train import train_and_evaluate
 
     probe = load_config(config, overrides)  # name + common checks first, before any training
@@ -46,21 +51,61 @@ def run_demo(config: str, seeds: Sequence[int], modes: Sequence[str], workdir: s
     rows = []
     for (seed, mode), cfg in cfgs.items():
         run_dir = os.path.join(workdir, f"seed{seed}", mode)
-        done = os.path.join(run_dir, "summary.json")
-        if os.path.exists(done) and os.path.exists(os.path.join(run_dir, "checkpoints")):
-            summary = train_and_evaluate(cls, cfg, run_dir, resume=True, progress=progress)
-        else:
-            summary = train_and_evaluate(cls, cfg, run_dir, resume=os.path.exists(run_dir), progress=progress)
-        rows.append(summary)
+        resume = os.path.isdir(os.path.join(run_dir, "checkpoints"))
+        summary = train_and_evaluate(cls, cfg, run_dir, resume=resume, progress=progress, plots=plots)
+        rows.append({**summary, "workdir": run_dir})
     write_table(rows, workdir)
+    if plots:
+        from examples.common.plots import plot_comparison
+
+        for seed in seeds:
+            runs = {r["mode"]: r["workdir"] for r in rows if r["seed"] == seed}
+            plot_comparison(os.path.join(workdir, f"seed{seed}"), runs, title=f"{probe['name']} seed {seed}")
     return rows
+
+
+def verdicts(rows: List[Dict[str, Any]]) -> Dict[int, Dict[str, Any]]:
+    """Per seed, the demo's claim: plain fp16 failed (non-finite loss, or skipped steps from a
+    derivative overflow) and every ``fp16_scaler_*`` run is within :data:`RATIO_LIMIT` of fp32."""
+    out: Dict[int, Dict[str, Any]] = {}
+    for seed in dict.fromkeys(r["seed"] for r in rows):
+        by_mode = {r["mode"]: r for r in rows if r["seed"] == seed}
+        plain, fp32 = by_mode.get("fp16_plain"), by_mode.get("fp32")
+        scaled = {m: r for m, r in by_mode.items() if m.startswith("fp16_scaler")}
+        v: Dict[str, Any] = {}
+        if plain is not None:
+            v["plain_failed"] = plain["first_nonfinite_loss_step"] is not None
+            v["plain_failure_step"] = plain["first_nonfinite_loss_step"]
+            v["plain_skipped_steps"] = plain["skipped_steps"]
+        if fp32 is not None and scaled:
+            v["scaler_ratios"] = {m: r["rel_l2"] / fp32["rel_l2"] for m, r in scaled.items()}
+            v["scaler_within_limit"] = all(x <= RATIO_LIMIT for x in v["scaler_ratios"].values())
+        if "plain_failed" in v and "scaler_within_limit" in v:
+            v["claim_holds"] = v["plain_failed"] and v["scaler_within_limit"]
+        out[seed] = v
+    return out
+
+
+def _verdict_line(seed: int, v: Dict[str, Any]) -> str:
+    parts = [f"seed {seed}:"]
+    if "plain_failed" in v:
+        parts.append(f"fp16_plain first non-finite loss at step {v['plain_failure_step']}, "
+                     f"{v['plain_skipped_steps']} steps skipped;" if v["plain_failed"]
+                     else "fp16_plain never had a non-finite loss;")  # fmt: skip
+    if "scaler_ratios" in v:
+        parts.append(", ".join(f"{m} {x:.2f}x fp32" for m, x in v["scaler_ratios"].items())
+                     + f" (limit {RATIO_LIMIT}x);")  # fmt: skip
+    if "claim_holds" in v:
+        parts.append("claim holds" if v["claim_holds"] else "claim does NOT hold")
+    return " ".join(parts)
 
 
 def write_table(rows: List[Dict[str, Any]], workdir: str) -> str:
     fp32 = {r["seed"]: r["rel_l2"] for r in rows if r["mode"] == "fp32"}
     lines = [
-        "| seed | mode | rel. L2 | / fp32 | first non-finite loss step | skipped steps | deriv. overflow skips | final log2 scales |",
-        "|---|---|---|---|---|---|---|---|",
+        "| seed | mode | rel. L2 | / fp32 | first non-finite loss step | skipped steps | deriv. overflow skips "
+        "| final log2 scales | train s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         r["ratio_to_fp32"] = r["rel_l2"] / fp32[r["seed"]] if r["seed"] in fp32 else None
@@ -68,12 +113,15 @@ def write_table(rows: List[Dict[str, Any]], workdir: str) -> str:
         scales = ", ".join(f"{k}:{v:g}" for k, v in r.get("final_scale_log2", {}).items())
         lines.append(
             f"| {r['seed']} | {r['mode']} | {r['rel_l2']:.4g} | {ratio} | {r['first_nonfinite_loss_step'] or '-'} "
-            f"| {r['skipped_steps']} | {r['derivative_overflow_skips']} | {scales} |"
+            f"| {r['skipped_steps']} | {r['derivative_overflow_skips']} | {scales} "
+            f"| {r['train_seconds']:.0f} |"
         )
+    checks = verdicts(rows)
+    lines += [""] + [_verdict_line(seed, v) for seed, v in checks.items()]
     text = "\n".join(lines) + "\n"
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "results.json"), "w") as f:
-        json.dump(rows, f, indent=2)
+        json.dump({"runs": rows, "verdicts": {str(k): v for k, v in checks.items()}}, f, indent=2)
     with open(os.path.join(workdir, "results.md"), "w") as f:
         f.write(text)
     return text
@@ -86,10 +134,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--workdir", default="runs/demo")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     try:
-        rows = run_demo(args.config, args.seeds, args.modes, args.workdir, args.overrides, not args.no_progress)
+        rows = run_demo(args.config, args.seeds, args.modes, args.workdir, args.overrides,
+                        progress=not args.no_progress, plots=not args.no_plots)
     except jaxamp.ConfigError as e:  # the examples' and AmpConfig's config errors
         print(f"config error: {e}", file=sys.stderr)
         return 2

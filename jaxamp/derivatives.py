@@ -229,7 +229,16 @@ class Derivatives:
         """
         x = self._stack_points(points)
         scales = self._check_scales(scales)
-        values, flags = jax.vmap(lambda p: self.point_values(params, p, scales))(x)
+        # One seed per point, as torch's grad_outputs=ones_like(var)*scale: an unbatched seed
+        # would make the seed's products (the final layer's backward s*W, a tangent W*s)
+        # point-independent, and the weight gradient would then sum their cotangents over the
+        # batch *before* the factor s is applied, storing that sum, ~1/s times larger than
+        # any per-point value, in float16 (the transpose of the f16->f32 cast). Per point, the
+        # batch sum happens in the weight cotangent's own contraction with s folded in.
+        # (Measured on the Poisson parity pair, scales 2^-8: overflow from loss scale 256
+        # unbatched vs 512 batched, torch_ref 512.)
+        scales = {k: jnp.broadcast_to(s, x.shape[:1]) for k, s in scales.items()}
+        values, flags = jax.vmap(lambda p, s: self.point_values(params, p, s))(x, scales)
         return values, {key: jnp.any(flag) for key, flag in flags.items()}
 
     def _check_scales(self, scales) -> Dict[str, jax.Array]:
@@ -332,16 +341,22 @@ def _forward(engine: "Derivatives", params, x: jax.Array, scales: Mapping[str, j
     """``point_values`` by nested forward mode, one chain of ``jax.jvp`` per derivative path.
 
     A derivative's path is its sequence of (scaler key, input) steps: ``u__x__y`` under
-    per-order scaling is ``(("1", x), ("2", y))``. Step ``(key, input)`` is ``jax.jvp`` of the
-    level below along that input with the tangent seeded by the key's scale, so float16
-    tangents carry the scaled values (SPEC steps 1-2 with a forward pass); the scaled tangent
-    is kept for the check (step 3) and multiplied by ``1/scale`` in float32 (step 4) before
-    the next step differentiates it. One pass per maximal path: its primal outputs are the
-    lower-order values along the path, and every output's tangent comes out of it, so under
-    per-order scaling ``u__x__x`` and ``v__x__x`` (and ``u__x``, ``p__x``) share one pass.
+    per-order scaling is ``(("1", x), ("2", y))``. Step k is ``jax.jvp`` of the *scaled*
+    level below, ``s_{k-1} * f`` (as float16 tangents computed it), along its input with the
+    tangent seed ``s_k / s_{k-1}``: by linearity this is ``s_k * df/dx``, SPEC's steps 1-2 for
+    the already unscaled ``f``, and every float16 value of the step carries at most the scale
+    of the step (``s_k`` or ``s_k / s_{k-1}``, as in nested reverse mode), never the product
+    ``s_{k-1} * s_k`` that differentiating ``f = (s_{k-1} f) / s_{k-1}`` itself would put in
+    the tangents (and ``1 / (s_{k-1} s_k)`` in the weight gradient's cotangents). The scaled
+    tangent is checked (step 3) and multiplied by ``1/s_k`` in float32 (step 4).
+
+    One pass per maximal path: its primal outputs are the lower-order values along the path,
+    and every output's tangent comes out of it, so under per-order scaling ``u__x__x`` and
+    ``v__x__x`` (and ``u__x``, ``p__x``) share one pass.
     """
     base_fns = _VariableFns(engine, params, scales)
     out_row = {name: i for i, name in enumerate(engine.outputs)}
+    one = jnp.float32(1.0)
 
     def path_of(name: str) -> Tuple[Tuple[str, int], ...]:
         base, wrt = parse_name(name)
@@ -355,26 +370,35 @@ def _forward(engine: "Derivatives", params, x: jax.Array, scales: Mapping[str, j
     paths = {n: path_of(n) for n in names}
     maximal = [p for p in dict.fromkeys(paths.values()) if not any(q != p and q[: len(p)] == p for q in paths.values())]
 
+    def scale_at(path) -> jax.Array:
+        """The scale the float16 tangents of the level ``path`` ends at carry (1 for outputs)."""
+        return scales[path[-1][0]] if (path and engine.scaled) else one
+
     def chain(path):
-        """``x -> (unscaled tangents f32[n_outputs], aux)`` after the steps of ``path``; aux
-        holds the unscaled vectors of the levels below and the scaled tangents of each step."""
+        """``x -> (scaled tangents f32[n_outputs], aux)`` after the steps of ``path``; aux holds
+        the unscaled vectors of the levels up to this one and the scaled tangents of each step."""
         if not path:
-            return lambda x: (base_fns.outputs(x), {"below": [], "scaled": []})
+
+            def outputs(x):
+                y = base_fns.outputs(x)
+                return y, {"unscaled": [y], "scaled": []}
+
+            return outputs
         below, (key, col) = chain(path[:-1]), path[-1]
 
         def fn(x):
-            seed = scales[key] if engine.scaled else jnp.float32(1.0)
+            seed = scale_at(path) / scale_at(path[:-1]) if engine.scaled else one  # s_k / s_{k-1}
             tangent = jnp.zeros((len(engine.inputs),), jnp.float32).at[col].set(seed)
-            primal, scaled, aux = jax.jvp(below, (x,), (tangent,), has_aux=True)
-            unscaled = scaled * (jnp.float32(1.0) / seed) if engine.scaled else scaled
-            return unscaled, {"below": aux["below"] + [primal], "scaled": aux["scaled"] + [scaled]}
+            _, scaled, aux = jax.jvp(below, (x,), (tangent,), has_aux=True)
+            unscaled = scaled * (one / scale_at(path)) if engine.scaled else scaled
+            return scaled, {"unscaled": aux["unscaled"] + [unscaled], "scaled": aux["scaled"] + [scaled]}
 
         return fn
 
     results = {}
     for path in maximal:
-        top, aux = chain(path)(x)
-        results[path] = (aux["below"] + [top], aux["scaled"])
+        _, aux = chain(path)(x)
+        results[path] = (aux["unscaled"], aux["scaled"])
     values = {}
     flags: Dict[str, jax.Array] = {}
     for name in names:
@@ -394,65 +418,68 @@ def _forward(engine: "Derivatives", params, x: jax.Array, scales: Mapping[str, j
 def _jvp_chain(engine: "Derivatives", params, x: jax.Array, scales: Mapping[str, jax.Array]):
     """``point_values`` for ``forward_over_reverse``, as one chain of nested per-level functions.
 
-    Order k >= 2: ``jax.jvp`` of the order-(k-1)
-    function along one input per (scaler key, input), the tangent seeded with the scale, so
-    the float16 tangents carry the scaled values (SPEC steps 1-2 with a forward pass). Order
-    1: one ``jax.jacrev`` of the outputs, each row's seed scaled. Each level returns
-    the lower levels' values as auxiliary outputs: every value the loss sees is computed
-    once, and the weight gradient flows through one graph. Tangents no derivative needs are
-    dead code that XLA removes.
+    Each level's function returns its *scaled* derivatives (each row times the scale of the
+    key that produced it) and, as auxiliary outputs, every level's unscaled values and scaled
+    derivatives so far. Order 1: one ``jax.jacrev`` of the outputs, each row's seed scaled.
+    Order k >= 2: ``jax.jvp`` of the order-(k-1) function along one input per (scaler key,
+    input, key of the parent), the tangent seeded with ``s_k / s_{k-1}``, which by linearity
+    is ``s_k`` times the derivative of the unscaled parent (as in :func:`_forward`). Every value
+    the loss sees is computed once, and the weight gradient flows through one graph. Tangents
+    no derivative needs are dead code that XLA removes.
     """
     n_in = len(engine.inputs)
+    one = jnp.float32(1.0)
 
-    def outputs(x):
-        return _VariableFns(engine, params, scales).outputs(x), {"values": [], "scaled": []}
-
-    def finish(scaled, keys, aux, vals):
-        """Steps 3-4 bookkeeping: keep the scaled values for the checks, unscale in float32."""
-        unscaled = scaled * jnp.stack([1.0 / scales[k] for k in keys]) if engine.scaled else scaled
-        return unscaled, {"values": aux["values"] + [vals], "scaled": aux["scaled"] + [scaled]}
+    def scale(key: str) -> jax.Array:
+        return scales[key] if (key and engine.scaled) else one
 
     def by_jacrev(level):
         rows = jnp.asarray(level.parent_rows)
         keys = [level.parent_keys[p] for p in level.child_parent]
 
         def seeded(x):
-            vals, aux = outputs(x)
-            parents = vals[rows]
-            if engine.scaled:
-                parents = parents * jnp.stack([scales[k] for k in level.parent_keys])
-            return parents, (vals, aux)
+            vals = _VariableFns(engine, params, scales).outputs(x)
+            return vals[rows] * jnp.stack([scale(k) for k in level.parent_keys]), vals
 
         def level_fn(x):
-            jac, (vals, aux) = jax.jacrev(seeded, has_aux=True)(x)
+            jac, vals = jax.jacrev(seeded, has_aux=True)(x)
             scaled = jnp.stack([jac[p, col] for p, col in zip(level.child_parent, level.child_input)])
-            return finish(scaled, keys, aux, vals)
+            unscaled = scaled * jnp.stack([one / scale(k) for k in keys])
+            return scaled, {"values": [vals, unscaled], "scaled": [scaled]}
 
         return level_fn
 
-    def by_jvp(below, level):
+    def by_jvp(below, level, below_keys: Sequence[str]):
+        """``below_keys``: for each row of the level below, the key its scale came from."""
         keys = [level.parent_keys[p] for p in level.child_parent]
-        groups: Dict[Tuple[str, int], List[int]] = {}
+        groups: Dict[Tuple[str, int, str], List[int]] = {}
         for c, (key, col) in enumerate(zip(keys, level.child_input)):
-            groups.setdefault((key, col), []).append(c)
+            prev = below_keys[level.parent_rows[level.child_parent[c]]]
+            groups.setdefault((key, col, prev), []).append(c)
 
         def level_fn(x):
             scaled: List = [None] * len(level.names)
-            for (key, col), children in groups.items():
-                seed = scales[key] if engine.scaled else jnp.float32(1.0)
-                tangent = jnp.zeros((n_in,), jnp.float32).at[col].set(seed)
-                vals, tangents, aux = jax.jvp(below, (x,), (tangent,), has_aux=True)
+            for (key, col, prev), children in groups.items():
+                tangent = jnp.zeros((n_in,), jnp.float32).at[col].set(scale(key) / scale(prev))
+                _, tangents, aux = jax.jvp(below, (x,), (tangent,), has_aux=True)
                 for c in children:
                     scaled[c] = tangents[level.parent_rows[level.child_parent[c]]]
-            return finish(jnp.stack(scaled), keys, aux, vals)
+            stacked = jnp.stack(scaled)
+            unscaled = stacked * jnp.stack([one / scale(k) for k in keys])
+            return stacked, {"values": aux["values"] + [unscaled], "scaled": aux["scaled"] + [stacked]}
 
         return level_fn
 
-    fn = outputs
+    fn, produced_by = None, None
     for depth, level in enumerate(engine.levels):
-        fn = by_jvp(fn, level) if depth else by_jacrev(level)
-    top, aux = fn(x)
-    vectors = aux["values"] + [top]
+        fn = by_jvp(fn, level, produced_by) if depth else by_jacrev(level)
+        produced_by = [level.parent_keys[p] for p in level.child_parent]
+    if fn is None:
+        vectors = [_VariableFns(engine, params, scales).outputs(x)]
+        aux = {"scaled": []}
+    else:
+        _, aux = fn(x)
+        vectors = aux["values"]
     values = {}
     for names, vec in zip([engine.outputs] + [lv.names for lv in engine.levels], vectors):
         values.update({n: vec[i] for i, n in enumerate(names)})

@@ -44,11 +44,12 @@ def test_smoke_runner_writes_json_with_positive_finite_times(tmp_path):
     res, stdout = _run(tmp_path, "--sections", "step", "torch", "orders")
     assert res["meta"]["backend"] == "cpu" and res["meta"]["preset"] == "smoke"
     (block,) = res["step"]
-    assert set(block["modes"]) == {"fp16_plain", "fp16_scaled_order"}
+    assert set(block["modes"]) == {"fp16_plain", "fp16_scaled_order", "fp16_scaled_order@reverse"}
     for m in block["modes"].values():
         _positive_time(m["step_s"])
         assert m["flops"] > 0 and m["compile_s"] > 0 and m["xla_memory"]["temp_bytes"] > 0
     _positive_time(block["ratios"]["scaler_overhead_order"])
+    _positive_time(block["ratios"]["speedup_forward_vs_reverse_fp16_scaled_order"])
     assert "LDC step" in stdout and "scaler_overhead_order" in stdout  # the table is printed
     t = res["torch"]
     if "skipped" not in t:  # torch_ref present: JAX and torch_ref eager on the same step

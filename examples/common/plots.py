@@ -77,6 +77,46 @@ def plot_scales(workdir: str, recs: List[Dict[str, Any]]) -> str:
     return _save(fig, workdir, "scales.png")
 
 
+def plot_comparison(workdir: str, runs: Dict[str, str], title: str = "") -> str:
+    """``comparison.png``: every mode of one seed on shared axes: the total loss (top; non-finite
+    losses marked at the top edge) and every scaler in log2 (bottom; skipped steps marked).
+
+    ``runs`` maps a mode name to its run folder (with ``metrics.jsonl``)."""
+    import json
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    skips = []
+    for i, (mode, run_dir) in enumerate(runs.items()):
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            recs = [json.loads(line) for line in f if line.strip()]
+        if not recs:
+            continue
+        color = f"C{i}"
+        steps = np.array([r["step"] for r in recs])
+        loss = np.array([_num(r["loss"]) for r in recs])
+        top.plot(steps, np.where(np.isfinite(loss), loss, np.nan), color=color, lw=1, label=mode)
+        bad = steps[~np.isfinite(loss)]
+        if len(bad):
+            top.plot(bad, np.full(len(bad), np.nanmax(np.where(np.isfinite(loss), loss, np.nan))), "|", color=color,
+                     ms=10, label=f"{mode}: non-finite loss ({len(bad)} steps, first {bad[0]})")
+        for j, k in enumerate(k for k in recs[0] if k.startswith("scale_log2/")):
+            bottom.step(steps, [_num(r[k]) for r in recs], where="post", color=color, lw=1.2,
+                        ls=("-", "--", ":", "-.")[j % 4], label=f"{mode}: {k.split('/', 1)[1]}")
+        skips.append((mode, color, steps[np.array([bool(r["skipped"]) for r in recs])]))
+    low, high = bottom.get_ylim()
+    for i, (mode, color, skipped) in enumerate(s for s in skips if len(s[2])):
+        y = low - (i + 1) * 0.04 * (high - low)  # one row of marks per mode, below the curves
+        bottom.plot(skipped, np.full(len(skipped), y), "|", color=color, ms=6, label=f"{mode}: skipped ({len(skipped)})")
+    top.set_yscale("log")
+    top.set_ylabel("loss")
+    top.legend(fontsize=7)
+    top.set_title(title or "modes compared")
+    bottom.set_ylabel("log2 scale")
+    bottom.set_xlabel("step")
+    bottom.legend(fontsize=7, ncol=2)
+    return _save(fig, workdir, "comparison.png")
+
+
 def _save(fig, workdir: str, name: str) -> str:
     path = os.path.join(workdir, name)
     fig.tight_layout()

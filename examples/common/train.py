@@ -200,7 +200,9 @@ def train_and_evaluate(
         f.write(to_yaml(cfg))
     metrics_path = os.path.join(workdir, "metrics.jsonl")
     state = setup.init_state()
+    earlier_s = 0.0  # training seconds of the sessions before this one (from their summary)
     if resume and ckpt.latest_step() is not None:
+        earlier_s = _read_json(os.path.join(workdir, "summary.json")).get("train_seconds", 0.0)
         state = setup.place(ckpt.restore(state))
         # Drop records written after the checkpoint (the run died between the two).
         _write_metrics(metrics_path, _read_metrics(metrics_path, upto=int(state.step)), mode="w")
@@ -225,7 +227,14 @@ def train_and_evaluate(
         bar.close()
     train_s = time.perf_counter() - t0
     ckpt.close()
-    return evaluate(setup, state, workdir, train_s=train_s, plots=plots)
+    return evaluate(setup, state, workdir, train_s=train_s, earlier_s=earlier_s, plots=plots)
+
+
+def _read_json(path: str) -> Dict[str, Any]:
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
 
 
 def _progress_bar(progress: bool, step: int, max_steps: int, cfg: Mapping[str, Any]):
@@ -266,8 +275,10 @@ def failure_summary(recs: List[Dict[str, Any]]) -> Dict[str, Any]:
     return out
 
 
-def evaluate(setup: Setup, state: jaxamp.TrainState, workdir: str, *, train_s: float, plots: bool) -> Dict[str, Any]:
-    """Relative L2 errors against the reference, failure steps, plots; writes summary.json."""
+def evaluate(setup: Setup, state: jaxamp.TrainState, workdir: str, *, train_s: float, plots: bool,
+             earlier_s: float = 0.0) -> Dict[str, Any]:  # fmt: skip
+    """Relative L2 errors against the reference, failure steps, plots; writes summary.json.
+    ``train_seconds`` adds this session's training time to ``earlier_s`` (resumed runs)."""
     p = setup.problem
     points, axes = p.eval_grid(setup.cfg["eval"]["grid"])
     pred_all = setup.predict(state.params, points)
@@ -284,6 +295,7 @@ def evaluate(setup: Setup, state: jaxamp.TrainState, workdir: str, *, train_s: f
         **errs,
         **failure_summary(recs),
         "train_seconds_this_session": round(train_s, 2),
+        "train_seconds": round(earlier_s + train_s, 2),
     }
     with open(os.path.join(workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)

@@ -68,3 +68,36 @@ def test_every_problem_and_mode(tmp_path, cls, mode):
     assert math.isfinite(summary["rel_l2"]) and summary["steps"] == 2
     for name in ("fields.png", "losses.png", "scales.png"):
         assert (tmp_path / name).stat().st_size > 0
+
+
+def test_demo_table_verdicts_and_comparison_plot(tmp_path):
+    """The demo runner on a tiny cavity: one row per (seed, mode), a verdict per seed, the
+    comparison plot; a second call re-evaluates the finished runs instead of retraining."""
+    from examples import demo
+
+    overrides = [*COMMON, *TINY[LDC], "training.max_steps=2"]
+    modes = ["fp32", "fp16_plain", "fp16_scaler_per_order"]
+    rows = demo.run_demo("ldc_cpu", [0], modes, str(tmp_path), overrides, progress=False)
+    assert [(r["seed"], r["mode"]) for r in rows] == [(0, m) for m in modes]
+    assert (tmp_path / "seed0" / "comparison.png").stat().st_size > 0
+    saved = json.loads((tmp_path / "results.json").read_text())
+    v = saved["verdicts"]["0"]
+    # Two steps are too few for an overflow: plain fp16 does not fail, so the claim does not hold.
+    assert v["plain_failed"] is False and v["claim_holds"] is False
+    assert v["scaler_ratios"]["fp16_scaler_per_order"] == pytest.approx(rows[2]["rel_l2"] / rows[0]["rel_l2"])
+    md = (tmp_path / "results.md").read_text()
+    assert "claim does NOT hold" in md and md.count("| 0 | fp") == 3
+    again = demo.run_demo("ldc_cpu", [0], modes, str(tmp_path), overrides, progress=False, plots=False)
+    assert [r["rel_l2"] for r in again] == [r["rel_l2"] for r in rows]
+    assert [r["train_seconds"] for r in again] == [r["train_seconds"] for r in rows]  # nothing retrained
+
+
+def test_demo_verdict_logic_on_synthetic_rows():
+    from examples.demo import verdicts
+
+    row = lambda mode, l2, bad=None, skipped=0: dict(seed=1, mode=mode, rel_l2=l2,  # noqa: E731
+                                                     first_nonfinite_loss_step=bad, skipped_steps=skipped)
+    ok = verdicts([row("fp32", 0.2), row("fp16_plain", 0.9, bad=4000, skipped=10), row("fp16_scaler_per_order", 0.23)])
+    assert ok[1]["claim_holds"] and ok[1]["plain_failure_step"] == 4000
+    too_far = verdicts([row("fp32", 0.2), row("fp16_plain", 0.9, bad=4000), row("fp16_scaler_per_order", 0.25)])
+    assert not too_far[1]["claim_holds"] and not too_far[1]["scaler_within_limit"]

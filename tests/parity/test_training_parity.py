@@ -13,13 +13,15 @@ import numpy as np
 import jaxamp
 from poisson_pair import fresh_pair, losses, run_jax, run_torch, trajectory
 
-# Steps where one input point is NaN. A burst of 6 backs the derivative scalers off to 2^-6.
-# Not 8: with the derivative scales at 2^-8, jaxamp's weight gradients overflow fp16 from loss
-# scale 2 on while torch_ref's stay finite up to loss scale 64 (measured at step 48; see the
-# report of this change), so trajectories would part for a reason this test does not target.
-INJECT = frozenset({40, 41, 42, 43, 44, 45, 200})
+# Steps where one input point is NaN. A burst of 8 backs the derivative scalers off to 2^-8.
+# jaxamp seeds every point's derivative with its own copy of the scale (Derivatives.__call__),
+# as torch's grad_outputs do: with one shared seed, the weight gradient stored the batch sum of
+# the final layer's seed cotangent in float16 before multiplying by the seed, ~2^8 times larger
+# than torch's, and at scales 2^-8 overflowed from loss scale 256 where torch_ref first
+# overflows at 512 (measured on the step-48 params of this run); now both first overflow at 512.
+INJECT = frozenset({40, 41, 42, 43, 44, 45, 46, 47, 200})
 FP16_STEPS = 500
-FP16_LOSS_RTOL = 5e-2  # measured max 4.0e-2 over the 500 steps (loss 43.6 -> 3.5e-3)
+FP16_LOSS_RTOL = 6e-2  # measured max 4.8e-2 over the 500 steps, at step 499 (loss 43.6 -> 3.7e-3)
 
 
 def test_fp32_training_losses_agree_to_1e_4():
@@ -51,7 +53,7 @@ def test_fp16_training_parity():
     reasons = np.array([m["skip_reason"] for m in tm])
     assert (reasons[sorted(INJECT)] == jaxamp.SKIP_DERIVATIVE_OVERFLOW).all()
     scales2 = np.array([m["scale_log2/2"] for m in tm])
-    assert scales2.min() == -6 and scales2[199] == 0 and scales2[200] == -1  # 6 backoffs, recovered, again
+    assert scales2.min() == -8 and scales2[199] == 0 and scales2[200] == -1  # 8 backoffs, recovered, again
     assert scales2[-1] == 0  # recovered to the max
     assert np.array([m["scale_log2/loss"] for m in tm]).max() == 4  # the loss scaler grew to its max
     ok = ~skipped

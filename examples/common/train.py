@@ -200,9 +200,10 @@ def train_and_evaluate(
         f.write(to_yaml(cfg))
     metrics_path = os.path.join(workdir, "metrics.jsonl")
     state = setup.init_state()
-    earlier_s = 0.0  # training seconds of the sessions before this one (from their summary)
+    earlier_s = 0.0  # training seconds up to the restored checkpoint (recorded with each one)
+    time_path = os.path.join(workdir, "train_time.json")
     if resume and ckpt.latest_step() is not None:
-        earlier_s = _read_json(os.path.join(workdir, "summary.json")).get("train_seconds", 0.0)
+        earlier_s = _read_json(time_path).get(str(ckpt.latest_step()), 0.0)
         state = setup.place(ckpt.restore(state))
         # Drop records written after the checkpoint (the run died between the two).
         _write_metrics(metrics_path, _read_metrics(metrics_path, upto=int(state.step)), mode="w")
@@ -220,6 +221,7 @@ def train_and_evaluate(
         step = int(state.step)
         if step % t["checkpoint_every"] == 0 or step == max_steps:
             ckpt.save(state)
+            _record_time(time_path, step, earlier_s + time.perf_counter() - t0)
         if bar is not None:
             bar.update(n)
             bar.set_postfix(_postfix(recs), refresh=False)
@@ -228,6 +230,14 @@ def train_and_evaluate(
     train_s = time.perf_counter() - t0
     ckpt.close()
     return evaluate(setup, state, workdir, train_s=train_s, earlier_s=earlier_s, plots=plots)
+
+
+def _record_time(path: str, step: int, seconds: float) -> None:
+    """Training seconds up to each checkpointed step, ``{step: seconds}``, replaced atomically."""
+    times = {**_read_json(path), str(step): round(seconds, 2)}
+    with open(path + ".tmp", "w") as f:
+        json.dump(times, f)
+    os.replace(path + ".tmp", path)
 
 
 def _read_json(path: str) -> Dict[str, Any]:
@@ -278,7 +288,8 @@ def failure_summary(recs: List[Dict[str, Any]]) -> Dict[str, Any]:
 def evaluate(setup: Setup, state: jaxamp.TrainState, workdir: str, *, train_s: float, plots: bool,
              earlier_s: float = 0.0) -> Dict[str, Any]:  # fmt: skip
     """Relative L2 errors against the reference, failure steps, plots; writes summary.json.
-    ``train_seconds`` adds this session's training time to ``earlier_s`` (resumed runs)."""
+    ``train_seconds`` adds this session's training time to ``earlier_s`` (the training time
+    up to the checkpoint a resumed run started from)."""
     p = setup.problem
     points, axes = p.eval_grid(setup.cfg["eval"]["grid"])
     pred_all = setup.predict(state.params, points)

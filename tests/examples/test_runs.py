@@ -56,6 +56,10 @@ def test_run_writes_everything_and_resume_continues_identically(tmp_path):
     resumed = train_and_evaluate(Burgers, cfg, str(b), resume=True, progress=False, plots=False)
     assert read(b / "metrics.jsonl") == recs
     assert resumed["rel_l2"] == straight["rel_l2"]
+    # Training time accumulates over the sessions, from the time recorded with each checkpoint.
+    times = json.loads((b / "train_time.json").read_text())
+    assert set(times) == {"2", "4"} and 0 < times["2"] < times["4"] <= resumed["train_seconds"] + 0.01
+    assert resumed["train_seconds"] > resumed["train_seconds_this_session"]
 
 
 @pytest.mark.slow

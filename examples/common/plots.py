@@ -77,15 +77,29 @@ def plot_scales(workdir: str, recs: List[Dict[str, Any]]) -> str:
     return _save(fig, workdir, "scales.png")
 
 
+def _window_means(steps: np.ndarray, values: np.ndarray, n_windows: int = 200) -> Tuple[np.ndarray, np.ndarray]:
+    """Mean of the finite values in each of ``n_windows`` consecutive windows (NaN where none)."""
+    size = max(1, len(steps) // n_windows)
+    centers, means = [], []
+    for i in range(0, len(steps), size):
+        chunk = values[i : i + size]
+        ok = np.isfinite(chunk)
+        centers.append(steps[i : i + size].mean())
+        means.append(chunk[ok].mean() if ok.any() else np.nan)
+    return np.array(centers), np.array(means)
+
+
 def plot_comparison(workdir: str, runs: Dict[str, str], title: str = "") -> str:
-    """``comparison.png``: every mode of one seed on shared axes: the total loss (top; non-finite
-    losses marked at the top edge) and every scaler in log2 (bottom; skipped steps marked).
+    """``comparison.png``: every mode of one seed on shared axes. Top: the total loss, the mean
+    of the finite values per window of steps (a window with only non-finite losses leaves a
+    gap; those steps are marked along the top edge). Bottom: every active scaler in log2, with
+    the skipped steps of each run marked below the curves.
 
     ``runs`` maps a mode name to its run folder (with ``metrics.jsonl``)."""
     import json
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
-    skips = []
+    skips, bad_losses = [], []
     for i, (mode, run_dir) in enumerate(runs.items()):
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
             recs = [json.loads(line) for line in f if line.strip()]
@@ -94,20 +108,26 @@ def plot_comparison(workdir: str, runs: Dict[str, str], title: str = "") -> str:
         color = f"C{i}"
         steps = np.array([r["step"] for r in recs])
         loss = np.array([_num(r["loss"]) for r in recs])
-        top.plot(steps, np.where(np.isfinite(loss), loss, np.nan), color=color, lw=1, label=mode)
-        bad = steps[~np.isfinite(loss)]
-        if len(bad):
-            top.plot(bad, np.full(len(bad), np.nanmax(np.where(np.isfinite(loss), loss, np.nan))), "|", color=color,
-                     ms=10, label=f"{mode}: non-finite loss ({len(bad)} steps, first {bad[0]})")
+        top.plot(*_window_means(steps, loss), color=color, lw=1.2, marker=".", ms=3,
+                 label=f"{mode} (window mean of finite losses)")
+        bad_losses.append((mode, color, steps[~np.isfinite(loss)]))
         for j, k in enumerate(k for k in recs[0] if k.startswith("scale_log2/")):
-            bottom.step(steps, [_num(r[k]) for r in recs], where="post", color=color, lw=1.2,
-                        ls=("-", "--", ":", "-.")[j % 4], label=f"{mode}: {k.split('/', 1)[1]}")
+            series = [_num(r[k]) for r in recs]
+            if k == "scale_log2/loss" and not any(series):
+                continue  # loss scaler off (fp32, bf16): constant 2^0
+            bottom.step(steps, series, where="post", color=color, lw=1.2, ls=("-", "--", ":", "-.")[j % 4],
+                        label=f"{mode}: {k.split('/', 1)[1]}")
         skips.append((mode, color, steps[np.array([bool(r["skipped"]) for r in recs])]))
+    top.set_yscale("log")
+    low, high = top.get_ylim()
+    for i, (mode, color, bad) in enumerate(b for b in bad_losses if len(b[2])):
+        y = high * 10 ** (0.05 * (i + 1) * np.log10(high / low))  # one row of marks per mode, above the curves
+        top.plot(bad, np.full(len(bad), y), "|", color=color, ms=6,
+                 label=f"{mode}: non-finite loss ({len(bad)} steps, first {bad[0]})")
     low, high = bottom.get_ylim()
     for i, (mode, color, skipped) in enumerate(s for s in skips if len(s[2])):
         y = low - (i + 1) * 0.04 * (high - low)  # one row of marks per mode, below the curves
         bottom.plot(skipped, np.full(len(skipped), y), "|", color=color, ms=6, label=f"{mode}: skipped ({len(skipped)})")
-    top.set_yscale("log")
     top.set_ylabel("loss")
     top.legend(fontsize=7)
     top.set_title(title or "modes compared")

@@ -223,7 +223,7 @@ def memory_child(mode: str, size_text: str) -> Dict[str, Any]:
 
 def bench_memory(size_text: str, modes: List[str], deadline: float = math.inf) -> Dict[str, Any]:
     """Each mode in a fresh subprocess (honest peak RSS / device peak; costs a compile each)."""
-    out = {"size": size_text, "method": "fresh subprocess per mode: peak RSS (ru_maxrss) and RSS growth "
+    out = {"size": size_text, "method": "fresh subprocess per mode: peak RSS (VmHWM) and RSS growth "
            "from before compile; device peak_bytes_in_use where the backend reports it", "modes": {}}  # fmt: skip
     for mode in modes:
         if time.perf_counter() > deadline:

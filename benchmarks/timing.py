@@ -123,7 +123,17 @@ def rss_bytes() -> int:
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process so far (``ru_maxrss``, KiB on Linux)."""
+    """Peak resident set size of this process so far: ``VmHWM`` of ``/proc/self/status`` on
+    Linux. Not ``ru_maxrss``: Linux carries it across ``execve``, so a child started by a
+    big parent reports the parent's peak (seen: three modes all "2632.6 MiB", the
+    parent's size after the step and orders sections). ``ru_maxrss`` where /proc is absent."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 

@@ -57,9 +57,11 @@ def run_demo(config: str, seeds: Sequence[int], modes: Sequence[str], workdir: s
     write_table(rows, workdir)
     if plots:
         from examples.common.plots import plot_comparison
+        from examples.common.train import read_metrics
 
         for seed in seeds:
-            runs = {r["mode"]: r["workdir"] for r in rows if r["seed"] == seed}
+            runs = {r["mode"]: read_metrics(os.path.join(r["workdir"], "metrics.jsonl"))
+                    for r in rows if r["seed"] == seed}  # fmt: skip
             plot_comparison(os.path.join(workdir, f"seed{seed}"), runs, title=f"{probe['name']} seed {seed}")
     return rows
 

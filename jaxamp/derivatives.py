@@ -385,7 +385,7 @@ def _forward(engine: "Derivatives", params, x: jax.Array, scales: Mapping[str, j
                 return y, {"unscaled": [y], "scaled": []}
 
             return outputs
-        below, (key, col) = chain(path[:-1]), path[-1]
+        below, col = chain(path[:-1]), path[-1][1]
 
         def fn(x):
             seed = scale_at(path) / scale_at(path[:-1]) if engine.scaled else one  # s_k / s_{k-1}

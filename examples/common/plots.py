@@ -89,20 +89,16 @@ def _window_means(steps: np.ndarray, values: np.ndarray, n_windows: int = 200) -
     return np.array(centers), np.array(means)
 
 
-def plot_comparison(workdir: str, runs: Dict[str, str], title: str = "") -> str:
+def plot_comparison(workdir: str, runs: Dict[str, List[Dict[str, Any]]], title: str = "") -> str:
     """``comparison.png``: every mode of one seed on shared axes. Top: the total loss, the mean
     of the finite values per window of steps (a window with only non-finite losses leaves a
     gap; those steps are marked along the top edge). Bottom: every active scaler in log2, with
     the skipped steps of each run marked below the curves.
 
-    ``runs`` maps a mode name to its run folder (with ``metrics.jsonl``)."""
-    import json
-
+    ``runs`` maps a mode name to that run's metric records (its ``metrics.jsonl``)."""
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
     skips, bad_losses = [], []
-    for i, (mode, run_dir) in enumerate(runs.items()):
-        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-            recs = [json.loads(line) for line in f if line.strip()]
+    for i, (mode, recs) in enumerate(runs.items()):
         if not recs:
             continue
         color = f"C{i}"

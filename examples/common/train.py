@@ -138,7 +138,7 @@ def get_setup(problem_cls: Type[Problem], cfg: Mapping[str, Any]) -> Setup:
     return _SETUPS[key]
 
 
-def _read_metrics(path: str, upto: Optional[int] = None) -> List[Dict[str, Any]]:
+def read_metrics(path: str, upto: Optional[int] = None) -> List[Dict[str, Any]]:
     if not os.path.exists(path):
         return []
     with open(path) as f:
@@ -206,12 +206,12 @@ def train_and_evaluate(
         earlier_s = _read_json(time_path).get(str(ckpt.latest_step()), 0.0)
         state = setup.place(ckpt.restore(state))
         # Drop records written after the checkpoint (the run died between the two).
-        _write_metrics(metrics_path, _read_metrics(metrics_path, upto=int(state.step)), mode="w")
+        _write_metrics(metrics_path, read_metrics(metrics_path, upto=int(state.step)), mode="w")
     else:
         _write_metrics(metrics_path, [], mode="w")
     step, max_steps = int(state.step), t["max_steps"]
     bar = _progress_bar(progress, step, max_steps, cfg)
-    t0 = time.perf_counter()
+    t0, train_s = time.perf_counter(), 0.0  # train_s: this session's training time, per chunk
     while step < max_steps:
         next_ckpt = (step // t["checkpoint_every"] + 1) * t["checkpoint_every"]
         n = min(t["chunk_steps"], max_steps - step, next_ckpt - step)
@@ -219,22 +219,22 @@ def train_and_evaluate(
         recs = _records(step, metrics)
         _write_metrics(metrics_path, recs)
         step = int(state.step)
+        train_s = time.perf_counter() - t0
         if step % t["checkpoint_every"] == 0 or step == max_steps:
             ckpt.save(state)
-            _record_time(time_path, step, earlier_s + time.perf_counter() - t0)
+            _record_time(time_path, step, earlier_s + train_s)
         if bar is not None:
             bar.update(n)
             bar.set_postfix(_postfix(recs), refresh=False)
     if bar is not None:
         bar.close()
-    train_s = time.perf_counter() - t0
     ckpt.close()
     return evaluate(setup, state, workdir, train_s=train_s, earlier_s=earlier_s, plots=plots)
 
 
 def _record_time(path: str, step: int, seconds: float) -> None:
     """Training seconds up to each checkpointed step, ``{step: seconds}``, replaced atomically."""
-    times = {**_read_json(path), str(step): round(seconds, 2)}
+    times = {**_read_json(path), str(step): seconds}
     with open(path + ".tmp", "w") as f:
         json.dump(times, f)
     os.replace(path + ".tmp", path)
@@ -297,7 +297,7 @@ def evaluate(setup: Setup, state: jaxamp.TrainState, workdir: str, *, train_s: f
     pred = {f: pred_all[:, p.outputs.index(f)] for f in p.eval_fields}
     errs = {f"rel_l2/{f}": rel_l2(pred[f], ref[f]) for f in p.eval_fields}
     cat = lambda d: np.concatenate([d[f] for f in p.eval_fields])  # noqa: E731
-    recs = _read_metrics(os.path.join(workdir, "metrics.jsonl"))
+    recs = read_metrics(os.path.join(workdir, "metrics.jsonl"))
     summary = {
         "problem": p.name,
         "mode": setup.cfg["mode"],
@@ -305,8 +305,8 @@ def evaluate(setup: Setup, state: jaxamp.TrainState, workdir: str, *, train_s: f
         "rel_l2": rel_l2(cat(pred), cat(ref)),
         **errs,
         **failure_summary(recs),
-        "train_seconds_this_session": round(train_s, 2),
-        "train_seconds": round(earlier_s + train_s, 2),
+        "train_seconds_this_session": train_s,
+        "train_seconds": earlier_s + train_s,
     }
     with open(os.path.join(workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)

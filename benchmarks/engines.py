@@ -6,7 +6,8 @@ scaler keys), so they are drop-in comparable:
 
 - ``"reverse"``: ``jaxamp.Derivatives(method="reverse")`` (nested reverse mode), the reference.
 - ``"forward"``: ``jaxamp.Derivatives(method="forward")``, the default: nested ``jax.jvp``,
-  one chain per derivative path, tangents seeded with the scales.
+  one chain per derivative path, tangents seeded with the scales; pure second orders
+  propagate one tangent (``jaxamp.taylor``), higher orders are ``jax.jvp`` of that.
 - ``"fwd_over_rev"``: ``jaxamp.Derivatives(method="forward_over_reverse")``: order 1 by
   reverse mode, every higher order by ``jax.jvp`` with the scale as the tangent seed (it
   started here as a benchmark-only engine and moved into the core).

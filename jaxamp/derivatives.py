@@ -24,6 +24,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Uni
 import jax
 import jax.numpy as jnp
 
+from jaxamp import taylor
 from jaxamp.config import AmpConfig
 from jaxamp.scaler import DynamicScaler, ScaleState
 
@@ -72,10 +73,11 @@ class Derivatives:
         ``"forward"`` (default): nested ``jax.jvp``, one chain per derivative path (its
         (scaler key, input) steps), each tangent seeded with its scale; a pass yields every
         output's derivative along the path and the lower orders on the way, so under
-        per-order scaling ``u__x__x`` and ``v__x__x`` share a pass. Fastest measured for
-        PINN-sized inputs (the cavity's train step on CPU: 2.0-2.2x faster than reverse;
-        orders 3-4: 0.44x and 0.38x of reverse's time); per-term scaling needs a pass per
-        term.
+        per-order scaling ``u__x__x`` and ``v__x__x`` share a pass. Pure second derivatives
+        (``u__x__x``) propagate one tangent instead of nested ``jax.jvp``'s two
+        (:mod:`jaxamp.taylor`), so scaling costs no extra network passes. Fastest measured for
+        PINN-sized inputs (see the README's benchmark section); per-term scaling needs a pass
+        per term.
         ``"reverse"``: nested ``jax.grad``, one reverse pass per differentiated variable, as
         Modulus' autograd; the reference path of the torch parity tests.
         ``"forward_over_reverse"``: order 1 by ``jax.jacrev``, orders >= 2 by ``jax.jvp``;
@@ -353,7 +355,10 @@ def _forward(engine: "Derivatives", params, x: jax.Array, scales: Mapping[str, j
 
     One pass per maximal path: its primal outputs are the lower-order values along the path,
     and every output's tangent comes out of it, so under per-order scaling ``u__x__x`` and
-    ``v__x__x`` (and ``u__x``, ``p__x``) share one pass.
+    ``v__x__x`` (and ``u__x``, ``p__x``) share one pass. A pure second-order step (the same
+    input twice) is :func:`jaxamp.taylor.second_order`: the outer tangent is formed from the
+    inner one by the power of two ``s_2 / s_1**2`` at each primitive rather than propagated
+    through the network a second time; higher orders are ``jax.jvp`` of it.
     """
     base_fns = _VariableFns(engine, params, scales)
     out_row = {name: i for i, name in enumerate(engine.outputs)}
@@ -386,6 +391,8 @@ def _forward(engine: "Derivatives", params, x: jax.Array, scales: Mapping[str, j
 
             return outputs
         below, col = chain(path[:-1]), path[-1][1]
+        if len(path) == 2 and path[0][1] == col:
+            return pure_second(path)
 
         def fn(x):
             seed = scale_at(path) / scale_at(path[:-1]) if engine.scaled else one  # s_k / s_{k-1}
@@ -393,6 +400,22 @@ def _forward(engine: "Derivatives", params, x: jax.Array, scales: Mapping[str, j
             _, scaled, aux = jax.jvp(below, (x,), (tangent,), has_aux=True)
             unscaled = scaled * (one / scale_at(path)) if engine.scaled else scaled
             return scaled, {"unscaled": aux["unscaled"] + [unscaled], "scaled": aux["scaled"] + [scaled]}
+
+        return fn
+
+    def pure_second(path):
+        """``chain(path)`` for a pure second derivative (``u__x__x``): one propagated tangent
+        instead of nested ``jax.jvp``'s two (:mod:`jaxamp.taylor`)."""
+        col = path[0][1]
+
+        def fn(x):
+            s1, s2 = scale_at(path[:1]), scale_at(path)
+            tangent = jnp.zeros((len(engine.inputs),), jnp.float32).at[col].set(s1)
+            # outer seed s2/s1 over inner seed s1, as two factors: s1**2 may underflow float32
+            ratio = (s2 / s1, one / s1) if engine.scaled else None
+            y, first, second = taylor.second_order(base_fns.outputs, x, tangent, ratio)
+            levels = [y, first * (one / s1), second * (one / s2)] if engine.scaled else [y, first, second]
+            return second, {"unscaled": levels, "scaled": [first, second]}
 
         return fn
 

@@ -248,6 +248,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     ap.add_argument("--reverse-modes", nargs="*", choices=ldc.MODES,
                     help="modes timed again with Derivatives(method='reverse'), for the engine ratio")
     ap.add_argument("--reps", type=int)
+    ap.add_argument("--inner", type=int, help="steps per timed sample (longer samples: less timer noise)")
     ap.add_argument("--orders-size", help="override, e.g. 4x128:256 (net LAYERSxWIDTH : points)")
     ap.add_argument("--max-order", type=int, choices=[1, 2, 3, 4])
     ap.add_argument("--memory-modes", nargs="+", choices=ldc.MODES)
@@ -261,11 +262,12 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         print(json.dumps(memory_child(a.memory_child, a.sizes[0])))
         return {}
     cfg = dict(PRESETS[a.preset])
-    for key in ("sizes", "modes", "reverse_modes", "reps", "orders_size", "max_order", "memory_modes"):
+    for key in ("sizes", "modes", "reverse_modes", "reps", "inner", "orders_size", "max_order", "memory_modes"):
         if getattr(a, key) is not None:
             cfg[key] = getattr(a, key)
-    if cfg["reps"] < 1:
-        ap.error(f"--reps={cfg['reps']} must be >= 1")
+    for key in ("reps", "inner"):
+        if cfg[key] < 1:
+            ap.error(f"--{key}={cfg[key]} must be >= 1")
     sizes = [parse_size(t) for t in cfg["sizes"]]
     t0, info = time.perf_counter(), timing.device_info()
     res: Dict[str, Any] = {"meta": {**info, "preset": a.preset, "argv": sys.argv if argv is None else argv,

@@ -41,8 +41,9 @@ def _positive_time(s):
 
 @pytest.mark.slow  # ~50 s of CPU: two train-step compiles in a fresh process, plus torch
 def test_smoke_runner_writes_json_with_positive_finite_times(tmp_path):
-    res, stdout = _run(tmp_path, "--sections", "step", "torch", "orders")
+    res, stdout = _run(tmp_path, "--sections", "step", "torch", "orders", "--inner", "2")
     assert res["meta"]["backend"] == "cpu" and res["meta"]["preset"] == "smoke"
+    assert res["meta"]["config"]["inner"] == 2
     (block,) = res["step"]
     assert set(block["modes"]) == {"fp16_plain", "fp16_scaled_order", "fp16_scaled_order@reverse"}
     for m in block["modes"].values():
@@ -132,3 +133,12 @@ def test_jet_rejects_scaling_and_mixed_derivatives():
         _engines(None, ("u__x__y",), ("jet",))
     with pytest.raises(ValueError, match="kind='taylor'"):
         E.make_engine("taylor", lambda p, x: x, inputs=("x",), outputs=("u",), derivatives=())
+
+
+@pytest.mark.parametrize("flag", ["--reps", "--inner"])
+def test_runner_rejects_non_positive_repetitions_before_any_work(flag, capsys):
+    from benchmarks.runner import main
+
+    with pytest.raises(SystemExit):
+        main(["--preset", "smoke", "--sections", "step", flag, "0"])
+    assert f"{flag}=0 must be >= 1" in capsys.readouterr().err

@@ -3,8 +3,9 @@
 A derivative is named like Modulus: ``u__x`` is du/dx, ``u__x__y`` is d/dy(du/dx). The
 engine computes all requested derivatives of a per-point function with nested AD and
 ``vmap`` over points: by default nested forward mode (``jax.jvp`` of the level below, the
-tangent seeded with the scale); ``method="reverse"`` is nested ``jax.grad`` as Modulus'
-autograd, the reference path. Each differentiation follows SPEC.md "One derivative step":
+tangent seeded with the scale; a pure second order propagates one tangent, see
+:mod:`jaxamp.taylor`); ``method="reverse"`` is nested ``jax.grad`` as Modulus' autograd,
+the reference path. Each differentiation follows SPEC.md "One derivative step":
 
 1. multiply the differentiated variable by its scaler's scale (the backward seed; in
    forward mode the tangent seed, which scales every float16 tangent the same way);

@@ -391,9 +391,9 @@ def _forward(engine: "Derivatives", params, x: jax.Array, scales: Mapping[str, j
                 return y, {"unscaled": [y], "scaled": []}
 
             return outputs
-        below, col = chain(path[:-1]), path[-1][1]
-        if len(path) == 2 and path[0][1] == col:
+        if len(path) == 2 and path[0][1] == path[1][1]:
             return pure_second(path)
+        below, col = chain(path[:-1]), path[-1][1]
 
         def fn(x):
             seed = scale_at(path) / scale_at(path[:-1]) if engine.scaled else one  # s_k / s_{k-1}

@@ -30,7 +30,7 @@ Series = Optional[Tuple[jax.Array, Optional[jax.Array]]]  # (inner tangent, seco
 # through the primitive's own jvp, with no second-order term.
 _LINEAR = frozenset(
     "add add_any sub neg convert_element_type reshape broadcast_in_dim squeeze expand_dims transpose "
-    "slice concatenate reduce_sum copy copy_p real imag conj pad rev select_n dynamic_slice "
+    "slice concatenate reduce_sum copy real imag conj pad rev select_n dynamic_slice "
     "dynamic_update_slice gather".split()
 )
 _BILINEAR = frozenset(("mul", "dot_general"))  # linear in each operand: linear when only one depends on x

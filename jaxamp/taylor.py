@@ -13,7 +13,9 @@ two, so the outer tangent at every variable is *exactly* ``(b / a)`` times the i
 both). :func:`second_order` interprets ``f``'s jaxpr and, at every primitive, forms the outer
 tangent from the inner one by that factor instead of propagating it; the primitive's own
 nested ``jax.jvp`` then gives the second-order term, so each float16 value is the one nested
-``jax.jvp`` computes, up to rounding at the subnormal/overflow edge.
+``jax.jvp`` computes, up to rounding at the subnormal/overflow edge. Primitives that compute
+in float32 (jaxamp's float32 activations) take that nested jvp with one tangent and scale
+its result instead, which spares the weight gradient a stored scaled tangent per layer.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ _LINEAR = frozenset(
 )
 _BILINEAR = frozenset(("mul", "dot_general"))  # linear in each operand: linear when only one depends on x
 _CALLS = frozenset(("pjit", "jit", "closed_call", "core_call"))
+# Nonlinear primitives this wide (float32, float64) scale their second-order term after the
+# primitive's nested jvp, narrower ones scale the outer tangent before it (see _curvature).
+_SCALE_AFTER_MIN_BITS = 32
 
 
 def second_order(f: Callable[[jax.Array], jax.Array], x: jax.Array, tangent: jax.Array,
@@ -134,10 +139,31 @@ def _apply(eqn, vals: List, ss: List[Series], ratio):
     with_t2 = [i for i in idx if ss[i][1] is not None]
     y2 = jax.jvp(at(with_t2), tuple(vals[i] for i in with_t2), tuple(ss[i][1] for i in with_t2))[1] if with_t2 else None
     linear = name in _LINEAR or (name in _BILINEAR and len(idx) == 1)
-    if not linear:  # d2f[t, ratio * t], the primitive's own nested jvp
-        outer = t1 if ratio is None else tuple(_scaled(t, ratio) for t in t1)
-        curv = jax.jvp(lambda *p: jax.jvp(f, p, t1)[1], primals, outer)[1]
+    if not linear:
+        curv = _curvature(f, primals, t1, outs, ratio)
         y2 = curv if y2 is None else [a + b for a, b in zip(curv, y2)]
     if y2 is None:
         return outs, [(a, None) for a in y1]
     return outs, list(zip(y1, y2))
+
+
+def _curvature(f, primals, t1, outs, ratio) -> List[jax.Array]:
+    """``d2f[t, ratio * t]`` of one nonlinear primitive, from its own nested jvp.
+
+    The term is bilinear in its two tangents, so it equals ``ratio * d2f[t, t]``. Where the
+    primitive computes in float32 or wider (jaxamp's float32 activations) the scaling is done
+    after: ``d2f[t, t]`` has one tangent, so XLA shares it with the first-order term, and the
+    scaled tangent is never stored for the backward pass. Binary scaling is exact in float32
+    unless a partial result leaves float32's range (far outside float16's, where the result
+    ends up). In float16/bfloat16 the product ``d2f[t, t]`` could overflow where the scaled
+    one does not, so the outer tangent is scaled first, as nested ``jax.jvp`` does.
+    """
+    def nested(outer):
+        return jax.jvp(lambda *p: jax.jvp(f, p, t1)[1], primals, outer)[1]
+
+    if ratio is None:
+        return nested(t1)
+    if all(jnp.issubdtype(v.dtype, jnp.inexact) and jnp.finfo(v.dtype).bits >= _SCALE_AFTER_MIN_BITS
+           for v in (*t1, *outs)):
+        return [_scaled(c, ratio) for c in nested(t1)]
+    return nested(tuple(_scaled(t, ratio) for t in t1))

@@ -359,7 +359,8 @@ def _forward(engine: "Derivatives", params, x: jax.Array, scales: Mapping[str, j
     ``v__x__x`` (and ``u__x``, ``p__x``) share one pass. A pure second-order step (the same
     input twice) is :func:`jaxamp.taylor.second_order`: the outer tangent is formed from the
     inner one by the power of two ``s_2 / s_1**2`` at each primitive rather than propagated
-    through the network a second time; higher orders are ``jax.jvp`` of it.
+    through the network a second time (float32 primitives scale their second-order term by it
+    instead, the same values); higher orders are ``jax.jvp`` of it.
     """
     base_fns = _VariableFns(engine, params, scales)
     out_row = {name: i for i, name in enumerate(engine.outputs)}

@@ -7,28 +7,34 @@ scaler keys), so they are drop-in comparable:
 - ``"reverse"``: ``jaxamp.Derivatives(method="reverse")`` (nested reverse mode), the reference.
 - ``"forward"``: ``jaxamp.Derivatives(method="forward")``, the default: nested ``jax.jvp``,
   one chain per derivative path, tangents seeded with the scales; pure second orders
-  propagate one tangent (``jaxamp.taylor``), higher orders are ``jax.jvp`` of that.
+  propagate one tangent (``jaxamp.taylor``), pure orders >= 3 take scaled Taylor mode
+  (``jaxamp.taylor_series``), mixed higher orders are ``jax.jvp`` of the pure second order.
+- ``"fwd_nested"``: the forward engine with pure orders >= 3 by nested ``jax.jvp`` of the
+  pure second order, as before ``jaxamp.taylor_series`` (the measured alternative).
 - ``"fwd_over_rev"``: ``jaxamp.Derivatives(method="forward_over_reverse")``: order 1 by
   reverse mode, every higher order by ``jax.jvp`` with the scale as the tangent seed (it
   started here as a benchmark-only engine and moved into the core).
 - ``"jet"``: Taylor mode (``jax.experimental.jet``), one jet per input direction giving
   every order at once. Only pure derivatives (``u__x__x``, not ``u__x__y``) and only
   *unscaled*: a single jet seeds all orders with one number ``t`` (order k sees ``t**k``),
-  so per-order scales ``s_k`` cannot be reproduced; it raises for a scaled config.
+  so per-order scales ``s_k`` cannot be reproduced; it raises for a scaled config. (The
+  forward engine's own Taylor mode, ``jaxamp.taylor_series``, keeps one scale per order.)
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple
+import contextlib
+from typing import Callable, Dict, Iterator, Mapping, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import jet as jet_mod
 
 import jaxamp
+from jaxamp import derivatives as D
 from jaxamp.derivatives import parse_name
 
-KINDS = ("reverse", "forward", "fwd_over_rev", "jet")
+KINDS = ("reverse", "forward", "fwd_nested", "fwd_over_rev", "jet")
 
 
 class _Alternative:
@@ -52,6 +58,25 @@ class _Alternative:
 
     def point_values(self, params, x, scales):  # pragma: no cover - abstract
         raise NotImplementedError
+
+
+@contextlib.contextmanager
+def _nested_pure_orders() -> Iterator[None]:
+    """While tracing: the forward engine takes no pure order to Taylor mode."""
+    saved = D._SERIES_MIN_ORDER
+    D._SERIES_MIN_ORDER = 1 << 30
+    try:
+        yield
+    finally:
+        D._SERIES_MIN_ORDER = saved
+
+
+class ForwardNested(_Alternative):
+    """``jaxamp.Derivatives(method="forward")`` with pure orders >= 3 by nested ``jax.jvp``."""
+
+    def point_values(self, params, x, scales):
+        with _nested_pure_orders():
+            return D._forward(self.ref, params, x, scales)
 
 
 class Jet(_Alternative):
@@ -94,6 +119,8 @@ def make_engine(kind: str, fn: Callable, *, inputs: Sequence[str], outputs: Sequ
     kw = dict(inputs=inputs, outputs=outputs, derivatives=derivatives, amp=amp)
     if kind in ("reverse", "forward"):
         return jaxamp.Derivatives(fn, **kw, method=kind)
+    if kind == "fwd_nested":
+        return ForwardNested(fn, **kw)
     if kind == "fwd_over_rev":
         return jaxamp.Derivatives(fn, **kw, method="forward_over_reverse")
     if kind == "jet":

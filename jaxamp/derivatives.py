@@ -25,11 +25,14 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Uni
 import jax
 import jax.numpy as jnp
 
-from jaxamp import taylor
+from jaxamp import taylor, taylor_series
 from jaxamp.config import AmpConfig
 from jaxamp.scaler import DynamicScaler, ScaleState
 
 METHODS = ("reverse", "forward", "forward_over_reverse")
+# Pure derivatives of at least this order take Taylor mode in the forward engine
+# (jaxamp.taylor_series); pure second orders take jaxamp.taylor.second_order.
+_SERIES_MIN_ORDER = 3
 PointFn = Callable[..., jax.Array]  # fn(params, x: f32[n_inputs]) -> f32[n_outputs]
 SEP = "__"
 
@@ -76,7 +79,10 @@ class Derivatives:
         output's derivative along the path and the lower orders on the way, so under
         per-order scaling ``u__x__x`` and ``v__x__x`` share a pass. Pure second derivatives
         (``u__x__x``) propagate one tangent instead of nested ``jax.jvp``'s two
-        (:mod:`jaxamp.taylor`), so scaling costs no extra network passes. Fastest measured for
+        (:mod:`jaxamp.taylor`), so scaling costs no extra network passes; pure derivatives of
+        order 3 and more (``u__x__x__x__x``) take Taylor mode, one chain per order, each with
+        its own scale (:mod:`jaxamp.taylor_series`); mixed ones (``u__x__y``) stay nested
+        ``jax.jvp``. Fastest measured for
         PINN-sized inputs (see the README's benchmark section); per-term scaling needs a pass
         per term.
         ``"reverse"``: nested ``jax.grad``, one reverse pass per differentiated variable, as
@@ -360,7 +366,9 @@ def _forward(engine: "Derivatives", params, x: jax.Array, scales: Mapping[str, j
     input twice) is :func:`jaxamp.taylor.second_order`: the outer tangent is formed from the
     inner one by the power of two ``s_2 / s_1**2`` at each primitive rather than propagated
     through the network a second time (float32 primitives scale their second-order term by it
-    instead, the same values); higher orders are ``jax.jvp`` of it.
+    instead, the same values). A pure path of order >= ``_SERIES_MIN_ORDER`` is Taylor mode
+    (:func:`jaxamp.taylor_series.derivatives`), every order's chain carrying ``s_k``; other
+    paths with a pure second-order prefix are ``jax.jvp`` of :func:`jaxamp.taylor.second_order`.
     """
     base_fns = _VariableFns(engine, params, scales)
     out_row = {name: i for i, name in enumerate(engine.outputs)}
@@ -392,7 +400,10 @@ def _forward(engine: "Derivatives", params, x: jax.Array, scales: Mapping[str, j
                 return y, {"unscaled": [y], "scaled": []}
 
             return outputs
-        if len(path) == 2 and path[0][1] == path[1][1]:
+        pure = all(step[1] == path[0][1] for step in path)
+        if pure and len(path) >= _SERIES_MIN_ORDER:
+            return pure_series(path)
+        if pure and len(path) == 2:
             return pure_second(path)
         below, col = chain(path[:-1]), path[-1][1]
 
@@ -418,6 +429,20 @@ def _forward(engine: "Derivatives", params, x: jax.Array, scales: Mapping[str, j
             y, first, second = taylor.second_order(base_fns.outputs, x, tangent, ratio)
             levels = [y, first * (one / s1), second * (one / s2)] if engine.scaled else [y, first, second]
             return second, {"unscaled": levels, "scaled": [first, second]}
+
+        return fn
+
+    def pure_series(path):
+        """``chain(path)`` for a pure derivative of order >= 3 (``u__x__x__x``): Taylor mode,
+        one propagated chain per order, each carrying its own scale (:mod:`jaxamp.taylor_series`)."""
+        col, order = path[0][1], len(path)
+
+        def fn(x):
+            direction = jnp.zeros((len(engine.inputs),), jnp.float32).at[col].set(one)
+            s = [scale_at(path[: j + 1]) for j in range(order)] if engine.scaled else None
+            y, scaled = taylor_series.derivatives(base_fns.outputs, x, direction, order, s)
+            levels = [y] + ([d * (one / sj) for d, sj in zip(scaled, s)] if engine.scaled else list(scaled))
+            return scaled[-1], {"unscaled": levels, "scaled": list(scaled)}
 
         return fn
 

@@ -76,7 +76,10 @@ def _is_float(v) -> bool:
     return jnp.issubdtype(v.aval.dtype, jnp.inexact)
 
 
-def _eval(jaxpr, consts, args, series: Sequence[Series], ratio):
+def _eval(jaxpr, consts, args, series: Sequence[Series], ratio, apply=None):
+    """Evaluate ``jaxpr`` on ``args`` and their series; ``apply(eqn, vals, series, ratio)``
+    (default :func:`_apply`) maps one equation's operands and series to its outputs'."""
+    apply = _apply if apply is None else apply
     env, env_s = {}, {}
 
     def read(v):
@@ -94,7 +97,7 @@ def _eval(jaxpr, consts, args, series: Sequence[Series], ratio):
     for eqn in jaxpr.eqns:
         vals = [read(v) for v in eqn.invars]
         ss = [read_s(v) for v in eqn.invars]
-        outs, out_s = _apply(eqn, vals, ss, ratio)
+        outs, out_s = apply(eqn, vals, ss, ratio)
         for v, o, s in zip(eqn.outvars, outs, out_s):
             if isinstance(v, jcore.DropVar):
                 continue

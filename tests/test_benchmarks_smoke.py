@@ -58,9 +58,8 @@ def test_smoke_runner_writes_json_with_positive_finite_times(tmp_path):
         _positive_time(r["jax_s"]), _positive_time(r["torch_eager_s"])
         _positive_time(r["ratio_jax_over_torch_eager"])
     cases = res["orders"]["cases"]
-    assert set(cases) == {"fp16_scaled/reverse/1", "fp16_scaled/forward/1", "fp16_scaled/fwd_over_rev/1",
-                          "fp16_unscaled/reverse/1", "fp16_unscaled/forward/1", "fp16_unscaled/fwd_over_rev/1",
-                          "fp16_unscaled/jet/1"}  # fmt: skip
+    assert set(cases) == {f"fp16_{cfg}/{kind}/1" for cfg in ("scaled", "unscaled")
+                          for kind in ("reverse", "forward", "fwd_nested", "fwd_over_rev")} | {"fp16_unscaled/jet/1"}
     for name, c in cases.items():
         _positive_time(c["time_s"])
         if "/reverse/" not in name:
@@ -95,7 +94,7 @@ def _engines(amp, derivatives, kinds):
 
 
 @pytest.mark.parametrize("mode", ["per_order_scaler", "per_term_scaler"])
-@pytest.mark.parametrize("kind", ["forward", "fwd_over_rev"])
+@pytest.mark.parametrize("kind", ["forward", "fwd_nested", "fwd_over_rev"])
 def test_forward_engines_match_reverse_scaled_fp16(mode, kind):
     amp = jaxamp.AmpConfig(dtype="float16", mode=mode)
     ders = ("u__x__x__x", "u__x__y", "v__y__y")
@@ -120,7 +119,7 @@ def test_forward_engines_and_jet_match_reverse_fp32():
     params, eng = _engines(None, ders, E.KINDS)
     x = jax.random.uniform(jax.random.PRNGKey(2), (8, 2), minval=-1, maxval=1)
     ref, _ = eng["reverse"](params, x)
-    for kind in ("forward", "fwd_over_rev", "jet"):
+    for kind in ("forward", "fwd_nested", "fwd_over_rev", "jet"):
         got, flags = eng[kind](params, x)
         assert set(got) == set(ref) and flags == {}
         np.testing.assert_array_less(E.max_rel_diff(got, ref), 1e-5)

@@ -347,7 +347,8 @@ class _VariableFns:
         return self._grads[name]
 
 
-def _forward(engine: "Derivatives", params, x: jax.Array, scales: Mapping[str, jax.Array]):
+def _forward(engine: "Derivatives", params, x: jax.Array, scales: Mapping[str, jax.Array],
+             series_min_order: Optional[int] = None):
     """``point_values`` by nested forward mode, one chain of ``jax.jvp`` per derivative path.
 
     A derivative's path is its sequence of (scaler key, input) steps: ``u__x__y`` under
@@ -366,13 +367,15 @@ def _forward(engine: "Derivatives", params, x: jax.Array, scales: Mapping[str, j
     input twice) is :func:`jaxamp.taylor.second_order`: the outer tangent is formed from the
     inner one by the power of two ``s_2 / s_1**2`` at each primitive rather than propagated
     through the network a second time (float32 primitives scale their second-order term by it
-    instead, the same values). A pure path of order >= ``_SERIES_MIN_ORDER`` is Taylor mode
+    instead, the same values). A pure path of order >= ``series_min_order`` (default
+    ``_SERIES_MIN_ORDER``) is Taylor mode
     (:func:`jaxamp.taylor_series.derivatives`), every order's chain carrying ``s_k``; other
     paths with a pure second-order prefix are ``jax.jvp`` of :func:`jaxamp.taylor.second_order`.
     """
     base_fns = _VariableFns(engine, params, scales)
     out_row = {name: i for i, name in enumerate(engine.outputs)}
     one = jnp.float32(1.0)
+    series_min_order = _SERIES_MIN_ORDER if series_min_order is None else series_min_order
 
     def path_of(name: str) -> Tuple[Tuple[str, int], ...]:
         base, wrt = parse_name(name)
@@ -401,7 +404,7 @@ def _forward(engine: "Derivatives", params, x: jax.Array, scales: Mapping[str, j
 
             return outputs
         pure = all(step[1] == path[0][1] for step in path)
-        if pure and len(path) >= _SERIES_MIN_ORDER:
+        if pure and len(path) >= series_min_order:
             return pure_series(path)
         if pure and len(path) == 2:
             return pure_second(path)

@@ -176,3 +176,9 @@ def loss_scaler(**overrides) -> DynamicScaler:
     )
     params.update(overrides)
     return DynamicScaler(**params)
+
+
+def exact_log2(x: jax.Array) -> jax.Array:
+    """``log2(x)`` that is exact for powers of two (``jnp.log2`` may give 14.999999 for 2**15)."""
+    mantissa, exponent = jnp.frexp(jnp.asarray(x, jnp.float32))
+    return (exponent - 1).astype(jnp.float32) + jnp.log2(2 * mantissa)

@@ -166,7 +166,13 @@ def _curvature(f, primals, t1, outs, ratio) -> List[jax.Array]:
 
     if ratio is None:
         return nested(t1)
-    if all(jnp.issubdtype(v.dtype, jnp.inexact) and jnp.finfo(v.dtype).bits >= _SCALE_AFTER_MIN_BITS
-           for v in (*t1, *outs)):
+    if _scales_after(*t1, *outs):
         return [_scaled(c, ratio) for c in nested(t1)]
     return nested(tuple(_scaled(t, ratio) for t in t1))
+
+
+def _scales_after(*arrays: jax.Array) -> bool:
+    """Whether a primitive with these tangents and outputs computes wide enough (float32 or
+    more, see ``_SCALE_AFTER_MIN_BITS``) to scale its higher-order terms after the product."""
+    return all(jnp.issubdtype(v.dtype, jnp.inexact) and jnp.finfo(v.dtype).bits >= _SCALE_AFTER_MIN_BITS
+               for v in arrays)

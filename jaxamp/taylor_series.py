@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from jaxamp import taylor
+from jaxamp.scaler import exact_log2
 
 # Highest derivative order that is not identically zero, for primitives that have one.
 _DEGREE = {"mul": 2, "dot_general": 2}
@@ -57,8 +58,7 @@ def derivatives(f: Callable[[jax.Array], jax.Array], x: jax.Array, direction: ja
     closed = jax.make_jaxpr(f)(x)
     first = direction.astype(jnp.float32) * (scales[0] if scales is not None else 1.0)
     seed = [first.astype(x.dtype)] + [None] * (order - 1)
-    apply = lambda eqn, vals, ss, _: _apply(eqn, vals, ss, scales, order)  # noqa: E731
-    (y,), (s,) = taylor._eval(closed.jaxpr, closed.consts, [x], [seed], None, apply=apply)
+    (y,), (s,) = taylor._eval(closed.jaxpr, closed.consts, [x], [seed], None, apply=_applier(scales, order))
     s = s if s is not None else [None] * order
     return y, [jnp.zeros_like(y) if c is None else c for c in s]
 
@@ -94,6 +94,11 @@ def _multilinear(f, primals, tangents: Sequence[Tuple[jax.Array, ...]]):
     return jax.jvp(g, primals, tangents[-1])[1]
 
 
+def _applier(scales, order: int):
+    """``_apply`` with this series' scales and order, in ``taylor._eval``'s signature."""
+    return lambda eqn, vals, ss, _ratio: _apply(eqn, vals, ss, scales, order)
+
+
 def _apply(eqn, vals: List, ss: List, scales, order: int):
     n_out = len(eqn.outvars)
     idx = [i for i, s in enumerate(ss) if s is not None]
@@ -102,8 +107,7 @@ def _apply(eqn, vals: List, ss: List, scales, order: int):
     name = eqn.primitive.name
     if name in taylor._CALLS and isinstance(eqn.params.get("jaxpr"), jcore.ClosedJaxpr):
         inner = eqn.params["jaxpr"]
-        apply = lambda e, v, s, _: _apply(e, v, s, scales, order)  # noqa: E731
-        return taylor._eval(inner.jaxpr, inner.consts, vals, ss, None, apply=apply)
+        return taylor._eval(inner.jaxpr, inner.consts, vals, ss, None, apply=_applier(scales, order))
 
     def f(*operands):
         full = list(vals)
@@ -125,8 +129,7 @@ def _apply(eqn, vals: List, ss: List, scales, order: int):
 
     linear = name in taylor._LINEAR or (name in taylor._BILINEAR and len(idx) == 1)
     degree = 1 if linear else _DEGREE.get(name, order)
-    wide = all(jnp.issubdtype(v.dtype, jnp.inexact) and jnp.finfo(v.dtype).bits >= taylor._SCALE_AFTER_MIN_BITS
-               for v in (*outs, *(c for c in coeff(1) or ())))  # fmt: skip
+    wide = taylor._scales_after(*outs, *(coeff(1) or ()))
     series = []
     for k in range(1, order + 1):
         total = None
@@ -156,29 +159,20 @@ def _apply(eqn, vals: List, ss: List, scales, order: int):
     return outs, out_s
 
 
-def _log2(x: jax.Array) -> jax.Array:
-    """``log2`` exact for powers of two."""
-    mantissa, exponent = jnp.frexp(x)
-    return (exponent - 1).astype(jnp.float32) + jnp.log2(2 * mantissa)
-
-
 def _rescaled(ts: List[Tuple[jax.Array, ...]], parts: Tuple[int, ...], k: int, scales, c: int):
     """The tangents ``Z_{p_i}`` of one float16 term, each multiplied by a power of two so that
     their product carries ``S_k`` and every partial product stays near the size of the
     result: tangent ``i`` is brought from scale ``S_{p_i}`` to about ``S_k ** (p_i / k)``
     (the factors are 1 when the scales are geometric, ``S_j = s**j``), the last takes what
     remains of ``S_k / prod S_{p_i}``, and the coefficient ``c``."""
-    n = len(parts)
     if scales is None:
-        factors = [jnp.float32(1.0)] * (n - 1) + [jnp.float32(c)]
+        factors = [jnp.float32(1.0)] * (len(parts) - 1) + [jnp.float32(c)]
     else:
-        log_k = _log2(scales[k - 1])
-        rest = log_k
-        factors = []
-        for i, j in enumerate(parts):
-            log_j = _log2(scales[j - 1])
-            a = jnp.round(j * log_k / k - log_j) if i < n - 1 else rest - log_j
-            rest = rest - log_j - a if i < n - 1 else rest
-            factors.append(jnp.exp2(jnp.clip(a, -126.0, 127.0)))  # beyond: float16's result is 0 or inf anyway
+        log_k = exact_log2(scales[k - 1])
+        logs = [exact_log2(scales[j - 1]) for j in parts]
+        heads = [jnp.round(j * log_k / k - log_j) for j, log_j in zip(parts[:-1], logs[:-1])]
+        exponents = heads + [log_k - sum(logs) - sum(heads)]  # they add up to log2(S_k / prod S_{p_i})
+        # beyond +-126/127 a float16 result is 0 or inf anyway
+        factors = [jnp.exp2(jnp.clip(a, -126.0, 127.0)) for a in exponents]
         factors[-1] = factors[-1] * jnp.float32(c)
     return [tuple(taylor._scaled(t, (f_,)) for t in ts_i) for ts_i, f_ in zip(ts, factors)]

@@ -11,7 +11,7 @@ import optax
 
 from jaxamp.config import AmpConfig
 from jaxamp.derivatives import Derivatives
-from jaxamp.scaler import ScaleState
+from jaxamp.scaler import ScaleState, exact_log2
 from jaxamp.tree import all_finite, any_true, select_tree
 
 # loss_fn(params, batch, scales) -> (loss f32[], (terms {name: f32[]}, found_inf {key: bool[]}))
@@ -187,12 +187,6 @@ def make_train_step(
         return new_state, metrics
 
     return step
-
-
-def exact_log2(x: jax.Array) -> jax.Array:
-    """``log2(x)`` that is exact for powers of two (``jnp.log2`` may give 14.999999 for 2**15)."""
-    mantissa, exponent = jnp.frexp(jnp.asarray(x, jnp.float32))
-    return (exponent - 1).astype(jnp.float32) + jnp.log2(2 * mantissa)
 
 
 def merge_found_inf(*flags: Mapping[str, jax.Array]) -> Dict[str, jax.Array]:

@@ -30,6 +30,9 @@ from jaxamp.config import AmpConfig
 from jaxamp.scaler import DynamicScaler, ScaleState
 
 METHODS = ("reverse", "forward", "forward_over_reverse")
+# Reserved key of found_inf: True when an input, a network output or a level below a
+# derivative is non-finite at some point (bad values: no scale can cure them).
+NONFINITE_VALUES = "nonfinite_values"
 # Pure derivatives of at least this order take Taylor mode in the forward engine
 # (jaxamp.taylor_series); pure second orders take jaxamp.taylor.second_order.
 _SERIES_MIN_ORDER = 3

@@ -4,7 +4,7 @@ import os
 import signal
 import sys
 
-from tests.poisson import cached_problem
+from tests.helpers.poisson import cached_problem
 import jaxamp
 
 

@@ -85,6 +85,8 @@ class AmpConfig:
         even in per-order mode (e.g. a turbulence model's ``nu``).
       derivative_scaler: overrides of the derivative scalers' hyper-parameters.
       loss_scaler: overrides of the weight-gradient loss scaler's hyper-parameters.
+      derivative_scaling: scale the input derivatives (the DerivScaler). False with
+        float16: plain fp16, the loss scaler only.
     """
 
     enabled: bool = True
@@ -97,9 +99,11 @@ class AmpConfig:
     special_terms: Tuple[str, ...] = ()
     derivative_scaler: Mapping[str, float] = dataclasses.field(default_factory=dict)
     loss_scaler: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    derivative_scaling: bool = True
 
     def __post_init__(self) -> None:
         _check_bool("enabled", self.enabled)
+        _check_bool("derivative_scaling", self.derivative_scaling)
         if self.mode not in MODES:
             _fail("mode", self.mode, f"one of {list(MODES)}")
         if self.dtype not in DTYPES:
@@ -137,7 +141,12 @@ class AmpConfig:
     # ---------------------------------------------------------------- derived settings
     @property
     def scaler_enabled(self) -> bool:
-        """True when the derivative and loss scalers act: AMP on and dtype float16."""
+        """True when the derivative scalers act: AMP on, dtype float16 and derivative_scaling."""
+        return self.loss_scaling_enabled and self.derivative_scaling
+
+    @property
+    def loss_scaling_enabled(self) -> bool:
+        """True when the weight-gradient loss scaler acts: AMP on and dtype float16."""
         return self.enabled and self.dtype == "float16"
 
     @property

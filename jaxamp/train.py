@@ -51,7 +51,7 @@ class TrainState(NamedTuple):
         deriv = {}
         for e in engines:
             deriv.update(e.init_scaler_states())
-        if amp.scaler_enabled:
+        if amp.loss_scaling_enabled:
             loss_scale = amp.make_loss_scaler().init()
         else:
             loss_scale = ScaleState(jnp.asarray(1.0, jnp.float32), jnp.asarray(0, jnp.int32))
@@ -121,7 +121,7 @@ def make_train_step(
             f"make_train_step: `grad_clip_max_norm`={grad_clip_max_norm!r} must be a finite number >= 0 "
             "(0 or None disables clipping)."
         )
-    loss_rule = amp.make_loss_scaler() if amp.scaler_enabled else None
+    loss_rule = amp.make_loss_scaler() if amp.loss_scaling_enabled else None
 
     def step(state: TrainState, batch: Any) -> Tuple[TrainState, Dict[str, jax.Array]]:
         scales = state.scales

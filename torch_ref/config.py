@@ -32,9 +32,10 @@ class AmpSettings:
     special_terms: Tuple[str, ...] = ()
     derivative_scaler: Mapping[str, float] = dataclasses.field(default_factory=dict)
     loss_scaler: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    derivative_scaling: bool = True
 
     def __post_init__(self) -> None:
-        for key in ("enabled", "autocast_activation", "autocast_firstlayer"):
+        for key in ("enabled", "autocast_activation", "autocast_firstlayer", "derivative_scaling"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"amp.{key}={getattr(self, key)!r} is not allowed: expected true or false.")
         if self.mode not in MODES:
@@ -59,7 +60,12 @@ class AmpSettings:
 
     @property
     def scaler_enabled(self) -> bool:
-        """True when the derivative and loss scalers act: AMP on and dtype float16."""
+        """True when the derivative scalers act: AMP on, dtype float16 and derivative_scaling."""
+        return self.loss_scaling_enabled and self.derivative_scaling
+
+    @property
+    def loss_scaling_enabled(self) -> bool:
+        """True when the weight-gradient loss scaler acts: AMP on and dtype float16."""
         return self.enabled and self.dtype == "float16"
 
     @property

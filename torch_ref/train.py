@@ -53,7 +53,7 @@ class TrainState:
             if not isinstance(e, Derivatives):
                 raise TypeError(f"TrainState.create: `engines` must hold torch_ref Derivatives, got {e!r}.")
             deriv.update(e.init_scaler_states(device))
-        if amp.scaler_enabled:
+        if amp.loss_scaling_enabled:
             loss_scale = amp.make_loss_scaler().init(device)
         else:
             loss_scale = ScaleState(torch.tensor(1.0, device=device), torch.tensor(0, dtype=torch.int32, device=device))
@@ -131,7 +131,7 @@ def make_train_step(
             state.applied += 1
         else:
             grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-        if state.amp.scaler_enabled and not deriv_overflow:
+        if state.amp.loss_scaling_enabled and not deriv_overflow:
             state.loss_scale = state.amp.make_loss_scaler().update(state.loss_scale, not finite)
         state.deriv_scales = {
             k: state.amp.derivative_scaler_for(k).update(s, flags[k]) for k, s in state.deriv_scales.items()

@@ -4,12 +4,8 @@ import os
 import signal
 import sys
 
-from tests.helpers.poisson import cached_problem
 import jaxamp
-
-
-def poisoned(i):
-    return i % 4 == 3  # some skipped steps on both sides of the checkpoint
+from tests.helpers.poisson import cached_problem, poisoned
 
 
 def main(directory, steps):

@@ -13,15 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # `benchmarks/` is not an installed package: import it from the checkout
-    sys.path.insert(0, str(ROOT))
+import jaxamp
+from benchmarks import engines as E
+from benchmarks import ldc
+from benchmarks.runner import parse_size
+from jaxamp.models import FullyConnected
 
-import jaxamp  # noqa: E402
-from benchmarks import engines as E  # noqa: E402
-from benchmarks import ldc  # noqa: E402
-from benchmarks.runner import parse_size  # noqa: E402
-from jaxamp.models import FullyConnected  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(tmp_path, *args):

@@ -10,7 +10,7 @@ import pytest
 from examples.burgers import Burgers
 from examples.common.config import ConfigError
 from examples.common.train import Setup
-from tests.examples.test_runs import tiny
+from tests.helpers.examples import tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ARGS = ["model.layer_size=8", "model.nr_layers=2", "eval.grid=9", "training.chunk_steps=5",

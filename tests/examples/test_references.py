@@ -5,7 +5,6 @@ Runs in ~15-25 s on 2 CPU cores; the 129 x 129 cavity solve dominates.
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
@@ -14,11 +13,7 @@ import pytest
 import scipy.sparse as sp
 from scipy.integrate import solve_ivp
 
-_ROOT = Path(__file__).resolve().parents[2]
-if str(_ROOT) not in sys.path:  # `examples` is not an installed package
-    sys.path.insert(0, str(_ROOT))
-
-from examples.references import (  # noqa: E402
+from examples.references import (
     BURGERS_NU,
     HELMHOLTZ_K,
     CavityConvergenceError,
@@ -35,7 +30,7 @@ from examples.references import (  # noqa: E402
     solve_cavity,
 )
 
-GHIA_CSV = _ROOT / "tests" / "data" / "ghia1982_re100.csv"
+GHIA_CSV = Path(__file__).resolve().parents[1] / "data" / "ghia1982_re100.csv"
 
 
 # ---------------------------------------------------------------------------

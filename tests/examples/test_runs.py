@@ -6,25 +6,11 @@ import math
 import pytest
 
 from examples.burgers import Burgers
-from examples.common.config import MODES, load_config
+from examples.common.config import MODES
 from examples.common.train import Setup, train_and_evaluate
 from examples.helmholtz import Helmholtz
 from examples.ldc import LDC
-
-TINY = {
-    LDC: ["batch.top_wall=8", "batch.no_slip=8", "batch.interior=16", "eval.reference_n=17"],
-    Burgers: ["batch.initial=8", "batch.boundary=8", "batch.interior=16"],
-    Helmholtz: ["batch.boundary=8", "batch.interior=16", "model.frequencies=[axis,[0,1,2]]"],
-}
-COMMON = ["model.layer_size=8", "model.nr_layers=2", "eval.grid=9", "training.chunk_steps=2", "training.checkpoint_every=2"]
-
-
-def tiny(cls, mode, steps):
-    return load_config(cls.name, [*COMMON, *TINY[cls], f"mode={mode}", f"training.max_steps={steps}"], checks=cls.checks)
-
-
-def read(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
+from tests.helpers.examples import COMMON, TINY, read, tiny
 
 
 def test_plain_fp16_has_loss_scaler_but_no_derivative_scalers():

@@ -50,3 +50,9 @@ def cached_problem(name):
         state, step, batch, engine = make_problem(_AMP[name]())
         _CACHE[name] = (state, jax.jit(step), step, batch, engine)
     return _CACHE[name]
+
+
+def poisoned(i):
+    """Whether step ``i`` of the checkpoint run gets a NaN point: some skipped steps on both
+    sides of the checkpoint (tests/checkpoint_worker.py and the test that resumes its run)."""
+    return i % 4 == 3

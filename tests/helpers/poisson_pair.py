@@ -23,7 +23,7 @@ import torch
 
 import jaxamp
 import torch_ref
-from parity_helpers import NO_EXCESS, build_pair, torch_twin
+from tests.helpers.parity import NO_EXCESS, build_pair, torch_twin
 
 N_INTERIOR = 32
 X = np.linspace(0.0, 1.0, N_INTERIOR + 2, dtype=np.float32)[1:-1]

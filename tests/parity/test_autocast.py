@@ -72,7 +72,7 @@ def _nets(dtype_name: str, zero_bias: bool):
 
 
 def rel_err(a: np.ndarray, b: np.ndarray) -> float:
-    """``||a - b|| / ||a||`` (this file needs torch only, so it does not import parity_helpers)."""
+    """``||a - b|| / ||a||`` (this file needs torch only, so it does not import tests.helpers.parity)."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / np.linalg.norm(a))
 

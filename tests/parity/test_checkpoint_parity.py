@@ -1,7 +1,7 @@
 """Checkpoint parity: scaler state saved by one framework, loaded by the other, continues identically.
 
 1. Scalers alone (the per-order fp16 setup: keys "1", "2" and the loss scaler, with the rules of
-   poisson_pair's fp16 config), driven by random found_inf flags:
+   tests.helpers.poisson_pair's fp16 config), driven by random found_inf flags:
    (a) jaxamp runs K steps, saves with ``jaxamp.Checkpointer``; the restored arrays go into
        torch_ref ``ScaleState``s (``torch_ref.scale_states_from_jax``); both continue K steps;
    (b) torch_ref runs K steps, ``torch.save``s its state_dicts; ``torch.load`` ->
@@ -27,7 +27,7 @@ import torch
 
 import jaxamp
 import torch_ref
-from poisson_pair import CONFIGS, fresh_pair, losses, run_jax, run_torch, trajectory
+from tests.helpers.poisson_pair import CONFIGS, fresh_pair, losses, run_jax, run_torch, trajectory
 
 AMP = CONFIGS["fp16"][0]
 NAMES = ("1", "2", "loss")

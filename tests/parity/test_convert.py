@@ -6,7 +6,7 @@ import torch
 
 import jaxamp
 import torch_ref
-from parity_helpers import build_pair
+from tests.helpers.parity import build_pair
 
 
 def test_round_trip_is_exact_and_shapes_follow_modulus():
@@ -38,12 +38,12 @@ def test_unknown_names_are_rejected_by_name():
 
 
 def test_shared_init_params_match_every_precision_configuration():
-    """parity_helpers.init_params shares one init across configurations: check that is sound."""
+    """tests.helpers.parity.init_params shares one init across configurations: check that is sound."""
     import jax
     import jax.numpy as jnp
 
     from jaxamp.models import FullyConnected
-    from parity_helpers import init_params
+    from tests.helpers.parity import init_params
 
     shared = init_params(1, 1, 8, 2, 5)
     amp = jaxamp.AmpConfig(dtype="float16", autocast_firstlayer=True, autocast_activation=True)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import jaxamp
-from parity_helpers import U16, build_pair, engines, evaluate, rel_err
+from tests.helpers.parity import U16, build_pair, engines, evaluate, rel_err
 
 RNG = np.random.default_rng(0)
 PTS2 = RNG.uniform(-1, 1, (64, 2)).astype(np.float32)

@@ -1,17 +1,17 @@
-"""Training parity on the 1D Poisson PINN of poisson_pair.py (same weights, points, Adam schedule).
+"""Training parity on the 1D Poisson PINN of tests/helpers/poisson_pair.py (same weights, points, Adam schedule).
 
 - fp32, 200 steps: losses agree to 1e-4 relative at every applied step.
 - fp16, 300 steps, derivative scalers active, a NaN input point injected at chosen steps:
   identical skip decisions and (scale, tracker) trajectories of every scaler and of the loss
   scaler; losses within FP16_LOSS_RTOL.
 Overflow here is injected (a NaN input point), so it does not depend on XLA's excess precision.
-The jitted jaxamp step is shared with test_checkpoint_parity.py (poisson_pair.jax_side).
+The jitted jaxamp step is shared with test_checkpoint_parity.py (tests.helpers.poisson_pair.jax_side).
 """
 
 import numpy as np
 
 import jaxamp
-from poisson_pair import fresh_pair, losses, run_jax, run_torch, trajectory
+from tests.helpers.poisson_pair import fresh_pair, losses, run_jax, run_torch, trajectory
 
 # Steps where one input point is NaN. A burst of 8 backs the derivative scalers off to 2^-8.
 # jaxamp seeds every point's derivative with its own copy of the scale (Derivatives.__call__),

@@ -7,6 +7,7 @@ import pytest
 
 import jaxamp
 from jaxamp import taylor
+from jaxamp.taylor import curvature
 from jaxamp.models import FullyConnected
 
 STRICT_FP16 = {"xla_allow_excess_precision": False}  # fp16 ops round to fp16, no f32 shortcuts
@@ -165,7 +166,7 @@ def test_float32_activations_scale_after_and_move_no_more_bytes_than_unscaled(mo
     plain, scaled, params, pts, scales = _laplacian_engines()
     base = _step_cost(plain, params, pts, None)[1]
     got = _step_cost(scaled, params, pts, scales)[1]
-    monkeypatch.setattr(taylor, "_SCALE_AFTER_MIN_BITS", 65)  # no dtype qualifies: scale first
+    monkeypatch.setattr(curvature, "_SCALE_AFTER_MIN_BITS", 65)  # no dtype qualifies: scale first
     before = _step_cost(scaled, params, pts, scales)[1]
     assert got <= base, (got, base)
     assert before > 1.02 * got, (before, got)

@@ -7,7 +7,8 @@ import pytest
 
 import jaxamp
 from jaxamp import derivatives as D
-from jaxamp import taylor, taylor_series
+from jaxamp import taylor_series
+from jaxamp.taylor import curvature
 from jaxamp.models import FullyConnected
 from tests.test_taylor import FUNCTIONS, STRICT_FP16
 
@@ -101,7 +102,7 @@ def test_fp16_activations_rescale_the_tangents_before_the_product(monkeypatch):
     assert all(bool(jnp.all(jnp.isfinite(r))) for r in ref)
     for k, (g, r) in enumerate(zip(got, ref), 1):
         np.testing.assert_allclose(g, r, atol=2e-2 * float(jnp.abs(r).max()), err_msg=f"order {k}")
-    monkeypatch.setattr(taylor, "_SCALE_AFTER_MIN_BITS", 16)  # float16 counts as wide: scale after
+    monkeypatch.setattr(curvature, "_SCALE_AFTER_MIN_BITS", 16)  # float16 counts as wide: scale after
     assert not all(bool(jnp.all(jnp.isfinite(g))) for g in ours()[1:])
 
 

@@ -31,14 +31,14 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from jaxamp import taylor
+from jaxamp.taylor import curvature as taylor
 from jaxamp.scaler import exact_log2
 
 # Highest derivative order that is not identically zero, for primitives that have one.
 _DEGREE = {"mul": 2, "dot_general": 2}
 
 
-def derivatives(f: Callable[[jax.Array], jax.Array], x: jax.Array, direction: jax.Array, order: int,
+def series(f: Callable[[jax.Array], jax.Array], x: jax.Array, direction: jax.Array, order: int,
                 scales: Optional[Sequence[jax.Array]] = None) -> Tuple[jax.Array, List[jax.Array]]:  # fmt: skip
     """``(f(x), [S_1 df[e], S_2 d2f[e, e], ..., S_K dKf[e, ..., e]])`` with ``e = direction``,
     ``K = order`` and ``S = scales`` (float32 scalars; ``None``: all 1). Each entry has
@@ -49,11 +49,11 @@ def derivatives(f: Callable[[jax.Array], jax.Array], x: jax.Array, direction: ja
     float16 roundings, and an order's chain overflows when that order's scaled value does.
     """
     if isinstance(order, bool) or not isinstance(order, int) or order < 1:
-        raise ValueError(f"taylor_series.derivatives: `order`={order!r} must be an integer >= 1.")
+        raise ValueError(f"jaxamp.taylor.series: `order`={order!r} must be an integer >= 1.")
     if scales is not None:
         scales = tuple(jnp.asarray(s, jnp.float32) for s in scales)
         if len(scales) != order:
-            raise ValueError(f"taylor_series.derivatives: got {len(scales)} scales for order {order}; "
+            raise ValueError(f"jaxamp.taylor.series: got {len(scales)} scales for order {order}; "
                              "pass one per order (S_1, ..., S_K) or None.")
     closed = jax.make_jaxpr(f)(x)
     first = direction.astype(jnp.float32) * (scales[0] if scales is not None else 1.0)

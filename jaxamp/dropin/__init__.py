@@ -1,0 +1,33 @@
+"""Drop-in derivative scaling for JAX code written with ``jax.grad``.
+
+Write derivatives as usual with :func:`grad` (``jax.grad``'s signature) and wrap the
+function that uses them with :func:`scaled`, which supplies the scales and returns the
+overflow flags: no signature of the user's code changes.
+
+>>> u_t = grad(u_net, argnums=1, of="u", wrt="t")                          # doctest: +SKIP
+>>> u_xx = grad(grad(u_net, argnums=2, of="u", wrt="x"), argnums=2, wrt="x")  # doctest: +SKIP
+>>> loss, found_inf = scaled(loss_fn, amp)(scales, params, batch)          # doctest: +SKIP
+
+What to use when:
+
+- :class:`jaxamp.Derivatives` (engine with named inputs/outputs): new code, or many
+  derivatives of a multi-output network. It chooses the fastest method (nested forward
+  mode, Taylor mode for high pure orders, shared passes) and takes ``scales`` explicitly.
+- :func:`grad` + :func:`scaled`: existing code written with ``jax.grad`` (scalar
+  ``u_net(params, t, x)``, residuals under ``vmap``, ``jacrev`` of the residuals for loss
+  weights). Its values are the engine's ``method="reverse"`` values under the same scaler
+  keys (per order; per term and special terms with ``of=``/``wrt=`` names); the speed is that
+  of the user's nested ``jax.grad``.
+
+Keys: the order of a ``grad`` is 1 + the highest order of the ``grad`` calls made while its
+function is evaluated, found when it is traced. A function that calls ``grad`` through a
+``jax.jit`` whose trace is cached from an earlier call (the same jitted function called
+again with the same shapes inside another ``grad``) reports nothing, and the outer ``grad``
+gets a lower order: put ``jax.jit`` around the whole loss, not between nested ``grad`` s.
+"""
+
+from jaxamp.dropin.grad import grad
+from jaxamp.dropin.primitives import deriv_check_p, deriv_scale_p
+from jaxamp.dropin.scaled import scaled, scaler_keys
+
+__all__ = ["grad", "scaled", "scaler_keys", "deriv_scale_p", "deriv_check_p"]

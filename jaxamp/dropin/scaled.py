@@ -1,0 +1,279 @@
+"""``jaxamp.dropin.scaled``: scales in, overflow flags out, for programs using ``dropin.grad``.
+
+``scaled(fun, amp)(scales, *args) -> (fun(*args), found_inf)`` traces ``fun`` to a jaxpr
+and evaluates it with :func:`jaxamp.interpreter.eval_jaxpr` (checkify-style): every
+``deriv_scale_p`` becomes the current scale of its key, every ``deriv_check_p`` ORs its
+flags into ``found_inf``. The result is an ordinary JAX function of ``(scales, *args)``: it
+composes with ``jax.grad`` (a train step differentiates ``scaled(loss)`` with respect to the
+parameters), ``vmap``, ``jit``, ``jacrev``/``jacfwd`` and ``lax.scan``; no host callbacks.
+
+``found_inf`` has the Derivatives engine's meaning: ``found_inf[key]`` is True when at some
+point the value a derivative of that key differentiates is finite and its scaled result is
+not (a true overflow); ``found_inf["nonfinite_values"]`` when that value is not finite
+(bad values, which no scale cures).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.extend import core as jcore
+
+from jaxamp.config import AmpConfig
+from jaxamp.derivatives import NONFINITE_VALUES
+from jaxamp.dropin.primitives import PRIMITIVES, deriv_check_p, deriv_scale_p
+from jaxamp.interpreter import CALL_PRIMITIVES, bind, eval_jaxpr, sub_jaxpr
+
+__all__ = ["scaled", "scaler_keys"]
+
+Flags = Dict[str, jax.Array]
+_MARKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _jaxprs(eqn) -> List[jcore.Jaxpr]:
+    return [j.jaxpr if isinstance(j, jcore.ClosedJaxpr) else j for j in jcore.jaxprs_in_params(eqn.params)]
+
+
+def _marks(jaxpr: jcore.Jaxpr) -> Tuple[Tuple[int, Optional[str]], ...]:
+    """The (order, term) of every jaxamp primitive in ``jaxpr`` and its sub-jaxprs (cached)."""
+    try:
+        return _MARKED[jaxpr]
+    except (KeyError, TypeError):
+        pass
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive in PRIMITIVES:
+            found.append((eqn.params["order"], eqn.params["term"]))
+        for sub in _jaxprs(eqn):
+            found.extend(_marks(sub))
+    found = tuple(dict.fromkeys(found))
+    try:
+        _MARKED[jaxpr] = found
+    except TypeError:
+        pass
+    return found
+
+
+class _Context:
+    """The scales and the key rule of one evaluation."""
+
+    def __init__(self, scales: Mapping[str, Any], amp: Optional[AmpConfig]) -> None:
+        self.amp = amp
+        self.active = amp is None or amp.scaler_enabled
+        self.scales = scales
+
+    def key(self, order: int, term: Optional[str]) -> str:
+        amp = self.amp
+        if amp is not None and (amp.mode == "per_term_scaler" or term in amp.special_terms):
+            if term is None:
+                raise ValueError(
+                    f"jaxamp.scaled: a derivative of order {order} differentiates an unnamed value, "
+                    f"but amp.mode={amp.mode!r} keys scalers by name; name it with "
+                    "jaxamp.grad(fun, argnums, of='u', wrt='x')."
+                )
+            return term
+        return str(order)
+
+    def keys(self, jaxpr: jcore.Jaxpr) -> List[str]:
+        """The flag keys ``jaxpr`` produces (static)."""
+        if not self.active:
+            return []
+        keys = list(dict.fromkeys(self.key(o, t) for o, t in _marks(jaxpr)))
+        return keys + [NONFINITE_VALUES] if keys else []
+
+    def scale(self, v, order: int, term: Optional[str]) -> jax.Array:
+        if not self.active:
+            return jnp.ones(jnp.shape(v), jnp.float32)
+        key = self.key(order, term)
+        if key not in self.scales:
+            raise KeyError(
+                f"jaxamp.scaled: the program takes a derivative with scaler key {key!r} (order {order}, "
+                f"term {term!r}) but `scales` has only the keys {sorted(self.scales)}; pass a scale for "
+                f"every key of jaxamp.dropin.scaler_keys(fun, amp)(*args)."
+            )
+        return jnp.broadcast_to(jnp.asarray(self.scales[key], jnp.float32), jnp.shape(v))
+
+
+def _or(flags: Flags, key: str, hit) -> None:
+    flags[key] = hit if key not in flags else flags[key] | hit
+
+
+def _check(ctx: _Context, flags: Flags, g, v, order: int, term: Optional[str]) -> None:
+    if not ctx.active:
+        return
+    finite_v = jnp.isfinite(v)
+    bad_g = ~jnp.isfinite(g)
+    if bad_g.ndim > finite_v.ndim:  # one flag per point: reduce the gradient's own axes
+        bad_g = jnp.any(bad_g, axis=tuple(range(finite_v.ndim, bad_g.ndim)))
+    _or(flags, ctx.key(order, term), jnp.any(bad_g & finite_v))
+    _or(flags, NONFINITE_VALUES, jnp.any(~finite_v))
+
+
+def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: _Context) -> Tuple[List, Flags]:
+    flags: Flags = {}
+
+    def rule(eqn, invals):
+        prim = eqn.primitive
+        if prim is deriv_scale_p:
+            return [ctx.scale(invals[0], **eqn.params)]
+        if prim is deriv_check_p:
+            _check(ctx, flags, *invals, **eqn.params)
+            return [invals[0]]
+        if not any(_marks(j) for j in _jaxprs(eqn)):
+            return bind(eqn, invals)  # fast path: nothing of ours inside
+        handler = _HANDLERS.get(prim.name)
+        if handler is None and prim.name in CALL_PRIMITIVES:
+            handler = _call
+        if handler is None:
+            raise NotImplementedError(
+                f"jaxamp.scaled: jaxamp.grad inside a `{prim.name}` is not supported; supported "
+                f"are {sorted(set(_HANDLERS) | CALL_PRIMITIVES)}. Move the jaxamp.grad call out of it."
+            )
+        outs, sub_flags = handler(eqn, invals, ctx)
+        for k, v in sub_flags.items():
+            _or(flags, k, v)
+        return outs
+
+    return eval_jaxpr(jaxpr, consts, args, rule), flags
+
+
+def _full(flags: Flags, keys: Sequence[str]) -> Flags:
+    return {k: jnp.asarray(flags.get(k, False), bool) for k in keys}
+
+
+def _call(eqn, invals, ctx):
+    body = sub_jaxpr(eqn)
+    return _evaluate(body.jaxpr, body.consts, invals, ctx)
+
+
+def _custom(eqn, invals, ctx):
+    # the primal body only: a custom rule around jaxamp.grad would not see the scales
+    body = eqn.params["call_jaxpr"]
+    body = body if isinstance(body, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(body, ())
+    return _evaluate(body.jaxpr, body.consts, invals, ctx)
+
+
+def _scan(eqn, invals, ctx):
+    p = eqn.params
+    body, nc, nk = p["jaxpr"], p["num_consts"], p["num_carry"]
+    consts, init, xs = invals[:nc], invals[nc : nc + nk], invals[nc + nk :]
+    keys = ctx.keys(body.jaxpr)
+
+    def step(carry, x):
+        vals, fl = carry
+        outs, new = _evaluate(body.jaxpr, body.consts, [*consts, *vals, *x], ctx)
+        return (outs[:nk], {k: fl[k] | new.get(k, False) for k in keys}), outs[nk:]
+
+    (final, fl), ys = lax.scan(step, (list(init), _full({}, keys)), list(xs), length=p["length"],
+                               reverse=p["reverse"], unroll=p["unroll"])
+    return [*final, *ys], fl
+
+
+def _while(eqn, invals, ctx):
+    p = eqn.params
+    cond, body, cn, bn = p["cond_jaxpr"], p["body_jaxpr"], p["cond_nconsts"], p["body_nconsts"]
+    cconsts, bconsts, init = invals[:cn], invals[cn : cn + bn], invals[cn + bn :]
+    keys = ctx.keys(body.jaxpr)
+
+    def cond_fn(carry):
+        return _evaluate(cond.jaxpr, cond.consts, [*cconsts, *carry[0]], ctx)[0][0]
+
+    def body_fn(carry):
+        vals, fl = carry
+        outs, new = _evaluate(body.jaxpr, body.consts, [*bconsts, *vals], ctx)
+        return outs, {k: fl[k] | new.get(k, False) for k in keys}
+
+    final, fl = lax.while_loop(cond_fn, body_fn, (list(init), _full({}, keys)))
+    return final, fl
+
+
+def _cond(eqn, invals, ctx):
+    branches = eqn.params["branches"]
+    keys = list(dict.fromkeys(k for b in branches for k in ctx.keys(b.jaxpr)))
+
+    def branch_fn(b):
+        def fn(*ops):
+            outs, fl = _evaluate(b.jaxpr, b.consts, ops, ctx)
+            return outs, _full(fl, keys)
+
+        return fn
+
+    return lax.switch(invals[0], [branch_fn(b) for b in branches], *invals[1:])
+
+
+_HANDLERS: Dict[str, Callable] = {
+    "custom_jvp_call": _custom,
+    "custom_vjp_call": _custom,
+    "scan": _scan,
+    "while": _while,
+    "cond": _cond,
+}
+
+
+def _trace(fun: Callable, args, kwargs):
+    flat, in_tree = jax.tree_util.tree_flatten((args, kwargs))
+
+    def flat_fun(*leaves):
+        a, kw = jax.tree_util.tree_unflatten(in_tree, leaves)
+        return fun(*a, **kw)
+
+    closed, shape = jax.make_jaxpr(flat_fun, return_shape=True)(*flat)
+    return closed, flat, jax.tree_util.tree_structure(shape)
+
+
+def _check_amp(amp) -> None:
+    if amp is not None and not isinstance(amp, AmpConfig):
+        raise TypeError(f"jaxamp.scaled: `amp`={amp!r} must be an AmpConfig or None (per-order keys).")
+
+
+def scaled(fun: Callable[..., Any], amp: Optional[AmpConfig] = None) -> Callable[..., Tuple[Any, Flags]]:
+    """Give the ``jaxamp.grad`` calls in ``fun`` their scales and collect their flags.
+
+    Args:
+      fun: any function of arrays whose derivatives are taken with :func:`jaxamp.dropin.grad`
+        (directly or through ``vmap``, ``jit``, ``jacrev``, ``scan``, ``cond``, ``while``).
+      amp: the scaler mode and special terms. None: per-order keys (``"1"``, ``"2"``, ...).
+        A config whose derivative scalers are inactive (fp32, bf16, AMP off): every scale is
+        1, nothing is checked, ``found_inf`` is empty.
+
+    Returns:
+      ``wrapped(scales, *args, **kwargs) -> (fun(*args, **kwargs), found_inf)``: ``scales``
+      is ``{key: f32[]}`` (e.g. a TrainState's ``scales``), ``found_inf`` is ``{key: bool[]}``
+      for every key in the program plus ``"nonfinite_values"``.
+
+    Example:
+      >>> u_xx = jaxamp.grad(jaxamp.grad(u_net, 2, wrt="x"), 2, wrt="x")   # doctest: +SKIP
+      >>> loss, found_inf = scaled(loss_fn, amp)({"1": s1, "2": s2}, params, batch)  # doctest: +SKIP
+    """
+    if not callable(fun):
+        raise TypeError(f"jaxamp.scaled: `fun`={fun!r} must be callable.")
+    _check_amp(amp)
+
+    def wrapped(scales: Mapping[str, Any], *args, **kwargs):
+        if not isinstance(scales, Mapping):
+            raise TypeError(f"jaxamp.scaled: `scales`={scales!r} must be a mapping {{scaler key: f32[]}}.")
+        ctx = _Context(scales, amp)
+        closed, flat, out_tree = _trace(fun, args, kwargs)
+        outs, flags = _evaluate(closed.jaxpr, closed.consts, flat, ctx)
+        return jax.tree_util.tree_unflatten(out_tree, outs), _full(flags, ctx.keys(closed.jaxpr))
+
+    return wrapped
+
+
+def scaler_keys(fun: Callable[..., Any], amp: Optional[AmpConfig] = None) -> Callable[..., Tuple[str, ...]]:
+    """``scaler_keys(fun, amp)(*args)``: the scaler keys of the derivatives ``fun`` takes.
+
+    Create one derivative scaler per key, e.g.
+    ``{k: amp.derivative_scaler_for(k).init() for k in scaler_keys(loss, amp)(params, batch)}``.
+    """
+    _check_amp(amp)
+
+    def keys(*args, **kwargs) -> Tuple[str, ...]:
+        closed = _trace(fun, args, kwargs)[0]
+        return tuple(k for k in _Context({}, amp).keys(closed.jaxpr) if k != NONFINITE_VALUES)
+
+    return keys

@@ -1,33 +1,34 @@
 """jaxamp: automatic mixed precision with derivative scaling for physics-informed networks.
 
-Public API:
+Public API (docs/algorithm.md describes the algorithm):
+
   config:       AmpConfig, ConfigError
-  scalers:      DynamicScaler, ScaleState, derivative_scaler, loss_scaler
-  derivatives:  Derivatives
-  precision:    get_policy
-  training:     TrainState, make_train_step, merge_found_inf, clip_by_global_norm
-  checkpoints:  Checkpointer
-  helpers:      all_finite, any_true, select_tree
-  models:       jaxamp.models.FullyConnected, jaxamp.models.FourierNet
-  devices:      jaxamp.parallel (make_mesh, shard_batch, replicate, data_parallel_step)
+  scalers:      DynamicScaler, ScaleState, Scalers
+  derivatives:  Derivatives, merge_found_inf
+  step pieces:  scaled_value_and_grad, check_step, update_scalers
+                (skip reasons APPLIED, SKIP_NONFINITE_VALUES, SKIP_DERIVATIVE_OVERFLOW, SKIP_NONFINITE_GRADS)
+  training:     TrainState, make_train_step
+  run safety:   Checkpointer, StallMonitor
+  modules:      jaxamp.models (FullyConnected, FourierNet), jaxamp.parallel (make_mesh, shard_batch, ...)
 """
 
 from jaxamp import models, parallel
 from jaxamp.checkpoint import Checkpointer
 from jaxamp.config import AmpConfig, ConfigError
 from jaxamp.derivatives import Derivatives
-from jaxamp.policy import get_policy
-from jaxamp.scaler import DynamicScaler, ScaleState, derivative_scaler, loss_scaler
-from jaxamp.train import (
+from jaxamp.monitor import StallMonitor
+from jaxamp.scaler import DynamicScaler, Scalers, ScaleState
+from jaxamp.step import (
     APPLIED,
     SKIP_DERIVATIVE_OVERFLOW,
     SKIP_NONFINITE_GRADS,
-    TrainState,
-    clip_by_global_norm,
-    make_train_step,
+    SKIP_NONFINITE_VALUES,
+    check_step,
     merge_found_inf,
+    scaled_value_and_grad,
+    update_scalers,
 )
-from jaxamp.tree import all_finite, any_true, select_tree
+from jaxamp.train import TrainState, make_train_step
 
 __version__ = "0.1.0"
 
@@ -36,21 +37,20 @@ __all__ = [
     "ConfigError",
     "DynamicScaler",
     "ScaleState",
-    "derivative_scaler",
-    "loss_scaler",
+    "Scalers",
     "Derivatives",
-    "get_policy",
-    "TrainState",
-    "make_train_step",
     "merge_found_inf",
-    "clip_by_global_norm",
+    "scaled_value_and_grad",
+    "check_step",
+    "update_scalers",
     "APPLIED",
+    "SKIP_NONFINITE_VALUES",
     "SKIP_DERIVATIVE_OVERFLOW",
     "SKIP_NONFINITE_GRADS",
+    "TrainState",
+    "make_train_step",
     "Checkpointer",
-    "all_finite",
-    "any_true",
-    "select_tree",
+    "StallMonitor",
     "models",
     "parallel",
 ]

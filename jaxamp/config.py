@@ -1,11 +1,13 @@
-"""`AmpConfig`: the Modulus ``amp:`` keys plus the scaler hyper-parameters, validated up front."""
+"""`AmpConfig`: the Modulus ``amp:`` keys plus the scaler hyper-parameters, validated up front
+(docs/algorithm.md, "Scaler keys" and "Defaults")."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from types import MappingProxyType
-from typing import Any, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Mapping, Tuple, Union
 
 import jax.numpy as jnp
 
@@ -27,6 +29,19 @@ DERIVATIVE_SCALER_KEYS = (
 LOSS_SCALER_KEYS = DERIVATIVE_SCALER_KEYS + ("max_scale",)
 # float32's exponent range: a max scale of 2**k must be a normal, finite float32.
 _LOG2_RANGE = (-126, 127)
+
+
+def _plain(value: Any) -> Any:
+    """Nested plain dicts and lists from any mapping-like config (dict, ConfigDict, DictConfig)."""
+    if hasattr(value, "_metadata") and type(value).__module__.startswith("omegaconf"):
+        from omegaconf import OmegaConf
+
+        value = OmegaConf.to_container(value, resolve=True)
+    if isinstance(value, Mapping) or (hasattr(value, "keys") and hasattr(value, "__getitem__")):
+        return {k: _plain(value[k]) for k in value.keys()}
+    if isinstance(value, (list, tuple)) or type(value).__name__ == "ListConfig":
+        return [_plain(v) for v in value]
+    return value
 
 
 class ConfigError(ValueError):
@@ -56,6 +71,15 @@ def _check_scaler_overrides(key: str, value: Any, allowed_keys: Tuple[str, ...])
             _fail(f"{key}.{name}", value[name], f"one of the keys {list(allowed_keys)} (unknown key)")
 
 
+def _build(section: str, make: Callable[[], DynamicScaler], max_scale_note: str) -> None:
+    """Build a scaler rule; its error is re-worded with the config keys (amp.<section>.<name>)."""
+    try:
+        make()
+    except (TypeError, ValueError) as e:
+        msg = re.sub(r"`(\w+)`", lambda m: f"amp.{section}.{m.group(1)}", str(e).removeprefix("DynamicScaler: "))
+        raise ConfigError(msg.rstrip(".") + (max_scale_note if "max_scale" in msg else "") + ".") from None
+
+
 def _scaler_key(key: Any) -> str:
     """Scaler keys are strings: per-order keys are the order ("1", "2"), others term names."""
     if isinstance(key, bool) or not isinstance(key, (int, str)) or str(key) == "":
@@ -65,7 +89,7 @@ def _scaler_key(key: Any) -> str:
     return str(key)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class AmpConfig:
     """Mixed-precision settings, with Modulus Sym's ``amp:`` keys and defaults.
 
@@ -87,6 +111,14 @@ class AmpConfig:
       loss_scaler: overrides of the weight-gradient loss scaler's hyper-parameters.
       derivative_scaling: scale the input derivatives (the DerivScaler). False with
         float16: plain fp16, the loss scaler only.
+
+    Every value is checked at construction; a bad one raises :class:`ConfigError` naming the
+    key, the value and what is allowed.
+
+    Example:
+      >>> amp = AmpConfig(dtype="float16", custom_max_scales_log2={2: 3})
+      >>> amp.derivative_scaler_for("2").max_scale
+      8.0
     """
 
     enabled: bool = True
@@ -128,15 +160,9 @@ class AmpConfig:
         object.__setattr__(self, "loss_scaler", MappingProxyType(dict(self.loss_scaler)))
         # Build every scaler once so that a bad hyper-parameter fails here, not mid-run.
         for key in ("__default__", *custom):
-            try:
-                self.derivative_scaler_for(key)
-            except (TypeError, ValueError) as e:
-                where = "default_max_scale_log2" if key == "__default__" else f"custom_max_scales_log2[{key!r}]"
-                raise ConfigError(f"amp.derivative_scaler with amp.{where}: {e}") from None
-        try:
-            self.make_loss_scaler()
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"amp.loss_scaler: {e}") from None
+            where = "default_max_scale_log2" if key == "__default__" else f"custom_max_scales_log2[{key!r}]"
+            _build("derivative_scaler", lambda: self.derivative_scaler_for(key), f" (max_scale = 2**amp.{where})")
+        _build("loss_scaler", self.make_loss_scaler, "")
 
     # ---------------------------------------------------------------- derived settings
     @property
@@ -155,46 +181,76 @@ class AmpConfig:
         return jnp.dtype(self.dtype if self.enabled else "float32")
 
     def max_scale_log2(self, key: str) -> int:
+        """The exponent of ``key``'s max scale: its custom value, else ``default_max_scale_log2``."""
         return self.custom_max_scales_log2.get(str(key), self.default_max_scale_log2)
 
     def derivative_scaler_for(self, key: str) -> DynamicScaler:
-        """The derivative scaler rule for one scaler key (its own max scale)."""
+        """The derivative scaler rule for one scaler key (its own max scale): the one place a
+        key's rule is built from the config (:class:`~jaxamp.Scalers` and the engines use it)."""
         return derivative_scaler(max_scale=2.0 ** self.max_scale_log2(key), **self.derivative_scaler)
 
     def make_loss_scaler(self) -> DynamicScaler:
+        """The weight-gradient loss scaler rule (its defaults with ``loss_scaler``'s overrides)."""
         return loss_scaler(**self.loss_scaler)
 
     # ---------------------------------------------------------------- construction
     @classmethod
-    def from_dict(cls, values: Optional[Mapping[str, Any]]) -> "AmpConfig":
+    def from_dict(cls, values: Any) -> "AmpConfig":
         """Build from a mapping of ``amp:`` keys (or a mapping with an ``amp`` entry).
 
-        Unknown keys are rejected with the list of allowed ones.
+        Args:
+          values: a ``dict``, any mapping-like config (an object with ``keys()`` and item
+            access: ``ml_collections.ConfigDict``, omegaconf ``DictConfig``), or None (defaults).
+
+        Returns:
+          The validated config. Unknown keys and bad values raise :class:`ConfigError`.
+
+        Example:
+          >>> AmpConfig.from_dict({"amp": {"dtype": "bfloat16"}}).dtype
+          'bfloat16'
         """
-        values = {} if values is None else values
-        if not isinstance(values, Mapping):
+        values = {} if values is None else _plain(values)
+        if not isinstance(values, dict):
             raise ConfigError(f"amp config must be a mapping of keys to values, got {values!r}.")
         if set(values) == {"amp"}:
             values = values["amp"] or {}
+            if not isinstance(values, dict):
+                raise ConfigError(f"amp config: the `amp` entry must be a mapping of keys to values, got {values!r}.")
         allowed = [f.name for f in dataclasses.fields(cls)]
         unknown = [k for k in values if k not in allowed]
         if unknown:
             raise ConfigError(f"amp config has unknown key(s) {unknown}: allowed keys are {allowed}.")
-        values = dict(values)
-        if "special_terms" in values and isinstance(values["special_terms"], list):
+        if isinstance(values.get("special_terms"), list):
             values["special_terms"] = tuple(values["special_terms"])
         return cls(**values)
 
     @classmethod
     def from_yaml(cls, path: Union[str, os.PathLike]) -> "AmpConfig":
-        """Build from a YAML file holding an ``amp:`` section (or the bare keys)."""
+        """Build from a YAML file holding an ``amp:`` section (or the bare keys).
+
+        Args:
+          path: the YAML file.
+
+        Returns:
+          The validated config. Malformed YAML raises :class:`ConfigError` naming the file and line.
+        """
         import yaml
 
         with open(path) as f:
-            values = yaml.safe_load(f)
-        return cls.from_dict(values)
+            try:
+                values = yaml.safe_load(f)
+            except yaml.YAMLError as e:
+                mark = getattr(e, "problem_mark", None)
+                where = f"{os.fspath(path)}, line {mark.line + 1}" if mark is not None else os.fspath(path)
+                problem = getattr(e, "problem", None) or str(e)
+                raise ConfigError(f"{where}: not valid YAML ({problem}); fix the syntax there.") from None
+        try:
+            return cls.from_dict(values)
+        except ConfigError as e:
+            raise ConfigError(f"{os.fspath(path)}: {e}") from None
 
     def to_dict(self) -> dict:
+        """Plain ``{key: value}`` that :meth:`from_dict` takes back."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         for key in ("custom_max_scales_log2", "derivative_scaler", "loss_scaler"):
             out[key] = dict(getattr(self, key))

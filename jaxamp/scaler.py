@@ -1,21 +1,26 @@
 """The dynamic scale rule shared by the derivative scalers and the loss scaler.
 
-One rule (SPEC.md, "The scale update") serves both families; only the defaults
-differ: :func:`derivative_scaler` scales derivative seeds *down* (max 1) and
-:func:`loss_scaler` scales the loss *up* against weight-gradient underflow.
+One rule (docs/algorithm.md, "Scale update") serves both families; only the defaults
+differ: the derivative scalers (the field defaults of :class:`DynamicScaler`) scale
+derivative seeds *down* (max 1), the loss scaler (:func:`loss_scaler`) scales the loss *up*
+against weight-gradient underflow. :class:`Scalers` pairs each derivative scaler key with
+its rule and its state.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple, Optional
+import numbers
+from types import MappingProxyType
+from typing import Any, Callable, Dict, Iterator, Mapping, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 
-
 SMALLEST_NORMAL = 2.0**-126  # float32; the hard floor of every scale
+# The loss scaler's defaults where they differ from DynamicScaler's (docs/algorithm.md, "Defaults").
+LOSS_SCALER_DEFAULTS = MappingProxyType({"init_scale": 2.0**16, "max_scale": 2.0**30, "recover_threshold": 2.0**7})
 
 
 class ScaleState(NamedTuple):
@@ -25,19 +30,25 @@ class ScaleState(NamedTuple):
     growth_tracker: jax.Array  # i32[]: clean steps since the last change of scale
 
 
-def _check_positive(name: str, value: float, *, integer: bool = False) -> None:
-    kind = "a positive integer" if integer else "a positive finite number"
-    if isinstance(value, bool) or (integer and not isinstance(value, int)):
-        raise TypeError(f"DynamicScaler: `{name}`={value!r} must be {kind}.")
-    if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"DynamicScaler: `{name}`={value!r} must be {kind}.")
+def _check(name: str, value: Any, allowed: str, ok: Callable[[float], bool], *, integer: bool = False) -> None:
+    kind = numbers.Integral if integer else numbers.Real
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise TypeError(f"DynamicScaler: `{name}`={value!r} is not allowed: expected {allowed}.")
+    if not math.isfinite(value) or not ok(value):
+        raise ValueError(f"DynamicScaler: `{name}`={value!r} is not allowed: expected {allowed}.")
 
 
-@dataclasses.dataclass(frozen=True)
+def _order(small: str, a: float, large: str, b: float, why: str = "") -> None:
+    if a > b:
+        raise ValueError(f"DynamicScaler: `{small}`={a!r} must not exceed `{large}`={b!r}{why}.")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class DynamicScaler:
     """Growth/backoff scale rule with a max scale and a faster "recover" growth.
 
-    After each step, ``update(state, found_inf)``:
+    The field defaults are the derivative scalers' (docs/algorithm.md, "Defaults"); the loss
+    scaler's are :func:`loss_scaler`'s. After each step, ``update(state, found_inf)``:
 
     - ``found_inf``: ``scale *= backoff_factor``, tracker reset;
     - otherwise the tracker counts the clean step; when it *equals* the growth interval
@@ -45,10 +56,25 @@ class DynamicScaler:
       ``growth_interval``) the scale grows by ``growth_factor``, capped at ``max_scale``,
       and the tracker resets.
 
-    ``min_scale`` (default None: no floor, as Modulus) optionally bounds the backoff. In any
-    case the scale never backs off below float32's smallest normal number, 2**-126: XLA
-    flushes subnormals to zero, and a zero scale could never grow back (0 * 2 = 0).
-    All hyper-parameters are keyword-only and validated at construction.
+    The scale never backs off below :attr:`floor`: ``min_scale`` when given (default None:
+    no floor, as Modulus) and in any case float32's smallest normal 2**-126, since XLA
+    flushes subnormals to zero and a zero scale could never grow back.
+
+    Args:
+      init_scale: the first scale, in ``(0, max_scale]``.
+      growth_factor: finite, ``> 1``.
+      backoff_factor: in ``(0, 1)``.
+      growth_interval: clean steps between two growths, a positive integer.
+      max_scale: the cap of growth, finite and positive.
+      recover_threshold: below or at this scale, growth uses ``recover_growth_interval``.
+      recover_growth_interval: a positive integer ``<= growth_interval``.
+      min_scale: optional floor of backoff, in ``(0, init_scale]``.
+
+    Example:
+      >>> rule = DynamicScaler(max_scale=4.0, growth_interval=2)
+      >>> state = rule.update(rule.init(), True)
+      >>> float(state.scale)
+      0.5
     """
 
     init_scale: float = 1.0
@@ -60,78 +86,57 @@ class DynamicScaler:
     recover_growth_interval: int = 100
     min_scale: Optional[float] = None
 
-    def __init__(
-        self,
-        *,
-        init_scale: float = 1.0,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 1000,
-        max_scale: float = 1.0,
-        recover_threshold: float = 2.0**-6,
-        recover_growth_interval: int = 100,
-        min_scale: Optional[float] = None,
-    ) -> None:
-        for name, value in (
-            ("init_scale", init_scale),
-            ("growth_factor", growth_factor),
-            ("backoff_factor", backoff_factor),
-            ("max_scale", max_scale),
-            ("recover_threshold", recover_threshold),
-        ):
-            _check_positive(name, value)
-        _check_positive("growth_interval", growth_interval, integer=True)
-        _check_positive("recover_growth_interval", recover_growth_interval, integer=True)
-        if init_scale > max_scale:
-            raise ValueError(
-                f"DynamicScaler: `init_scale`={init_scale!r} must not exceed `max_scale`={max_scale!r}; "
-                "raise max_scale or lower init_scale."
-            )
-        if recover_threshold > max_scale:
-            raise ValueError(
-                f"DynamicScaler: `recover_threshold`={recover_threshold!r} must not exceed "
-                f"`max_scale`={max_scale!r}."
-            )
-        if recover_growth_interval > growth_interval:
-            raise ValueError(
-                f"DynamicScaler: `recover_growth_interval`={recover_growth_interval!r} must not exceed "
-                f"`growth_interval`={growth_interval!r} (recover mode grows faster, not slower)."
-            )
-        if min_scale is not None:
-            _check_positive("min_scale", min_scale)
-            if min_scale > init_scale:
-                raise ValueError(
-                    f"DynamicScaler: `min_scale`={min_scale!r} must not exceed `init_scale`={init_scale!r}."
-                )
-        values = dict(
-            init_scale=float(init_scale),
-            growth_factor=float(growth_factor),
-            backoff_factor=float(backoff_factor),
-            growth_interval=growth_interval,
-            max_scale=float(max_scale),
-            recover_threshold=float(recover_threshold),
-            recover_growth_interval=recover_growth_interval,
-            min_scale=None if min_scale is None else float(min_scale),
-        )
-        for name, value in values.items():
-            object.__setattr__(self, name, value)
+    def __post_init__(self) -> None:
+        positive = "a finite number > 0"
+        _check("init_scale", self.init_scale, positive, lambda v: v > 0)
+        _check("growth_factor", self.growth_factor, "a finite number > 1 (the scale grows by it)", lambda v: v > 1)
+        _check("backoff_factor", self.backoff_factor, "a number in (0, 1) (the scale shrinks by it)",
+               lambda v: 0 < v < 1)
+        _check("max_scale", self.max_scale, positive, lambda v: v > 0)
+        _check("recover_threshold", self.recover_threshold, positive, lambda v: v > 0)
+        for name in ("growth_interval", "recover_growth_interval"):
+            _check(name, getattr(self, name), "a positive integer", lambda v: v > 0, integer=True)
+        if self.min_scale is not None:
+            _check("min_scale", self.min_scale, f"None or a finite number in (0, init_scale={self.init_scale!r}]",
+                   lambda v: v > 0)
+            _order("min_scale", self.min_scale, "max_scale", self.max_scale)
+            _order("min_scale", self.min_scale, "init_scale", self.init_scale)
+        _order("init_scale", self.init_scale, "max_scale", self.max_scale, "; raise max_scale or lower init_scale")
+        _order("recover_threshold", self.recover_threshold, "max_scale", self.max_scale)
+        _order("recover_growth_interval", self.recover_growth_interval, "growth_interval", self.growth_interval,
+               " (recover mode grows faster, not slower)")
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is not None:
+                object.__setattr__(self, f.name, int(value) if f.type == "int" else float(value))
+
+    @property
+    def floor(self) -> float:
+        """The lowest scale a backoff reaches: ``max(min_scale, 2**-126)``."""
+        return SMALLEST_NORMAL if self.min_scale is None else max(self.min_scale, SMALLEST_NORMAL)
 
     def init(self) -> ScaleState:
-        """The initial state: ``(init_scale, 0)``."""
-        return ScaleState(
-            scale=jnp.asarray(self.init_scale, jnp.float32),
-            growth_tracker=jnp.asarray(0, jnp.int32),
-        )
+        """The initial state ``(init_scale, 0)``.
+
+        Returns:
+          A :class:`ScaleState` of a float32 scale and an int32 tracker.
+        """
+        return ScaleState(scale=jnp.asarray(self.init_scale, jnp.float32), growth_tracker=jnp.asarray(0, jnp.int32))
 
     def update(self, state: ScaleState, found_inf: jax.Array) -> ScaleState:
-        """One step of the rule. Pure and branch-free: works under ``jit`` and ``vmap``."""
+        """One step of the rule. Pure and branch-free: works under ``jit`` and ``vmap``.
+
+        Args:
+          state: the current state.
+          found_inf: ``bool[]``, True when the step this scale guarded overflowed.
+
+        Returns:
+          The next state.
+        """
         found_inf = jnp.asarray(found_inf, bool)
         scale = jnp.asarray(state.scale, jnp.float32)
         tracker = jnp.asarray(state.growth_tracker, jnp.int32)
-
-        floor = SMALLEST_NORMAL if self.min_scale is None else max(self.min_scale, SMALLEST_NORMAL)
-        backed_off = jnp.maximum(scale * jnp.float32(self.backoff_factor), jnp.float32(floor))
-
+        backed_off = jnp.maximum(scale * jnp.float32(self.backoff_factor), jnp.float32(self.floor))
         n = tracker + 1
         interval = jnp.where(
             scale <= jnp.float32(self.recover_threshold),
@@ -140,42 +145,118 @@ class DynamicScaler:
         )
         grow = n == interval
         grown = jnp.minimum(scale * jnp.float32(self.growth_factor), jnp.float32(self.max_scale))
-
         new_scale = jnp.where(found_inf, backed_off, jnp.where(grow, grown, scale))
         new_tracker = jnp.where(found_inf | grow, jnp.int32(0), n)
         return ScaleState(scale=new_scale, growth_tracker=new_tracker)
 
 
-def derivative_scaler(**overrides) -> DynamicScaler:
-    """A derivative scaler with SPEC/Modulus-trainer defaults (init 1, max 1, interval 1000,
-    recover below 2^-6 every 100 steps). Keyword overrides are validated as usual."""
-    params = dict(
-        init_scale=1.0,
-        max_scale=1.0,
-        growth_factor=2.0,
-        backoff_factor=0.5,
-        growth_interval=1000,
-        recover_threshold=2.0**-6,
-        recover_growth_interval=100,
-    )
-    params.update(overrides)
-    return DynamicScaler(**params)
+def derivative_scaler(**overrides: Any) -> DynamicScaler:
+    """A derivative scaler: :class:`DynamicScaler`'s defaults (init 1, max 1) with ``overrides``."""
+    return DynamicScaler(**overrides)
 
 
-def loss_scaler(**overrides) -> DynamicScaler:
-    """The weight-gradient (loss) scaler with SPEC/Modulus-trainer defaults (init 2^16,
-    max 2^30, interval 1000, recover below 2^7 every 100 steps)."""
-    params = dict(
-        init_scale=2.0**16,
-        max_scale=2.0**30,
-        growth_factor=2.0,
-        backoff_factor=0.5,
-        growth_interval=1000,
-        recover_threshold=2.0**7,
-        recover_growth_interval=100,
-    )
-    params.update(overrides)
-    return DynamicScaler(**params)
+def loss_scaler(**overrides: Any) -> DynamicScaler:
+    """The weight-gradient loss scaler: :data:`LOSS_SCALER_DEFAULTS` (init 2^16, max 2^30, recover
+    below 2^7) over :class:`DynamicScaler`'s defaults, then ``overrides``.
+
+    Example:
+      >>> loss_scaler(growth_interval=500).init_scale
+      65536.0
+    """
+    return DynamicScaler(**{**LOSS_SCALER_DEFAULTS, **overrides})
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class Scalers(Mapping[str, ScaleState]):
+    """The derivative scalers of a run: each scaler key paired with its rule and its state.
+
+    A read-only mapping ``{key: ScaleState}`` and a pytree whose leaves are the states (the
+    rules are static), so it goes through ``jit``, ``vmap``, ``lax.scan`` and checkpoints
+    like a dict of states, with the same key paths.
+
+    Args:
+      rules: ``{key: DynamicScaler}``.
+      states: ``{key: ScaleState}`` with the same keys (default: each rule's ``init()``).
+
+    Example:
+      >>> import jaxamp
+      >>> s = Scalers.create(jaxamp.AmpConfig(), ["1", "2"])
+      >>> s = s.update({"2": True})
+      >>> float(s["2"].scale), float(s["1"].scale)
+      (0.5, 1.0)
+    """
+
+    def __init__(self, rules: Mapping[str, DynamicScaler], states: Optional[Mapping[str, ScaleState]] = None) -> None:
+        for key, rule in rules.items():
+            if not isinstance(key, str) or not isinstance(rule, DynamicScaler):
+                raise TypeError(f"Scalers: `rules` must map str keys to DynamicScaler, got {key!r}: {rule!r}.")
+        states = {k: r.init() for k, r in rules.items()} if states is None else dict(states)
+        if set(states) != set(rules):
+            raise KeyError(f"Scalers: `states` has keys {sorted(states)}; the rules have {sorted(rules)}.")
+        self._rules = dict(rules)
+        self._states = {k: states[k] for k in self._rules}
+
+    @classmethod
+    def create(cls, amp: Any, keys: Any) -> "Scalers":
+        """The scalers for ``keys`` with the rules of ``amp`` (an :class:`~jaxamp.AmpConfig`).
+
+        Args:
+          amp: the settings; each key's rule is ``amp.derivative_scaler_for(key)``.
+          keys: scaler keys, e.g. ``engine.scaler_keys``.
+
+        Returns:
+          Scalers at their initial states.
+        """
+        if isinstance(keys, str):
+            raise TypeError(f"Scalers.create: `keys`={keys!r} must be a list of scaler keys, not a string.")
+        return cls({str(k): amp.derivative_scaler_for(str(k)) for k in keys})
+
+    @property
+    def rules(self) -> Mapping[str, DynamicScaler]:
+        """``{key: DynamicScaler}`` (read-only)."""
+        return MappingProxyType(self._rules)
+
+    @property
+    def scales(self) -> Dict[str, jax.Array]:
+        """``{key: f32[]}``: the current scales, as a derivative engine takes them."""
+        return {k: s.scale for k, s in self._states.items()}
+
+    def update(self, found_inf: Mapping[str, jax.Array]) -> "Scalers":
+        """Every scaler steps with its own flag (a key missing from ``found_inf`` had a clean step).
+
+        Args:
+          found_inf: ``{key: bool[]}``; every key must be one of these scalers'.
+
+        Returns:
+          The updated scalers.
+        """
+        unknown = sorted(k for k in found_inf if k not in self._rules)
+        if unknown:
+            raise KeyError(f"Scalers.update: `found_inf` has key(s) {unknown} with no scaler; keys are {sorted(self)}.")
+        return Scalers(self._rules, {k: r.update(self._states[k], found_inf.get(k, False)) for k, r in self._rules.items()})
+
+    def __getitem__(self, key: str) -> ScaleState:
+        return self._states[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._states)
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def __repr__(self) -> str:
+        return f"Scalers({self._states!r})"
+
+    def tree_flatten_with_keys(self) -> Tuple[list, Tuple[Tuple[str, DynamicScaler], ...]]:
+        children = [(jax.tree_util.DictKey(k), s) for k, s in self._states.items()]
+        return children, tuple(self._rules.items())
+
+    @classmethod
+    def tree_unflatten(cls, aux: Tuple[Tuple[str, DynamicScaler], ...], children: list) -> "Scalers":
+        out = object.__new__(cls)
+        out._rules = dict(aux)
+        out._states = dict(zip(out._rules, children))
+        return out
 
 
 def exact_log2(x: jax.Array) -> jax.Array:

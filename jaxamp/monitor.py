@@ -1,0 +1,150 @@
+"""A stall detector any training loop can call on the step metrics (docs/algorithm.md, "Training step").
+
+A run is *stalled* when it keeps skipping: ``max_consecutive_skips`` skipped steps in a row,
+a skip rate above ``max_skip_rate`` over the last ``window`` steps, or a scale at its floor.
+:meth:`StallMonitor.update` is pure (use it inside or outside ``jit``); its state is a
+NamedTuple of arrays, to checkpoint beside the train state so that a resumed run behaves as
+an uninterrupted one. :meth:`StallMonitor.diagnose` (on the host) gives one line naming the
+reason and what to try, or None.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxamp.config import AmpConfig
+from jaxamp.scaler import SMALLEST_NORMAL
+from jaxamp.step import APPLIED, SKIP_DERIVATIVE_OVERFLOW, SKIP_NONFINITE_GRADS, SKIP_NONFINITE_VALUES
+
+ADVICE = {
+    SKIP_NONFINITE_VALUES: (
+        "bad values in the batch (non-finite inputs or network outputs)",
+        "no scale can cure them: check the data for NaN/inf points and the parameters for NaN",
+    ),
+    SKIP_DERIVATIVE_OVERFLOW: (
+        "overflow in derivative scaler {keys}",
+        "rescale the problem (non-dimensional inputs and outputs) so that its derivatives fit "
+        "float16, or lower that scaler's max scale (amp.custom_max_scales_log2), or use amp.dtype: bfloat16",
+    ),
+    SKIP_NONFINITE_GRADS: (
+        "non-finite weight gradients",
+        "lower the learning rate, clip the gradients (grad_clip_max_norm) or lower amp.loss_scaler.init_scale",
+    ),
+}
+
+
+class MonitorState(NamedTuple):
+    """The stall detector's state: a pytree of arrays (checkpoint it with the train state)."""
+
+    steps: jax.Array  # i32[]: steps seen
+    consecutive_skips: jax.Array  # i32[]: skipped steps in a row, up to the last one seen
+    recent_reasons: jax.Array  # i32[window]: skip reason of the last `window` steps (ring buffer)
+    last_reason: jax.Array  # i32[]: the skip reason of the last skipped step
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"StallMonitor: `{name}`={value!r} is not allowed: expected a positive integer.")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StallMonitor:
+    """Detects a run that keeps skipping steps, and says why.
+
+    Args:
+      max_consecutive_skips: this many skipped steps in a row is a stall (default 100).
+      window: the number of recent steps the skip rate is taken over (default 1000).
+      max_skip_rate: a skip rate above this over a full window is a stall, in ``(0, 1]``.
+      amp: the settings, for each scale's floor (``min_scale``); None: the floor 2**-126.
+
+    Example:
+      >>> monitor = jaxamp.StallMonitor(max_consecutive_skips=100, amp=amp)
+      >>> mstate = monitor.init()
+      >>> state, metrics = step(state, batch)
+      >>> mstate = monitor.update(mstate, metrics)
+      >>> if (line := monitor.diagnose(mstate, metrics)):
+      ...     raise SystemExit(line)
+    """
+
+    max_consecutive_skips: int = 100
+    window: int = 1000
+    max_skip_rate: float = 0.5
+    amp: Optional[AmpConfig] = None
+
+    def __post_init__(self) -> None:
+        _positive_int("max_consecutive_skips", self.max_consecutive_skips)
+        _positive_int("window", self.window)
+        rate = self.max_skip_rate
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate <= 1:
+            raise ValueError(f"StallMonitor: `max_skip_rate`={rate!r} is not allowed: expected a number in (0, 1].")
+        if self.amp is not None and not isinstance(self.amp, AmpConfig):
+            raise TypeError(f"StallMonitor: `amp`={self.amp!r} must be an AmpConfig or None.")
+
+    def init(self) -> MonitorState:
+        """The state before the first step."""
+        zero = jnp.asarray(0, jnp.int32)
+        return MonitorState(zero, zero, jnp.zeros((self.window,), jnp.int32), jnp.asarray(APPLIED, jnp.int32))
+
+    def update(self, state: MonitorState, metrics: Mapping[str, Any]) -> MonitorState:
+        """Count one step. Pure: works inside ``jit``/``lax.scan`` or outside.
+
+        Args:
+          state: the monitor's state.
+          metrics: the step's metrics (``skipped`` and ``skip_reason`` are read).
+
+        Returns:
+          The new state.
+        """
+        skipped = jnp.asarray(metrics["skipped"], bool)
+        reason = jnp.where(skipped, jnp.asarray(metrics["skip_reason"], jnp.int32), APPLIED)
+        return MonitorState(
+            steps=state.steps + 1,
+            consecutive_skips=jnp.where(skipped, state.consecutive_skips + 1, 0),
+            recent_reasons=state.recent_reasons.at[state.steps % self.window].set(reason),
+            last_reason=jnp.where(skipped, reason, state.last_reason),
+        )
+
+    def floor_log2(self, key: str) -> float:
+        """``log2`` of the floor of the scale ``key`` (``"loss"`` for the loss scaler)."""
+        if self.amp is None:
+            return math.log2(SMALLEST_NORMAL)
+        rule = self.amp.make_loss_scaler() if key == "loss" else self.amp.derivative_scaler_for(key)
+        return math.log2(rule.floor)
+
+    def diagnose(self, state: MonitorState, metrics: Mapping[str, Any]) -> Optional[str]:
+        """One line naming why the run stalls and what to try, or None while it does not.
+
+        Args:
+          state: the monitor's state after the latest step.
+          metrics: the latest step's metrics (for the flags and the scales).
+
+        Returns:
+          The line, or None.
+        """
+        host = {k: np.asarray(v) for k, v in metrics.items()}
+        steps, run = int(state.steps), int(state.consecutive_skips)
+        reasons = np.asarray(state.recent_reasons)
+        floors = [k.split("/", 1)[1] for k, v in host.items()
+                  if k.startswith("scale_log2/") and float(v) <= self.floor_log2(k.split("/", 1)[1])]
+        if run >= self.max_consecutive_skips:
+            what, reason = f"{run} consecutive skipped steps", int(state.last_reason)
+        elif steps >= self.window and np.mean(reasons != APPLIED) > self.max_skip_rate:
+            skips = reasons[reasons != APPLIED]
+            reason = int(np.bincount(skips).argmax())
+            what = f"{len(skips)} of the last {self.window} steps skipped"
+        elif floors:
+            what = f"scale {', '.join(f'`{k}`' for k in floors)} at its floor"
+            reason = SKIP_NONFINITE_GRADS if floors == ["loss"] else SKIP_DERIVATIVE_OVERFLOW
+        else:
+            return None
+        flagged = [k.split("/", 1)[1] for k, v in host.items() if k.startswith("found_inf/") and bool(v)]
+        keys = flagged or [k for k in floors if k != "loss"] or ["(none flagged in the last step)"]
+        cause, advice = ADVICE.get(reason, ("unknown skip reason", "see docs/algorithm.md"))
+        cause = cause.format(keys=", ".join(f"`{k}`" for k in keys))
+        return f"jaxamp: training stalled at step {steps}: {what}, the last for {cause}. Try: {advice}."

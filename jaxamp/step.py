@@ -1,0 +1,218 @@
+"""The pieces of a mixed-precision train step, for :func:`jaxamp.make_train_step` and users' own loops.
+
+docs/algorithm.md, "Training step": (1) the loss and its derivatives with per-key
+overflow flags, gradients of ``loss * loss_scale``, unscaled (:func:`scaled_value_and_grad`);
+(2) the apply-or-skip decision over any pytrees: params, optimizer state, loss weights, EMA
+(:func:`check_step` and :meth:`StepCheck.select`); (3) the scaler updates (:func:`update_scalers`).
+All branches are selects: no host synchronisation, one compilation.
+
+Example (a user's own step, scaler states carried next to the user's own state)::
+
+    grad_fn = jaxamp.scaled_value_and_grad(loss_fn)        # loss_fn(params, batch, scales)
+    def step(params, opt_state, scalers, loss_scale, batch):
+        (loss, (terms, found_inf)), grads = grad_fn(params, batch, scalers.scales, loss_scale=loss_scale.scale)
+        check = jaxamp.check_step(found_inf, grads, scalers)
+        updates, new_opt_state = optimizer.update(grads, opt_state, params)
+        params, opt_state = check.select((optax.apply_updates(params, updates), new_opt_state), (params, opt_state))
+        scalers, loss_scale = jaxamp.update_scalers(check, scalers, loss_scale, amp.make_loss_scaler())
+        return params, opt_state, scalers, loss_scale
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Mapping, NamedTuple, Optional, Tuple, TypeVar
+
+import jax
+import jax.numpy as jnp
+import jmp
+
+from jaxamp.derivatives import NONFINITE_VALUES
+from jaxamp.scaler import DynamicScaler, Scalers, ScaleState
+
+T = TypeVar("T")
+Flags = Mapping[str, jax.Array]
+# loss_fn(params, *args) -> (loss f32[], (terms {name: f32[]}, found_inf {key: bool[]}))
+LossFn = Callable[..., Tuple[jax.Array, Tuple[Mapping[str, jax.Array], Flags]]]
+
+# Why a step was skipped (metrics["skip_reason"]); docs/algorithm.md, "Training step".
+APPLIED, SKIP_DERIVATIVE_OVERFLOW, SKIP_NONFINITE_GRADS, SKIP_NONFINITE_VALUES = 0, 1, 2, 3
+
+CONTRACT = (
+    "loss_fn(params, *args) must return (loss, (terms, found_inf)): loss a float scalar, terms a "
+    "dict {name: scalar} of loss terms to report (may be empty), found_inf the derivative engines' "
+    "flags {key: bool[]} (merge several with jaxamp.merge_found_inf). Example: "
+    'return pde + bc, ({"pde": pde, "bc": bc}, found_inf)'
+)
+
+
+def _describe(x: Any) -> str:
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return f"an array of dtype {x.dtype} and shape {tuple(x.shape)}"
+    if isinstance(x, (tuple, list)):
+        return f"a {type(x).__name__} of length {len(x)} ({', '.join(_describe(v) for v in x)})"
+    return f"a {type(x).__name__}"
+
+
+def check_loss_output(out: Any) -> Tuple[jax.Array, Mapping[str, jax.Array], Flags]:
+    """``(loss, terms, found_inf)`` from a loss function's output, or a TypeError showing the contract.
+
+    Args:
+      out: what ``loss_fn`` returned.
+
+    Returns:
+      Its loss, terms and found_inf, checked.
+    """
+    ok = isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[1], (tuple, list)) and len(out[1]) == 2
+    if ok:
+        loss, (terms, found_inf) = out
+        ok = (hasattr(loss, "shape") and jnp.shape(loss) == () and jnp.issubdtype(jnp.result_type(loss), jnp.floating)
+              and isinstance(terms, Mapping) and isinstance(found_inf, Mapping))
+    if not ok:
+        raise TypeError(f"loss_fn returned {_describe(out)}: {CONTRACT}.")
+    return loss, terms, found_inf
+
+
+def scaled_value_and_grad(loss_fn: LossFn) -> Callable[..., Tuple[Tuple[jax.Array, Tuple[Mapping, Flags]], Any]]:
+    """``jax.value_and_grad`` of ``loss_fn`` with the loss scaled up and the gradients unscaled.
+
+    The gradients are those of ``loss * loss_scale`` (float32), divided by ``loss_scale``:
+    in float16 weight gradients that would underflow survive, and a too large scale shows
+    as non-finite gradients (:func:`check_step` tells).
+
+    Args:
+      loss_fn: ``loss_fn(params, *args) -> (loss, (terms, found_inf))``; any other output
+        raises a TypeError that shows this contract.
+
+    Returns:
+      ``grad_fn(params, *args, loss_scale) -> ((loss, (terms, found_inf)), grads)`` with
+      ``loss_scale`` an ``f32[]`` (1.0 when loss scaling is off); ``loss`` is unscaled.
+
+    Example:
+      >>> grad_fn = jaxamp.scaled_value_and_grad(loss_fn)
+      >>> (loss, (terms, found_inf)), grads = grad_fn(params, batch, scales, loss_scale=2.0**16)
+    """
+    if not callable(loss_fn):
+        raise TypeError(f"scaled_value_and_grad: `loss_fn`={loss_fn!r} must be callable: {CONTRACT}.")
+
+    def grad_fn(params: Any, *args: Any, loss_scale: jax.Array) -> Tuple[Tuple[jax.Array, Tuple[Mapping, Flags]], Any]:
+        loss_scale = jnp.asarray(loss_scale, jnp.float32)
+
+        def scaled(params: Any) -> Tuple[jax.Array, Tuple[jax.Array, Mapping, Flags]]:
+            loss, terms, found_inf = check_loss_output(loss_fn(params, *args))
+            return loss.astype(jnp.float32) * loss_scale, (loss, terms, found_inf)
+
+        scaled_grads, (loss, terms, found_inf) = jax.grad(scaled, has_aux=True)(params)
+        inv = jnp.float32(1.0) / loss_scale
+        grads = jax.tree_util.tree_map(lambda g: g * inv.astype(g.dtype), scaled_grads)
+        return (loss, (terms, found_inf)), grads
+
+    return grad_fn
+
+
+class StepCheck(NamedTuple):
+    """The apply-or-skip decision of one step (a pytree of scalars; see :func:`check_step`)."""
+
+    apply: jax.Array  # bool[]: the update is applied
+    skip_reason: jax.Array  # i32[]: APPLIED or a SKIP_* constant
+    found_inf: Dict[str, jax.Array]  # {scaler key: bool[]}: a true overflow under that key
+    nonfinite_values: jax.Array  # bool[]: bad values (inputs, network outputs) somewhere
+    derivative_overflow: jax.Array  # bool[]: some derivative scaler key overflowed
+    grads_finite: jax.Array  # bool[]: the unscaled weight gradients are finite
+
+    def select(self, applied: T, skipped: T) -> T:
+        """``applied`` where the step applies, else ``skipped``, leaf by leaf, for any pytrees of
+        the same structure (params, optimizer state, loss weights, EMA, ...). A select, not a
+        blend: inf/NaN in the unselected tree never leak.
+
+        Example:
+          >>> params, opt_state = check.select((new_params, new_opt_state), (params, opt_state))
+        """
+        return jmp.select_tree(self.apply, applied, skipped)
+
+
+def _any(flags: Any) -> jax.Array:
+    leaves = [jnp.asarray(x, bool).reshape(()) for x in jax.tree_util.tree_leaves(flags)]
+    return jnp.stack(leaves).any() if leaves else jnp.asarray(False)
+
+
+def check_step(found_inf: Flags, grads: Any, scalers: Mapping[str, Any], *, axis_name: Optional[Any] = None) -> StepCheck:
+    """Decide whether a step applies, and why not.
+
+    Precedence (docs/algorithm.md, "Training step"): bad values (``found_inf[NONFINITE_VALUES]``)
+    over a derivative overflow over non-finite weight gradients. Bad values make every later
+    quantity non-finite and no scale can cure them, so they must not be blamed on a scaler; a
+    derivative overflow makes the loss and gradients non-finite, so it must not be blamed on the
+    loss scaler.
+
+    Args:
+      found_inf: ``{key: bool[]}`` from the derivative engines, ``NONFINITE_VALUES`` included.
+      grads: the unscaled weight gradients (any pytree).
+      scalers: the derivative scalers (or any mapping with the same keys); a flag whose key is
+        neither one of them nor ``NONFINITE_VALUES`` is an error.
+      axis_name: inside ``pmap``/``shard_map``/``vmap`` with a named axis: the flags are OR-ed
+        over it, so every replica takes the same decision.
+
+    Returns:
+      A :class:`StepCheck`.
+
+    Example:
+      >>> check = jaxamp.check_step(found_inf, grads, state.deriv_scales)
+      >>> params = check.select(new_params, params)
+    """
+    unknown = sorted(k for k in found_inf if k not in scalers and k != NONFINITE_VALUES)
+    if unknown:
+        raise KeyError(
+            f"check_step: found_inf has scaler key(s) {unknown} with no scaler (the scalers have "
+            f"{sorted(scalers)}). Create the state with TrainState.create(..., engines=[every engine the loss uses])."
+        )
+    flags = {k: jnp.asarray(found_inf.get(k, False), bool).reshape(()) for k in scalers}
+    values = jnp.asarray(found_inf.get(NONFINITE_VALUES, False), bool).reshape(())
+    finite = jmp.all_finite(grads)
+    if axis_name is not None:
+        reduce = lambda b: jax.lax.pmax(b.astype(jnp.int32), axis_name) > 0  # noqa: E731
+        flags, values, finite = {k: reduce(v) for k, v in flags.items()}, reduce(values), ~reduce(~finite)
+    overflow = _any(flags)
+    reason = jnp.where(values, SKIP_NONFINITE_VALUES,
+                       jnp.where(overflow, SKIP_DERIVATIVE_OVERFLOW, jnp.where(finite, APPLIED, SKIP_NONFINITE_GRADS)))
+    return StepCheck(apply=reason == APPLIED, skip_reason=reason.astype(jnp.int32), found_inf=flags,
+                     nonfinite_values=values, derivative_overflow=overflow, grads_finite=finite)
+
+
+def update_scalers(
+    check: StepCheck, scalers: Scalers, loss_scale: ScaleState, loss_rule: Optional[DynamicScaler]
+) -> Tuple[Scalers, ScaleState]:
+    """The scaler updates after a step (docs/algorithm.md, "Training step").
+
+    - bad values: no scaler changes, not even a tracker;
+    - otherwise every derivative scaler steps with its own flag, skipped step or not;
+    - the loss scaler steps with "gradients non-finite" unless a derivative overflowed.
+
+    Args:
+      check: this step's :class:`StepCheck`.
+      scalers: the derivative scalers.
+      loss_scale: the loss scaler's state.
+      loss_rule: the loss scaler's rule (``amp.make_loss_scaler()``), or None when loss
+        scaling is off (the state stays as it is).
+
+    Returns:
+      ``(scalers, loss_scale)`` after the step.
+    """
+    frozen = check.nonfinite_values
+    scalers = jmp.select_tree(frozen, scalers, scalers.update(check.found_inf))
+    if loss_rule is not None:
+        stepped = loss_rule.update(loss_scale, ~check.grads_finite)
+        loss_scale = jmp.select_tree(frozen | check.derivative_overflow, loss_scale, stepped)
+    return scalers, loss_scale
+
+
+def merge_found_inf(*flags: Flags) -> Dict[str, jax.Array]:
+    """OR together the found_inf dicts of several engines (keys may overlap).
+
+    Example:
+      >>> found_inf = jaxamp.merge_found_inf(found_interior, found_boundary)
+    """
+    out: Dict[str, jax.Array] = {}
+    for f in flags:
+        for k, v in f.items():
+            out[k] = v if k not in out else out[k] | v
+    return out

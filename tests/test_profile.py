@@ -1,0 +1,135 @@
+"""The derivative-range profiler: analytic ranges, recommendations, no recompilation."""
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxamp
+from jaxamp.profile import LOG2_FP16_MAX, profile, promote_to_float32, recommend, value_range
+
+
+def _sine(k: float, dtype=jnp.float32):
+    """``u(x) = a * sin(k x)`` computed in ``dtype``: u__x__x peaks at ``a k^2``."""
+
+    def fn(p, x):
+        z = x.astype(dtype) * jnp.asarray(k, dtype)
+        return (jnp.sin(z) * p["a"].astype(dtype)).astype(jnp.float32)
+
+    return fn
+
+
+def _engine(fn, amp=None):
+    return jaxamp.Derivatives(fn, inputs=("x",), outputs=("u",), derivatives=("u__x__x",), amp=amp)
+
+
+POINTS = jnp.linspace(0.0, 1.0, 1001)[:, None]
+
+
+@pytest.mark.parametrize("k", [3.0, 40.0])
+def test_profile_matches_analytic_range(k):
+    params = {"a": jnp.float32(1.5)}
+    prof = profile(_engine(_sine(k), jaxamp.AmpConfig()), params, POINTS)
+    # max |u__x| = a k, max |u__x__x| = a k^2 on a grid dense enough to reach the peaks
+    np.testing.assert_allclose(float(prof.derivatives["u__x"].log2_max), math.log2(1.5 * k), atol=1e-3)
+    np.testing.assert_allclose(float(prof.derivatives["u__x__x"].log2_max), math.log2(1.5 * k * k), atol=1e-3)
+    up = float(prof.derivatives["u__x__x"].headroom_up)
+    np.testing.assert_allclose(up, LOG2_FP16_MAX - math.log2(1.5 * k * k), atol=1e-3)
+
+
+def test_scales_shift_the_range_by_their_exponent():
+    params = {"a": jnp.float32(1.0)}
+    eng = _engine(_sine(10.0), jaxamp.AmpConfig())
+    base = profile(eng, params, POINTS)
+    scaled = profile(eng, params, POINTS, {"1": jnp.float32(1.0), "2": jnp.float32(2.0**-5)})
+    np.testing.assert_allclose(float(scaled.keys["2"].log2_max), float(base.keys["2"].log2_max) - 5, atol=1e-5)
+    assert float(scaled.keys["1"].log2_max) == float(base.keys["1"].log2_max)
+
+
+def test_fractions_outside_the_window():
+    r = value_range(jnp.array([1e-6, 1.0, 7e4, 0.0]))
+    assert float(r.frac_subnormal) == pytest.approx(1 / 3)
+    assert float(r.frac_overflow) == pytest.approx(1 / 3)
+    assert float(r.headroom_up) < 0
+
+
+def test_promoted_network_runs_in_float32_on_the_same_graph():
+    fn = _sine(300.0, jnp.float16)
+    promoted = promote_to_float32(fn)
+    jaxpr = jax.make_jaxpr(lambda x: promoted({"a": jnp.float32(1.0)}, x))(jnp.ones((1,)))
+    assert "f16" not in str(jaxpr)
+    x = jnp.array([0.3])
+    np.testing.assert_allclose(promoted({"a": jnp.float32(1.0)}, x), jnp.sin(300.0 * x), rtol=1e-6)
+
+
+def test_hidden_layer_tangents_of_a_network():
+    amp = jaxamp.AmpConfig()
+    net = jaxamp.models.FullyConnected.from_amp(amp, 1, layer_size=8, nr_layers=2, activation="tanh")
+    params = net.init(jax.random.PRNGKey(0), jnp.zeros((1,)))
+    eng = _engine(lambda p, x: net.apply(p, x), amp)
+    prof = profile(eng, params, POINTS[:64])
+    assert {"1/x/layer0", "1/x/layer2", "2/x/layer1"} <= set(prof.hidden)
+    # the last layer's tangent is the derivative itself
+    np.testing.assert_allclose(float(prof.hidden["1/x/layer2"].log2_max),
+                               float(prof.derivatives["u__x"].log2_max), atol=1e-4)
+
+
+def test_profiling_inside_jit_does_not_recompile():
+    traces = []
+    eng = _engine(_sine(5.0), jaxamp.AmpConfig())
+
+    @jax.jit
+    def step(params, scales):
+        traces.append(1)
+        return profile(eng, params, POINTS[:32], scales)
+
+    for i in range(3):
+        step({"a": jnp.float32(1.0 + i)}, {"1": jnp.float32(1.0), "2": jnp.float32(2.0**-i)})
+    assert len(traces) == 1
+
+
+def test_recommendation_fits_every_key_with_its_margin():
+    params = {"a": jnp.float32(1.0)}
+    prof = profile(_engine(_sine(300.0), jaxamp.AmpConfig()), params, POINTS)  # u__x__x ~ 9e4
+    rec = recommend(prof, margin_log2=2)
+    assert rec.scales_log2["1"] == 0 and "1" not in rec.custom_max_scales_log2
+    top = float(prof.keys["2"].log2_max) + rec.scales_log2["2"]
+    assert LOG2_FP16_MAX - 3 <= top <= LOG2_FP16_MAX - 2
+    assert '"2": ' in rec.to_yaml() and rec.to_yaml().startswith("amp:")
+    with pytest.raises(ValueError, match="margin_log2"):
+        recommend(prof, margin_log2=-1)
+
+
+_OVERFLOW_SCRIPT = textwrap.dedent(
+    """
+    import jax, jax.numpy as jnp
+    import jaxamp
+    from jaxamp.profile import profile, recommend
+    def fn(p, x):
+        z = x.astype(jnp.float16) * jnp.float16(300.0)
+        return (jnp.sin(z) * p["a"].astype(jnp.float16)).astype(jnp.float32)
+    eng = jaxamp.Derivatives(fn, inputs=("x",), outputs=("u",), derivatives=("u__x__x",), amp=jaxamp.AmpConfig())
+    params = {"a": jnp.float32(1.0)}
+    x = jnp.linspace(0.0, 1.0, 512)[:, None]
+    run = jax.jit(eng)
+    _, flags = run(params, x, {"1": 1.0, "2": 1.0})
+    rec = recommend(profile(eng, params, x))
+    _, flags2 = run(params, x, {k: 2.0 ** e for k, e in rec.scales_log2.items()})
+    print(bool(flags["2"]), bool(flags2["2"]), rec.scales_log2["2"])
+    """
+)
+
+
+def test_recommended_scales_remove_a_crafted_overflow():
+    """Excess precision off (subprocess), so float16 really rounds and overflows."""
+    env = dict(os.environ, XLA_FLAGS="--xla_allow_excess_precision=false", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", _OVERFLOW_SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=300, check=True).stdout.split()
+    assert out[:2] == ["True", "False"], out
+    assert int(out[2]) < 0

@@ -1,4 +1,4 @@
-"""A plain-Python transcription of SPEC.md's scale-update rule (float32 arithmetic via numpy)."""
+"""A plain-Python transcription of docs/algorithm.md's "Scale update" rule (float32 arithmetic via numpy)."""
 
 import numpy as np
 

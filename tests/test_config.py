@@ -10,6 +10,16 @@ def test_defaults_are_modulus_amp_keys():
         True, "per_order_scaler", "float16", False, False, 0)
     assert dict(c.custom_max_scales_log2) == {} and c.scaler_enabled
     assert not AmpConfig(dtype="bfloat16").scaler_enabled and not AmpConfig(enabled=False).scaler_enabled
+    assert c.derivative_scaling and c.loss_scaling_enabled
+
+
+def test_plain_fp16_is_a_setting():
+    plain = AmpConfig(derivative_scaling=False)
+    assert plain.loss_scaling_enabled and not plain.scaler_enabled and plain.compute_dtype == "float16"
+    assert not AmpConfig(dtype="bfloat16", derivative_scaling=False).loss_scaling_enabled
+    assert AmpConfig.from_dict({"amp": {"derivative_scaling": False}}) == plain
+    with pytest.raises(ConfigError, match="amp.derivative_scaling='no' is not allowed: expected true or false"):
+        AmpConfig(derivative_scaling="no")
     assert str(AmpConfig(enabled=False, dtype="float16").compute_dtype) == "float32"
 
 
@@ -39,10 +49,20 @@ def test_from_yaml_with_amp_section(tmp_path):
         ({"default_max_scale_log2": 500}, "integer exponent in [-126, 127]"),
         ({"custom_max_scales_log2": {0: 2}}, "an order >= 1"),
         ({"custom_max_scales_log2": {2: "big"}}, "custom_max_scales_log2[2]='big'"),
-        ({"custom_max_scales_log2": {2: -3}}, "`init_scale`=1.0 must not exceed `max_scale`=0.125"),
+        ({"custom_max_scales_log2": {2: -3}}, "amp.derivative_scaler.init_scale=1.0 must not exceed "
+         "amp.derivative_scaler.max_scale=0.125; raise max_scale or lower init_scale (max_scale = "
+         "2**amp.custom_max_scales_log2['2'])."),
         ({"special_terms": "nu"}, "amp.special_terms='nu'"),
         ({"derivative_scaler": {"max_scale": 4}}, "amp.derivative_scaler.max_scale=4"),
-        ({"loss_scaler": {"growth_interval": 0}}, "amp.loss_scaler: DynamicScaler: `growth_interval`=0"),
+        ({"loss_scaler": {"growth_interval": 0}}, "amp.loss_scaler.growth_interval=0 is not allowed: expected a "
+         "positive integer"),
+        ({"derivative_scaler": {"growth_factor": 0.5}}, "amp.derivative_scaler.growth_factor=0.5 is not allowed: "
+         "expected a finite number > 1"),
+        ({"derivative_scaler": {"backoff_factor": 2.0}}, "amp.derivative_scaler.backoff_factor=2.0 is not allowed: "
+         "expected a number in (0, 1)"),
+        ({"loss_scaler": {"min_scale": 2.0**31}}, "amp.loss_scaler.min_scale=2147483648.0 must not exceed "
+         "amp.loss_scaler.max_scale=1073741824.0"),
+        ({"loss_scaler": {"init_scale": float("nan")}}, "amp.loss_scaler.init_scale=nan is not allowed"),
         ({"precision": "fp16"}, "unknown key(s) ['precision']"),
     ],
 )
@@ -57,9 +77,34 @@ def test_not_a_mapping():
         AmpConfig.from_dict(["amp"])
 
 
-def test_policy_casts():
-    import jax.numpy as jnp
+def test_mapping_like_configs_are_accepted():
+    from omegaconf import OmegaConf
 
-    p = jaxamp.get_policy(AmpConfig(dtype="bfloat16"))
-    assert p.compute_dtype == jnp.bfloat16 and p.param_dtype == jnp.float32 and p.output_dtype == jnp.float32
-    assert jaxamp.get_policy(AmpConfig(enabled=False)).compute_dtype == jnp.float32
+    values = {"amp": {"dtype": "float16", "special_terms": ["nu"], "custom_max_scales_log2": {2: 3},
+                      "derivative_scaler": {"growth_interval": 500}}}
+    expected = AmpConfig.from_dict(values)
+    assert AmpConfig.from_dict(OmegaConf.create(values)) == expected
+
+    class ConfigDictLike:  # ml_collections.ConfigDict's surface: keys() and item access, not a Mapping
+        def __init__(self, d):
+            self._d = {k: ConfigDictLike(v) if isinstance(v, dict) else v for k, v in d.items()}
+
+        def keys(self):
+            return self._d.keys()
+
+        def __getitem__(self, k):
+            return self._d[k]
+
+    assert AmpConfig.from_dict(ConfigDictLike(values)) == expected
+    assert expected.special_terms == ("nu",) and expected.derivative_scaler_for("2").max_scale == 8.0
+
+
+def test_malformed_yaml_names_the_file_and_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("amp:\n  dtype: float16\n   mode: per_order_scaler\n")
+    with pytest.raises(ConfigError) as e:
+        AmpConfig.from_yaml(path)
+    assert f"{path}, line 3: not valid YAML" in str(e.value)
+    path.write_text("amp:\n  dtype: float8\n")
+    with pytest.raises(ConfigError, match=f"{path}: amp.dtype='float8' is not allowed"):
+        AmpConfig.from_yaml(path)

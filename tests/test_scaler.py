@@ -6,10 +6,12 @@ import numpy as np
 import pytest
 
 import jaxamp
-from jaxamp import DynamicScaler, ScaleState
+from jaxamp.derivatives import NONFINITE_VALUES
+from jaxamp import DynamicScaler, Scalers, ScaleState
+from jaxamp.scaler import loss_scaler
 from tests.scaler_reference import reference_update
 
-SPEC_VECTOR_1 = dict(growth_factor=2.0, backoff_factor=0.25, growth_interval=2, max_scale=8.0,
+VECTOR_A = dict(growth_factor=2.0, backoff_factor=0.25, growth_interval=2, max_scale=8.0,
                      recover_threshold=2.0, recover_growth_interval=1)
 
 
@@ -23,17 +25,19 @@ def run(rule, state, flags, jit):
 
 
 @pytest.mark.parametrize("jit", [False, True])
-def test_spec_vector_1(jit):
-    rule = DynamicScaler(init_scale=4.0, **SPEC_VECTOR_1)
+def test_vector_a(jit):
+    """docs/algorithm.md, \"Test vectors\", A."""
+    rule = DynamicScaler(init_scale=4.0, **VECTOR_A)
     flags = [False] * 6 + [True] * 2 + [False] * 3 + [False]
     expected = [(4, 1), (8, 0), (8, 1), (8, 0), (8, 1), (8, 0), (2, 0), (0.5, 0), (1, 0), (2, 0), (4, 0), (4, 1)]
     assert run(rule, rule.init(), flags, jit) == expected
 
 
 @pytest.mark.parametrize("jit", [False, True])
-def test_spec_vector_2_through_a_tanh_mlp(jit):
-    """SPEC's second vector: the flags come from a real fp16 tanh MLP's derivatives; NaN input
-    points produce the overflow steps."""
+def test_vector_b_through_a_tanh_mlp(jit):
+    """docs/algorithm.md, "Test vectors", B: the flags come from a real fp16 tanh MLP's derivatives.
+    The flagged steps are true overflows (not bad values): the network plus sqrt(x), whose
+    derivative is inf at x = 0 where the value is finite."""
     amp = jaxamp.AmpConfig(
         dtype="float16",
         default_max_scale_log2=1,
@@ -41,30 +45,51 @@ def test_spec_vector_2_through_a_tanh_mlp(jit):
     )
     model = jaxamp.models.FullyConnected.from_amp(amp, out_features=1, layer_size=16, nr_layers=2, activation="tanh")
     params = model.init(jax.random.PRNGKey(0), jnp.zeros(1))
-    engine = jaxamp.Derivatives(lambda p, x: model.apply(p, x), inputs=("x",), outputs=("u",),
+    engine = jaxamp.Derivatives(lambda p, x: model.apply(p, x) + jnp.sqrt(x), inputs=("x",), outputs=("u",),
                                 derivatives=("u__x",), amp=amp)
     assert engine.scaler_keys == ("1",)
-    rule = engine.scalers["1"]
-    update = jax.jit(rule.update) if jit else rule.update
-    state = engine.init_scaler_states()["1"]
-    assert (float(state.scale), int(state.growth_tracker)) == (1.0, 0)
-    clean, poisoned = jnp.linspace(0, 1, 8), jnp.full((8,), jnp.nan).at[0].set(0.5)
+    scalers = Scalers.create(amp, engine.scaler_keys)
+    update = jax.jit(Scalers.update) if jit else Scalers.update
+    assert (float(scalers["1"].scale), int(scalers["1"].growth_tracker)) == (1.0, 0)
+    clean, overflowing = jnp.linspace(0.1, 1, 8), jnp.linspace(0.0, 1, 8)
     derivs = jax.jit(engine.__call__)  # the jit flag applies to the update rule
     seen = []
-    for x in [clean] * 4 + [poisoned] * 3 + [clean] * 3:
-        _, found = derivs(params, {"x": x}, {"1": state.scale})
-        state = update(state, found["1"])
-        seen.append((float(state.scale), int(state.growth_tracker)))
+    for x in [clean] * 4 + [overflowing] * 3 + [clean] * 3:
+        _, found = derivs(params, {"x": x}, scalers.scales)
+        assert not bool(found[NONFINITE_VALUES])
+        scalers = update(scalers, {"1": found["1"]})
+        seen.append((float(scalers["1"].scale), int(scalers["1"].growth_tracker)))
     assert seen == [(1, 1), (2, 0), (2, 1), (2, 0), (1, 0), (0.5, 0), (0.25, 0), (0.5, 0), (1, 0), (1, 1)]
+
+
+def test_scalers_pair_each_key_with_its_rule_and_go_through_jit_vmap_and_checkpoint_paths():
+    amp = jaxamp.AmpConfig(custom_max_scales_log2={2: 3}, derivative_scaler={"growth_interval": 200})
+    s = Scalers.create(amp, ["1", "2"])
+    assert s.rules["2"] == amp.derivative_scaler_for("2") and s.rules["2"].max_scale == 8.0
+    assert s.rules["1"].max_scale == 1.0 and sorted(s) == ["1", "2"] and len(s) == 2
+    out = jax.jit(lambda s: s.update({"2": jnp.bool_(True)}))(s)
+    assert isinstance(out, Scalers) and out.rules == s.rules
+    assert (float(out["2"].scale), int(out["1"].growth_tracker)) == (0.5, 1)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(s)[0]]
+    assert paths == ["['1'].scale", "['1'].growth_tracker", "['2'].scale", "['2'].growth_tracker"]
+    batched = jax.vmap(lambda f: s.update({"1": f}))(jnp.asarray([True, False]))
+    assert batched["1"].scale.tolist() == [0.5, 1.0]
+    assert Scalers.create(amp, []) == {} and s.scales == {"1": s["1"].scale, "2": s["2"].scale}
+    with pytest.raises(KeyError, match=r"key\(s\) \['7'\] with no scaler"):
+        s.update({"7": True})
+    with pytest.raises(KeyError, match="`states` has keys"):
+        Scalers(s.rules, {"1": s["1"]})
+    with pytest.raises(TypeError, match="must be a list of scaler keys"):
+        Scalers.create(amp, "12")
 
 
 @pytest.mark.parametrize("jit", [False, True])
 @pytest.mark.parametrize("rule_name", ["derivative", "loss", "floor"])
 def test_random_sequence_matches_python_transcription(jit, rule_name):
     rule = {
-        "derivative": jaxamp.derivative_scaler(max_scale=4.0, growth_interval=7, recover_growth_interval=3),
-        "loss": jaxamp.loss_scaler(growth_interval=5, recover_growth_interval=2, recover_threshold=2.0**10),
-        "floor": jaxamp.derivative_scaler(growth_interval=9, recover_growth_interval=2, min_scale=2.0**-8),
+        "derivative": DynamicScaler(max_scale=4.0, growth_interval=7, recover_growth_interval=3),
+        "loss": loss_scaler(growth_interval=5, recover_growth_interval=2, recover_threshold=2.0**10),
+        "floor": DynamicScaler(growth_interval=9, recover_growth_interval=2, min_scale=2.0**-8),
     }[rule_name]
     rng = np.random.default_rng(1234)
     # 15 % overflow steps keep every rule within float32's normal range (XLA flushes
@@ -93,7 +118,7 @@ def test_random_sequence_matches_python_transcription(jit, rule_name):
 
 
 def test_update_vmaps_over_a_batch_of_states():
-    rule = jaxamp.derivative_scaler(max_scale=8.0, growth_interval=2, recover_growth_interval=1)
+    rule = DynamicScaler(max_scale=8.0, growth_interval=2, recover_growth_interval=1)
     states = ScaleState(jnp.asarray([1.0, 0.5, 0.01, 8.0]), jnp.asarray([0, 1, 0, 1], jnp.int32))
     flags = jnp.asarray([False, False, False, True])
     out = jax.vmap(rule.update)(states, flags)
@@ -103,7 +128,7 @@ def test_update_vmaps_over_a_batch_of_states():
 
 
 def test_scale_never_backs_off_below_the_smallest_normal_float32():
-    rule = jaxamp.derivative_scaler()
+    rule = DynamicScaler()
     state = jax.jit(lambda s: jax.lax.fori_loop(0, 200, lambda i, s: rule.update(s, True), s))(rule.init())
     assert float(state.scale) == 2.0**-126
     assert float(rule.update(state, False).scale) == 2.0**-126  # and it can grow back from there
@@ -112,14 +137,14 @@ def test_scale_never_backs_off_below_the_smallest_normal_float32():
 
 
 def test_state_dtypes():
-    s = jaxamp.loss_scaler().init()
+    s = loss_scaler().init()
     assert s.scale.dtype == jnp.float32 and s.scale.shape == ()
     assert s.growth_tracker.dtype == jnp.int32 and s.growth_tracker.shape == ()
     assert float(s.scale) == 2.0**16
 
 
-def test_defaults_follow_spec():
-    d, l = jaxamp.derivative_scaler(), jaxamp.loss_scaler()
+def test_defaults_follow_the_documented_table():
+    d, l = DynamicScaler(), loss_scaler()
     assert (d.init_scale, d.max_scale, d.growth_factor, d.backoff_factor, d.growth_interval,
             d.recover_threshold, d.recover_growth_interval) == (1, 1, 2, 0.5, 1000, 2**-6, 100)
     assert (l.init_scale, l.max_scale, l.growth_factor, l.backoff_factor, l.growth_interval,
@@ -132,11 +157,17 @@ def test_defaults_follow_spec():
         (dict(init_scale=4.0, max_scale=2.0), "`init_scale`=4.0 must not exceed `max_scale`=2.0"),
         (dict(recover_threshold=4.0, max_scale=2.0), "`recover_threshold`=4.0 must not exceed"),
         (dict(recover_growth_interval=20, growth_interval=10), "`recover_growth_interval`=20 must not exceed"),
-        (dict(growth_factor=0.0), "`growth_factor`=0.0 must be a positive"),
-        (dict(backoff_factor=-0.5), "`backoff_factor`=-0.5 must be a positive"),
-        (dict(growth_interval=0), "`growth_interval`=0 must be a positive integer"),
+        (dict(growth_factor=0.0), "`growth_factor`=0.0 is not allowed: expected a finite number > 1"),
+        (dict(growth_factor=0.5), "`growth_factor`=0.5 is not allowed: expected a finite number > 1"),
+        (dict(growth_factor=1.0), "`growth_factor`=1.0 is not allowed: expected a finite number > 1"),
+        (dict(backoff_factor=-0.5), "`backoff_factor`=-0.5 is not allowed: expected a number in (0, 1)"),
+        (dict(backoff_factor=2.0), "`backoff_factor`=2.0 is not allowed: expected a number in (0, 1)"),
+        (dict(backoff_factor=1.0), "`backoff_factor`=1.0 is not allowed"),
+        (dict(growth_interval=0), "`growth_interval`=0 is not allowed: expected a positive integer"),
         (dict(max_scale=float("inf")), "`max_scale`=inf"),
-        (dict(min_scale=2.0), "`min_scale`=2.0 must not exceed `init_scale`"),
+        (dict(init_scale=float("nan")), "`init_scale`=nan is not allowed: expected a finite number > 0"),
+        (dict(min_scale=2.0), "`min_scale`=2.0 must not exceed `max_scale`=1.0"),
+        (dict(min_scale=0.5, init_scale=0.25), "`min_scale`=0.5 must not exceed `init_scale`=0.25"),
     ],
 )
 def test_construction_rejects_bad_hyperparameters(kwargs, fragment):
@@ -150,3 +181,10 @@ def test_hyperparameters_are_keyword_only_and_typed():
         DynamicScaler(1.0)  # noqa
     with pytest.raises(TypeError, match="growth_interval"):
         DynamicScaler(growth_interval=10.5)
+    with pytest.raises(TypeError, match="`init_scale`='1'"):
+        DynamicScaler(init_scale="1")
+    with pytest.raises(TypeError, match="`backoff_factor`=True"):
+        DynamicScaler(backoff_factor=True)
+    r = DynamicScaler(init_scale=np.float32(0.5), growth_interval=np.int64(10), recover_growth_interval=5)
+    assert type(r.init_scale) is float and type(r.growth_interval) is int and r.floor == 2.0**-126
+    assert DynamicScaler(min_scale=2.0**-10).floor == 2.0**-10

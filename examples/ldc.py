@@ -1,5 +1,8 @@
 """Lid-driven cavity as in Modulus Sym's ``ldc`` example: ``python -m examples.ldc``.
 
+Without ``--config`` it runs ``ldc_cpu`` (4x128, sized for a CPU); ``--config ldc_gpu`` is
+Modulus' own size (6x512, batches 1000/1000/4000).
+
 Box ``[-L/2, L/2]^2`` (Modulus: ``L = 0.1``), steady incompressible Navier-Stokes with
 density 1 and viscosity ``nu``; the lid ``y = L/2`` moves at ``u = U`` (``v = 0``), its
 constraint weighted ``1 - |x| / (L/2)`` (zero at the corners), no-slip elsewhere. The
@@ -33,6 +36,7 @@ def _reference(n: int, box: float, nu: float, lid_speed: float):
 
 class LDC(Problem):
     name = "ldc"
+    default_config = "ldc_cpu"
     inputs = ("x", "y")
     outputs = ("u", "v", "p")
     derivatives = (

@@ -4,8 +4,7 @@ A config file may name another one with ``base: <name>`` (a file in ``examples/c
 it is loaded first and the variant's keys are merged over it, so variants never copy a
 default. The *root* of that chain (the problem's default file) is the schema: any key it
 does not have is unknown, and every value must have the type of the default's value. The
-``amp:`` section is checked by :class:`jaxamp.AmpConfig` instead (plus the example-only key
-``amp.derivative_scaling``).
+``amp:`` section is checked by :class:`jaxamp.AmpConfig` instead.
 
 ``mode`` picks a preset of ``amp:`` keys (:data:`MODES`); ``custom`` uses ``amp:`` as written.
 Order of precedence: file(s) < mode preset < command-line ``key=value`` overrides.
@@ -74,6 +73,7 @@ COMMON_CHECKS: Dict[str, Check] = {
     "training.chunk_steps": positive_int(),
     "training.checkpoint_every": positive_int(),
     "training.devices": positive_int(),
+    "training.max_consecutive_skips": (lambda v: v >= 0, "an integer >= 0 (0: never stop early)"),
     "eval.grid": (lambda v: v >= 2, "an integer >= 2"),
     "model.frequencies": (
         lambda v: _frequencies_ok(v),
@@ -192,19 +192,16 @@ def validate(cfg: Mapping[str, Any], schema: Mapping[str, Any], checks: Mapping[
 
 
 def check_amp(amp: Any) -> jaxamp.AmpConfig:
-    """The ``amp:`` section as an AmpConfig (plus ``derivative_scaling``, checked here)."""
+    """The ``amp:`` section as an AmpConfig (which validates every key)."""
     if not isinstance(amp, dict):
         raise ConfigError(f"amp={amp!r} must be a mapping of Modulus amp keys.")
-    ds = amp.get("derivative_scaling", True)
-    if not isinstance(ds, bool):
-        raise ConfigError(f"amp.derivative_scaling={ds!r} has the wrong type: expected true or false.")
-    return jaxamp.AmpConfig.from_dict({k: v for k, v in amp.items() if k != "derivative_scaling"})
+    return jaxamp.AmpConfig.from_dict(amp)
 
 
 def amp_settings(cfg: Mapping[str, Any]) -> Tuple[jaxamp.AmpConfig, bool]:
-    """(AmpConfig, derivative scaling on?) of a validated config."""
+    """(AmpConfig, do the derivative scalers act?) of a validated config."""
     amp = check_amp(cfg["amp"])
-    return amp, bool(cfg["amp"].get("derivative_scaling", True)) and amp.scaler_enabled
+    return amp, amp.scaler_enabled
 
 
 def to_yaml(cfg: Mapping[str, Any]) -> str:

@@ -1,5 +1,8 @@
 """Command line of the examples: ``python -m examples.<problem> [--config C] [--workdir W]
-[--resume] [key=value ...]``."""
+[--resume] [key=value ...]``.
+
+Exit status: 0 done, 2 bad config (nothing trained), 3 stopped early because the run stalled
+(``training.max_consecutive_skips`` skipped steps in a row; the reason is printed)."""
 
 from __future__ import annotations
 
@@ -20,7 +23,9 @@ def main(problem_cls: Type[Problem], argv: Optional[Sequence[str]] = None) -> in
         description=f"Train the {problem_cls.name} PINN. Overrides are omegaconf dotlist entries, "
         "e.g. mode=fp16_plain amp.dtype=bfloat16 training.max_steps=200.",
     )
-    parser.add_argument("--config", default=problem_cls.name, help="config name in examples/configs or a YAML path")
+    default = problem_cls.default_config or problem_cls.name
+    parser.add_argument("--config", default=default,
+                        help=f"config name in examples/configs or a YAML path (default: {default}, sized for a CPU)")
     parser.add_argument("--workdir", default=None, help="output folder (default runs/<problem>_<mode>)")
     parser.add_argument("--resume", action="store_true", help="continue from the workdir's last checkpoint")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -36,4 +41,4 @@ def main(problem_cls: Type[Problem], argv: Optional[Sequence[str]] = None) -> in
         print(f"config error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(summary, indent=2))
-    return 0
+    return 0 if summary["stalled"] is None else 3

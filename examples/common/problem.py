@@ -22,6 +22,7 @@ class Problem:
     """
 
     name: str = ""
+    default_config: str = ""  # config file run without --config (CPU-sized); default: ``name``
     inputs: Tuple[str, ...] = ()
     outputs: Tuple[str, ...] = ()
     derivatives: Tuple[str, ...] = ()

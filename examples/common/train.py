@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Type
 
@@ -22,6 +23,8 @@ import optax
 import jaxamp
 from examples.common.config import ConfigError, amp_settings, to_yaml
 from examples.common.problem import Problem, rel_l2
+from examples.common.stall import StallWatch
+from examples.common.tensorboard import TensorBoardLog, skip_counts
 from jaxamp.models import FullyConnected
 from jaxamp.models.fourier_net import FourierNet
 
@@ -41,25 +44,25 @@ class Setup:
         self.cfg = cfg
         self.problem = problem_cls(cfg)
         p = self.problem
-        self.amp, scaled = amp_settings(cfg)
+        self.amp, _ = amp_settings(cfg)
         self.model = build_model(cfg, self.amp, len(p.outputs))
-        # Derivative scaling off (fp16_plain): the engine gets no AmpConfig, so it neither scales
-        # nor checks; the model still runs in float16 and the loss scaler stays on.
+        # amp.derivative_scaling=false (fp16_plain): the engines neither scale nor check; the
+        # model still runs in float16 and the loss scaler stays on.
         fn = lambda params, x: self.model.apply(params, x)  # noqa: E731
-        eng_amp = self.amp if scaled else None
         # One forward-mode engine for every derivative: under per-order scaling a jvp pass
         # yields all outputs' derivatives along its path (u__x__x and v__x__x share one).
         self.engines = [
-            jaxamp.Derivatives(fn, inputs=p.inputs, outputs=p.outputs, derivatives=p.derivatives, amp=eng_amp)
+            jaxamp.Derivatives(fn, inputs=p.inputs, outputs=p.outputs, derivatives=p.derivatives, amp=self.amp)
         ]
         # Boundary points that need only the outputs get an engine without derivatives.
-        self.values_engine = jaxamp.Derivatives(fn, inputs=p.inputs, outputs=p.outputs, derivatives=(), amp=eng_amp)
+        self.values_engine = jaxamp.Derivatives(fn, inputs=p.inputs, outputs=p.outputs, derivatives=(), amp=self.amp)
         o = cfg["optimizer"]
         # optax counts applied updates only: skipped steps do not advance the decay (Modulus' does).
         schedule = optax.exponential_decay(o["lr"], transition_steps=o["decay_steps"], decay_rate=o["decay_rate"])
         self.optimizer = optax.adam(schedule)
+        # The library does not clip by default; the configs pass Modulus' 0.5 (0 turns it off).
         self.step_fn = jaxamp.make_train_step(
-            self._loss_fn, self.optimizer, amp=self.amp, grad_clip_max_norm=o["grad_clip_max_norm"]
+            self._loss_fn, self.optimizer, amp=self.amp, grad_clip_max_norm=o["grad_clip_max_norm"] or None
         )
         self.sample_key = jax.random.fold_in(jax.random.PRNGKey(cfg["seed"]), 1)
         self._chunks: Dict[int, Callable] = {}
@@ -189,7 +192,11 @@ def train_and_evaluate(
     problem_cls: Type[Problem], cfg: Mapping[str, Any], workdir: str, *, resume: bool = False,
     progress: bool = True, plots: bool = True,
 ) -> Dict[str, Any]:
-    """Train (or resume) the run configured by ``cfg`` in ``workdir``; return its summary."""
+    """Train (or resume) the run configured by ``cfg`` in ``workdir``; return its summary.
+
+    The run stops early, after the chunk in which ``training.max_consecutive_skips`` steps
+    in a row were skipped; its summary then says why (``stalled``), and the command line
+    exits with status 3. A checkpoint holds the train state and the stall watch's state."""
     os.makedirs(workdir, exist_ok=True)
     setup = get_setup(problem_cls, cfg)
     setup.cfg = cfg
@@ -199,37 +206,51 @@ def train_and_evaluate(
     with open(os.path.join(workdir, "config.yaml"), "w") as f:
         f.write(to_yaml(cfg))
     metrics_path = os.path.join(workdir, "metrics.jsonl")
-    state = setup.init_state()
+    state, watch = setup.init_state(), StallWatch(t["max_consecutive_skips"])
     earlier_s = 0.0  # training seconds up to the restored checkpoint (recorded with each one)
     time_path = os.path.join(workdir, "train_time.json")
+    kept: List[Dict[str, Any]] = []
     if resume and ckpt.latest_step() is not None:
         earlier_s = _read_json(time_path).get(str(ckpt.latest_step()), 0.0)
-        state = setup.place(ckpt.restore(state))
+        saved = ckpt.restore({"train": state, "stall": watch.state()})
+        state = setup.place(saved["train"])
         # Drop records written after the checkpoint (the run died between the two).
-        _write_metrics(metrics_path, read_metrics(metrics_path, upto=int(state.step)), mode="w")
+        kept = read_metrics(metrics_path, upto=int(state.step))
+        _write_metrics(metrics_path, kept, mode="w")
+        watch.restore(saved["stall"], kept)
     else:
         _write_metrics(metrics_path, [], mode="w")
     step, max_steps = int(state.step), t["max_steps"]
+    board = TensorBoardLog(workdir, step, skip_counts(kept)) if t["tensorboard"] else None
     bar = _progress_bar(progress, step, max_steps, cfg)
     t0, train_s = time.perf_counter(), 0.0  # train_s: this session's training time, per chunk
-    while step < max_steps:
+    while step < max_steps and watch.stop_reason is None:
         next_ckpt = (step // t["checkpoint_every"] + 1) * t["checkpoint_every"]
         n = min(t["chunk_steps"], max_steps - step, next_ckpt - step)
         state, metrics = setup.chunk(n)(state)
         recs = _records(step, metrics)
         _write_metrics(metrics_path, recs)
+        if board is not None:
+            board.write(recs)
+        stalled = watch.update(recs)
         step = int(state.step)
         train_s = time.perf_counter() - t0
-        if step % t["checkpoint_every"] == 0 or step == max_steps:
-            ckpt.save(state)
+        if step % t["checkpoint_every"] == 0 or step == max_steps or stalled:
+            ckpt.save({"train": state, "stall": watch.state()}, step=step)
             _record_time(time_path, step, earlier_s + train_s)
         if bar is not None:
             bar.update(n)
             bar.set_postfix(_postfix(recs), refresh=False)
+        if stalled:
+            print(stalled, file=sys.stderr)
     if bar is not None:
         bar.close()
+    if board is not None:
+        board.close()
     ckpt.close()
-    return evaluate(setup, state, workdir, train_s=train_s, earlier_s=earlier_s, plots=plots)
+    summary = evaluate(setup, state, workdir, train_s=train_s, earlier_s=earlier_s, plots=plots,
+                       stalled=watch.stop_reason)
+    return summary
 
 
 def _record_time(path: str, step: int, seconds: float) -> None:
@@ -286,10 +307,11 @@ def failure_summary(recs: List[Dict[str, Any]]) -> Dict[str, Any]:
 
 
 def evaluate(setup: Setup, state: jaxamp.TrainState, workdir: str, *, train_s: float, plots: bool,
-             earlier_s: float = 0.0) -> Dict[str, Any]:  # fmt: skip
+             earlier_s: float = 0.0, stalled: Optional[str] = None) -> Dict[str, Any]:  # fmt: skip
     """Relative L2 errors against the reference, failure steps, plots; writes summary.json.
     ``train_seconds`` adds this session's training time to ``earlier_s`` (the training time
-    up to the checkpoint a resumed run started from)."""
+    up to the checkpoint a resumed run started from); ``stalled`` is the stall line of a run
+    that stopped early (None otherwise)."""
     p = setup.problem
     points, axes = p.eval_grid(setup.cfg["eval"]["grid"])
     pred_all = setup.predict(state.params, points)
@@ -305,6 +327,7 @@ def evaluate(setup: Setup, state: jaxamp.TrainState, workdir: str, *, train_s: f
         "rel_l2": rel_l2(cat(pred), cat(ref)),
         **errs,
         **failure_summary(recs),
+        "stalled": stalled,
         "train_seconds_this_session": train_s,
         "train_seconds": earlier_s + train_s,
     }

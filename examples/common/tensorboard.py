@@ -1,0 +1,102 @@
+"""TensorBoard event files of a run, beside ``metrics.jsonl`` (``tensorboardX``).
+
+Every numeric field of a step's metric record becomes a scalar under its own tag: the loss
+and ``terms/<term>``, ``scale_log2/<key>`` for every scaler (``loss``, ``1``, ``2``, term
+names), ``found_inf/<key>``, ``grad_norm``, ``skipped``, ``skip_reason`` and any other field
+the train step reports. Skip reasons are also counted by name, ``skips/<reason>`` (the
+running number of steps skipped for that reason). View with
+``tensorboard --logdir <workdir>/tensorboard``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Dict, Iterable, Mapping
+
+import jaxamp
+
+SUBDIR = "tensorboard"
+
+
+def skip_reason_names() -> Dict[int, str]:
+    """``{code: name}`` of the train step's skip reasons (``jaxamp.SKIP_*``), e.g.
+    ``{1: "derivative_overflow", 2: "nonfinite_grads"}``."""
+    return {
+        int(getattr(jaxamp, attr)): attr[len("SKIP_"):].lower()
+        for attr in dir(jaxamp)
+        if attr.startswith("SKIP_") and isinstance(getattr(jaxamp, attr), int)
+    }
+
+
+class TensorBoardLog:
+    """Writes metric records as TensorBoard scalars in ``<workdir>/tensorboard``.
+
+    Args:
+      workdir: the run's folder.
+      first_step: the step the run continues from (0 for a new run). On ``--resume``,
+        TensorBoard drops the events a dead run wrote after this step (``purge_step``).
+      skip_counts: the running count per skip reason up to ``first_step`` (from the
+        records kept in ``metrics.jsonl``), so the ``skips/*`` curves continue.
+    """
+
+    def __init__(self, workdir: str, first_step: int = 0, skip_counts: Mapping[str, int] = ()) -> None:
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError as e:  # an optional dependency of the examples
+            raise jaxamp.ConfigError(
+                "training.tensorboard=true needs tensorboardX: pip install -e '.[examples]' "
+                "(or pass training.tensorboard=false)."
+            ) from e
+        self.logdir = os.path.join(workdir, SUBDIR)
+        self.reasons = skip_reason_names()
+        self.counts = {name: 0 for name in self.reasons.values()}
+        self.counts.update(dict(skip_counts))
+        self.writer = SummaryWriter(self.logdir, purge_step=first_step + 1 if first_step else None)
+
+    def write(self, records: Iterable[Mapping[str, Any]]) -> None:
+        """Add one scalar per numeric field of each record (non-finite values as NaN/inf)."""
+        for rec in records:
+            step = int(rec["step"])
+            for tag, value in rec.items():
+                if tag == "step":
+                    continue
+                x = _number(value)
+                if x is not None:
+                    self.writer.add_scalar(tag, x, step)
+            reason = self.reasons.get(int(rec.get("skip_reason", 0)))
+            if reason is not None:
+                self.counts[reason] += 1
+            for name, n in self.counts.items():
+                self.writer.add_scalar(f"skips/{name}", n, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def skip_counts(records: Iterable[Mapping[str, Any]]) -> Dict[str, int]:
+    """Steps skipped per reason name in ``records`` (the ``skips/*`` totals)."""
+    reasons = skip_reason_names()
+    counts = {name: 0 for name in reasons.values()}
+    for rec in records:
+        name = reasons.get(int(rec.get("skip_reason", 0)))
+        if name is not None:
+            counts[name] += 1
+    return counts
+
+
+def _number(value: Any):
+    """A float for TensorBoard, or None for a field that is not a number. Records store
+    non-finite floats as the strings "nan", "inf", "-inf" (JSON has no such numbers)."""
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            x = float(value)
+        except ValueError:
+            return None
+        return x if not math.isfinite(x) else None
+    return None

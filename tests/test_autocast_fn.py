@@ -4,11 +4,13 @@ Bitwise comparisons with FullyConnected/FourierNet run eagerly (op by op), so XL
 precision inside fusions does not enter; the two programs then round at the same points.
 """
 
+import functools
 from typing import Any, Callable
 
 import flax.linen as nn
 import jax
 import jax.extend
+import jax.flatten_util
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -48,8 +50,9 @@ def reference(amp, fourier):
     return FullyConnected.from_amp(amp, N_OUT, **kw)
 
 
+@functools.lru_cache(maxsize=None)
 def user_params(fourier, zero_bias=True, seed=0):
-    params = UserMLP(fourier).init(jax.random.PRNGKey(seed), jnp.zeros((1, 2)))
+    params = jax.jit(UserMLP(fourier).init)(jax.random.PRNGKey(seed), jnp.zeros((1, 2)))
     if not zero_bias:  # Flax initialises biases to zero; give them values
         keys = iter(jax.random.split(jax.random.PRNGKey(seed + 1), 16))
         params = jax.tree_util.tree_map_with_path(
@@ -192,14 +195,15 @@ def test_derivatives_wrt_params_and_inputs(act):
         return model.apply(params, jnp.stack([t, x]))[0]
 
     ts, xs = points(8)[:, 0], points(8, seed=3)[:, 1]
-    results = []
-    for u in (u_net, autocast(u_net, AmpConfig())):
+    def derivatives(u, params):
         u_xx = jax.vmap(jax.grad(jax.grad(u, argnums=2), argnums=2), (None, 0, 0))(params, ts, xs)
         u_tx = jax.vmap(jax.grad(jax.grad(u, argnums=1), argnums=2), (None, 0, 0))(params, ts, xs)
         loss = lambda p: jnp.mean(jax.vmap(u, (None, 0, 0))(p, ts, xs) ** 2)
         g = jax.flatten_util.ravel_pytree(jax.grad(loss)(params))[0]
         jac = jax.jacrev(lambda x: jax.vmap(u, (None, 0, 0))(params, ts, x))(xs)
-        results.append((u_xx, u_tx, g, jac))
+        return u_xx, u_tx, g, jac
+
+    results = [jax.jit(derivatives, static_argnums=0)(u, params) for u in (u_net, autocast(u_net, AmpConfig()))]
     for ref, got in zip(*results):
         assert got.dtype == F32 and bool(jnp.all(jnp.isfinite(got)))
         tol = 0.02 * float(jnp.max(jnp.abs(ref))) + 1e-6
@@ -268,6 +272,6 @@ def test_convolutions():
 
     model = ConvNet()
     x = jax.random.normal(jax.random.PRNGKey(0), (2, 10, 1))
-    params = model.init(jax.random.PRNGKey(1), x)
+    params = jax.jit(model.init)(jax.random.PRNGKey(1), x)
     jaxpr = jax.make_jaxpr(autocast(model.apply, AmpConfig()))(params, x).jaxpr
     assert walk(jaxpr, "conv_general_dilated") == [(F32, F32), (F16, F16), (F16, F16)]

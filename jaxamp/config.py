@@ -164,6 +164,9 @@ class AmpConfig:
             _build("derivative_scaler", lambda: self.derivative_scaler_for(key), f" (max_scale = 2**amp.{where})")
         _build("loss_scaler", self.make_loss_scaler, "")
 
+    def __hash__(self) -> int:  # hashable (a static jit argument, a cache key) despite its mapping fields
+        return hash(repr(self))
+
     # ---------------------------------------------------------------- derived settings
     @property
     def scaler_enabled(self) -> bool:

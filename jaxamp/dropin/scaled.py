@@ -9,8 +9,8 @@ parameters), ``vmap``, ``jit``, ``jacrev``/``jacfwd`` and ``lax.scan``; no host 
 
 ``found_inf`` has the Derivatives engine's meaning: ``found_inf[key]`` is True when at some
 point the value a derivative of that key differentiates is finite and its scaled result is
-not (a true overflow); ``found_inf["nonfinite_values"]`` when that value is not finite
-(bad values, which no scale cures).
+not (a true overflow); ``found_inf["nonfinite_values"]`` when a value a first derivative
+differentiates (a network output) is not finite (bad values, which no scale cures).
 """
 
 from __future__ import annotations
@@ -110,7 +110,9 @@ def _check(ctx: _Context, flags: Flags, g, v, order: int, term: Optional[str]) -
     if bad_g.ndim > finite_v.ndim:  # one flag per point: reduce the gradient's own axes
         bad_g = jnp.any(bad_g, axis=tuple(range(finite_v.ndim, bad_g.ndim)))
     _or(flags, ctx.key(order, term), jnp.any(bad_g & finite_v))
-    _or(flags, NONFINITE_VALUES, jnp.any(~finite_v))
+    # Bad values: a first derivative's value (a network output) is not finite. Above order 1
+    # a non-finite value below was already flagged by the step that produced it.
+    _or(flags, NONFINITE_VALUES, jnp.any(~finite_v) if order == 1 else jnp.zeros((), bool))
 
 
 def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: _Context) -> Tuple[List, Flags]:

@@ -1,0 +1,61 @@
+"""Builders for the drop-in tests: one network seen two ways.
+
+``engine_fn(params, x_vec) -> f32[1]`` as :class:`jaxamp.Derivatives` takes it, and the
+scalar ``u_net(params, *coords)`` a JAX user writes, with nested :func:`jaxamp.dropin.grad`
+for a derivative name like ``"u__x__y"``.
+"""
+
+from typing import Callable, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxamp import AmpConfig, dropin
+from jaxamp.models import FullyConnected
+
+INPUTS = ("t", "x")
+
+
+def make_net(amp: AmpConfig, *, layer_size: int = 16, nr_layers: int = 2, seed: int = 0,
+             weight_scale: float = 1.0) -> Tuple[Callable, Callable, dict]:  # fmt: skip
+    """``(engine_fn, u_net, params)`` for a tanh FullyConnected placed as ``amp`` asks;
+    ``weight_scale`` multiplies the first layer's kernel (large derivatives)."""
+    model = FullyConnected.from_amp(amp, out_features=1, layer_size=layer_size, nr_layers=nr_layers,
+                                    activation="tanh")  # fmt: skip
+    params = model.init(jax.random.PRNGKey(seed), jnp.zeros(len(INPUTS)))
+    first = params["params"]["layers_0"]
+    params["params"]["layers_0"] = dict(first, kernel=first["kernel"] * weight_scale)
+
+    def engine_fn(p, x):
+        return model.apply(p, x)
+
+    def u_net(p, *coords):
+        return model.apply(p, jnp.stack(coords))[0]
+
+    return engine_fn, u_net, params
+
+
+def nested(u_net: Callable, name: str, inputs: Sequence[str] = INPUTS) -> Callable:
+    """``u_net``'s derivative ``name`` ("u__x__y") by nested :func:`jaxamp.dropin.grad`."""
+    parts = name.split("__")
+    fn = u_net
+    for i, var in enumerate(parts[1:]):
+        fn = dropin.grad(fn, argnums=1 + inputs.index(var), of=parts[0] if i == 0 else None, wrt=var)
+    return fn
+
+
+def batched(u_net: Callable, names: Sequence[str], inputs: Sequence[str] = INPUTS) -> Callable:
+    """``fn(params, points {input: f32[N]}) -> {name: f32[N]}`` under ``vmap``."""
+    fns = {n: nested(u_net, n, inputs) for n in names}
+
+    def fn(params, points):
+        cols = [points[i] for i in inputs]
+        axes = (None,) + (0,) * len(inputs)
+        return {n: jax.vmap(f, axes)(params, *cols) for n, f in fns.items()}
+
+    return fn
+
+
+def points(n: int = 8, seed: int = 1, scale: float = 1.0):
+    key = jax.random.PRNGKey(seed)
+    return {name: scale * jax.random.uniform(jax.random.fold_in(key, i), (n,)) for i, name in enumerate(INPUTS)}

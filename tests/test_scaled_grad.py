@@ -1,0 +1,222 @@
+"""jaxamp.dropin.grad + scaled against the Derivatives engine on the same float16 network.
+
+What is compared: ``dropin.grad`` nested as a JAX user writes it, under ``vmap`` (and
+``jit``, ``jacrev``, control flow), against ``Derivatives(method="reverse")``, whose graph is
+the same nested ``jax.grad`` except that it differentiates the stacked input vector (one
+reverse pass per variable) where the user differentiates one scalar argument. Run op by op
+(no ``jit``) the two give bit-identical values; under ``jit`` XLA CPU keeps excess precision
+inside fusions that the two graphs form differently, so values are compared to float16
+rounding there. Flags (``found_inf``) are compared exactly everywhere. Overflows are forced by
+scales that are too big (2**16 on a float16 network) and bad values by an injected NaN point.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxamp
+from jaxamp import dropin
+from jaxamp.derivatives import NONFINITE_VALUES
+from tests.helpers.jax_user import INPUTS, batched, make_net, nested, points
+
+PURE_AND_MIXED = ("u__t__x", "u__x__x__x__x")  # orders 1-4 on the pure path, a mixed second order
+FP16_ROUNDING = 4e-3  # relative to the largest value of a derivative
+
+
+def _engine(fn, names, amp, method="reverse"):
+    return jaxamp.Derivatives(fn, inputs=INPUTS, outputs=("u",), derivatives=names, amp=amp, method=method)
+
+
+def _scales(keys):
+    """Scales 2**-k, a different one per key."""
+    return {k: jnp.float32(2.0 ** -(3 + i)) for i, k in enumerate(keys)}
+
+
+def _flags(found):
+    return {k: bool(v) for k, v in found.items()}
+
+
+def _close(a, b, tol=FP16_ROUNDING):
+    a, b = np.asarray(a), np.asarray(b)
+    np.testing.assert_allclose(a, b, rtol=0, atol=tol * max(np.max(np.abs(b)), 1e-30))
+
+
+@pytest.fixture(scope="module")
+def net():
+    return make_net(jaxamp.AmpConfig())
+
+
+@pytest.mark.parametrize("mode", ["per_order_scaler", "per_term_scaler"])
+def test_values_and_flags_equal_reverse_engine_op_by_op(net, mode):
+    amp = jaxamp.AmpConfig(mode=mode)
+    fn, u_net, params = net
+    engine = _engine(fn, PURE_AND_MIXED, amp)
+    scales = _scales(engine.scaler_keys)
+    names = [n for n in engine.names if "__" in n]
+    values, found = engine(params, points(), scales)
+    ours, our_found = dropin.scaled(batched(u_net, names), amp)(scales, params, points())
+    assert sorted(dropin.scaler_keys(batched(u_net, names), amp)(params, points())) == sorted(engine.scaler_keys)
+    if mode == "per_term_scaler":
+        assert set(engine.scaler_keys) == {"u", "u__t", "u__x", "u__x__x", "u__x__x__x"}
+    for n in names:
+        np.testing.assert_array_equal(ours[n], values[n], err_msg=n)
+    assert _flags(our_found) == _flags(found)
+
+
+def test_jit_values_to_rounding_and_forward_engine(net):
+    amp = jaxamp.AmpConfig()
+    fn, u_net, params = net
+    names = ("u__x", "u__t__x", "u__x__x", "u__x__x__x", "u__x__x__x__x")
+    run = jax.jit(dropin.scaled(batched(u_net, names), amp))
+    for method in ("reverse", "forward"):
+        engine = _engine(fn, names, amp, method)
+        scales = _scales(engine.scaler_keys)
+        values, found = jax.jit(engine)(params, points(), scales)
+        ours, our_found = run(scales, params, points())
+        for n in names:
+            _close(ours[n], values[n])
+        assert _flags(our_found) == _flags(found)
+
+
+def test_overflow_and_bad_values_flag_like_the_engine(net):
+    amp = jaxamp.AmpConfig()
+    fn, u_net, params = net
+    names = ("u__x__x", "u__t__x")
+    engine = _engine(fn, names, amp)
+    run = jax.jit(dropin.scaled(batched(u_net, names), amp))
+    clean = points()
+    poisoned = dict(clean, x=clean["x"].at[3].set(jnp.nan))
+    cases = {  # (points, scales) -> the flags both must raise
+        "clean": (clean, {"1": 1.0, "2": 2.0**-4}, {"1": False, "2": False, NONFINITE_VALUES: False}),
+        "order 2 overflows": (clean, {"1": 1.0, "2": 2.0**16}, {"1": False, "2": True, NONFINITE_VALUES: False}),
+        "order 1 overflows": (clean, {"1": 2.0**18, "2": 1.0}, {"1": True, "2": False, NONFINITE_VALUES: False}),
+        "bad values": (poisoned, {"1": 1.0, "2": 1.0}, {"1": False, "2": False, NONFINITE_VALUES: True}),
+    }
+    for case, (pts, scales, expected) in cases.items():
+        scales = {k: jnp.float32(v) for k, v in scales.items()}
+        _, found = jax.jit(engine)(params, pts, scales)
+        _, our_found = run(scales, params, pts)
+        assert _flags(our_found) == _flags(found) == expected, case
+
+
+def test_jacrev_inside_and_outside_scaled(net):
+    """NTK-style weights: the Jacobian of per-point residuals w.r.t. the parameters."""
+    amp = jaxamp.AmpConfig()
+    fn, u_net, params = net
+    engine = _engine(fn, ("u__x__x",), amp)
+    scales = _scales(engine.scaler_keys)
+    pts = points()
+    residual = lambda p, pts: batched(u_net, ["u__x__x"])(p, pts)["u__x__x"]  # noqa: E731
+    expected = jax.jit(jax.jacrev(lambda p: engine(p, pts, scales)[0]["u__x__x"]))(params)
+    outside = jax.jit(jax.jacrev(lambda p: dropin.scaled(residual, amp)(scales, p, pts)[0]))(params)
+    inside, found = jax.jit(dropin.scaled(lambda p, pts: jax.jacrev(residual)(p, pts), amp))(scales, params, pts)
+    for got in (outside, inside):
+        jax.tree_util.tree_map(_close, got, expected)
+    assert _flags(found) == {"1": False, "2": False, NONFINITE_VALUES: False}
+
+
+def test_weight_gradient_of_a_scaled_loss_equals_the_engine_loss(net):
+    amp = jaxamp.AmpConfig()
+    fn, u_net, params = net
+    engine = _engine(fn, ("u__x__x",), amp)
+    scales = _scales(engine.scaler_keys)
+    pts = points()
+    ours = lambda p: jnp.mean(batched(u_net, ["u__x__x"])(p, pts)["u__x__x"] ** 2)  # noqa: E731
+    theirs = lambda p: jnp.mean(engine(p, pts, scales)[0]["u__x__x"] ** 2)  # noqa: E731
+    g_ours, found = jax.jit(jax.grad(lambda p: dropin.scaled(ours, amp)(scales, p), has_aux=True))(params)
+    jax.tree_util.tree_map(_close, g_ours, jax.jit(jax.grad(theirs))(params))
+    assert not any(_flags(found).values())
+
+
+def test_vmap_over_scaled_gives_flags_per_batch(net):
+    amp = jaxamp.AmpConfig()
+    _, u_net, params = net
+    u_xx = nested(u_net, "u__x__x")
+    fn = dropin.scaled(lambda p, t, x: u_xx(p, t, x), amp)
+    t, x = jnp.full((3,), 0.5), jnp.array([0.1, jnp.nan, 0.3])
+    values, found = jax.vmap(fn, (None, None, 0, 0))({"1": 1.0, "2": 1.0}, params, t, x)
+    assert values.shape == (3,) and found[NONFINITE_VALUES].tolist() == [False, True, False]
+    single, _ = fn({"1": 1.0, "2": 1.0}, params, t[0], x[0])
+    _close(values[0], single, 1e-6)  # vmapped vs unbatched graph: float32 rounding
+
+
+def test_control_flow_carries_flags_out(net):
+    """scan, while, cond, custom_jvp and jit around the derivatives: same values and flags."""
+    amp = jaxamp.AmpConfig()
+    _, u_net, params = net
+    u_xx = jax.vmap(nested(u_net, "u__x__x"), (None, 0, 0))
+    pts = points(6)
+    t, x = pts["t"].reshape(3, 2), pts["x"].reshape(3, 2)
+
+    @jax.custom_jvp
+    def wrapped(p, t, x):
+        return u_xx(p, t, x)
+
+    wrapped.defjvp(lambda primals, tangents: (wrapped(*primals), jnp.zeros(2)))
+    programs = {
+        "flat": lambda p: u_xx(p, pts["t"], pts["x"]).reshape(3, 2),
+        "scan": lambda p: jax.lax.scan(lambda c, tx: (c, u_xx(p, *tx)), 0.0, (t, x))[1],
+        "jit": lambda p: jax.jit(u_xx)(p, pts["t"], pts["x"]).reshape(3, 2),
+        "custom_jvp": lambda p: jnp.stack([wrapped(p, t[i], x[i]) for i in range(3)]),
+        "cond": lambda p: jnp.stack([jax.lax.cond(t[i, 0] > -1, lambda i=i: u_xx(p, t[i], x[i]), lambda i=i: t[i])
+                                     for i in range(3)]),  # fmt: skip
+        "while": lambda p: jax.lax.while_loop(
+            lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1].at[c[0]].set(u_xx(p, t[c[0]], x[c[0]]))),
+            (0, jnp.zeros((3, 2))))[1],  # fmt: skip
+    }
+    for scales, overflow in (({"1": 1.0, "2": 2.0**-4}, False), ({"1": 1.0, "2": 2.0**16}, True)):
+        expected, found = dropin.scaled(programs["flat"], amp)(scales, params)
+        assert found["2"] == overflow
+        for name, program in programs.items():
+            got, got_found = jax.jit(dropin.scaled(program, amp))(scales, params)
+            _close(got, expected) if not overflow else None
+            assert _flags(got_found) == _flags(found), name
+
+
+def test_outside_scaled_grad_is_jax_grad(net):
+    _, u_net, params = net
+    mine = jax.vmap(dropin.grad(dropin.grad(u_net, 2), 2), (None, 0, 0))
+    theirs = jax.vmap(jax.grad(jax.grad(u_net, 2), 2), (None, 0, 0))
+    pts = points()
+    np.testing.assert_array_equal(mine(params, pts["t"], pts["x"]), theirs(params, pts["t"], pts["x"]))
+    np.testing.assert_array_equal(jax.jit(mine)(params, pts["t"], pts["x"]), jax.jit(theirs)(params, pts["t"], pts["x"]))
+
+
+def test_orders_names_aux_and_argnums():
+    f = lambda a, b: jnp.sin(a) * b**3  # noqa: E731
+    g1 = dropin.grad(f, 1, of="f", wrt="b")
+    sum_of_orders = lambda a, b: g1(a, b) + dropin.grad(g1, 1, wrt="b")(a, b)  # noqa: E731
+    assert dropin.scaler_keys(dropin.grad(sum_of_orders, 0))(1.0, 2.0) == ("1", "2", "3")
+    per_term = jaxamp.AmpConfig(mode="per_term_scaler")
+    assert dropin.scaler_keys(dropin.grad(g1, 1, wrt="b"), per_term)(1.0, 2.0) == ("f", "f__b")
+    special = jaxamp.AmpConfig(special_terms=("f__b",))
+    assert dropin.scaler_keys(dropin.grad(g1, 0), special)(1.0, 2.0) == ("1", "f__b")
+    (ga, gb), aux = dropin.grad(lambda a, b: (f(a, b), a), (0, 1), has_aux=True, wrt=("a", "b"))(1.0, 2.0)
+    np.testing.assert_allclose([ga, gb, aux], [np.cos(1.0) * 8, np.sin(1.0) * 12, 1.0], rtol=1e-6)
+    out, found = dropin.scaled(g1)({"1": 2.0**-10}, 1.0, 2.0)
+    np.testing.assert_allclose(out, np.sin(1.0) * 12, rtol=1e-6)
+    assert _flags(found) == {"1": False, NONFINITE_VALUES: False}
+
+
+def test_inactive_scalers_ignore_scales_and_flag_nothing():
+    g = dropin.grad(lambda x: x**3)
+    for amp in (jaxamp.AmpConfig(dtype="float32"), jaxamp.AmpConfig(derivative_scaling=False)):
+        out, found = dropin.scaled(g, amp)({}, 2.0)
+        assert float(out) == 12.0 and found == {}
+
+
+def test_errors_name_the_problem():
+    g = dropin.grad(lambda x: x**3)
+    with pytest.raises(KeyError, match=r"key '1'.*only the keys \['2'\]"):
+        dropin.scaled(g)({"2": 1.0}, 2.0)
+    with pytest.raises(ValueError, match="unnamed value.*of='u'"):
+        dropin.scaled(g, jaxamp.AmpConfig(mode="per_term_scaler"))({}, 2.0)
+    with pytest.raises(ValueError, match="`wrt`"):
+        dropin.grad(lambda x, y: x, (0, 1), wrt="x")
+    with pytest.raises(TypeError, match="`argnums`"):
+        dropin.grad(lambda x: x, "x")
+    with pytest.raises(TypeError, match="`scales`"):
+        dropin.scaled(g)([1.0], 2.0)
+    with pytest.raises(NotImplementedError, match="xla_pmap"):
+        dropin.scaled(lambda x: jax.pmap(jax.vmap(g))(x))({"1": 1.0}, jnp.ones((1, 2)))

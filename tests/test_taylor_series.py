@@ -1,4 +1,6 @@
-"""jaxamp.taylor_series: pure derivatives of order K by Taylor mode, one scale per order."""
+"""jaxamp.taylor.series: pure derivatives of order K by Taylor mode, one scale per order."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -6,25 +8,13 @@ import numpy as np
 import pytest
 
 import jaxamp
-from jaxamp import derivatives as D
-from jaxamp import taylor_series
-from jaxamp.taylor import curvature
+from jaxamp import taylor
+from jaxamp.derivatives import forward
 from jaxamp.models import FullyConnected
-from tests.test_taylor import FUNCTIONS, STRICT_FP16
+from jaxamp.taylor import faa_di_bruno
+from tests.helpers.taylor import FUNCTIONS, STRICT_FP16, fp16_net, nested_series
 
 SCALES = (2.0**-1, 2.0**-3, 0.3, 2.0**-6)  # a non-power of two among them: exact in fp32 anyway
-
-
-def nested(f, x, e, scales):
-    """The reference: K nested jax.jvp, seeds S_1 e then (S_k / S_{k-1}) e (the forward engine's
-    generic chain); returns [f, S_1 f', ..., S_K f^(K)]."""
-    out, g, prev = [f(x)], f, 1.0
-    for s in scales:
-        seed = (e * (s / prev)).astype(x.dtype)
-        g = (lambda inner, seed: lambda z: jax.jvp(inner, (z,), (seed,))[1])(g, seed)
-        out.append(g(x))
-        prev = s
-    return out
 
 
 def run(fn, xs, **jit_kw):
@@ -35,8 +25,9 @@ def run(fn, xs, **jit_kw):
 def test_partition_coefficients_count_set_partitions(k, bell):
     """Faa di Bruno's coefficients count the set partitions of k things with each block-size
     pattern, so they sum to the Bell number."""
-    parts = taylor_series.partitions(k)
+    parts = taylor.partitions(k)
     assert all(sum(p) == k and list(p) == sorted(p, reverse=True) for p, _ in parts)
+    assert parts[0] == ((k,), 1)
     assert sum(c for _, c in parts) == bell
 
 
@@ -49,35 +40,27 @@ def test_fp32_matches_nested_jvp(name, order, scaled):
     e = jnp.array([1.0, 0.0])
     s = [jnp.float32(v) for v in scales] if scaled else None
     with jax.default_matmul_precision("highest"):
-        y, got = run(lambda x: taylor_series.derivatives(f, x, e, order, s), xs)
-        ref = run(lambda x: nested(f, x, e, scales), xs)
+        y, got = run(lambda x: taylor.series(f, x, e, order, s), xs)
+        ref = run(lambda x: nested_series(f, x, e, scales), xs)
     for g, r in zip([y] + got, ref):
         np.testing.assert_allclose(g, r, rtol=2e-6, atol=2e-6 * float(jnp.abs(r).max() + 1e-30))
-
-
-def _fp16_net(**amp_kw):
-    amp = jaxamp.AmpConfig(dtype="float16", **amp_kw)
-    net = FullyConnected.from_amp(amp, out_features=2, layer_size=32, nr_layers=3, activation="tanh")
-    params = net.init(jax.random.PRNGKey(2), jnp.zeros(2))
-    xs = jax.random.uniform(jax.random.PRNGKey(3), (64, 2), minval=-1, maxval=1)
-    return (lambda x: net.apply(params, x)), xs
 
 
 def test_fp16_values_match_nested_jvp_and_a_large_scale_overflows_its_order():
     """Float16 network, float32 first layer and activations: every order agrees with nested
     jvp to float16 rounding; an order whose scale is too large overflows (to inf in that order
     only), as the DerivScaler needs to see it."""
-    f, xs = _fp16_net()
+    f, xs = fp16_net("tanh")
     e = jnp.zeros(2).at[0].set(1.0)
     scales = (2.0**-2, 2.0**-4, 2.0**-6, 2.0**-8)
-    _, got = run(lambda x: taylor_series.derivatives(f, x, e, 4, [jnp.float32(s) for s in scales]), xs,
+    _, got = run(lambda x: taylor.series(f, x, e, 4, [jnp.float32(s) for s in scales]), xs,
                  compiler_options=STRICT_FP16)  # fmt: skip
-    ref = run(lambda x: nested(f, x, e, scales), xs, compiler_options=STRICT_FP16)[1:]
+    ref = run(lambda x: nested_series(f, x, e, scales), xs, compiler_options=STRICT_FP16)[1:]
     for k, (g, r) in enumerate(zip(got, ref), 1):
         assert bool(jnp.all(jnp.isfinite(r))), k
         np.testing.assert_allclose(g, r, atol=1e-2 * float(jnp.abs(r).max()), err_msg=f"order {k}")
     big = scales[:3] + (2.0**30,)
-    _, got = run(lambda x: taylor_series.derivatives(f, x, e, 4, [jnp.float32(s) for s in big]), xs,
+    _, got = run(lambda x: taylor.series(f, x, e, 4, [jnp.float32(s) for s in big]), xs,
                  compiler_options=STRICT_FP16)  # fmt: skip
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in got[:3])
     assert not bool(jnp.all(jnp.isfinite(got[3])))
@@ -89,29 +72,29 @@ def test_fp16_activations_rescale_the_tangents_before_the_product(monkeypatch):
     tangents are rescaled before the product (each by 2^-8 here), so the values stay finite
     where nested jvp's do. Scaling after the product (as float32 primitives do) must overflow
     here, or this tests nothing; scaling only the first tangent overflowed at order 3 too."""
-    f, xs = _fp16_net(autocast_activation=True)
+    f, xs = fp16_net("tanh", autocast_activation=True)
     e = jnp.zeros(2).at[0].set(1.0)
     scales = (2.0**8, 2.0**4, 2.0**0)
 
     def ours():
         s = [jnp.float32(v) for v in scales]
-        return run(lambda x: taylor_series.derivatives(f, x, e, 3, s), xs, compiler_options=STRICT_FP16)[1]
+        return run(lambda x: taylor.series(f, x, e, 3, s), xs, compiler_options=STRICT_FP16)[1]
 
     got = ours()
-    ref = run(lambda x: nested(f, x, e, scales), xs, compiler_options=STRICT_FP16)[1:]
+    ref = run(lambda x: nested_series(f, x, e, scales), xs, compiler_options=STRICT_FP16)[1:]
     assert all(bool(jnp.all(jnp.isfinite(r))) for r in ref)
     for k, (g, r) in enumerate(zip(got, ref), 1):
         np.testing.assert_allclose(g, r, atol=2e-2 * float(jnp.abs(r).max()), err_msg=f"order {k}")
-    monkeypatch.setattr(curvature, "_SCALE_AFTER_MIN_BITS", 16)  # float16 counts as wide: scale after
+    monkeypatch.setattr(faa_di_bruno, "SCALE_AFTER_MIN_BITS", 16)  # float16 counts as wide: scale after
     assert not all(bool(jnp.all(jnp.isfinite(g))) for g in ours()[1:])
 
 
 def test_bad_arguments_are_rejected():
     f = FUNCTIONS["tanh_mlp"]
     with pytest.raises(ValueError, match="`order`=0"):
-        taylor_series.derivatives(f, jnp.zeros(2), jnp.ones(2), 0)
+        taylor.series(f, jnp.zeros(2), jnp.ones(2), 0)
     with pytest.raises(ValueError, match="2 scales for order 3"):
-        taylor_series.derivatives(f, jnp.zeros(2), jnp.ones(2), 3, [1.0, 1.0])
+        taylor.series(f, jnp.zeros(2), jnp.ones(2), 3, [1.0, 1.0])
 
 
 def _compiled_step(engine, params, pts, scales, names):
@@ -128,23 +111,23 @@ def _flops(compiled):
     return (cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"]
 
 
-def test_engine_fourth_order_equals_nested_jvp_in_fewer_flops(monkeypatch):
+def test_engine_fourth_order_equals_nested_jvp_in_fewer_flops():
     """Derivatives(method="forward") on u__x__x__x__x, u__y__y__y, u__x__y: Taylor mode gives
     nested jvp's values (fp16 rounding, same flags) and the weight gradient costs fewer XLA
-    FLOPs (measured 0.72x of nested jvp's on this 2x64 net; pure order 4 alone on a 4x128
-    net: 0.57x). Nested jvp is the same engine traced with the Taylor-mode threshold raised
-    past every order."""
+    FLOPs (measured 0.72x of nested jvp's on this 2x64 net). Nested jvp is the forward engine
+    with the Taylor-mode threshold raised past every order (a point engine passed as method)."""
     amp = jaxamp.AmpConfig(dtype="float16")
     names = ("u__x__x__x__x", "u__y__y__y", "u__x__y")
     net = FullyConnected.from_amp(amp, out_features=1, layer_size=64, nr_layers=2)
     params = net.init(jax.random.PRNGKey(0), jnp.zeros(2))
-    engine = jaxamp.Derivatives(lambda p, x: net.apply(p, x), inputs=("x", "y"), outputs=("u",), derivatives=names,
-                                amp=amp)  # fmt: skip
+    kw = dict(inputs=("x", "y"), outputs=("u",), derivatives=names, amp=amp)
+    engine = jaxamp.Derivatives(lambda p, x: net.apply(p, x), **kw)
+    nested = jaxamp.Derivatives(lambda p, x: net.apply(p, x), **kw,
+                                method=functools.partial(forward.point_values, series_min_order=99))  # fmt: skip
     pts = jax.random.uniform(jax.random.PRNGKey(1), (64, 2))
     scales = {k: jnp.float32(2.0 ** -(i + 1)) for i, k in enumerate(engine.scaler_keys)}
     series = _compiled_step(engine, params, pts, scales, names)
-    monkeypatch.setattr(D, "_SERIES_MIN_ORDER", 99)  # from here on, traces take nested jvp
-    nested_step = _compiled_step(engine, params, pts, scales, names)
+    nested_step = _compiled_step(nested, params, pts, scales, names)
     _, (got, flags) = series(params)
     _, (ref, ref_flags) = nested_step(params)
     assert {k: bool(v) for k, v in flags.items()} == {k: bool(v) for k, v in ref_flags.items()}

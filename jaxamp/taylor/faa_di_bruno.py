@@ -1,23 +1,23 @@
-"""Pure derivatives of any order along one direction, one propagated chain per order, each
-order carrying its own scale.
+"""The Taylor rule: Faa di Bruno's formula with one scale per order (docs/algorithm.md).
 
-``d^K f/dx^K`` by nested ``jax.jvp`` (the forward engine's generic path) differentiates the
-whole tangent program again at every order: ``2^K - 1`` tangent chains whose seeds differ
-under per-order scaling, so XLA cannot merge them. Taylor mode propagates ``K`` chains:
-at every variable ``z`` of ``f`` the derivatives ``z_j = d^j z(x + tau e) / d tau^j`` at
-``tau = 0``, ``j = 1..K``. A linear primitive maps each ``z_j`` alone; a nonlinear ``g``
-combines them by Faa di Bruno's formula,
+At a nonlinear primitive ``g`` the order-``k`` coefficient of its output is
 
     d^k g = sum over partitions p of k:  c(p) * g^(m)[z_{p_1}, ..., z_{p_m}]
 
-(``c(p) = k! / prod_j (mult_j! (j!)^mult_j)``; ``g^(m)`` is the primitive's own ``m``-fold
-nested ``jax.jvp``). With DerivScaler, chain ``j`` holds ``Z_j = S_j z_j`` (``S_j`` the
-scale of order ``j``): every float16 value of order ``j`` carries that order's scale, and a
-term of order ``k`` built from orders ``p`` takes the factor ``S_k / prod S_{p_i}``. Where
-the primitive computes in float32 the factor is applied to ``g^(m)``'s result, in float32,
-one factor after another (as :func:`jaxamp.taylor._curvature`); in float16 the tangents are
-rescaled by powers of two before the product instead, each towards ``S_k ** (p_i / k)``,
-so that no partial product overflows where the scaled term would not.
+(``c(p) = k! / prod_j (mult_j! (j!)^mult_j)``, ``g^(m)`` the primitive's own ``m``-fold
+nested ``jax.jvp``); a primitive of degree ``d`` (:mod:`jaxamp.taylor.rules`) keeps the
+terms with ``m <= d``. Under DerivScaler the coefficient of order ``j`` is stored as
+``Z_j = S_j z_j``, so every float16 value of order ``j`` carries that order's scale, and a
+term built from orders ``p`` takes the factor ``S_k / prod S_{p_i}``:
+
+- ``m = 1`` (the linear term ``g'(z) Z_k``) already carries ``S_k``;
+- where the primitive computes in float32 or wider (jaxamp's float32 activations), the
+  product is taken unscaled and the factor applied to it in float32, one factor after
+  another: the product ``g''[Z_1, Z_1]`` shares its tangent with the first-order term, so no
+  scaled tangent is stored for the weight gradient;
+- in float16/bfloat16 the product of unscaled tangents could overflow where the scaled term
+  does not, so each tangent is first multiplied by a power of two bringing it to about
+  ``S_k ** (p_i / k)``, and every partial product stays near the size of the result.
 """
 
 from __future__ import annotations
@@ -25,49 +25,151 @@ from __future__ import annotations
 import math
 from collections import Counter
 from functools import lru_cache
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import jax
 import jax.numpy as jnp
-from jax.extend import core as jcore
 
-from jaxamp.taylor import curvature as taylor
 from jaxamp.scaler import exact_log2
+from jaxamp.taylor.propagate import Application, Coefficients, Rule, inexact, multilinear, scaled
 
-# Highest derivative order that is not identically zero, for primitives that have one.
-_DEGREE = {"mul": 2, "dot_general": 2}
+# Primitives whose outputs and tangents are at least this wide (float32, float64) scale a
+# product term after the product; narrower ones rescale its tangents before it.
+SCALE_AFTER_MIN_BITS = 32
 
 
-def series(f: Callable[[jax.Array], jax.Array], x: jax.Array, direction: jax.Array, order: int,
-                scales: Optional[Sequence[jax.Array]] = None) -> Tuple[jax.Array, List[jax.Array]]:  # fmt: skip
-    """``(f(x), [S_1 df[e], S_2 d2f[e, e], ..., S_K dKf[e, ..., e]])`` with ``e = direction``,
-    ``K = order`` and ``S = scales`` (float32 scalars; ``None``: all 1). Each entry has
-    ``f(x)``'s dtype. ``f`` may close over traced values (parameters).
+class Scales:
+    """Per-order scales ``S_1..S_K`` (float32 scalars) of the propagated coefficients."""
 
-    Equal, up to rounding, to ``K`` nested ``jax.jvp`` with seeds ``S_1 e`` then
-    ``(S_k / S_{k-1}) e``; where ``f`` computes in float16 the values differ by the order of
-    float16 roundings, and an order's chain overflows when that order's scaled value does.
+    def __init__(self, scales: Sequence[jax.Array]):
+        self.scales = tuple(jnp.asarray(s, jnp.float32) for s in scales)
+
+    def product(self, k: int, parts: Tuple[int, ...]) -> Tuple[jax.Array, ...]:
+        """Factors whose product is ``S_k / prod S_{p_i}``, each of the size of a ratio of
+        scales: ``(S_k / S_{p_1}, 1 / S_{p_2}, ..., 1 / S_{p_m})``."""
+        first = self.scales[k - 1] / self.scales[parts[0] - 1]
+        return (first,) + tuple(1.0 / self.scales[j - 1] for j in parts[1:])
+
+    def split(self, k: int, parts: Tuple[int, ...]) -> List[jax.Array]:
+        """One power of two per tangent, their product ``S_k / prod S_{p_i}``: tangent ``i``
+        goes from ``S_{p_i}`` to about ``S_k ** (p_i / k)``, the last takes the rest."""
+        log_k = exact_log2(self.scales[k - 1])
+        logs = [exact_log2(self.scales[j - 1]) for j in parts]
+        heads = [jnp.round(j * log_k / k - log_j) for j, log_j in zip(parts[:-1], logs[:-1])]
+        return _powers(heads + [log_k - sum(logs) - sum(heads)])
+
+
+class Ratio:
+    """The scaling of a second order given as the ratio ``S_2 / S_1**2`` alone, as factors
+    applied one after another (``(S_2 / S_1, 1 / S_1)``: the product may leave float32's
+    range where each factor does not)."""
+
+    def __init__(self, factors: Sequence[jax.Array]):
+        self.factors = tuple(jnp.asarray(r, jnp.float32) for r in factors)
+
+    def product(self, k: int, parts: Tuple[int, ...]) -> Tuple[jax.Array, ...]:
+        """The factors (the only product term of order 2 is ``parts == (1, 1)``)."""
+        return self.factors
+
+    def split(self, k: int, parts: Tuple[int, ...]) -> List[jax.Array]:
+        """:meth:`Scales.split` for ``(1, 1)``, which depends on the ratio alone."""
+        total = sum(exact_log2(r) for r in self.factors)
+        head = jnp.round(total / 2)
+        return _powers([head, total - head])
+
+
+def _powers(exponents: List[jax.Array]) -> List[jax.Array]:
+    """``2 ** e`` in float32; beyond +-126/127 a float16 result is 0 or inf anyway."""
+    return [jnp.exp2(jnp.clip(e, -126.0, 127.0)) for e in exponents]
+
+
+def series_rule(scaling: Union[None, Scales, Ratio], order: int) -> Rule:
+    """The rule of :func:`jaxamp.taylor.propagate.propagate` for orders ``1..order``.
+
+    Args:
+      scaling: the coefficients' scales (:class:`Scales`, :class:`Ratio`), or None (all 1).
+      order: the highest order propagated, ``K``.
+
+    Returns:
+      ``rule(application) -> (outputs, coefficients)`` by Faa di Bruno's formula.
+
+    Example:
+      >>> from jaxamp.taylor.propagate import propagate
+      >>> y, (d1, d2) = propagate(jnp.sin, jnp.float32(0.5), (jnp.float32(1.0), None), series_rule(None, 2))
     """
-    if isinstance(order, bool) or not isinstance(order, int) or order < 1:
-        raise ValueError(f"jaxamp.taylor.series: `order`={order!r} must be an integer >= 1.")
-    if scales is not None:
-        scales = tuple(jnp.asarray(s, jnp.float32) for s in scales)
-        if len(scales) != order:
-            raise ValueError(f"jaxamp.taylor.series: got {len(scales)} scales for order {order}; "
-                             "pass one per order (S_1, ..., S_K) or None.")
-    closed = jax.make_jaxpr(f)(x)
-    first = direction.astype(jnp.float32) * (scales[0] if scales is not None else 1.0)
-    seed = [first.astype(x.dtype)] + [None] * (order - 1)
-    (y,), (s,) = taylor._eval(closed.jaxpr, closed.consts, [x], [seed], None, apply=_applier(scales, order))
-    s = s if s is not None else [None] * order
-    return y, [jnp.zeros_like(y) if c is None else c for c in s]
+
+    def rule(app: Application) -> Tuple[List[jax.Array], List[Optional[Coefficients]]]:
+        every = range(len(app.dependent))
+        primals, fn = app.primals(every), app.restrict(every)
+
+        def coeff(j: int) -> Optional[Tuple[jax.Array, ...]]:
+            """The operands' order-``j`` coefficients as a jvp tangent (zeros where one has
+            none), or None where all are zero."""
+            cs = [c[j - 1] for c in app.coefficients]
+            if all(c is None for c in cs):
+                return None
+            return tuple(jnp.zeros_like(p) if c is None else c for p, c in zip(primals, cs))
+
+        outs, first = jax.jvp(fn, primals, coeff(1))
+        if not any(inexact(o.dtype) for o in outs):
+            return outs, [None] * len(outs)
+        wide = all(inexact(v.dtype) and jnp.finfo(v.dtype).bits >= SCALE_AFTER_MIN_BITS
+                   for v in (*coeff(1), *outs))  # fmt: skip
+        terms = [first]
+        for k in range(2, order + 1):
+            total = None
+            for parts, c in partitions(k):
+                if app.degree is not None and len(parts) > app.degree:
+                    continue
+                if len(parts) == 1:  # the linear term, g'(z) Z_k, over the operands that have Z_k
+                    which = [w for w in every if app.coefficients[w][k - 1] is not None]
+                    if not which:
+                        continue
+                    tangent = tuple(app.coefficients[w][k - 1] for w in which)
+                    term = jax.jvp(app.restrict(which), app.primals(which), tangent)[1]
+                else:
+                    tangents = [coeff(j) for j in parts]
+                    if any(t is None for t in tangents):
+                        continue
+                    term = _product(fn, primals, tangents, scaling, k, parts, c, wide)
+                total = term if total is None else [a + b for a, b in zip(total, term)]
+            terms.append(total)
+        return outs, [tuple(None if t is None else t[n] for t in terms) for n in range(len(outs))]
+
+    return rule
+
+
+def _product(fn: Callable[..., List[jax.Array]], primals: Tuple[jax.Array, ...],
+             tangents: List[Tuple[jax.Array, ...]], scaling: Union[None, Scales, Ratio], k: int,
+             parts: Tuple[int, ...], c: int, wide: bool) -> List[jax.Array]:  # fmt: skip
+    """``c * (S_k / prod S_{p_i}) * g^(m)[Z_{p_1}, ..., Z_{p_m}]`` of one primitive."""
+    if wide:  # the product, then its factors in float32
+        factors = (scaling.product(k, parts) if scaling is not None else ()) + ((jnp.float32(c),) if c != 1 else ())
+        term = multilinear(fn, primals, tangents)
+        return [scaled(t, factors) for t in term] if factors else term
+    # float16/bfloat16: rescale the tangents first, so that no partial product overflows
+    factors = scaling.split(k, parts) if scaling is not None else [None] * len(parts)
+    if c != 1:
+        factors[-1] = jnp.float32(c) if factors[-1] is None else factors[-1] * jnp.float32(c)
+    tangents = [ts if f is None else tuple(scaled(t, (f,)) for t in ts) for ts, f in zip(tangents, factors)]
+    return multilinear(fn, primals, tangents)
 
 
 @lru_cache(maxsize=None)
 def partitions(k: int) -> Tuple[Tuple[Tuple[int, ...], int], ...]:
-    """The integer partitions of ``k`` (parts in decreasing order) with Faa di Bruno's
-    coefficient ``k! / prod_j (mult_j! (j!)^mult_j)``: ``partitions(3)`` is
-    ``(((3,), 1), ((2, 1), 3), ((1, 1, 1), 1))``."""
+    """The integer partitions of ``k`` with Faa di Bruno's coefficients.
+
+    Args:
+      k: the order, ``>= 1``.
+
+    Returns:
+      ``((parts, c), ...)``: every partition (parts in decreasing order, the partition
+      ``(k,)`` first) with ``c = k! / prod_j (mult_j! (j!)^mult_j)``.
+
+    Example:
+      >>> partitions(3)
+      (((3,), 1), ((2, 1), 3), ((1, 1, 1), 1))
+    """
 
     def parts(n: int, largest: int):
         if n == 0:
@@ -84,95 +186,3 @@ def partitions(k: int) -> Tuple[Tuple[Tuple[int, ...], int], ...]:
             denom *= math.factorial(mult) * math.factorial(j) ** mult
         out.append((p, math.factorial(k) // denom))
     return tuple(out)
-
-
-def _multilinear(f, primals, tangents: Sequence[Tuple[jax.Array, ...]]):
-    """``f^(m)[t_1, ..., t_m]`` at ``primals``: ``m`` nested ``jax.jvp``."""
-    g = f
-    for t in tangents[:-1]:
-        g = (lambda inner, t: lambda *p: jax.jvp(inner, p, t)[1])(g, t)
-    return jax.jvp(g, primals, tangents[-1])[1]
-
-
-def _applier(scales, order: int):
-    """``_apply`` with this series' scales and order, in ``taylor._eval``'s signature."""
-    return lambda eqn, vals, ss, _ratio: _apply(eqn, vals, ss, scales, order)
-
-
-def _apply(eqn, vals: List, ss: List, scales, order: int):
-    n_out = len(eqn.outvars)
-    idx = [i for i, s in enumerate(ss) if s is not None]
-    if not idx:
-        return taylor._bind(eqn, vals), [None] * n_out
-    name = eqn.primitive.name
-    if name in taylor._CALLS and isinstance(eqn.params.get("jaxpr"), jcore.ClosedJaxpr):
-        inner = eqn.params["jaxpr"]
-        return taylor._eval(inner.jaxpr, inner.consts, vals, ss, None, apply=_applier(scales, order))
-
-    def f(*operands):
-        full = list(vals)
-        for i, o in zip(idx, operands):
-            full[i] = o
-        return taylor._bind(eqn, full)
-
-    primals = tuple(vals[i] for i in idx)
-    outs = f(*primals)
-    if not any(jnp.issubdtype(o.dtype, jnp.inexact) for o in outs):
-        return outs, [None] * n_out
-
-    def coeff(j: int):
-        """The operands' order-``j`` chains as a jvp tangent, or None where all are zero."""
-        cs = [ss[i][j - 1] for i in idx]
-        if all(c is None for c in cs):
-            return None
-        return tuple(jnp.zeros_like(vals[i]) if c is None else c for i, c in zip(idx, cs))
-
-    linear = name in taylor._LINEAR or (name in taylor._BILINEAR and len(idx) == 1)
-    degree = 1 if linear else _DEGREE.get(name, order)
-    wide = taylor._scales_after(*outs, *(coeff(1) or ()))
-    series = []
-    for k in range(1, order + 1):
-        total = None
-        for p, c in partitions(k):
-            if len(p) > degree:
-                continue
-            ts = [coeff(j) for j in p]
-            if any(t is None for t in ts):
-                continue
-            if len(p) == 1:  # the linear term: g'(z) Z_k already carries S_k
-                term = jax.jvp(f, primals, ts[0])[1]
-            elif wide:  # float32: the product, then its factor S_k / prod S_{p_i} (and c)
-                factors = ([scales[k - 1]] + [1.0 / scales[j - 1] for j in p]) if scales is not None else []
-                factors = tuple(factors + ([jnp.float32(c)] if c != 1 else []))
-                term = _multilinear(f, primals, ts)
-                term = [taylor._scaled(t, factors) for t in term] if factors else term
-            else:  # float16/bfloat16: rescale the tangents first, so no partial product overflows
-                term = _multilinear(f, primals, _rescaled(ts, p, k, scales, c))
-            total = term if total is None else [a + b for a, b in zip(total, term)]
-        series.append(total)
-    out_s = []
-    for n, o in enumerate(outs):
-        if not jnp.issubdtype(o.dtype, jnp.inexact) or all(s is None for s in series):
-            out_s.append(None)
-        else:
-            out_s.append([None if s is None else s[n] for s in series])
-    return outs, out_s
-
-
-def _rescaled(ts: List[Tuple[jax.Array, ...]], parts: Tuple[int, ...], k: int, scales, c: int):
-    """The tangents ``Z_{p_i}`` of one float16 term, each multiplied by a power of two so that
-    their product carries ``S_k`` and every partial product stays near the size of the
-    result: tangent ``i`` is brought from scale ``S_{p_i}`` to about ``S_k ** (p_i / k)``
-    (the factors are 1 when the scales are geometric, ``S_j = s**j``), the last takes what
-    remains of ``S_k / prod S_{p_i}``, and the coefficient ``c``."""
-    if scales is None:
-        factors = [jnp.float32(1.0)] * (len(parts) - 1) + [jnp.float32(c)]
-    else:
-        log_k = exact_log2(scales[k - 1])
-        logs = [exact_log2(scales[j - 1]) for j in parts]
-        heads = [jnp.round(j * log_k / k - log_j) for j, log_j in zip(parts[:-1], logs[:-1])]
-        exponents = heads + [log_k - sum(logs) - sum(heads)]  # they add up to log2(S_k / prod S_{p_i})
-        # beyond +-126/127 a float16 result is 0 or inf anyway
-        factors = [jnp.exp2(jnp.clip(a, -126.0, 127.0)) for a in exponents]
-        factors[-1] = factors[-1] * jnp.float32(c)
-    return [tuple(taylor._scaled(t, (f_,)) for t in ts_i) for ts_i, f_ in zip(ts, factors)]

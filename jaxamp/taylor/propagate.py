@@ -1,0 +1,151 @@
+"""Taylor propagation of a traced function, on :func:`jaxamp.interpreter.eval_jaxpr`.
+
+Every variable ``z`` of ``f``'s jaxpr holds a :class:`Jet`: its value and its Taylor
+coefficients along one direction ``e``, ``z_j = d^j z(x + tau e) / d tau^j`` at ``tau = 0``
+(times the caller's scale of order ``j``), ``j = 1..K``. Equations none of whose operands
+depend on ``x`` are evaluated as written; call-like ones are entered
+(:func:`jaxamp.taylor.rules.body`); every other one is handed to a :data:`Rule` as an
+:class:`Application`, which maps the operands' coefficients to the outputs'.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jcore
+
+from jaxamp import interpreter
+from jaxamp.taylor import rules
+
+# Taylor coefficients of orders 1..K of one variable; None for an order that is identically 0.
+Coefficients = Tuple[Optional[jax.Array], ...]
+
+
+class Jet(NamedTuple):
+    """A variable's value and its Taylor coefficients (``None``: it does not depend on ``x``)."""
+
+    value: Any
+    coefficients: Optional[Coefficients] = None
+
+
+class Application(NamedTuple):
+    """One equation whose operands ``dependent`` depend on ``x``, as a rule receives it."""
+
+    eqn: jcore.JaxprEqn
+    values: Tuple[Any, ...]  # every operand's value
+    dependent: Tuple[int, ...]  # positions of the x-dependent operands
+    coefficients: Tuple[Coefficients, ...]  # their coefficients, in the order of ``dependent``
+    degree: Optional[int]  # the primitive's degree in them (jaxamp.taylor.rules.degree)
+
+    def restrict(self, which: Sequence[int]) -> Callable[..., List[jax.Array]]:
+        """The primitive as a function of the dependent operands ``which`` (positions into
+        ``dependent``), every other operand held at its value; returns the list of outputs."""
+        slots = [self.dependent[w] for w in which]
+
+        def fn(*operands):
+            full = list(self.values)
+            for slot, operand in zip(slots, operands):
+                full[slot] = operand
+            return interpreter.bind(self.eqn, full)
+
+        return fn
+
+    def primals(self, which: Sequence[int]) -> Tuple[Any, ...]:
+        """The values of the dependent operands ``which`` (positions into ``dependent``)."""
+        return tuple(self.values[self.dependent[w]] for w in which)
+
+
+# rule(application) -> (outputs, one Coefficients or None per output)
+Rule = Callable[[Application], Tuple[List[jax.Array], List[Optional[Coefficients]]]]
+
+
+def propagate(f: Callable[[jax.Array], jax.Array], x: jax.Array, seed: Coefficients,
+              rule: Rule) -> Tuple[jax.Array, List[jax.Array]]:  # fmt: skip
+    """``f(x)`` and its Taylor coefficients, from ``x``'s coefficients ``seed`` and ``rule``.
+
+    Args:
+      f: a function of one array returning one array; it may close over traced values.
+      x: the point.
+      seed: ``x``'s coefficients of orders ``1..K`` (``None`` for a zero order).
+      rule: maps one equation's operand coefficients to its outputs' (see :class:`Application`).
+
+    Returns:
+      ``(f(x), [c_1, ..., c_K])``: ``f(x)``'s coefficients, zeros where one is identically 0.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxamp.taylor.faa_di_bruno import series_rule
+      >>> y, (d1, d2) = propagate(jnp.sin, jnp.float32(0.5), (jnp.float32(1.0), None), series_rule(None, 2))
+    """
+    closed = jax.make_jaxpr(f)(x)
+
+    def run(body: jcore.ClosedJaxpr, args: Sequence[Jet]) -> List[Jet]:
+        return interpreter.eval_jaxpr(body.jaxpr, [Jet(c) for c in body.consts], args, step, literal=Jet)
+
+    def step(eqn: jcore.JaxprEqn, invals: List[Jet]) -> List[Jet]:
+        values = tuple(v.value for v in invals)
+        dependent = tuple(i for i, v in enumerate(invals) if v.coefficients is not None)
+        if not dependent:
+            return [Jet(out) for out in interpreter.bind(eqn, values)]
+        body = rules.body(eqn)
+        if body is not None:
+            return run(body, invals)
+        app = Application(eqn, values, dependent, tuple(invals[i].coefficients for i in dependent),
+                          rules.degree(eqn.primitive.name, len(dependent)))  # fmt: skip
+        outs, coefficients = rule(app)
+        return [Jet(out, c if inexact(v.aval.dtype) else None) for v, out, c in zip(eqn.outvars, outs, coefficients)]
+
+    (out,) = run(closed, [Jet(x, tuple(seed))])
+    coefficients = out.coefficients or (None,) * len(seed)
+    return out.value, [jnp.zeros_like(out.value) if c is None else c for c in coefficients]
+
+
+def inexact(dtype: Any) -> bool:
+    """Whether ``dtype`` is a floating or complex type (only those carry coefficients)."""
+    return jnp.issubdtype(dtype, jnp.inexact)
+
+
+def scaled(t: jax.Array, factors: Sequence[jax.Array]) -> jax.Array:
+    """``t`` times ``factors`` in float32, one factor after another, rounded once to ``t``'s
+    dtype: a product of factors may leave float32's range where each partial product does
+    not; an overflow becomes inf, as in nested ``jax.jvp``'s scaled tangents.
+
+    Args:
+      t: a tangent or coefficient.
+      factors: float32 scalars.
+
+    Returns:
+      ``t * factors[0] * factors[1] * ...`` in ``t``'s dtype.
+
+    Example:
+      >>> scaled(jnp.ones(2, jnp.float16), (jnp.float32(2.0**20), jnp.float32(2.0**-16)))
+      Array([16., 16.], dtype=float16)
+    """
+    out = t.astype(jnp.float32)
+    for r in factors:
+        out = out * r
+    return out.astype(t.dtype)
+
+
+def multilinear(fn: Callable[..., List[jax.Array]], primals: Tuple[jax.Array, ...],
+                tangents: Sequence[Tuple[jax.Array, ...]]) -> List[jax.Array]:  # fmt: skip
+    """``fn^(m)[t_1, ..., t_m]`` at ``primals``: ``m`` nested ``jax.jvp``, ``t_1`` innermost.
+
+    Args:
+      fn: a function of ``len(primals)`` operands returning a list of outputs.
+      primals: the point.
+      tangents: ``m >= 1`` tangents, each a tuple with one entry per operand.
+
+    Returns:
+      The ``m``-th derivative of ``fn`` applied to the tangents, one entry per output.
+
+    Example:
+      >>> multilinear(lambda a: [a**3], (jnp.float32(2.0),), [(jnp.float32(1.0),)] * 2)
+      [Array(12., dtype=float32)]
+    """
+    g = fn
+    for t in tangents[:-1]:
+        g = (lambda inner, t: lambda *p: jax.jvp(inner, p, t)[1])(g, t)
+    return jax.jvp(g, primals, tuple(tangents[-1]))[1]

@@ -1,10 +1,10 @@
-"""torch_ref: a CPU/CUDA PyTorch reference of jaxamp's DerivScaler (SPEC.md), in Modulus' idiom.
+"""torch_ref: a CPU/CUDA PyTorch reference of jaxamp's DerivScaler (docs/algorithm.md), in Modulus' idiom.
 
 It stands alone (never imports jax or jaxamp) and mirrors jaxamp file for file:
 
   config:       AmpSettings, as_settings           (the Modulus ``amp:`` keys)
   scalers:      DynamicScaler, ScaleState, derivative_scaler, loss_scaler
-  derivatives:  Derivatives, merge_found_inf       (autograd.grad with create_graph=True)
+  derivatives:  Derivatives, merge_found_inf, NONFINITE_VALUES (autograd.grad, create_graph=True)
   training:     TrainState, make_train_step        (torch.optim + clip_grad_norm_)
   conversion:   flax_to_torch, torch_to_flax       (weight transfer, weight norm's (v, g)),
                 scale_states_from_jax, scale_states_to_jax (scaler states, bit for bit)
@@ -14,12 +14,13 @@ It stands alone (never imports jax or jaxamp) and mirrors jaxamp file for file:
 from torch_ref import models
 from torch_ref.config import AmpSettings, as_settings
 from torch_ref.convert import flax_to_torch, scale_states_from_jax, scale_states_to_jax, torch_to_flax
-from torch_ref.derivatives import Derivatives, merge_found_inf
+from torch_ref.derivatives import NONFINITE_VALUES, Derivatives, merge_found_inf
 from torch_ref.scaler import DynamicScaler, ScaleState, derivative_scaler, loss_scaler
-from torch_ref.train import APPLIED, SKIP_DERIVATIVE_OVERFLOW, SKIP_NONFINITE_GRADS, TrainState, make_train_step
+from torch_ref.train import (APPLIED, SKIP_DERIVATIVE_OVERFLOW, SKIP_NONFINITE_GRADS, SKIP_NONFINITE_VALUES, TrainState,
+                             make_train_step)
 
 __all__ = [
     "AmpSettings", "as_settings", "DynamicScaler", "ScaleState", "derivative_scaler", "loss_scaler",
     "Derivatives", "merge_found_inf", "TrainState", "make_train_step", "APPLIED",
-    "SKIP_DERIVATIVE_OVERFLOW", "SKIP_NONFINITE_GRADS", "flax_to_torch", "torch_to_flax", "scale_states_from_jax", "scale_states_to_jax", "models",
+    "SKIP_DERIVATIVE_OVERFLOW", "SKIP_NONFINITE_GRADS", "SKIP_NONFINITE_VALUES", "NONFINITE_VALUES", "flax_to_torch", "torch_to_flax", "scale_states_from_jax", "scale_states_to_jax", "models",
 ]

@@ -1,12 +1,15 @@
 """Scaled input derivatives in Modulus' idiom: ``torch.autograd.grad(..., create_graph=True)``.
 
-Each differentiation follows SPEC.md "One derivative step" (the same four steps as
-``jaxamp.Derivatives``):
+Each differentiation follows docs/algorithm.md, "One derivative step" (the same four steps
+as ``jaxamp.Derivatives``):
 
 1. multiply the differentiated variable by its scaler's scale (fp32);
 2. ``autograd.grad`` of it with respect to the inputs, ``create_graph=True``, through the
    network's mixed-precision graph;
-3. flag inf/NaN in the *scaled* gradient under the scaler's key;
+3. check the *scaled* gradient: where everything below it (the inputs and every value on
+   its path) is finite and it is not, an *overflow* flags the scaler's key; non-finite
+   inputs or network outputs are *bad values*, flagged under :data:`NONFINITE_VALUES`
+   (a deliberate difference from Modulus: docs/algorithm.md, "Differences from Modulus Sym");
 4. multiply by ``1/scale`` in fp32 -- part of the graph, so higher orders and the weight
    gradients differentiate through it.
 
@@ -25,6 +28,8 @@ from torch_ref.config import AmpSettings, as_settings
 from torch_ref.scaler import DynamicScaler, ScaleState
 
 SEP = "__"
+# Reserved key of found_inf: non-finite inputs or network outputs at some point (no scale can cure them).
+NONFINITE_VALUES = "nonfinite_values"
 BatchFn = Callable[[torch.Tensor], torch.Tensor]  # f32[N, n_inputs] -> f32[N, n_outputs]
 
 
@@ -134,7 +139,8 @@ class Derivatives:
         points: Union[Mapping[str, torch.Tensor], torch.Tensor],
         scales: Optional[Mapping[str, torch.Tensor]] = None,
     ) -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
-        """Values (unscaled, f32[N]) of every output and derivative, and per-key overflow flags."""
+        """Values (unscaled, f32[N]) of every output and derivative, and the flags: per scaler key
+        an overflow, plus :data:`NONFINITE_VALUES` for bad values ({} when unscaled)."""
         x = self._stack(points)
         if self.scaled:
             if scales is None or any(k not in scales for k in self.scaler_keys):
@@ -148,6 +154,10 @@ class Derivatives:
         y = y.to(torch.float32)
         values: Dict[str, torch.Tensor] = {n: y[:, i] for i, n in enumerate(self.outputs)}
         flags: Dict[str, torch.Tensor] = {}
+        inputs_ok = torch.isfinite(x.detach()).all(dim=-1)
+        below_ok = {n: inputs_ok for n in self.outputs}  # per point: everything below the name is finite
+        if self.scaled:
+            flags[NONFINITE_VALUES] = (~inputs_ok | ~torch.isfinite(y.detach()).all(dim=-1)).any()
         for level in self.levels:
             for parent in sorted({n.rsplit(SEP, 1)[0] for n in level}):
                 var = values[parent]
@@ -162,8 +172,9 @@ class Derivatives:
                     grad = torch.zeros_like(x)
                 for name in (n for n in level if n.rsplit(SEP, 1)[0] == parent):
                     col = grad[:, self.inputs.index(parse_name(name)[1][-1])]
+                    below_ok[name] = below_ok[parent] & torch.isfinite(values[parent].detach())
                     if self.scaled:
-                        hit = ~torch.isfinite(col).all()  # step 3
+                        hit = (below_ok[name] & ~torch.isfinite(col.detach())).any()  # step 3
                         flags[key] = hit if key not in flags else flags[key] | hit
                         col = col * (1.0 / scale)  # step 4 (f32, differentiable)
                     values[name] = col

@@ -1,4 +1,4 @@
-"""The dynamic scale rule (SPEC.md "The scale update") on torch tensors, CPU or CUDA.
+"""The dynamic scale rule (docs/algorithm.md, "Scale update") on torch tensors, CPU or CUDA.
 
 Mirrors ``jaxamp/scaler.py``: one rule for the derivative scalers (scale the seeds
 *down*, max 1) and the loss scaler (scale the loss *up*). The update is branch-free
@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, Optional, Union
+import numbers
+from types import MappingProxyType
+from typing import Callable, Dict, Optional, Union
 
 import torch
 
 
 SMALLEST_NORMAL = 2.0**-126  # float32; the hard floor of every scale, as in jaxamp
+# The loss scaler's defaults where they differ from DynamicScaler's (docs/algorithm.md, "Defaults").
+LOSS_SCALER_DEFAULTS = MappingProxyType({"init_scale": 2.0**16, "max_scale": 2.0**30, "recover_threshold": 2.0**7})
 
 
 @dataclasses.dataclass
@@ -51,22 +55,28 @@ def _to_py(value: object) -> object:
         return value
 
 
-def _check_positive(name: str, value: float, *, integer: bool = False) -> None:
-    kind = "a positive integer" if integer else "a positive finite number"
-    if isinstance(value, bool) or (integer and not isinstance(value, int)):
-        raise TypeError(f"DynamicScaler: `{name}`={value!r} must be {kind}.")
-    if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"DynamicScaler: `{name}`={value!r} must be {kind}.")
+def _check(name: str, value: object, allowed: str, ok: Callable[[float], bool], *, integer: bool = False) -> None:
+    kind = numbers.Integral if integer else numbers.Real
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise TypeError(f"DynamicScaler: `{name}`={value!r} is not allowed: expected {allowed}.")
+    if not math.isfinite(value) or not ok(value):
+        raise ValueError(f"DynamicScaler: `{name}`={value!r} is not allowed: expected {allowed}.")
 
 
-@dataclasses.dataclass(frozen=True)
+def _order(small: str, a: float, large: str, b: float) -> None:
+    if a > b:
+        raise ValueError(f"DynamicScaler: `{small}`={a!r} must not exceed `{large}`={b!r}.")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class DynamicScaler:
     """Growth/backoff rule with max scale and "recover" growth (same arguments and checks as jaxamp).
 
-    ``update(state, found_inf)``: on ``found_inf`` the scale is multiplied by ``backoff_factor``
-    (floored at ``min_scale`` if given, and always at float32's smallest normal 2**-126, as
-    jaxamp) and the tracker resets; otherwise the tracker counts the
-    clean step and, when it *equals* the interval (``recover_growth_interval`` while
+    The field defaults are the derivative scalers' (docs/algorithm.md, "Defaults"); the loss
+    scaler's are :func:`loss_scaler`'s. ``update(state, found_inf)``: on ``found_inf`` the
+    scale is multiplied by ``backoff_factor`` (floored at ``min_scale`` if given, and always at
+    float32's smallest normal 2**-126, as jaxamp) and the tracker resets; otherwise the tracker
+    counts the clean step and, when it *equals* the interval (``recover_growth_interval`` while
     ``scale <= recover_threshold``, else ``growth_interval``), the scale grows by
     ``growth_factor`` up to ``max_scale`` and the tracker resets.
     """
@@ -81,30 +91,27 @@ class DynamicScaler:
     min_scale: Optional[float] = None
 
     def __post_init__(self) -> None:
-        for name in ("init_scale", "growth_factor", "backoff_factor", "max_scale", "recover_threshold"):
-            _check_positive(name, getattr(self, name))
-        _check_positive("growth_interval", self.growth_interval, integer=True)
-        _check_positive("recover_growth_interval", self.recover_growth_interval, integer=True)
-        if self.init_scale > self.max_scale:
-            raise ValueError(
-                f"DynamicScaler: `init_scale`={self.init_scale!r} must not exceed `max_scale`={self.max_scale!r}."
-            )
-        if self.recover_threshold > self.max_scale:
-            raise ValueError(
-                f"DynamicScaler: `recover_threshold`={self.recover_threshold!r} must not exceed "
-                f"`max_scale`={self.max_scale!r}."
-            )
-        if self.recover_growth_interval > self.growth_interval:
-            raise ValueError(
-                f"DynamicScaler: `recover_growth_interval`={self.recover_growth_interval!r} must not exceed "
-                f"`growth_interval`={self.growth_interval!r}."
-            )
+        positive = "a finite number > 0"
+        _check("init_scale", self.init_scale, positive, lambda v: v > 0)
+        _check("growth_factor", self.growth_factor, "a finite number > 1 (the scale grows by it)", lambda v: v > 1)
+        _check("backoff_factor", self.backoff_factor, "a number in (0, 1) (the scale shrinks by it)",
+               lambda v: 0 < v < 1)
+        _check("max_scale", self.max_scale, positive, lambda v: v > 0)
+        _check("recover_threshold", self.recover_threshold, positive, lambda v: v > 0)
+        for name in ("growth_interval", "recover_growth_interval"):
+            _check(name, getattr(self, name), "a positive integer", lambda v: v > 0, integer=True)
         if self.min_scale is not None:
-            _check_positive("min_scale", self.min_scale)
-            if self.min_scale > self.init_scale:
-                raise ValueError(
-                    f"DynamicScaler: `min_scale`={self.min_scale!r} must not exceed `init_scale`={self.init_scale!r}."
-                )
+            _check("min_scale", self.min_scale, positive, lambda v: v > 0)
+            _order("min_scale", self.min_scale, "max_scale", self.max_scale)
+            _order("min_scale", self.min_scale, "init_scale", self.init_scale)
+        _order("init_scale", self.init_scale, "max_scale", self.max_scale)
+        _order("recover_threshold", self.recover_threshold, "max_scale", self.max_scale)
+        _order("recover_growth_interval", self.recover_growth_interval, "growth_interval", self.growth_interval)
+
+    @property
+    def floor(self) -> float:
+        """The lowest scale a backoff reaches: ``max(min_scale, 2**-126)``."""
+        return SMALLEST_NORMAL if self.min_scale is None else max(self.min_scale, SMALLEST_NORMAL)
 
     def init(self, device: Union[str, torch.device, None] = None) -> ScaleState:
         """``(init_scale, 0)`` on ``device``."""
@@ -121,8 +128,7 @@ class DynamicScaler:
         f32 = lambda v: torch.tensor(v, dtype=torch.float32, device=scale.device)  # noqa: E731
         i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=scale.device)  # noqa: E731
 
-        floor = SMALLEST_NORMAL if self.min_scale is None else max(self.min_scale, SMALLEST_NORMAL)
-        backed_off = torch.maximum(scale * f32(self.backoff_factor), f32(floor))
+        backed_off = torch.maximum(scale * f32(self.backoff_factor), f32(self.floor))
         n = tracker + 1
         interval = torch.where(
             scale <= f32(self.recover_threshold), i32(self.recover_growth_interval), i32(self.growth_interval)
@@ -134,17 +140,11 @@ class DynamicScaler:
         return ScaleState(scale=new_scale, growth_tracker=new_tracker)
 
 
-def derivative_scaler(**overrides) -> DynamicScaler:
-    """SPEC's derivative scaler defaults: init 1, max 1, interval 1000, recover below 2^-6 every 100."""
-    params = dict(init_scale=1.0, max_scale=1.0, growth_factor=2.0, backoff_factor=0.5,
-                  growth_interval=1000, recover_threshold=2.0**-6, recover_growth_interval=100)
-    params.update(overrides)
-    return DynamicScaler(**params)
+def derivative_scaler(**overrides: object) -> DynamicScaler:
+    """A derivative scaler: :class:`DynamicScaler`'s defaults (init 1, max 1) with ``overrides``."""
+    return DynamicScaler(**overrides)
 
 
-def loss_scaler(**overrides) -> DynamicScaler:
-    """SPEC's loss scaler defaults: init 2^16, max 2^30, interval 1000, recover below 2^7 every 100."""
-    params = dict(init_scale=2.0**16, max_scale=2.0**30, growth_factor=2.0, backoff_factor=0.5,
-                  growth_interval=1000, recover_threshold=2.0**7, recover_growth_interval=100)
-    params.update(overrides)
-    return DynamicScaler(**params)
+def loss_scaler(**overrides: object) -> DynamicScaler:
+    """The loss scaler: :data:`LOSS_SCALER_DEFAULTS` over :class:`DynamicScaler`'s defaults, then ``overrides``."""
+    return DynamicScaler(**{**LOSS_SCALER_DEFAULTS, **overrides})

@@ -1,11 +1,13 @@
-"""The skip-on-overflow training step in SPEC.md's order, with torch.optim and clip_grad_norm_.
+"""The skip-on-overflow training step in docs/algorithm.md's order ("Training step"), with
+torch.optim and clip_grad_norm_.
 
-Mirrors ``jaxamp.make_train_step``: (1) loss and derivatives with per-key overflow flags;
-(2) gradients of ``loss * loss_scale``; (3) any derivative overflow skips the update --
-parameters, optimizer state and loss scaler stay as they were; (4) otherwise the unscaled
-gradients, if finite, are clipped (``torch.nn.utils.clip_grad_norm_``) and applied and the
-loss scaler counts a clean step; if not, the update is skipped and the loss scaler backs
-off; (5) every derivative scaler updates with its own flag.
+Mirrors ``jaxamp.make_train_step``: (1) loss and derivatives with per-key overflow flags and
+the bad-values flag; (2) gradients of ``loss * loss_scale``; (3) bad values skip the update
+and change no scaler at all; (4) any derivative overflow skips the update -- parameters,
+optimizer state and loss scaler stay as they were; (5) otherwise the unscaled gradients, if
+finite, are clipped when asked (``torch.nn.utils.clip_grad_norm_``) and applied and the loss
+scaler counts a clean step; if not, the update is skipped and the loss scaler backs off;
+(6) except on bad values, every derivative scaler updates with its own flag.
 
 Schedules count *applied* updates, as optax does: ``optimizer.step()`` (and with it Adam's
 step count) runs only on applied steps, and ``lr_schedule(n)`` is given the number of updates
@@ -21,10 +23,10 @@ from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
 import torch
 
 from torch_ref.config import AmpSettings, as_settings
-from torch_ref.derivatives import Derivatives
+from torch_ref.derivatives import NONFINITE_VALUES, Derivatives
 from torch_ref.scaler import ScaleState
 
-APPLIED, SKIP_DERIVATIVE_OVERFLOW, SKIP_NONFINITE_GRADS = 0, 1, 2
+APPLIED, SKIP_DERIVATIVE_OVERFLOW, SKIP_NONFINITE_GRADS, SKIP_NONFINITE_VALUES = 0, 1, 2, 3
 # loss_fn(model, batch, scales) -> (loss f32 0-d, (terms {name: f32 0-d}, found_inf {key: bool 0-d}))
 LossFn = Callable[..., Tuple[torch.Tensor, Tuple[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]]]]
 
@@ -86,13 +88,15 @@ class TrainState:
 def make_train_step(
     loss_fn: LossFn,
     *,
-    grad_clip_max_norm: Optional[float] = 0.5,
+    grad_clip_max_norm: Optional[float] = None,
     lr_schedule: Optional[Callable[[int], float]] = None,
 ) -> Callable[[TrainState, Any], Dict[str, Any]]:
     """``step(state, batch) -> metrics``, updating ``state`` in place (see module docstring).
 
-    Metrics (python numbers): loss, skipped, skip_reason, grad_norm, terms/*, scale_log2/*,
-    found_inf/* -- the names jaxamp uses.
+    ``grad_clip_max_norm``: None or 0 (default): no clipping, as jaxamp.
+
+    Metrics (python numbers): loss, skipped, skip_reason, found_nonfinite_values, grad_norm,
+    terms/*, scale_log2/*, found_inf/* -- the names jaxamp uses.
     """
     if grad_clip_max_norm is None:
         grad_clip_max_norm = 0.0
@@ -104,18 +108,19 @@ def make_train_step(
         params = [p for p in state.model.parameters() if p.requires_grad]
         loss_scale = state.loss_scale.scale
         loss, (terms, found_inf) = loss_fn(state.model, batch, state.scales)
-        unknown = [k for k in found_inf if k not in state.deriv_scales]
+        unknown = [k for k in found_inf if k not in state.deriv_scales and k != NONFINITE_VALUES]
         if unknown:
             raise KeyError(f"make_train_step: loss_fn reported found_inf for unknown scaler key(s) {unknown}; "
                            f"the state has {sorted(state.deriv_scales)}.")
         grads = torch.autograd.grad(loss.to(torch.float32) * loss_scale, params, allow_unused=True)
         flags = {k: bool(found_inf.get(k, False)) for k in state.deriv_scales}
+        bad_values = bool(found_inf.get(NONFINITE_VALUES, False))
         deriv_overflow = any(flags.values())
 
         inv = 1.0 / loss_scale
         grads = [torch.zeros_like(p) if g is None else g * inv for p, g in zip(params, grads)]
         finite = all(bool(torch.isfinite(g).all()) for g in grads)
-        apply = finite and not deriv_overflow
+        apply = finite and not deriv_overflow and not bad_values
         if apply:
             for p, g in zip(params, grads):
                 p.grad = g.detach()
@@ -131,15 +136,17 @@ def make_train_step(
             state.applied += 1
         else:
             grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-        if state.amp.loss_scaling_enabled and not deriv_overflow:
+        if state.amp.loss_scaling_enabled and not deriv_overflow and not bad_values:
             state.loss_scale = state.amp.make_loss_scaler().update(state.loss_scale, not finite)
-        state.deriv_scales = {
-            k: state.amp.derivative_scaler_for(k).update(s, flags[k]) for k, s in state.deriv_scales.items()
-        }
+        if not bad_values:
+            state.deriv_scales = {
+                k: state.amp.derivative_scaler_for(k).update(s, flags[k]) for k, s in state.deriv_scales.items()
+            }
         state.step += 1
-        reason = SKIP_DERIVATIVE_OVERFLOW if deriv_overflow else (APPLIED if finite else SKIP_NONFINITE_GRADS)
+        reason = (SKIP_NONFINITE_VALUES if bad_values else SKIP_DERIVATIVE_OVERFLOW if deriv_overflow
+                  else APPLIED if finite else SKIP_NONFINITE_GRADS)
         metrics: Dict[str, Any] = {"loss": float(loss.detach()), "skipped": not apply, "skip_reason": reason,
-                                   "grad_norm": float(grad_norm)}
+                                   "found_nonfinite_values": bad_values, "grad_norm": float(grad_norm)}
         metrics.update({f"terms/{k}": float(v.detach()) for k, v in terms.items()})
         metrics["scale_log2/loss"] = math.log2(float(state.loss_scale.scale))
         metrics.update({f"scale_log2/{k}": math.log2(float(s.scale)) for k, s in state.deriv_scales.items()})

@@ -207,7 +207,25 @@ def _cond(eqn, invals, ctx):
     return lax.switch(invals[0], [branch_fn(b) for b in branches], *invals[1:])
 
 
+def _shard_map(eqn, invals, ctx):
+    # Re-stage through jax.shard_map with one more, replicated output per flag: each flag is
+    # ORed over the manual mesh axes inside the body. (jax.pmap is a shard_map too.)
+    p = eqn.params
+    body, axes = p["jaxpr"], tuple(p["newly_manual_axes"])
+    keys = ctx.keys(body)
+
+    def local(*args):
+        outs, fl = _evaluate(body, (), args, ctx)
+        return outs, {k: lax.psum(v.astype(jnp.int32), axes) > 0 for k, v in _full(fl, keys).items()}
+
+    out_specs = (list(p["out_specs"]), {k: jax.sharding.PartitionSpec() for k in keys})
+    mapped = jax.shard_map(local, mesh=p["mesh"], in_specs=tuple(p["in_specs"]), out_specs=out_specs,
+                           axis_names=set(axes), check_vma=p["check_vma"])  # fmt: skip
+    return jax.jit(mapped)(*invals)
+
+
 _HANDLERS: Dict[str, Callable] = {
+    "shard_map": _shard_map,
     "custom_jvp_call": _custom,
     "custom_vjp_call": _custom,
     "scan": _scan,

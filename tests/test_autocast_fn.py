@@ -275,3 +275,32 @@ def test_convolutions():
     params = jax.jit(model.init)(jax.random.PRNGKey(1), x)
     jaxpr = jax.make_jaxpr(autocast(model.apply, AmpConfig()))(params, x).jaxpr
     assert walk(jaxpr, "conv_general_dilated") == [(F32, F32), (F16, F16), (F16, F16)]
+
+
+def test_checkpoint_cond_scan_and_while_bodies_are_rewritten():
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    params = {"w0": jax.random.normal(keys[0], (2, 8)), "ws": 0.3 * jax.random.normal(keys[1], (3, 8, 8)),
+              "w1": jax.random.normal(keys[2], (8, 1))}
+
+    def net(params, x, loop=True):
+        ws = params["ws"]
+        h = jnp.tanh(x @ params["w0"])  # the first layer
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), h, ws)
+        h = jax.checkpoint(lambda h: jnp.tanh(h @ ws[0]))(h)
+        h = jax.lax.cond(x[0, 0] > 0, lambda h: h @ ws[1], lambda h: -h, h)
+        if loop:
+            h = jax.lax.while_loop(lambda c: c[0] < 2, lambda c: (c[0] + 1, jnp.tanh(c[1] @ ws[2])), (0, h))[1]
+        return h @ params["w1"]
+
+    x = points(4)
+    wrapped = autocast(net, AmpConfig())
+    jaxpr = jax.make_jaxpr(wrapped)(params, x).jaxpr
+    assert walk(jaxpr, "dot_general") == [(F32, F32)] + [(F16, F16)] * 5
+    assert walk(jaxpr, "tanh") == [(F32,)] * 4
+    assert [walk(jaxpr, p) != [] for p in ("scan", "remat2", "cond", "while")] == [True] * 4
+    out, ref = wrapped(params, x), net(params, x)
+    assert out.dtype == F32 and float(jnp.max(jnp.abs(out - ref))) <= 0.02 * float(jnp.max(jnp.abs(ref)))
+    grads = jax.jit(jax.grad(lambda p: jnp.sum(autocast(net, AmpConfig())(p, x, loop=False) ** 2)))(params)
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree_util.tree_leaves(grads))
+    _, tangent = jax.jit(lambda x: jax.jvp(lambda x: wrapped(params, x), (x,), (jnp.ones_like(x),)))(x)
+    assert bool(jnp.all(jnp.isfinite(tangent)))

@@ -120,6 +120,7 @@ def write_table(rows: List[Dict[str, Any]], workdir: str) -> str:
         )
     checks = verdicts(rows)
     lines += [""] + [_verdict_line(seed, v) for seed, v in checks.items()]
+    lines += [f"seed {r['seed']} {r['mode']} stopped early: {r['stalled']}" for r in rows if r.get("stalled")]
     text = "\n".join(lines) + "\n"
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "results.json"), "w") as f:

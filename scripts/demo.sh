@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The main demo (README): sets up .venv on a fresh machine, then trains the CPU cavity
-# demonstration (examples/configs/ldc_demo.yaml, seed 0) in fp32, plain fp16 and fp16 with
-# the DerivScaler, and prints the results table (runs/demo/results.md, plots in runs/demo/seed0).
+# The main demo (README; docs/demonstration.md): sets up .venv on a fresh machine, then trains
+# the CPU cavity demonstration (examples/configs/ldc_demo.yaml, seed 0) in fp32, plain fp16 and
+# fp16 with the DerivScaler, and prints the results table (runs/demo/results.md, plots in
+# runs/demo/seed0).
 # Extra arguments go to `python -m examples.demo`, e.g. `--seeds 0 1 2` or `--modes fp32 bf16`.
 # `bash scripts/demo.sh --quick` runs the one-minute Poisson quickstart instead.
 set -euo pipefail

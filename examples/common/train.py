@@ -13,7 +13,7 @@ import math
 import os
 import sys
 import time
-from typing import Any, Callable, Dict, List, Mapping, Optional, Type
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Type
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +23,7 @@ import optax
 import jaxamp
 from examples.common.config import ConfigError, amp_settings, to_yaml
 from examples.common.problem import Problem, rel_l2
-from examples.common.stall import StallWatch
+from examples.common.stall import make_monitor, monitored_step, stop_line
 from examples.common.tensorboard import TensorBoardLog, skip_counts
 from jaxamp.models import FullyConnected
 from jaxamp.models.fourier_net import FourierNet
@@ -65,7 +65,7 @@ class Setup:
             self._loss_fn, self.optimizer, amp=self.amp, grad_clip_max_norm=o["grad_clip_max_norm"] or None
         )
         self.sample_key = jax.random.fold_in(jax.random.PRNGKey(cfg["seed"]), 1)
-        self._chunks: Dict[int, Callable] = {}
+        self._chunks: Dict[Tuple[int, int], Callable] = {}
         self.mesh = self._make_mesh(cfg["training"]["devices"])
 
     def _make_mesh(self, devices: int):
@@ -110,20 +110,28 @@ class Setup:
         """Replicate the state over the mesh (a no-op on one device)."""
         return state if self.mesh is None else jaxamp.parallel.replicate(state, self.mesh)
 
-    def chunk(self, n: int) -> Callable:
-        """Jitted ``state -> (state, metrics stacked over n steps)``; points resampled each step
-        from ``fold_in(key, step)``, so a run is the same however it is chunked or resumed."""
-        if n not in self._chunks:
+    def monitor(self, limit: int) -> jaxamp.StallMonitor:
+        """The stall monitor of ``training.max_consecutive_skips=limit`` (0: never stop)."""
+        return make_monitor(limit, self.amp)
 
-            def body(state, _):
-                batch = self.problem.sample(jax.random.fold_in(self.sample_key, state.step))
+    def chunk(self, n: int, limit: int) -> Callable:
+        """Jitted ``(state, monitor state) -> ((state, monitor state), metrics stacked over n
+        steps)``; points resampled each step from ``fold_in(key, step)``, so a run is the same
+        however it is chunked or resumed. A run that has skipped ``limit`` steps in a row
+        stays where it is (see :mod:`examples.common.stall`)."""
+        key = (n, limit)
+        if key not in self._chunks:
+            step = monitored_step(self.step_fn, self.monitor(limit), stop=bool(limit))
+
+            def body(carry, _):
+                batch = self.problem.sample(jax.random.fold_in(self.sample_key, carry[0].step))
                 if self.mesh is not None:  # points split over the devices, state replicated
                     sharding = jaxamp.parallel.batch_sharding(self.mesh)
                     batch = jax.tree_util.tree_map(lambda a: jax.lax.with_sharding_constraint(a, sharding), batch)
-                return self.step_fn(state, batch)
+                return step(carry, batch)
 
-            self._chunks[n] = jax.jit(lambda s: jax.lax.scan(body, s, None, length=n))
-        return self._chunks[n]
+            self._chunks[key] = jax.jit(lambda c: jax.lax.scan(body, c, None, length=n))
+        return self._chunks[key]
 
     def predict(self, params, points: np.ndarray) -> np.ndarray:
         f = jax.jit(jax.vmap(lambda x: self.model.apply(params, x)))
@@ -196,7 +204,7 @@ def train_and_evaluate(
 
     The run stops early, after the chunk in which ``training.max_consecutive_skips`` steps
     in a row were skipped; its summary then says why (``stalled``), and the command line
-    exits with status 3. A checkpoint holds the train state and the stall watch's state."""
+    exits with status 3. A checkpoint holds the train state and the stall monitor's state."""
     os.makedirs(workdir, exist_ok=True)
     setup = get_setup(problem_cls, cfg)
     setup.cfg = cfg
@@ -206,51 +214,54 @@ def train_and_evaluate(
     with open(os.path.join(workdir, "config.yaml"), "w") as f:
         f.write(to_yaml(cfg))
     metrics_path = os.path.join(workdir, "metrics.jsonl")
-    state, watch = setup.init_state(), StallWatch(t["max_consecutive_skips"])
+    limit = t["max_consecutive_skips"]
+    monitor = setup.monitor(limit)
+    state, mstate = setup.init_state(), monitor.init()
     earlier_s = 0.0  # training seconds up to the restored checkpoint (recorded with each one)
     time_path = os.path.join(workdir, "train_time.json")
     kept: List[Dict[str, Any]] = []
     if resume and ckpt.latest_step() is not None:
         earlier_s = _read_json(time_path).get(str(ckpt.latest_step()), 0.0)
-        saved = ckpt.restore({"train": state, "stall": watch.state()})
-        state = setup.place(saved["train"])
+        saved = ckpt.restore({"train": state, "monitor": mstate})
+        state, mstate = setup.place(saved["train"]), saved["monitor"]
         # Drop records written after the checkpoint (the run died between the two).
         kept = read_metrics(metrics_path, upto=int(state.step))
         _write_metrics(metrics_path, kept, mode="w")
-        watch.restore(saved["stall"], kept)
     else:
         _write_metrics(metrics_path, [], mode="w")
     step, max_steps = int(state.step), t["max_steps"]
+    stalled = stop_line(monitor, mstate, kept[-1], bool(limit)) if kept else None
+    warned = False
     board = TensorBoardLog(workdir, step, skip_counts(kept)) if t["tensorboard"] else None
     bar = _progress_bar(progress, step, max_steps, cfg)
     t0, train_s = time.perf_counter(), 0.0  # train_s: this session's training time, per chunk
-    while step < max_steps and watch.stop_reason is None:
+    while step < max_steps and stalled is None:
         next_ckpt = (step // t["checkpoint_every"] + 1) * t["checkpoint_every"]
         n = min(t["chunk_steps"], max_steps - step, next_ckpt - step)
-        state, metrics = setup.chunk(n)(state)
-        recs = _records(step, metrics)
+        (state, mstate), metrics = setup.chunk(n, limit)((state, mstate))
+        recs = _records(step, metrics)[: int(state.step) - step]  # none after a stop
         _write_metrics(metrics_path, recs)
         if board is not None:
             board.write(recs)
-        stalled = watch.update(recs)
         step = int(state.step)
         train_s = time.perf_counter() - t0
+        stalled = stop_line(monitor, mstate, recs[-1], bool(limit))
         if step % t["checkpoint_every"] == 0 or step == max_steps or stalled:
-            ckpt.save({"train": state, "stall": watch.state()}, step=step)
+            ckpt.save({"train": state, "monitor": mstate}, step=step)
             _record_time(time_path, step, earlier_s + train_s)
         if bar is not None:
-            bar.update(n)
+            bar.update(len(recs))
             bar.set_postfix(_postfix(recs), refresh=False)
-        if stalled:
-            print(stalled, file=sys.stderr)
+        warning = stalled or (None if warned else monitor.diagnose(mstate, recs[-1]))
+        if warning:
+            print(warning, file=sys.stderr)
+            warned = True
     if bar is not None:
         bar.close()
     if board is not None:
         board.close()
     ckpt.close()
-    summary = evaluate(setup, state, workdir, train_s=train_s, earlier_s=earlier_s, plots=plots,
-                       stalled=watch.stop_reason)
-    return summary
+    return evaluate(setup, state, workdir, train_s=train_s, earlier_s=earlier_s, plots=plots, stalled=stalled)
 
 
 def _record_time(path: str, step: int, seconds: float) -> None:

@@ -1,0 +1,58 @@
+"""The examples' TensorBoard event files, read back with TensorBoard's own reader."""
+
+import math
+
+import pytest
+
+from examples.burgers import Burgers
+from examples.common.tensorboard import skip_reason_names
+from examples.common.train import train_and_evaluate
+from tests.helpers.examples import read, tiny
+
+event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+
+
+def scalars(logdir):
+    acc = event_accumulator.EventAccumulator(str(logdir), size_guidance={event_accumulator.SCALARS: 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_event_files_hold_every_metric_of_every_step(tmp_path):
+    # Derivative scales start at 2**30: the scaled derivatives overflow float16 at once, so
+    # the first steps are skipped (and counted under skips/<reason>).
+    cfg = tiny(Burgers, "fp16_scaler_per_order", 4)
+    cfg["amp"] = {**cfg["amp"], "default_max_scale_log2": 30, "derivative_scaler": {"init_scale": 2.0**30}}
+    train_and_evaluate(Burgers, cfg, str(tmp_path), progress=False, plots=False)
+    recs = read(tmp_path / "metrics.jsonl")
+    tb = scalars(tmp_path / "tensorboard")
+    reasons = skip_reason_names()
+    tags = ["loss", "terms/burgers", "scale_log2/loss", "scale_log2/1", "scale_log2/2", "skip_reason", "found_inf/2"]
+    for tag in tags + [f"skips/{name}" for name in reasons.values()]:
+        assert tag in tb, (tag, sorted(tb))
+    for tag in tags:
+        assert [s for s, _ in tb[tag]] == [1, 2, 3, 4]
+        for (_, got), rec in zip(tb[tag], recs):
+            want = float(rec[tag])
+            assert got == pytest.approx(want, rel=1e-6) or (math.isnan(got) and math.isnan(want)), (tag, got, want)
+    assert recs[0]["skipped"]
+    for code, name in reasons.items():
+        counted = [v for _, v in tb[f"skips/{name}"]]
+        assert counted == [sum(r["skip_reason"] == code for r in recs[:i]) for i in range(1, 5)], name
+
+
+def test_resume_drops_the_dead_runs_later_events(tmp_path):
+    """A run stopped at step 2 and resumed to 4 reads back as one run of 4 steps."""
+    train_and_evaluate(Burgers, tiny(Burgers, "fp32", 2), str(tmp_path), progress=False, plots=False)
+    train_and_evaluate(Burgers, tiny(Burgers, "fp32", 4), str(tmp_path), resume=True, progress=False, plots=False)
+    recs = read(tmp_path / "metrics.jsonl")
+    loss = scalars(tmp_path / "tensorboard")["loss"]
+    assert [s for s, _ in loss] == [1, 2, 3, 4]
+    assert [v for _, v in loss] == pytest.approx([r["loss"] for r in recs], rel=1e-6)
+
+
+def test_tensorboard_off_writes_no_event_files(tmp_path):
+    cfg = tiny(Burgers, "fp32", 2)
+    cfg["training"] = {**cfg["training"], "tensorboard": False}
+    train_and_evaluate(Burgers, cfg, str(tmp_path), progress=False, plots=False)
+    assert not (tmp_path / "tensorboard").exists()

@@ -182,6 +182,8 @@ def test_bad_arguments_are_named(bad):
         autocast(UserMLP().apply, {"dtype": "float16"})
     with pytest.raises(TypeError, match="`fn`"):
         autocast(None, AmpConfig())
+    with pytest.raises(ValueError, match=r"params_argnums`=2 names an argument beyond the 2"):
+        autocast(UserMLP().apply, AmpConfig(), params_argnums=2)(user_params(True), points())
 
 
 @pytest.mark.parametrize("act", [jnp.tanh, jax.nn.silu, jax.nn.gelu, jax.nn.relu])
@@ -304,3 +306,35 @@ def test_checkpoint_cond_scan_and_while_bodies_are_rewritten():
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree_util.tree_leaves(grads))
     _, tangent = jax.jit(lambda x: jax.jvp(lambda x: wrapped(params, x), (x,), (jnp.ones_like(x),)))(x)
     assert bool(jnp.all(jnp.isfinite(tangent)))
+
+
+def test_static_arguments_and_pytree_outputs():
+    model, params, x = UserMLP(False), user_params(False), points()
+
+    def fn(params, x, double=False, name="u"):
+        out = model.apply(params, x)
+        return {name: 2.0 * out if double else out}
+
+    wrapped = autocast(fn, AmpConfig())
+    plain = wrapped(params, x)["u"]
+    np.testing.assert_array_equal(wrapped(params, x, double=True, name="v")["v"], 2.0 * plain)
+    np.testing.assert_array_equal(plain, autocast(model.apply, AmpConfig())(params, x))
+
+
+def test_matmuls_left_inside_other_primitives_warn():
+    @jax.custom_batching.custom_vmap
+    def layer(w, h):
+        return h @ w
+
+    layer.def_vmap(lambda axis_size, in_batched, w, h: (h @ w, in_batched[1]))
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    params = [jax.random.normal(keys[0], (2, 8)), jax.random.normal(keys[1], (8, 8)),
+              jax.random.normal(keys[2], (8, 1))]
+
+    def three_layers(params, x):
+        h = jnp.tanh(jnp.tanh(x @ params[0]) @ params[1])
+        return layer(params[2], h)
+
+    with pytest.warns(UserWarning, match=r"three_layers.*1 inside custom_vmap_call \(left as written\)"):
+        jaxpr = jax.make_jaxpr(autocast(three_layers, AmpConfig()))(params, points()).jaxpr
+    assert walk(jaxpr, "dot_general") == [(F32, F32), (F16, F16), (F32, F32)]

@@ -76,6 +76,9 @@ def walk(jaxpr, name):
     return found
 
 
+FLAGS = [(False, False), (True, False), (False, True), (True, True)]
+
+
 def amp_of(firstlayer=False, activation=False, dtype="float16"):
     return AmpConfig(dtype=dtype, autocast_firstlayer=firstlayer, autocast_activation=activation)
 
@@ -95,7 +98,7 @@ def test_dots_in_compute_dtype_except_features_and_first_layer(dtype, dense_dtyp
     assert jaxpr.outvars[0].aval.dtype == F32
 
 
-@pytest.mark.parametrize("firstlayer,activation", [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("firstlayer,activation", FLAGS)
 def test_flags_change_placement(firstlayer, activation):
     model, params, x = UserMLP(False), user_params(False), points()
     jaxpr = jax.make_jaxpr(autocast(model.apply, amp_of(firstlayer, activation)))(params, x).jaxpr
@@ -105,13 +108,16 @@ def test_flags_change_placement(firstlayer, activation):
     assert walk(jaxpr, "tanh") == [first_act] + [(F16,) if activation else (F32,)] * (DEPTH - 1)
 
 
-@pytest.mark.parametrize("fourier", [False, True])
-@pytest.mark.parametrize("firstlayer,activation", [(False, False), (True, False), (False, True), (True, True)])
-def test_bitwise_equal_to_jaxamp_models_with_zero_biases(fourier, firstlayer, activation):
+@pytest.mark.parametrize(
+    "fourier,firstlayer,activation,dtype",
+    [(f, *flags, "float16") for f in (False, True) for flags in FLAGS]
+    + [(True, *flags, "bfloat16") for flags in (FLAGS[0], FLAGS[3])],
+)
+def test_bitwise_equal_to_jaxamp_models_with_zero_biases(fourier, firstlayer, activation, dtype):
     """Same weights, Flax's zero biases: FullyConnected adds its bias in the compute dtype, the
     user's network in float32; with zero biases both adds are exact, every other op rounds at the
     same point, so the outputs are bitwise equal."""
-    amp = amp_of(firstlayer, activation)
+    amp = amp_of(firstlayer, activation, dtype)
     params, x = user_params(fourier), points()
     ref_params = {"params": {"fc": params["params"]}} if fourier else params
     expected = reference(amp, fourier).apply(ref_params, x)

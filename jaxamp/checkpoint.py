@@ -7,19 +7,33 @@ once it is complete, so an interrupted save never replaces or corrupts an earlie
 from __future__ import annotations
 
 import os
-from typing import Any, Optional, Union
+from typing import Any, List, Optional, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
+
+
+def _name(path: Any) -> str:
+    """orbax's dotted name of a key path (``params.Dense_0.kernel``, ``deriv_scales.2.scale``)."""
+    return ".".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
 class Checkpointer:
     """Save and restore training states under ``directory/<step>``.
 
+    Any pytree of arrays can be saved: a :class:`~jaxamp.TrainState`, or a dict holding it
+    beside a :class:`~jaxamp.StallMonitor` state or the user's own state.
+
     Args:
       directory: where checkpoints live (created if missing). Must be a path, not a file.
       max_to_keep: how many of the newest checkpoints to keep (``None``: all).
+
+    Example:
+      >>> with jaxamp.Checkpointer("ckpt") as ckpt:
+      ...     ckpt.save({"train": state, "monitor": mstate})
+      ...     restored = ckpt.restore({"train": fresh_state, "monitor": monitor.init()})
     """
 
     def __init__(self, directory: Union[str, os.PathLike], *, max_to_keep: Optional[int] = 3) -> None:
@@ -45,9 +59,11 @@ class Checkpointer:
         return step
 
     def latest_step(self) -> Optional[int]:
+        """The newest saved step, or None."""
         return self._manager.latest_step()
 
-    def all_steps(self):
+    def all_steps(self) -> List[int]:
+        """Every saved step, oldest first."""
         return list(self._manager.all_steps())
 
     def restore(self, like: Any, *, step: Optional[int] = None) -> Any:
@@ -62,6 +78,7 @@ class Checkpointer:
                 f"Checkpointer: `step`={step!r} has no checkpoint in {self.directory!r}; "
                 f"available steps: {self.all_steps()}."
             )
+        self._check_matches(step, like)
         abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, like)
         restored = self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
         # Orbax hands back containers of its own choosing for some nodes; rebuild ``like``'s.
@@ -70,7 +87,31 @@ class Checkpointer:
         leaves = [jnp.asarray(x) for x in jax.device_get(jax.tree_util.tree_leaves(restored))]
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), leaves)
 
+    def _check_matches(self, step: int, like: Any) -> None:
+        """Raise a ValueError naming every leaf where the checkpoint and ``like`` differ (orbax
+        would cast a dtype silently and report structure mismatches in its own terms)."""
+        meta = self._manager.item_metadata(step)
+        leaves = jax.tree_util.tree_leaves(getattr(meta, "tree", meta), is_leaf=lambda x: hasattr(x, "shape"))
+        saved = {m.name: (tuple(m.shape), np.dtype(m.dtype)) for m in leaves if hasattr(m, "name")}
+        wanted = {_name(path): (tuple(np.shape(x)), np.dtype(getattr(x, "dtype", np.asarray(x).dtype)))
+                  for path, x in jax.tree_util.tree_flatten_with_path(like)[0]}
+        problems = []
+        for what, names in (("only in the checkpoint", saved.keys() - wanted), ("only in `like`", wanted.keys() - saved)):
+            if names:
+                problems.append(f"{what}: {sorted(names)[:6]}{' ...' if len(names) > 6 else ''}")
+        differ = [f"{n} (checkpoint {saved[n][1]}{list(saved[n][0])}, like {wanted[n][1]}{list(wanted[n][0])})"
+                  for n in sorted(saved.keys() & wanted.keys()) if saved[n] != wanted[n]]
+        if differ:
+            problems.append(f"different shape or dtype: {differ[:6]}")
+        if problems:
+            raise ValueError(
+                f"Checkpointer.restore: the checkpoint at step {step} in {self.directory!r} does not match `like`: "
+                + "; ".join(problems) + ". Pass as `like` a state built as the saved one (same model, optimizer, "
+                "amp and engines)."
+            )
+
     def close(self) -> None:
+        """Release orbax's resources (also on leaving a ``with`` block)."""
         self._manager.close()
 
     def __enter__(self) -> "Checkpointer":

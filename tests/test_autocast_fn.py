@@ -66,7 +66,7 @@ def points(n=32, seed=2):
 
 
 def walk(jaxpr, name):
-    """(equation, operand dtypes) of every ``name`` equation, sub-jaxprs included, in order."""
+    """The operand dtypes of every ``name`` equation, sub-jaxprs included, in program order."""
     found = []
     for e in jaxpr.eqns:
         if e.primitive.name == name:
@@ -96,6 +96,21 @@ def test_dots_in_compute_dtype_except_features_and_first_layer(dtype, dense_dtyp
     assert walk(jaxpr, "tanh") == [(F32,)] * DEPTH
     assert walk(jaxpr, "sin") == walk(jaxpr, "cos") == [(F32,)]
     assert jaxpr.outvars[0].aval.dtype == F32
+    hlo = jax.jit(autocast(model.apply, amp_of(dtype=dtype))).lower(params, x).as_text()
+    dots = [line for line in hlo.splitlines() if "dot_general" in line]
+    assert len(dots) == DEPTH + 2 and sum(f"x{low.name.replace('float', 'f')}>" in d for d in dots) == DEPTH
+
+
+def test_casting_only_the_input_stays_fp32_but_autocast_moves_the_dots():
+    """The trap: Flax's nn.Dense(dtype=None) promotes a float16 input back to float32."""
+    model, params, x = UserMLP(False), user_params(False), points()
+
+    def cast_input(params, x):
+        return model.apply(params, x.astype(jnp.float16))
+
+    assert walk(jax.make_jaxpr(cast_input)(params, x).jaxpr, "dot_general") == [(F32, F32)] * (DEPTH + 1)
+    jaxpr = jax.make_jaxpr(autocast(cast_input, AmpConfig()))(params, x).jaxpr
+    assert walk(jaxpr, "dot_general") == [(F32, F32)] + [(F16, F16)] * DEPTH
 
 
 @pytest.mark.parametrize("firstlayer,activation", FLAGS)

@@ -26,6 +26,11 @@ the placement of :class:`jaxamp.models.FullyConnected` without touching the mode
   differentiated as ordinary primitives). Matmuls left inside other higher-order primitives
   are reported by a warning.
 
+Compared with :class:`jaxamp.models.FullyConnected`, which adds its biases in the compute dtype
+(as torch's fused ``linear``), bias adds here run as written (float32): on the same weights the
+outputs agree bitwise when the biases are zero and to fp16 rounding of the pre-activations
+otherwise.
+
 The rewritten program is made of JAX's own primitives (casts and the original equations), so the
 wrapped function composes with ``jax.jit``, ``jax.vmap``, ``jax.grad`` (any order, w.r.t.
 parameters or inputs) and ``jax.jacrev``/``jax.jacfwd``; derivatives of a compute-dtype matmul

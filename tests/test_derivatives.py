@@ -4,9 +4,22 @@ import numpy as np
 import pytest
 
 import jaxamp
+from benchmarks import engines as E
+from jaxamp.derivatives import NONFINITE_VALUES
 from jaxamp.models import FullyConnected
 
 STRICT_FP16 = {"xla_allow_excess_precision": False}  # fp16 ops round to fp16, no f32 shortcuts
+
+
+# jaxamp's engines and the benchmark-only forward-over-reverse engine (a point engine plugged
+# into jaxamp.Derivatives through its documented `method=callable` extension point).
+KINDS = jaxamp.derivatives.METHODS + ("fwd_over_rev",)
+
+
+def engine(kind, fn, **kw):
+    if kind in jaxamp.derivatives.METHODS:
+        return jaxamp.Derivatives(fn, **kw, method=kind)
+    return E.make_engine(kind, fn, **kw)
 
 
 def small_net(dtype=jnp.float32, **kw):
@@ -21,12 +34,11 @@ def net_and_params():
     return net, params
 
 
-@pytest.mark.parametrize("method", jaxamp.derivatives.METHODS)
+@pytest.mark.parametrize("method", KINDS)
 def test_fp32_derivatives_match_jax_hessian_and_nested_jacfwd(net_and_params, method):
     net, params = net_and_params
     names = ("u__x", "u__y", "v__x", "u__x__x", "u__x__y", "u__y__y", "v__y__x", "u__x__x__y", "v__y__y__y", "u__x__y__x")
-    eng = jaxamp.Derivatives(lambda p, x: net.apply(p, x), inputs=("x", "y"), outputs=("u", "v"), derivatives=names,
-                             method=method)
+    eng = engine(method, lambda p, x: net.apply(p, x), inputs=("x", "y"), outputs=("u", "v"), derivatives=names)
     pts = jax.random.uniform(jax.random.PRNGKey(1), (32, 2), minval=-1, maxval=1)
     with jax.default_matmul_precision("highest"):
         vals, flags = jax.jit(eng.__call__)(params, pts)
@@ -56,7 +68,7 @@ def test_derivatives_of_an_analytic_function_to_fourth_order():
 
 @pytest.mark.parametrize("mode, method", [("per_order_scaler", "reverse"), ("per_term_scaler", "reverse"),
                                           ("per_order_scaler", "forward"), ("per_term_scaler", "forward"),
-                                          ("per_term_scaler", "forward_over_reverse")])
+                                          ("per_term_scaler", "fwd_over_rev")])
 def test_scaled_values_equal_unscaled_values(net_and_params, mode, method):
     """The fp16 config switches scaling on; the network itself stays fp32, so scaling and
     unscaling must leave the values unchanged up to fp32 rounding (exact for powers of 2)."""
@@ -64,20 +76,20 @@ def test_scaled_values_equal_unscaled_values(net_and_params, mode, method):
     names = ("u__x__x", "u__y", "v__x__y__y")
     fn = lambda p, x: net.apply(p, x)
     plain = jaxamp.Derivatives(fn, inputs=("x", "y"), outputs=("u", "v"), derivatives=names)
-    scaled = jaxamp.Derivatives(fn, inputs=("x", "y"), outputs=("u", "v"), derivatives=names,
-                                amp=jaxamp.AmpConfig(dtype="float16", mode=mode), method=method)
+    scaled = engine(method, fn, inputs=("x", "y"), outputs=("u", "v"), derivatives=names,
+                    amp=jaxamp.AmpConfig(dtype="float16", mode=mode))
     pts = jax.random.normal(jax.random.PRNGKey(2), (16, 2))
     ref, _ = jax.jit(plain.__call__)(params, pts)
     for pick in (lambda i: 2.0 ** -(i + 1), lambda i: 0.3 + 0.1 * i):
         scales = {k: pick(i) for i, k in enumerate(scaled.scaler_keys)}
         vals, flags = jax.jit(scaled.__call__)(params, pts, scales)
-        assert set(flags) == set(scaled.scaler_keys) and not any(bool(f) for f in flags.values())
+        assert set(flags) == {*scaled.scaler_keys, NONFINITE_VALUES} and not any(bool(f) for f in flags.values())
         for name in ref:
             atol = 1e-6 * float(jnp.abs(ref[name]).max())  # fp32 rounding relative to the field
             np.testing.assert_allclose(vals[name], ref[name], rtol=2e-6, atol=atol, err_msg=name)
 
 
-@pytest.mark.parametrize("method", jaxamp.derivatives.METHODS)
+@pytest.mark.parametrize("method", KINDS)
 def test_scaling_reaches_the_derivative_pass(method):
     """The scale is the seed of each reverse pass (or each forward tangent): a huge scale
     overflows fp16 intermediates even though the unscaled value is small (excess precision
@@ -85,15 +97,14 @@ def test_scaling_reaches_the_derivative_pass(method):
     amp = jaxamp.AmpConfig(dtype="float16", autocast_firstlayer=True, autocast_activation=True)
     net = FullyConnected.from_amp(amp, out_features=1, layer_size=8, nr_layers=2)
     params = net.init(jax.random.PRNGKey(0), jnp.zeros(1))
-    eng = jaxamp.Derivatives(lambda p, x: net.apply(p, x), inputs=("x",), outputs=("u",), derivatives=("u__x",), amp=amp,
-                             method=method)
+    eng = engine(method, lambda p, x: net.apply(p, x), inputs=("x",), outputs=("u",), derivatives=("u__x",), amp=amp)
     call = jax.jit(eng.__call__, compiler_options=STRICT_FP16)
     _, ok = call(params, {"x": jnp.linspace(0, 1, 4)}, {"1": 1.0})
     _, bad = call(params, {"x": jnp.linspace(0, 1, 4)}, {"1": 2.0**20})
     assert not bool(ok["1"]) and bool(bad["1"])
 
 
-@pytest.mark.parametrize("method", jaxamp.derivatives.METHODS)
+@pytest.mark.parametrize("method", KINDS)
 def test_crafted_fp16_overflow_backs_off_to_fp32_values(method):
     """u__x__x overflows fp16 inside the second backward pass: the first layer runs in fp16
     (autocast_firstlayer=True) with weight_g x500, so |u_xx| reaches ~1.7e5 > 65504 while
@@ -108,8 +119,7 @@ def test_crafted_fp16_overflow_backs_off_to_fp32_values(method):
         params,
     )
     names = ("u__x__x",)
-    e16 = jaxamp.Derivatives(lambda p, x: net16.apply(p, x), inputs=("x",), outputs=("u",), derivatives=names, amp=amp,
-                             method=method)
+    e16 = engine(method, lambda p, x: net16.apply(p, x), inputs=("x",), outputs=("u",), derivatives=names, amp=amp)
     e32 = jaxamp.Derivatives(lambda p, x: net32.apply(p, x), inputs=("x",), outputs=("u",), derivatives=names)
     pts = {"x": jnp.linspace(-0.02, 0.02, 64)}
     with jax.default_matmul_precision("highest"):
@@ -123,6 +133,7 @@ def test_crafted_fp16_overflow_backs_off_to_fp32_values(method):
         vals, found = call(params, pts, {k: s.scale for k, s in states.items()})
         if backoffs == 0:
             assert bool(found["2"]) and not bool(found["1"]), "only the second-order key overflows"
+            assert not bool(found[NONFINITE_VALUES]), "an overflow is not a bad value"
             assert not bool(jnp.all(jnp.isfinite(vals["u__x__x"])))
         if not bool(found["2"]):
             break
@@ -212,8 +223,8 @@ def _first_overflowing_loss_scale(method, scales):
     amp = jaxamp.AmpConfig(dtype="float16", autocast_firstlayer=True)
     net = FullyConnected.from_amp(amp, out_features=1, layer_size=16, nr_layers=2)
     params = net.init(jax.random.PRNGKey(5), jnp.zeros(1))
-    eng = jaxamp.Derivatives(lambda p, x: net.apply(p, x), inputs=("x",), outputs=("u",), derivatives=("u__x__x",),
-                             amp=amp, method=method)
+    eng = engine(method, lambda p, x: net.apply(p, x), inputs=("x",), outputs=("u",), derivatives=("u__x__x",),
+                 amp=amp)
     x = {"x": jnp.linspace(-1.0, 1.0, 64)}
 
     def grads(p, loss_scale):
@@ -229,7 +240,7 @@ def _first_overflowing_loss_scale(method, scales):
     return None
 
 
-@pytest.mark.parametrize("method", ["forward", "forward_over_reverse"])
+@pytest.mark.parametrize("method", ["forward", "fwd_over_rev"])
 def test_forward_engines_weight_gradients_overflow_no_sooner_than_reverse(method):
     """With both derivative scales at 2^-8, the forward engines' float16 values carry the scale
     of their step (s_k, or s_k / s_{k-1}), as nested reverse mode does -- not s_{k-1} * s_k,

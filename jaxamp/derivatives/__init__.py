@@ -1,65 +1,45 @@
 """Scaled input derivatives of a per-point network: the DerivScaler's derivative engine.
 
 A derivative is named like Modulus: ``u__x`` is du/dx, ``u__x__y`` is d/dy(du/dx). The
-engine computes all requested derivatives of a per-point function with nested AD and
-``vmap`` over points: by default nested forward mode (``jax.jvp`` of the level below, the
-tangent seeded with the scale; a pure second order propagates one tangent, see
-:mod:`jaxamp.taylor`); ``method="reverse"`` is nested ``jax.grad`` as Modulus' autograd,
-the reference path. Each differentiation follows SPEC.md "One derivative step":
+engine computes every requested derivative of a per-point function with nested AD and
+``vmap`` over points, each differentiation following docs/algorithm.md "One derivative step":
 
-1. multiply the differentiated variable by its scaler's scale (the backward seed; in
-   forward mode the tangent seed, which scales every float16 tangent the same way);
+1. multiply the differentiated variable by its scaler's scale (the backward seed; in forward
+   mode the tangent seed, which scales every float16 tangent the same way);
 2. differentiate through the network's mixed-precision graph;
-3. flag inf/NaN in the *scaled* result under the scaler's key;
+3. check the *scaled* result: an overflow flags the scaler's key, bad values flag
+   :data:`NONFINITE_VALUES` (:mod:`jaxamp.derivatives.checks`);
 4. multiply by ``1/scale`` in float32, inside the differentiable graph.
 
-Everything is traced: scales come in as arrays, flags come out as arrays, so the engine
-runs inside one ``jax.jit`` with no host synchronisation.
+Modules: :mod:`~jaxamp.derivatives.plan` (names, levels, paths, scaler keys: the one plan
+every engine reads), :mod:`~jaxamp.derivatives.forward` (the default engine),
+:mod:`~jaxamp.derivatives.reverse` (nested ``jax.grad``, the reference path). Everything is
+traced: scales come in as arrays, flags come out as arrays, so the engine runs inside one
+``jax.jit`` with no host synchronisation.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Mapping, Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
 
-from jaxamp import taylor, taylor_series
 from jaxamp.config import AmpConfig
+from jaxamp.derivatives import forward, reverse
+from jaxamp.derivatives.checks import NONFINITE_VALUES, found_inf, or_into
+from jaxamp.derivatives.plan import SEP, Level, Plan, make_plan, order_of, parse_name, scaler_key
 from jaxamp.scaler import DynamicScaler, ScaleState
 
-METHODS = ("reverse", "forward", "forward_over_reverse")
-# Reserved key of found_inf: True when an input, a network output or a level below a
-# derivative is non-finite at some point (bad values: no scale can cure them).
-NONFINITE_VALUES = "nonfinite_values"
-# Pure derivatives of at least this order take Taylor mode in the forward engine
-# (jaxamp.taylor_series); pure second orders take jaxamp.taylor.second_order.
-_SERIES_MIN_ORDER = 3
 PointFn = Callable[..., jax.Array]  # fn(params, x: f32[n_inputs]) -> f32[n_outputs]
-SEP = "__"
+# engine(plan, f, x, scales) -> (values {name: f32[]}, scaled {derivative: f32[]}) at one point
+PointEngine = Callable[[Plan, Callable[[jax.Array], jax.Array], jax.Array, Mapping[str, jax.Array]],
+                       Tuple[Dict[str, jax.Array], Dict[str, jax.Array]]]  # fmt: skip
+ENGINES: Dict[str, PointEngine] = {"forward": forward.point_values, "reverse": reverse.point_values}
+METHODS = tuple(ENGINES)
 
-
-def parse_name(name: str) -> Tuple[str, Tuple[str, ...]]:
-    """``"u__x__y"`` -> ``("u", ("x", "y"))``."""
-    parts = name.split(SEP)
-    return parts[0], tuple(parts[1:])
-
-
-def order_of(name: str) -> int:
-    return len(parse_name(name)[1])
-
-
-@dataclasses.dataclass(frozen=True)
-class _Level:
-    """How one derivative order is obtained from the order below it (static, hashable)."""
-
-    parents: Tuple[str, ...]  # names differentiated at this level (all of the order below)
-    parent_rows: Tuple[int, ...]  # their rows in the level below's value vector
-    parent_keys: Tuple[str, ...]  # scaler key of each parent (empty strings when unscaled)
-    names: Tuple[str, ...]  # derivatives this level produces
-    child_parent: Tuple[int, ...]  # for each produced name, the index into `parents`
-    child_input: Tuple[int, ...]  # for each produced name, the input index it differentiates by
+__all__ = ["Derivatives", "ENGINES", "METHODS", "NONFINITE_VALUES", "SEP", "Level", "Plan", "PointEngine",
+           "make_plan", "or_into", "order_of", "parse_name", "scaler_key"]  # fmt: skip
 
 
 class Derivatives:
@@ -73,190 +53,127 @@ class Derivatives:
       derivatives: names to compute, e.g. ``("u__x", "u__y__y", "p__x")``; every lower-order
         derivative they need is computed (and returned) too.
       amp: mixed-precision settings (scaler mode, special terms, max scales). ``None`` or a
-        config whose scalers are inactive (AMP off, bf16, fp32) computes plain derivatives
-        with no scaling, no checks and no scaler keys.
-      method: how derivatives are taken; all three give the same values (to rounding) and
-        the same checks under the same scaler keys.
-        ``"forward"`` (default): nested ``jax.jvp``, one chain per derivative path (its
-        (scaler key, input) steps), each tangent seeded with its scale; a pass yields every
-        output's derivative along the path and the lower orders on the way, so under
-        per-order scaling ``u__x__x`` and ``v__x__x`` share a pass. Pure second derivatives
-        (``u__x__x``) propagate one tangent instead of nested ``jax.jvp``'s two
-        (:mod:`jaxamp.taylor`), so scaling costs no extra network passes; pure derivatives of
-        order 3 and more (``u__x__x__x__x``) take Taylor mode, one chain per order, each with
-        its own scale (:mod:`jaxamp.taylor_series`); mixed ones (``u__x__y``) stay nested
-        ``jax.jvp``. Fastest measured for
-        PINN-sized inputs (see the README's benchmark section); per-term scaling needs a pass
-        per term.
-        ``"reverse"``: nested ``jax.grad``, one reverse pass per differentiated variable, as
-        Modulus' autograd; the reference path of the torch parity tests.
-        ``"forward_over_reverse"``: order 1 by ``jax.jacrev``, orders >= 2 by ``jax.jvp``;
-        kept for benchmarks.
+        config whose derivative scalers are inactive (AMP off, bf16, fp32,
+        ``derivative_scaling=False``) computes plain derivatives: the same graph with every
+        scale 1, no checks and no scaler keys.
+      method: ``"forward"`` (default, :mod:`jaxamp.derivatives.forward`: nested forward mode,
+        one pass per derivative path; pure second orders propagate one tangent, pure orders
+        >= 3 take Taylor mode; per-term paths share a pass) or ``"reverse"``
+        (:mod:`jaxamp.derivatives.reverse`: nested ``jax.grad`` as Modulus' autograd, the
+        reference path). Or a point engine of your own, ``engine(plan, f, x, scales) ->
+        (values, scaled)`` (see :data:`PointEngine` and :func:`forward.point_values`): this
+        class stacks the points, checks the scales, vmaps it with per-point scales and
+        computes the flags.
+      mask_nonfinite_points: when True, points with a non-finite input are evaluated at
+        zeros, every value there is returned as 0 and raises no flag; drop them from residual
+        means with :meth:`point_weights`. Off by default: such a point flags
+        :data:`NONFINITE_VALUES` and the train step skips the step.
 
-    Call ``engine(params, points, scales)`` (see :meth:`__call__`).
+    Example:
+      >>> import jax.numpy as jnp, jaxamp
+      >>> eng = jaxamp.Derivatives(lambda p, x: jnp.stack([jnp.sin(x[0])]), inputs=("x",),
+      ...                          outputs=("u",), derivatives=("u__x__x",), amp=jaxamp.AmpConfig())
+      >>> values, found_inf = eng(None, {"x": jnp.zeros(4)}, {"1": 1.0, "2": 1.0})
+      >>> sorted(values), sorted(found_inf)
+      (['u', 'u__x', 'u__x__x'], ['1', '2', 'nonfinite_values'])
     """
 
-    def __init__(
-        self,
-        fn: PointFn,
-        *,
-        inputs: Sequence[str],
-        outputs: Sequence[str],
-        derivatives: Sequence[str],
-        amp: Optional[AmpConfig] = None,
-        method: str = "forward",
-    ) -> None:
-        if method not in METHODS:
-            raise ValueError(f"Derivatives: `method`={method!r} is not supported: expected one of {list(METHODS)}.")
-        self.method = method
+    def __init__(self, fn: PointFn, *, inputs, outputs, derivatives, amp: Optional[AmpConfig] = None,
+                 method: Union[str, PointEngine] = "forward", mask_nonfinite_points: bool = False) -> None:  # fmt: skip
+        if not (callable(method) or method in ENGINES):
+            raise ValueError(
+                f"Derivatives: `method`={method!r} is not supported: expected one of {list(ENGINES)} "
+                "or a point engine engine(plan, f, x, scales) -> (values, scaled)."
+            )
         if not callable(fn):
             raise TypeError(f"Derivatives: `fn`={fn!r} must be callable as fn(params, x).")
-        self.fn = fn
-        self.inputs = _check_names("inputs", inputs)
-        self.outputs = _check_names("outputs", outputs)
-        if set(self.inputs) & set(self.outputs):
-            raise ValueError(
-                f"Derivatives: names {sorted(set(self.inputs) & set(self.outputs))} appear in both "
-                "`inputs` and `outputs`; each name must be one or the other."
-            )
-        if isinstance(derivatives, str):
-            raise TypeError(f"Derivatives: `derivatives`={derivatives!r} must be a list of names, not a string.")
+        if not isinstance(mask_nonfinite_points, bool):
+            raise TypeError(f"Derivatives: `mask_nonfinite_points`={mask_nonfinite_points!r} must be True or False.")
         self.amp = amp if amp is not None else AmpConfig(enabled=False)
         if not isinstance(self.amp, AmpConfig):
             raise TypeError(f"Derivatives: `amp`={amp!r} must be an AmpConfig or None.")
-        self.scaled = self.amp.scaler_enabled
-        self.requested = tuple(derivatives)
-        for name in self.requested:
-            self._check_derivative_name(name)
-        self.levels = self._plan()
-        self.names = self.outputs + tuple(n for level in self.levels for n in level.names)
-        keys = (k for level in self.levels for k in level.parent_keys if k)
-        self.scaler_keys: Tuple[str, ...] = tuple(dict.fromkeys(keys))
-
-    # ------------------------------------------------------------------ planning
-    def _check_derivative_name(self, name: str) -> None:
-        if not isinstance(name, str):
-            raise TypeError(f"Derivatives: derivative name {name!r} must be a string like 'u__x'.")
-        base, wrt = parse_name(name)
-        if base not in self.outputs:
-            raise ValueError(
-                f"Derivatives: derivative {name!r} differentiates {base!r}, which is not an output; "
-                f"outputs are {list(self.outputs)}."
-            )
-        for var in wrt:
-            if var not in self.inputs:
-                raise ValueError(
-                    f"Derivatives: derivative {name!r} is taken with respect to {var!r}, which is not an "
-                    f"input; inputs are {list(self.inputs)}."
-                )
+        self.fn, self.method, self.mask_nonfinite_points = fn, method, mask_nonfinite_points
+        self.engine: PointEngine = ENGINES[method] if isinstance(method, str) else method
+        self.plan: Plan = make_plan(inputs, outputs, derivatives, self.amp)
+        self.inputs, self.outputs, self.requested = self.plan.inputs, self.plan.outputs, self.plan.requested
+        self.levels, self.names, self.scaled = self.plan.levels, self.plan.names, self.plan.scaled
+        self.scaler_keys: Tuple[str, ...] = self.plan.scaler_keys
 
     def scaler_key(self, parent: str) -> str:
-        """The scaler key that guards differentiating ``parent`` (SPEC "Names of derivatives")."""
-        if self.amp.mode == "per_term_scaler" or parent in self.amp.special_terms:
-            return parent
-        return str(order_of(parent) + 1)
+        """The scaler key that guards differentiating ``parent`` (docs/algorithm.md, "Scaler keys")."""
+        return scaler_key(self.amp, parent)
 
-    def _plan(self) -> Tuple[_Level, ...]:
-        needed = set()
-        for name in self.requested:
-            base, wrt = parse_name(name)
-            for k in range(1, len(wrt) + 1):
-                needed.add(SEP.join((base, *wrt[:k])))
-        max_order = max((order_of(n) for n in needed), default=0)
-        below = list(self.outputs)
-        levels = []
-        for order in range(1, max_order + 1):
-            names = tuple(sorted(n for n in needed if order_of(n) == order))
-            parents = tuple(sorted({n.rsplit(SEP, 1)[0] for n in names}))
-            levels.append(
-                _Level(
-                    parents=parents,
-                    parent_rows=tuple(below.index(p) for p in parents),
-                    parent_keys=tuple(self.scaler_key(p) if self.scaled else "" for p in parents),
-                    names=names,
-                    child_parent=tuple(parents.index(n.rsplit(SEP, 1)[0]) for n in names),
-                    child_input=tuple(self.inputs.index(parse_name(n)[1][-1]) for n in names),
-                )
-            )
-            below = list(names)
-        return tuple(levels)
-
-    # ------------------------------------------------------------------ scalers
     @property
     def scalers(self) -> Dict[str, DynamicScaler]:
         """The scale rule of every scaler key this engine uses (empty when scaling is off)."""
         return {key: self.amp.derivative_scaler_for(key) for key in self.scaler_keys}
 
     def init_scaler_states(self) -> Dict[str, ScaleState]:
+        """``{key: ScaleState}``: the initial state of every scaler key (empty when unscaled)."""
         return {key: rule.init() for key, rule in self.scalers.items()}
 
-    # ------------------------------------------------------------------ evaluation
-    def point_values(
-        self, params, x: jax.Array, scales: Mapping[str, jax.Array]
-    ) -> Tuple[Dict[str, jax.Array], Dict[str, jax.Array]]:
-        """All values at one point ``x: f32[n_inputs]``: ``({name: f32[]}, {key: bool[]})``.
-
-        Every method differentiates the variable below through its scaled, unscaled graph, so
-        higher orders see the lower orders' ``1/scale``. ``"reverse"`` (here): one reverse
-        pass per differentiated variable, its gradient with respect to every input at once.
-        """
-        if self.method == "forward":
-            return _forward(self, params, x, scales)
-        if self.method == "forward_over_reverse":
-            return _jvp_chain(self, params, x, scales)
-        fns = _VariableFns(self, params, scales)
-        y = fns.outputs(x)
-        values = {name: y[i] for i, name in enumerate(self.outputs)}
-        flags: Dict[str, jax.Array] = {}
-        for level in self.levels:
-            for p, parent in enumerate(level.parents):
-                children = [(n, col) for n, cp, col in zip(level.names, level.child_parent, level.child_input) if cp == p]
-                grad = fns.scaled_grad(parent)(x)  # steps 1-2: f32[n_inputs], scaled
-                picked = jnp.stack([grad[col] for _, col in children])
-                if self.scaled:
-                    key = level.parent_keys[p]
-                    hit = jnp.any(~jnp.isfinite(picked))  # step 3: check the scaled values
-                    flags[key] = hit if key not in flags else flags[key] | hit
-                    picked = picked * fns.inv_scale(parent)  # step 4: unscale in f32
-                values.update({n: picked[i] for i, (n, _) in enumerate(children)})
-        return values, flags
-
-    def __call__(
-        self,
-        params,
-        points: Union[Mapping[str, jax.Array], jax.Array],
-        scales: Optional[Mapping[str, jax.Array]] = None,
-    ) -> Tuple[Dict[str, jax.Array], Dict[str, jax.Array]]:
+    def __call__(self, params, points: Union[Mapping[str, jax.Array], jax.Array],
+                 scales: Optional[Mapping[str, jax.Array]] = None) -> Tuple[Dict[str, jax.Array], Dict[str, jax.Array]]:  # fmt: skip
         """Values and derivatives at a batch of points.
 
         Args:
           params: the network parameters passed to ``fn``.
           points: ``{input name: f32[N]}`` or an array ``f32[N, n_inputs]``.
-          scales: ``{scaler key: f32[]}`` with at least :attr:`scaler_keys` (e.g. the
-            ``scale`` of each state from :meth:`init_scaler_states`). Ignored when scaling is off.
+          scales: ``{scaler key: f32[]}`` with at least :attr:`scaler_keys` (e.g. the ``scale``
+            of each state from :meth:`init_scaler_states`). Ignored when scaling is off.
 
         Returns:
           ``(values, found_inf)``: ``values[name]`` is ``f32[N]`` (unscaled) for every output
-          and every derivative computed; ``found_inf[key]`` is ``bool[]``, True when any scaled
-          derivative guarded by ``key`` is inf/NaN at any point.
+          and every derivative computed (0 at masked points, see ``mask_nonfinite_points``).
+          With scaling on, ``found_inf[key]`` is ``bool[]``, True when a scaled derivative
+          guarded by ``key`` overflowed at some point whose level below is finite, and
+          ``found_inf[NONFINITE_VALUES]`` is True when an input or a network output is
+          non-finite at some (unmasked) point. With scaling off, ``found_inf`` is ``{}``.
         """
-        x = self._stack_points(points)
-        scales = self._check_scales(scales)
+        x = self.stack_points(points)
+        step_scales = self.check_scales(scales)
+        weights = self._weights(x) if self.mask_nonfinite_points else None
+        if weights is not None:
+            x = jnp.where(weights[:, None] > 0, x, jnp.zeros_like(x))  # a finite stand-in
         # One seed per point, as torch's grad_outputs=ones_like(var)*scale: an unbatched seed
-        # would make the seed's products (the final layer's backward s*W, a tangent W*s)
-        # point-independent, and the weight gradient would then sum their cotangents over the
-        # batch *before* the factor s is applied, storing that sum, ~1/s times larger than
-        # any per-point value, in float16 (the transpose of the f16->f32 cast). Per point, the
-        # batch sum happens in the weight cotangent's own contraction with s folded in.
-        # (Measured on the Poisson parity pair, scales 2^-8: overflow from loss scale 256
-        # unbatched vs 512 batched, torch_ref 512.)
-        scales = {k: jnp.broadcast_to(s, x.shape[:1]) for k, s in scales.items()}
-        values, flags = jax.vmap(lambda p, s: self.point_values(params, p, s))(x, scales)
-        return values, {key: jnp.any(flag) for key, flag in flags.items()}
-
-    def _check_scales(self, scales) -> Dict[str, jax.Array]:
+        # makes the seed's products point-independent, and the weight gradient would then sum
+        # their cotangents over the batch *before* the factor s is applied, in float16.
+        per_point = {k: jnp.broadcast_to(s, x.shape[:1]) for k, s in step_scales.items()}
+        f = self._point_outputs(params)
+        values, scaled = jax.vmap(lambda p, s: self.engine(self.plan, f, p, s))(x, per_point)
+        if weights is not None:
+            values = {k: jnp.where(weights > 0, v, jnp.zeros_like(v)) for k, v in values.items()}
         if not self.scaled:
-            return {}
+            return values, {}
+        return values, found_inf(self.plan, x, values, scaled, weights)
+
+    def point_weights(self, points: Union[Mapping[str, jax.Array], jax.Array]) -> jax.Array:
+        """``f32[N]``: each point's weight in a residual mean, 0 where the engine masks it
+        (``mask_nonfinite_points`` and a non-finite input), else 1.
+
+        Example:
+          >>> w = eng.point_weights(points)  # doctest: +SKIP
+          >>> loss = jnp.sum(w * residual**2) / jnp.maximum(jnp.sum(w), 1.0)  # doctest: +SKIP
+        """
+        x = self.stack_points(points)
+        return self._weights(x) if self.mask_nonfinite_points else jnp.ones(x.shape[:1], jnp.float32)
+
+    @staticmethod
+    def _weights(x: jax.Array) -> jax.Array:
+        return jnp.all(jnp.isfinite(x), axis=-1).astype(jnp.float32)
+
+    def check_scales(self, scales: Optional[Mapping[str, jax.Array]]) -> Dict[str, jax.Array]:
+        """``{step key: f32[]}`` for the plan's steps, or an error naming what is missing.
+
+        Unscaled engines get scale 1 for every step behind an optimisation barrier, so XLA
+        compiles the scaled graph: values and weight gradients are bit-identical to a scaled
+        engine's at scale 1.
+        """
+        if not self.scaled:
+            if not self.plan.step_keys:
+                return {}
+            return dict(zip(self.plan.step_keys, jax.lax.optimization_barrier(
+                tuple(jnp.float32(1.0) for _ in self.plan.step_keys))))  # fmt: skip
         if scales is None:
             raise ValueError(
                 f"Derivatives: `scales` is required when float16 derivative scaling is on; pass "
@@ -270,7 +187,8 @@ class Derivatives:
             )
         return {k: jnp.asarray(scales[k], jnp.float32) for k in self.scaler_keys}
 
-    def _stack_points(self, points) -> jax.Array:
+    def stack_points(self, points: Union[Mapping[str, jax.Array], jax.Array]) -> jax.Array:
+        """``f32[N, n_inputs]`` from ``{input: f32[N]}`` or an array, or an error naming the problem."""
         if isinstance(points, Mapping):
             missing = [n for n in self.inputs if n not in points]
             if missing:
@@ -294,273 +212,16 @@ class Derivatives:
             raise TypeError(f"Derivatives: `points` must be floating point (float32), got dtype {x.dtype}.")
         return x.astype(jnp.float32)
 
+    def _point_outputs(self, params) -> Callable[[jax.Array], jax.Array]:
+        """``fn(params, .)`` at one point as ``f32[n_outputs]``, its shape checked."""
 
-class _VariableFns:
-    """Per-point functions of ``x`` for every variable an engine needs, built once per trace.
+        def f(x: jax.Array) -> jax.Array:
+            y = jnp.asarray(self.fn(params, x))
+            if y.shape != (len(self.outputs),):
+                raise ValueError(
+                    f"Derivatives: fn(params, x) returned shape {y.shape} for one point; expected "
+                    f"({len(self.outputs)},) for outputs {list(self.outputs)}."
+                )
+            return y.astype(jnp.float32)
 
-    ``value(name)(x)`` is the unscaled value of a variable (an output or a derivative);
-    ``scaled_grad(name)(x)`` is ``grad(scale * value(name))(x)``, the scaled gradient with
-    respect to every input. Indices are static, so no gather/scatter enters the graph.
-    """
-
-    def __init__(self, engine: "Derivatives", params, scales: Mapping[str, jax.Array]) -> None:
-        self.engine, self.params, self.scales = engine, params, scales
-        self._values: Dict[str, Callable] = {}
-        self._grads: Dict[str, Callable] = {}
-
-    def outputs(self, x: jax.Array) -> jax.Array:
-        outputs = self.engine.outputs
-        y = jnp.asarray(self.engine.fn(self.params, x))
-        if y.shape != (len(outputs),):
-            raise ValueError(
-                f"Derivatives: fn(params, x) returned shape {y.shape} for one point; expected "
-                f"({len(outputs)},) for outputs {list(outputs)}."
-            )
-        return y.astype(jnp.float32)
-
-    def scale(self, name: str) -> Optional[jax.Array]:
-        return self.scales[self.engine.scaler_key(name)] if self.engine.scaled else None
-
-    def inv_scale(self, name: str) -> jax.Array:
-        return jnp.float32(1.0) / self.scale(name)
-
-    def value(self, name: str) -> Callable[[jax.Array], jax.Array]:
-        if name not in self._values:
-            if name in self.engine.outputs:
-                i = self.engine.outputs.index(name)
-                fn = lambda x: self.outputs(x)[i]  # noqa: E731
-            else:
-                parent, var = name.rsplit(SEP, 1)
-                col, grad = self.engine.inputs.index(var), self.scaled_grad(parent)
-                if self.engine.scaled:
-                    fn = lambda x: grad(x)[col] * self.inv_scale(parent)  # noqa: E731
-                else:
-                    fn = lambda x: grad(x)[col]  # noqa: E731
-            self._values[name] = fn
-        return self._values[name]
-
-    def scaled_grad(self, name: str) -> Callable[[jax.Array], jax.Array]:
-        if name not in self._grads:
-            value = self.value(name)
-            if self.engine.scaled:
-                seeded = lambda x: value(x) * self.scale(name)  # noqa: E731
-            else:
-                seeded = value
-            self._grads[name] = jax.grad(seeded)
-        return self._grads[name]
-
-
-def _forward(engine: "Derivatives", params, x: jax.Array, scales: Mapping[str, jax.Array],
-             series_min_order: Optional[int] = None):
-    """``point_values`` by nested forward mode, one chain of ``jax.jvp`` per derivative path.
-
-    A derivative's path is its sequence of (scaler key, input) steps: ``u__x__y`` under
-    per-order scaling is ``(("1", x), ("2", y))``. Step k is ``jax.jvp`` of the *scaled*
-    level below, ``s_{k-1} * f`` (as float16 tangents computed it), along its input with the
-    tangent seed ``s_k / s_{k-1}``: by linearity this is ``s_k * df/dx``, SPEC's steps 1-2 for
-    the already unscaled ``f``, and every float16 value of the step carries at most the scale
-    of the step (``s_k`` or ``s_k / s_{k-1}``, as in nested reverse mode), never the product
-    ``s_{k-1} * s_k`` that differentiating ``f = (s_{k-1} f) / s_{k-1}`` itself would put in
-    the tangents (and ``1 / (s_{k-1} s_k)`` in the weight gradient's cotangents). The scaled
-    tangent is checked (step 3) and multiplied by ``1/s_k`` in float32 (step 4).
-
-    One pass per maximal path: its primal outputs are the lower-order values along the path,
-    and every output's tangent comes out of it, so under per-order scaling ``u__x__x`` and
-    ``v__x__x`` (and ``u__x``, ``p__x``) share one pass. A pure second-order step (the same
-    input twice) is :func:`jaxamp.taylor.second_order`: the outer tangent is formed from the
-    inner one by the power of two ``s_2 / s_1**2`` at each primitive rather than propagated
-    through the network a second time (float32 primitives scale their second-order term by it
-    instead, the same values). A pure path of order >= ``series_min_order`` (default
-    ``_SERIES_MIN_ORDER``) is Taylor mode
-    (:func:`jaxamp.taylor_series.derivatives`), every order's chain carrying ``s_k``; other
-    paths with a pure second-order prefix are ``jax.jvp`` of :func:`jaxamp.taylor.second_order`.
-    """
-    base_fns = _VariableFns(engine, params, scales)
-    out_row = {name: i for i, name in enumerate(engine.outputs)}
-    one = jnp.float32(1.0)
-    series_min_order = _SERIES_MIN_ORDER if series_min_order is None else series_min_order
-
-    def path_of(name: str) -> Tuple[Tuple[str, int], ...]:
-        base, wrt = parse_name(name)
-        steps, parent = [], base
-        for var in wrt:
-            steps.append((engine.scaler_key(parent) if engine.scaled else "", engine.inputs.index(var)))
-            parent = SEP.join((parent, var))
-        return tuple(steps)
-
-    names = [n for level in engine.levels for n in level.names]
-    paths = {n: path_of(n) for n in names}
-    maximal = [p for p in dict.fromkeys(paths.values()) if not any(q != p and q[: len(p)] == p for q in paths.values())]
-
-    def scale_at(path) -> jax.Array:
-        """The scale the float16 tangents of the level ``path`` ends at carry (1 for outputs)."""
-        return scales[path[-1][0]] if (path and engine.scaled) else one
-
-    def chain(path):
-        """``x -> (scaled tangents f32[n_outputs], aux)`` after the steps of ``path``; aux holds
-        the unscaled vectors of the levels up to this one and the scaled tangents of each step."""
-        if not path:
-
-            def outputs(x):
-                y = base_fns.outputs(x)
-                return y, {"unscaled": [y], "scaled": []}
-
-            return outputs
-        pure = all(step[1] == path[0][1] for step in path)
-        if pure and len(path) >= series_min_order:
-            return pure_series(path)
-        if pure and len(path) == 2:
-            return pure_second(path)
-        below, col = chain(path[:-1]), path[-1][1]
-
-        def fn(x):
-            seed = scale_at(path) / scale_at(path[:-1]) if engine.scaled else one  # s_k / s_{k-1}
-            tangent = jnp.zeros((len(engine.inputs),), jnp.float32).at[col].set(seed)
-            _, scaled, aux = jax.jvp(below, (x,), (tangent,), has_aux=True)
-            unscaled = scaled * (one / scale_at(path)) if engine.scaled else scaled
-            return scaled, {"unscaled": aux["unscaled"] + [unscaled], "scaled": aux["scaled"] + [scaled]}
-
-        return fn
-
-    def pure_second(path):
-        """``chain(path)`` for a pure second derivative (``u__x__x``): one propagated tangent
-        instead of nested ``jax.jvp``'s two (:mod:`jaxamp.taylor`)."""
-        col = path[0][1]
-
-        def fn(x):
-            s1, s2 = scale_at(path[:1]), scale_at(path)
-            tangent = jnp.zeros((len(engine.inputs),), jnp.float32).at[col].set(s1)
-            # outer seed s2/s1 over inner seed s1, as two factors: s1**2 may underflow float32
-            ratio = (s2 / s1, one / s1) if engine.scaled else None
-            y, first, second = taylor.second_order(base_fns.outputs, x, tangent, ratio)
-            levels = [y, first * (one / s1), second * (one / s2)] if engine.scaled else [y, first, second]
-            return second, {"unscaled": levels, "scaled": [first, second]}
-
-        return fn
-
-    def pure_series(path):
-        """``chain(path)`` for a pure derivative of order >= 3 (``u__x__x__x``): Taylor mode,
-        one propagated chain per order, each carrying its own scale (:mod:`jaxamp.taylor_series`)."""
-        col, order = path[0][1], len(path)
-
-        def fn(x):
-            direction = jnp.zeros((len(engine.inputs),), jnp.float32).at[col].set(one)
-            s = [scale_at(path[: j + 1]) for j in range(order)] if engine.scaled else None
-            y, scaled = taylor_series.derivatives(base_fns.outputs, x, direction, order, s)
-            levels = [y] + ([d * (one / sj) for d, sj in zip(scaled, s)] if engine.scaled else list(scaled))
-            return scaled[-1], {"unscaled": levels, "scaled": list(scaled)}
-
-        return fn
-
-    results = {}
-    for path in maximal:
-        _, aux = chain(path)(x)
-        results[path] = (aux["unscaled"], aux["scaled"])
-    values = {}
-    flags: Dict[str, jax.Array] = {}
-    for name in names:
-        path = paths[name]
-        levels, scaled = results[next(m for m in maximal if m[: len(path)] == path)]
-        row = out_row[parse_name(name)[0]]
-        values[name] = levels[len(path)][row]
-        if engine.scaled:
-            key = path[-1][0]
-            hit = ~jnp.isfinite(scaled[len(path) - 1][row])  # step 3 on the scaled value
-            flags[key] = hit if key not in flags else flags[key] | hit
-    outputs = results[maximal[0]][0][0] if maximal else base_fns.outputs(x)
-    values.update({n: outputs[i] for i, n in enumerate(engine.outputs)})
-    return values, flags
-
-
-def _jvp_chain(engine: "Derivatives", params, x: jax.Array, scales: Mapping[str, jax.Array]):
-    """``point_values`` for ``forward_over_reverse``, as one chain of nested per-level functions.
-
-    Each level's function returns its *scaled* derivatives (each row times the scale of the
-    key that produced it) and, as auxiliary outputs, every level's unscaled values and scaled
-    derivatives so far. Order 1: one ``jax.jacrev`` of the outputs, each row's seed scaled.
-    Order k >= 2: ``jax.jvp`` of the order-(k-1) function along one input per (scaler key,
-    input, key of the parent), the tangent seeded with ``s_k / s_{k-1}``, which by linearity
-    is ``s_k`` times the derivative of the unscaled parent (as in :func:`_forward`). Every value
-    the loss sees is computed once, and the weight gradient flows through one graph. Tangents
-    no derivative needs are dead code that XLA removes.
-    """
-    n_in = len(engine.inputs)
-    one = jnp.float32(1.0)
-
-    def scale(key: str) -> jax.Array:
-        return scales[key] if (key and engine.scaled) else one
-
-    def by_jacrev(level):
-        rows = jnp.asarray(level.parent_rows)
-        keys = [level.parent_keys[p] for p in level.child_parent]
-
-        def seeded(x):
-            vals = _VariableFns(engine, params, scales).outputs(x)
-            return vals[rows] * jnp.stack([scale(k) for k in level.parent_keys]), vals
-
-        def level_fn(x):
-            jac, vals = jax.jacrev(seeded, has_aux=True)(x)
-            scaled = jnp.stack([jac[p, col] for p, col in zip(level.child_parent, level.child_input)])
-            unscaled = scaled * jnp.stack([one / scale(k) for k in keys])
-            return scaled, {"values": [vals, unscaled], "scaled": [scaled]}
-
-        return level_fn
-
-    def by_jvp(below, level, below_keys: Sequence[str]):
-        """``below_keys``: for each row of the level below, the key its scale came from."""
-        keys = [level.parent_keys[p] for p in level.child_parent]
-        groups: Dict[Tuple[str, int, str], List[int]] = {}
-        for c, (key, col) in enumerate(zip(keys, level.child_input)):
-            prev = below_keys[level.parent_rows[level.child_parent[c]]]
-            groups.setdefault((key, col, prev), []).append(c)
-
-        def level_fn(x):
-            scaled: List = [None] * len(level.names)
-            for (key, col, prev), children in groups.items():
-                tangent = jnp.zeros((n_in,), jnp.float32).at[col].set(scale(key) / scale(prev))
-                _, tangents, aux = jax.jvp(below, (x,), (tangent,), has_aux=True)
-                for c in children:
-                    scaled[c] = tangents[level.parent_rows[level.child_parent[c]]]
-            stacked = jnp.stack(scaled)
-            unscaled = stacked * jnp.stack([one / scale(k) for k in keys])
-            return stacked, {"values": aux["values"] + [unscaled], "scaled": aux["scaled"] + [stacked]}
-
-        return level_fn
-
-    fn, produced_by = None, None
-    for depth, level in enumerate(engine.levels):
-        fn = by_jvp(fn, level, produced_by) if depth else by_jacrev(level)
-        produced_by = [level.parent_keys[p] for p in level.child_parent]
-    if fn is None:
-        vectors = [_VariableFns(engine, params, scales).outputs(x)]
-        aux = {"scaled": []}
-    else:
-        _, aux = fn(x)
-        vectors = aux["values"]
-    values = {}
-    for names, vec in zip([engine.outputs] + [lv.names for lv in engine.levels], vectors):
-        values.update({n: vec[i] for i, n in enumerate(names)})
-    flags: Dict[str, jax.Array] = {}
-    if engine.scaled:
-        for level, scaled in zip(engine.levels, aux["scaled"]):
-            bad = ~jnp.isfinite(scaled)  # step 3: check the scaled values, per key
-            for key in dict.fromkeys(level.parent_keys):
-                hit = jnp.any(jnp.stack([bad[c] for c, p in enumerate(level.child_parent) if level.parent_keys[p] == key]))
-                flags[key] = hit if key not in flags else flags[key] | hit
-    return values, flags
-
-
-def _check_names(arg: str, names: Sequence[str]) -> Tuple[str, ...]:
-    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
-        raise TypeError(f"Derivatives: `{arg}`={names!r} must be a list of names (strings).")
-    names = tuple(names)
-    if not names:
-        raise ValueError(f"Derivatives: `{arg}` is empty; give at least one name.")
-    for n in names:
-        if not n or SEP in n or not n.isidentifier():
-            raise ValueError(
-                f"Derivatives: {arg} name {n!r} is not allowed: names must be identifiers without '{SEP}'."
-            )
-    if len(set(names)) != len(names):
-        raise ValueError(f"Derivatives: `{arg}`={list(names)} has duplicates.")
-    return names
+        return f

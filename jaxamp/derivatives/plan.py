@@ -1,0 +1,185 @@
+"""The plan of a derivative engine: names, levels, per-derivative paths and scaler keys.
+
+Every engine reads one :class:`Plan`, built once from the names by :func:`make_plan`. A
+derivative is named like Modulus: ``u__x`` is du/dx, ``u__x__y`` is d/dy(du/dx). Its *path*
+is its sequence of steps ``(key, input index)``: ``u__x__y`` under per-order scaling is
+``(("1", 0), ("2", 1))``; the key of a step is the scaler key that guards differentiating
+the variable below (docs/algorithm.md, "Scaler keys").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Mapping, Sequence, Tuple
+
+from jaxamp.config import AmpConfig
+
+SEP = "__"
+Step = Tuple[str, int]  # (scaler key, index of the input differentiated by)
+Path = Tuple[Step, ...]
+
+
+def parse_name(name: str) -> Tuple[str, Tuple[str, ...]]:
+    """``"u__x__y"`` -> ``("u", ("x", "y"))``.
+
+    Example:
+      >>> parse_name("u__x__y")
+      ('u', ('x', 'y'))
+    """
+    parts = name.split(SEP)
+    return parts[0], tuple(parts[1:])
+
+
+def order_of(name: str) -> int:
+    """The derivative order of a name: ``order_of("u__x__y") == 2``, ``order_of("u") == 0``."""
+    return len(parse_name(name)[1])
+
+
+def parent_of(name: str) -> str:
+    """The variable a derivative differentiates: ``parent_of("u__x__y") == "u__x"``."""
+    return name.rsplit(SEP, 1)[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Level:
+    """How one derivative order is obtained from the order below it.
+
+    Attributes:
+      parents: names differentiated at this level (all of the order below).
+      parent_rows: their rows in the level below's value vector.
+      parent_keys: the scaler key of each parent.
+      names: the derivatives this level produces.
+      child_parent: for each produced name, its index into ``parents``.
+      child_input: for each produced name, the input index it differentiates by.
+    """
+
+    parents: Tuple[str, ...]
+    parent_rows: Tuple[int, ...]
+    parent_keys: Tuple[str, ...]
+    names: Tuple[str, ...]
+    child_parent: Tuple[int, ...]
+    child_input: Tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What an engine computes and under which scaler keys (static, built by :func:`make_plan`).
+
+    Attributes:
+      inputs, outputs: the names of the network's inputs and outputs.
+      requested: the derivatives asked for.
+      scaled: whether float16 derivative scaling acts (the engine checks and reports flags).
+      levels: one :class:`Level` per derivative order, lowest first.
+      derivatives: every derivative computed (requested and those below them), by order.
+      paths: ``{derivative: path}``; a path is its steps ``((key, input index), ...)``.
+      step_keys: every key a step uses. Unscaled engines use the per-order keys ``"1"``,
+        ``"2"``, ... internally, each with scale 1, so that they run the scaled graph.
+      scaler_keys: the keys a user keeps scalers for (``step_keys`` when scaled, else empty).
+    """
+
+    inputs: Tuple[str, ...]
+    outputs: Tuple[str, ...]
+    requested: Tuple[str, ...]
+    scaled: bool
+    levels: Tuple[Level, ...]
+    derivatives: Tuple[str, ...]
+    paths: Mapping[str, Path]
+    step_keys: Tuple[str, ...]
+    scaler_keys: Tuple[str, ...]
+
+    @property
+    def names(self) -> Tuple[str, ...]:
+        """Every value the engine returns: the outputs, then the derivatives by order."""
+        return self.outputs + self.derivatives
+
+    def maximal_paths(self) -> Tuple[Path, ...]:
+        """The paths that are no other path's prefix: one evaluation of each yields every value."""
+        paths = tuple(dict.fromkeys(self.paths[n] for n in self.derivatives))
+        return tuple(p for p in paths if not any(q != p and q[: len(p)] == p for q in paths))
+
+
+def scaler_key(amp: AmpConfig, parent: str) -> str:
+    """The scaler key that guards differentiating ``parent`` (docs/algorithm.md, "Scaler keys").
+
+    Example:
+      >>> scaler_key(AmpConfig(), "u__x")
+      '2'
+    """
+    if amp.mode == "per_term_scaler" or parent in amp.special_terms:
+        return parent
+    return str(order_of(parent) + 1)
+
+
+def make_plan(inputs: Sequence[str], outputs: Sequence[str], derivatives: Sequence[str], amp: AmpConfig) -> Plan:
+    """Validate the names and build the :class:`Plan` (every lower order a derivative needs
+    is computed too). Raises ``TypeError``/``ValueError`` naming the bad argument."""
+    inputs, outputs = check_names("inputs", inputs), check_names("outputs", outputs)
+    if set(inputs) & set(outputs):
+        raise ValueError(
+            f"Derivatives: names {sorted(set(inputs) & set(outputs))} appear in both "
+            "`inputs` and `outputs`; each name must be one or the other."
+        )
+    if isinstance(derivatives, str):
+        raise TypeError(f"Derivatives: `derivatives`={derivatives!r} must be a list of names, not a string.")
+    requested = tuple(derivatives)
+    for name in requested:
+        _check_derivative_name(name, inputs, outputs)
+    scaled = amp.scaler_enabled
+    key = (lambda parent: scaler_key(amp, parent)) if scaled else (lambda parent: str(order_of(parent) + 1))
+    needed = {SEP.join((base, *wrt[:k])) for base, wrt in map(parse_name, requested) for k in range(1, len(wrt) + 1)}
+    below, levels = list(outputs), []
+    for order in range(1, max((order_of(n) for n in needed), default=0) + 1):
+        names = tuple(sorted(n for n in needed if order_of(n) == order))
+        parents = tuple(sorted({parent_of(n) for n in names}))
+        levels.append(Level(
+            parents=parents,
+            parent_rows=tuple(below.index(p) for p in parents),
+            parent_keys=tuple(key(p) for p in parents),
+            names=names,
+            child_parent=tuple(parents.index(parent_of(n)) for n in names),
+            child_input=tuple(inputs.index(parse_name(n)[1][-1]) for n in names),
+        ))  # fmt: skip
+        below = list(names)
+    derivs = tuple(n for level in levels for n in level.names)
+    paths: Dict[str, Path] = {}
+    for name in derivs:  # by order, so the parent's path is known
+        parent = parent_of(name)
+        paths[name] = paths.get(parent, ()) + ((key(parent), inputs.index(parse_name(name)[1][-1])),)
+    step_keys = tuple(dict.fromkeys(k for level in levels for k in level.parent_keys))
+    return Plan(inputs=inputs, outputs=outputs, requested=requested, scaled=scaled, levels=tuple(levels),
+                derivatives=derivs, paths=paths, step_keys=step_keys,
+                scaler_keys=step_keys if scaled else ())  # fmt: skip
+
+
+def _check_derivative_name(name, inputs: Tuple[str, ...], outputs: Tuple[str, ...]) -> None:
+    if not isinstance(name, str):
+        raise TypeError(f"Derivatives: derivative name {name!r} must be a string like 'u__x'.")
+    base, wrt = parse_name(name)
+    if base not in outputs:
+        raise ValueError(
+            f"Derivatives: derivative {name!r} differentiates {base!r}, which is not an output; "
+            f"outputs are {list(outputs)}."
+        )
+    for var in wrt:
+        if var not in inputs:
+            raise ValueError(
+                f"Derivatives: derivative {name!r} is taken with respect to {var!r}, which is not an "
+                f"input; inputs are {list(inputs)}."
+            )
+
+
+def check_names(arg: str, names: Sequence[str]) -> Tuple[str, ...]:
+    """``names`` as a tuple, or an error naming ``arg``: identifiers without ``__``, unique, non-empty."""
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise TypeError(f"Derivatives: `{arg}`={names!r} must be a list of names (strings).")
+    names = tuple(names)
+    if not names:
+        raise ValueError(f"Derivatives: `{arg}` is empty; give at least one name.")
+    for n in names:
+        if not n or SEP in n or not n.isidentifier():
+            raise ValueError(
+                f"Derivatives: {arg} name {n!r} is not allowed: names must be identifiers without '{SEP}'."
+            )
+    if len(set(names)) != len(names):
+        raise ValueError(f"Derivatives: `{arg}`={list(names)} has duplicates.")
+    return names

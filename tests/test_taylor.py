@@ -20,13 +20,17 @@ from tests.helpers.taylor import FUNCTIONS, STRICT_FP16, cost, fp16_net, nested_
 def test_fp32_matches_nested_jvp(name, ratio):
     f = FUNCTIONS[name]
     xs = jax.random.uniform(jax.random.PRNGKey(1), (8, 2), minval=-1, maxval=1)
+    ts = 0.5 * jnp.eye(2)  # along x, then along y: one compiled program for both
+    r = None if ratio is None else jnp.float32(ratio)
+
+    def run(second):
+        return jax.jit(jax.vmap(lambda t: jax.vmap(lambda x: second(f, x, t, r))(xs)))(ts)
+
+    with jax.default_matmul_precision("highest"):
+        got, ref = run(taylor.second_order), run(nested_second)
     for col in (0, 1):
-        t = jnp.zeros(2).at[col].set(0.5)
-        r = None if ratio is None else jnp.float32(ratio)
-        with jax.default_matmul_precision("highest"):
-            got = jax.jit(jax.vmap(lambda x: taylor.second_order(f, x, t, r)))(xs)
-            ref = jax.jit(jax.vmap(lambda x: nested_second(f, x, t, r)))(xs)
         for g, e in zip(got, ref):
+            g, e = g[col], e[col]
             np.testing.assert_allclose(g, e, rtol=2e-6, atol=2e-6 * float(jnp.abs(e).max() + 1e-30))
 
 
@@ -183,11 +187,13 @@ def test_scaled_second_order_costs_no_more_flops_than_unscaled():
 
 def test_float32_activations_scale_after_and_move_no_more_bytes_than_unscaled(monkeypatch):
     """With float32 activations the second-order term is d2f[t, t] scaled afterwards, so the
-    weight gradient stores no scaled tangent: XLA's bytes accessed stay at the unscaled step's.
-    Scaling the tangents first is measured too and must move more, or this test could not fail."""
+    weight gradient stores no scaled tangent: XLA's bytes accessed stay at the unscaled step's
+    up to the scalar factors (under 0.1 %, less than one stored float16 tangent of one layer,
+    256 x 128 x 2 bytes = 0.12 %). Scaling the tangents first is measured too and must move
+    more, or this test could not fail."""
     base = _costs("unscaled")[1]
     got = _costs("scaled")[1]
     monkeypatch.setattr(faa_di_bruno, "SCALE_AFTER_MIN_BITS", 65)  # no dtype qualifies: scale first
     before = _costs("scaled")[1]
-    assert got <= base, (got, base)
+    assert got <= 1.001 * base, (got, base)
     assert before > 1.02 * got, (before, got)

@@ -46,6 +46,7 @@ class Checkpointer:
         self._manager = ocp.CheckpointManager(
             directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
+            item_handlers=ocp.StandardCheckpointHandler(),  # so that a fresh manager reads the metadata
         )
 
     def save(self, state: Any, *, step: Optional[int] = None) -> int:
@@ -91,8 +92,12 @@ class Checkpointer:
         """Raise a ValueError naming every leaf where the checkpoint and ``like`` differ (orbax
         would cast a dtype silently and report structure mismatches in its own terms)."""
         meta = self._manager.item_metadata(step)
+        if meta is None:  # no metadata to compare with: orbax's own checks apply
+            return
         leaves = jax.tree_util.tree_leaves(getattr(meta, "tree", meta), is_leaf=lambda x: hasattr(x, "shape"))
         saved = {m.name: (tuple(m.shape), np.dtype(m.dtype)) for m in leaves if hasattr(m, "name")}
+        if not saved:
+            return
         wanted = {_name(path): (tuple(np.shape(x)), np.dtype(getattr(x, "dtype", np.asarray(x).dtype)))
                   for path, x in jax.tree_util.tree_flatten_with_path(like)[0]}
         problems = []

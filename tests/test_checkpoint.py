@@ -8,8 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 import jaxamp
-from tests.checkpoint_worker import poisoned
-from tests.poisson import cached_problem
+from tests.helpers.poisson import cached_problem, poisoned
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -25,9 +24,10 @@ def test_save_kill_restore_continue_is_bit_identical(tmp_path):
     assert f"saved {cut}" in proc.stdout
 
     fresh, step, _, batch, _ = cached_problem("fp16")
-    uninterrupted = fresh
+    uninterrupted, skipped = fresh, []
     for i in range(total):
-        uninterrupted, _ = step(uninterrupted, batch(poisoned(i)))
+        uninterrupted, m = step(uninterrupted, batch(poisoned(i)))
+        skipped.append(bool(m["skipped"]))
 
     ckpt = jaxamp.Checkpointer(tmp_path / "ckpt")
     assert ckpt.latest_step() == cut
@@ -38,8 +38,9 @@ def test_save_kill_restore_continue_is_bit_identical(tmp_path):
         resumed, _ = step(resumed, batch(poisoned(i)))
     same = jax.tree_util.tree_map(lambda a, b: bool(jnp.array_equal(a, b)), resumed, uninterrupted)
     assert all(jax.tree_util.tree_leaves(same))
-    # the run did skip steps and back scalers off, so the scaler states are part of what matched
-    assert float(uninterrupted.deriv_scales["2"].scale) < 1.0
+    # the run skipped steps on both sides of the cut, so the skip logic is part of what matched
+    assert any(skipped[:cut]) and any(skipped[cut:]) and not all(skipped)
+    assert isinstance(resumed.deriv_scales, jaxamp.Scalers)
 
 
 def test_restore_errors_and_keeping(tmp_path):
@@ -57,3 +58,43 @@ def test_restore_errors_and_keeping(tmp_path):
         jaxamp.Checkpointer(tmp_path / "file")
     with pytest.raises(ValueError, match="`max_to_keep`=0"):
         jaxamp.Checkpointer(tmp_path / "d", max_to_keep=0)
+
+
+def test_monitor_state_beside_the_train_state_resumes_bit_identical(tmp_path):
+    """A stall monitor's state saved with the train state: the resumed run counts on as the
+    uninterrupted one, and the Scalers container with its rules comes back."""
+    fresh, step, _, batch, _ = cached_problem("fp16")
+    monitor = jaxamp.StallMonitor(max_consecutive_skips=3, window=4, max_skip_rate=0.5)
+    update = jax.jit(monitor.update)
+
+    def run(carry, steps):
+        for i in steps:
+            state, m = step(carry["train"], batch(poisoned(i)))
+            carry = {"train": state, "monitor": update(carry["monitor"], m)}
+        return carry
+
+    start = {"train": fresh, "monitor": monitor.init()}
+    half = run(start, range(6))
+    with jaxamp.Checkpointer(tmp_path / "c") as ckpt:
+        ckpt.save(half, step=6)
+        resumed = ckpt.restore(start)
+    assert resumed["train"].deriv_scales.rules == fresh.deriv_scales.rules
+    a, b = run(resumed, range(6, 12)), run(half, range(6, 12))
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+    assert all(jax.tree_util.tree_leaves(jax.tree_util.tree_map(lambda x, y: bool(jnp.array_equal(x, y)), a, b)))
+    assert int(a["monitor"].steps) == 12 and int(jnp.sum(a["monitor"].recent_reasons != jaxamp.APPLIED)) >= 1
+
+
+@pytest.mark.parametrize("change, fragment", [
+    (lambda s: s._replace(deriv_scales=jaxamp.Scalers.create(jaxamp.AmpConfig(), ["1"])),
+     "only in the checkpoint: ['deriv_scales.2.growth_tracker', 'deriv_scales.2.scale']"),
+    (lambda s: s._replace(step=jnp.asarray(0.0)), "different shape or dtype: ['step (checkpoint int32[], like float32[])']"),
+    (lambda s: s._replace(params={**s.params, "extra": jnp.zeros(2)}), "only in `like`: ['params.extra']"),
+])
+def test_restore_into_a_mismatched_state_names_the_leaves(tmp_path, change, fragment):
+    state = cached_problem("fp16")[0]
+    with jaxamp.Checkpointer(tmp_path / "m") as ckpt:
+        ckpt.save(state, step=1)
+        with pytest.raises(ValueError) as e:
+            ckpt.restore(change(state))
+    assert fragment in str(e.value) and "does not match `like`" in str(e.value)

@@ -11,7 +11,7 @@ from typing import Any, Callable, Mapping, Tuple, Union
 
 import jax.numpy as jnp
 
-from jaxamp.scaler import DynamicScaler, derivative_scaler, loss_scaler
+from jaxamp.scaler import DynamicScaler, loss_scaler
 
 MODES = ("per_order_scaler", "per_term_scaler")
 DTYPES = ("float16", "bfloat16", "float32")
@@ -190,7 +190,7 @@ class AmpConfig:
     def derivative_scaler_for(self, key: str) -> DynamicScaler:
         """The derivative scaler rule for one scaler key (its own max scale): the one place a
         key's rule is built from the config (:class:`~jaxamp.Scalers` and the engines use it)."""
-        return derivative_scaler(max_scale=2.0 ** self.max_scale_log2(key), **self.derivative_scaler)
+        return DynamicScaler(max_scale=2.0 ** self.max_scale_log2(key), **self.derivative_scaler)
 
     def make_loss_scaler(self) -> DynamicScaler:
         """The weight-gradient loss scaler rule (its defaults with ``loss_scaler``'s overrides)."""

@@ -150,11 +150,6 @@ class DynamicScaler:
         return ScaleState(scale=new_scale, growth_tracker=new_tracker)
 
 
-def derivative_scaler(**overrides: Any) -> DynamicScaler:
-    """A derivative scaler: :class:`DynamicScaler`'s defaults (init 1, max 1) with ``overrides``."""
-    return DynamicScaler(**overrides)
-
-
 def loss_scaler(**overrides: Any) -> DynamicScaler:
     """The weight-gradient loss scaler: :data:`LOSS_SCALER_DEFAULTS` (init 2^16, max 2^30, recover
     below 2^7) over :class:`DynamicScaler`'s defaults, then ``overrides``.

@@ -3,7 +3,7 @@
 It stands alone (never imports jax or jaxamp) and mirrors jaxamp file for file:
 
   config:       AmpSettings, as_settings           (the Modulus ``amp:`` keys)
-  scalers:      DynamicScaler, ScaleState, derivative_scaler, loss_scaler
+  scalers:      DynamicScaler, ScaleState, loss_scaler
   derivatives:  Derivatives, merge_found_inf, NONFINITE_VALUES (autograd.grad, create_graph=True)
   training:     TrainState, make_train_step        (torch.optim + clip_grad_norm_)
   conversion:   flax_to_torch, torch_to_flax       (weight transfer, weight norm's (v, g)),
@@ -15,12 +15,12 @@ from torch_ref import models
 from torch_ref.config import AmpSettings, as_settings
 from torch_ref.convert import flax_to_torch, scale_states_from_jax, scale_states_to_jax, torch_to_flax
 from torch_ref.derivatives import NONFINITE_VALUES, Derivatives, merge_found_inf
-from torch_ref.scaler import DynamicScaler, ScaleState, derivative_scaler, loss_scaler
+from torch_ref.scaler import DynamicScaler, ScaleState, loss_scaler
 from torch_ref.train import (APPLIED, SKIP_DERIVATIVE_OVERFLOW, SKIP_NONFINITE_GRADS, SKIP_NONFINITE_VALUES, TrainState,
                              make_train_step)
 
 __all__ = [
-    "AmpSettings", "as_settings", "DynamicScaler", "ScaleState", "derivative_scaler", "loss_scaler",
+    "AmpSettings", "as_settings", "DynamicScaler", "ScaleState", "loss_scaler",
     "Derivatives", "merge_found_inf", "TrainState", "make_train_step", "APPLIED",
     "SKIP_DERIVATIVE_OVERFLOW", "SKIP_NONFINITE_GRADS", "SKIP_NONFINITE_VALUES", "NONFINITE_VALUES", "flax_to_torch", "torch_to_flax", "scale_states_from_jax", "scale_states_to_jax", "models",
 ]

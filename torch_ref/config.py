@@ -12,7 +12,7 @@ from typing import Any, Mapping, Tuple
 
 import torch
 
-from torch_ref.scaler import DynamicScaler, derivative_scaler, loss_scaler
+from torch_ref.scaler import DynamicScaler, loss_scaler
 
 MODES = ("per_order_scaler", "per_term_scaler")
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -76,7 +76,7 @@ class AmpSettings:
         return self.custom_max_scales_log2.get(str(key), self.default_max_scale_log2)
 
     def derivative_scaler_for(self, key: str) -> DynamicScaler:
-        return derivative_scaler(max_scale=2.0 ** self.max_scale_log2(key), **self.derivative_scaler)
+        return DynamicScaler(max_scale=2.0 ** self.max_scale_log2(key), **self.derivative_scaler)
 
     def make_loss_scaler(self) -> DynamicScaler:
         return loss_scaler(**self.loss_scaler)

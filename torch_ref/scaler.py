@@ -140,11 +140,6 @@ class DynamicScaler:
         return ScaleState(scale=new_scale, growth_tracker=new_tracker)
 
 
-def derivative_scaler(**overrides: object) -> DynamicScaler:
-    """A derivative scaler: :class:`DynamicScaler`'s defaults (init 1, max 1) with ``overrides``."""
-    return DynamicScaler(**overrides)
-
-
 def loss_scaler(**overrides: object) -> DynamicScaler:
     """The loss scaler: :data:`LOSS_SCALER_DEFAULTS` over :class:`DynamicScaler`'s defaults, then ``overrides``."""
     return DynamicScaler(**{**LOSS_SCALER_DEFAULTS, **overrides})

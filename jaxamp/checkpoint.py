@@ -50,9 +50,14 @@ class Checkpointer:
         )
 
     def save(self, state: Any, *, step: Optional[int] = None) -> int:
-        """Write ``state`` (blocking until it is durable) and return the step it is filed under.
+        """Write ``state`` (blocking until it is durable).
 
-        ``step`` defaults to ``int(state.step)``.
+        Args:
+          state: any pytree of arrays.
+          step: the number it is filed under; default ``int(state.step)``.
+
+        Returns:
+          That step.
         """
         step = int(state.step) if step is None else int(step)
         self._manager.save(step, args=ocp.args.StandardSave(state), force=True)
@@ -68,8 +73,16 @@ class Checkpointer:
         return list(self._manager.all_steps())
 
     def restore(self, like: Any, *, step: Optional[int] = None) -> Any:
-        """Restore the checkpoint at ``step`` (default: the latest) into the structure of ``like``
-        (e.g. a freshly created state), bit for bit."""
+        """Restore a checkpoint bit for bit into the structure of ``like``.
+
+        Args:
+          like: a state of the saved structure, shapes and dtypes (e.g. a freshly created one);
+            a mismatch raises a ValueError naming the leaves that differ.
+          step: which checkpoint; default the latest.
+
+        Returns:
+          The restored state, with ``like``'s containers (TrainState, Scalers, ...).
+        """
         if step is None:
             step = self.latest_step()
             if step is None:

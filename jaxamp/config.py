@@ -188,8 +188,16 @@ class AmpConfig:
         return self.custom_max_scales_log2.get(str(key), self.default_max_scale_log2)
 
     def derivative_scaler_for(self, key: str) -> DynamicScaler:
-        """The derivative scaler rule for one scaler key (its own max scale): the one place a
-        key's rule is built from the config (:class:`~jaxamp.Scalers` and the engines use it)."""
+        """The derivative scaler rule for one scaler key: the one place a key's rule is built
+        from the config (:class:`~jaxamp.Scalers` and the engines use it).
+
+        Args:
+          key: a scaler key (``"1"``, ``"2"``, a term name).
+
+        Returns:
+          :class:`~jaxamp.DynamicScaler` with the ``derivative_scaler`` overrides and the key's
+          max scale ``2**max_scale_log2(key)``.
+        """
         return DynamicScaler(max_scale=2.0 ** self.max_scale_log2(key), **self.derivative_scaler)
 
     def make_loss_scaler(self) -> DynamicScaler:

@@ -255,6 +255,13 @@ class Scalers(Mapping[str, ScaleState]):
 
 
 def exact_log2(x: jax.Array) -> jax.Array:
-    """``log2(x)`` that is exact for powers of two (``jnp.log2`` may give 14.999999 for 2**15)."""
+    """``log2(x)`` that is exact for powers of two (``jnp.log2`` may give 14.999999 for 2**15).
+
+    Args:
+      x: positive float32 values.
+
+    Returns:
+      ``log2(x)`` as float32, an integer for every power of two.
+    """
     mantissa, exponent = jnp.frexp(jnp.asarray(x, jnp.float32))
     return (exponent - 1).astype(jnp.float32) + jnp.log2(2 * mantissa)

@@ -196,6 +196,9 @@ def update_scalers(
 
     Returns:
       ``(scalers, loss_scale)`` after the step.
+
+    Example:
+      >>> scalers, loss_scale = jaxamp.update_scalers(check, scalers, loss_scale, amp.make_loss_scaler())
     """
     frozen = check.nonfinite_values
     scalers = jmp.select_tree(frozen, scalers, scalers.update(check.found_inf))
@@ -207,6 +210,12 @@ def update_scalers(
 
 def merge_found_inf(*flags: Flags) -> Dict[str, jax.Array]:
     """OR together the found_inf dicts of several engines (keys may overlap).
+
+    Args:
+      *flags: ``{key: bool[]}`` dicts, e.g. one per engine call.
+
+    Returns:
+      One ``{key: bool[]}`` holding every key.
 
     Example:
       >>> found_inf = jaxamp.merge_found_inf(found_interior, found_boundary)

@@ -86,8 +86,16 @@ def _clip(grads: Any, max_norm: float, norm: jax.Array) -> Any:
 
 def step_metrics(loss: jax.Array, terms: Any, check: StepCheck, grad_norm: jax.Array,
                  scalers: Scalers, loss_scale: ScaleState) -> Dict[str, jax.Array]:
-    """The metrics of one step: loss, skipped, skip_reason, found_nonfinite_values, grad_norm,
-    ``terms/<name>``, ``scale_log2/loss``, ``scale_log2/<key>``, ``found_inf/<key>``."""
+    """The metrics of one step, as :func:`make_train_step` reports them (for users' own loops).
+
+    Args:
+      loss: the unscaled loss. terms: ``{name: f32[]}``. check: the step's :class:`~jaxamp.StepCheck`.
+      grad_norm: the global norm of the unscaled gradients. scalers, loss_scale: after the update.
+
+    Returns:
+      ``{"loss", "skipped", "skip_reason", "found_nonfinite_values", "grad_norm", "terms/<name>",
+      "scale_log2/loss", "scale_log2/<key>", "found_inf/<key>": array}``.
+    """
     metrics = {"loss": loss, "skipped": ~check.apply, "skip_reason": check.skip_reason,
                "found_nonfinite_values": check.nonfinite_values, "grad_norm": grad_norm}
     metrics.update({f"terms/{k}": v for k, v in terms.items()})

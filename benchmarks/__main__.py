@@ -1,6 +1,20 @@
-"""Entry point: ``python -m benchmarks --preset {smoke,cpu,gpu} [--out results.json]``."""
+"""Entry points: ``python -m benchmarks --preset {smoke,cpu,gpu} [--out results.json]`` (the LDC
+step in every precision mode, engines, memory) and ``python -m benchmarks matrix [--quick]``
+(the DerivScaler's cost over a matrix of PINN problems, :mod:`benchmarks.matrix`) and
+``python -m benchmarks roofline`` (XLA cost per mode and a GPU prediction, :mod:`benchmarks.roofline`)."""
 
-from benchmarks.runner import main
+import sys
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["matrix"]:
+        from benchmarks.matrix import main as matrix_main
+
+        matrix_main(sys.argv[2:])
+    elif sys.argv[1:2] == ["roofline"]:
+        from benchmarks.roofline import main as roofline_main
+
+        roofline_main(sys.argv[2:])
+    else:
+        from benchmarks.runner import main
+
+        main()

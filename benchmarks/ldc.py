@@ -12,9 +12,9 @@ Modes (see :data:`MODES`): the same step, weights and points, in
 - ``fp32_default``: float32 with the backend's default matmul precision (TF32 on GPUs);
 - ``bf16``: bfloat16 compute, scalers inactive (bf16 has float32's range);
 - ``fp16_plain``: float16 everywhere *including the first layer*, loss scaling only,
-  no derivative scalers: what users had before DerivScaler;
-- ``fp16_noscale``: like ``fp16_scaled_order`` (first layer float32) but derivative
-  scalers off: isolates the scalers' own cost;
+  no derivative scalers (``derivative_scaling=False``): what users had before DerivScaler;
+- ``fp16_noscale``: like ``fp16_scaled_order`` (first layer float32) but
+  ``derivative_scaling=False``: isolates the scalers' own cost;
 - ``fp16_scaled_order`` / ``fp16_scaled_term``: DerivScaler, per-order / per-term.
 """
 
@@ -104,9 +104,11 @@ def mode_settings(mode: str) -> Tuple[jaxamp.AmpConfig, jaxamp.AmpConfig, jaxamp
         bf16 = jaxamp.AmpConfig(dtype="bfloat16")
         return bf16, bf16, bf16, "default"
     if mode == "fp16_plain":
-        return jaxamp.AmpConfig(dtype="float16", autocast_firstlayer=True), off, fp16, "default"
+        plain = jaxamp.AmpConfig(dtype="float16", autocast_firstlayer=True, derivative_scaling=False)
+        return plain, plain, plain, "default"
     if mode == "fp16_noscale":
-        return fp16, off, fp16, "default"
+        noscale = jaxamp.AmpConfig(dtype="float16", derivative_scaling=False)
+        return noscale, noscale, noscale, "default"
     if mode == "fp16_scaled_order":
         return fp16, fp16, fp16, "default"
     if mode == "fp16_scaled_term":

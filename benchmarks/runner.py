@@ -89,7 +89,7 @@ def bench_steps(size: ldc.LDCSize, modes: List[str], reps: int, inner: int, info
             return metrics["loss"]
 
         runs[mode] = timing.timer(run, inner)
-        out["modes"][mode] = {"compile_s": compile_s, "flops": timing.flops_of(compiled),
+        out["modes"][mode] = {"compile_s": compile_s, **timing.cost_of(compiled),
                               "xla_memory": timing.memory_of(compiled)}  # fmt: skip
     samples = timing.interleaved(runs, reps)
     for mode, times in samples.items():

@@ -83,6 +83,20 @@ def flops_of(compiled: Any) -> Optional[float]:
     return float(f) if f is not None and f > 0 else None
 
 
+def cost_of(compiled: Any) -> Dict[str, Optional[float]]:
+    """XLA's HLO cost analysis of one call of a compiled executable: ``flops`` and
+    ``bytes_accessed`` (None where the backend does not report them)."""
+    try:
+        ca = compiled.cost_analysis()
+    except Exception:  # some backends do not implement it
+        ca = None
+    if isinstance(ca, (list, tuple)):
+        ca = ca[0] if ca else {}
+    ca = ca or {}
+    pick = lambda k: float(ca[k]) if ca.get(k) is not None and ca[k] > 0 else None  # noqa: E731
+    return {"flops": pick("flops"), "bytes_accessed": pick("bytes accessed")}
+
+
 def memory_of(compiled: Any) -> Dict[str, Optional[int]]:
     """XLA's static buffer sizes for a compiled executable (bytes): temp, arguments, outputs."""
     try:

@@ -1,0 +1,156 @@
+"""``python -m benchmarks roofline``: the GPU step-time ratio of the LDC step, predicted on paper.
+
+For each precision mode of :mod:`benchmarks.ldc` the train step is compiled on the backend at
+hand and measured with XLA's cost analysis (FLOPs, bytes accessed) and by its program:
+
+- matmul FLOPs by operand dtype, from the lowered (pre-optimisation) StableHLO program, where
+  every ``dot_general`` still has the dtype the mode asked for (XLA's CPU compiler later
+  computes float16 dots in float32, so the optimised program does not tell);
+- the rest of XLA's FLOPs (elementwise work, reductions);
+- bytes accessed (optimised program) and the bytes the dots' operands and results occupy in
+  their own dtypes (a floor: the traffic if everything else fused into them);
+- the number of kernels (fusions, dots and other top-level instructions of the optimised program).
+
+With a device's peaks (:data:`DEVICES`) each mode's step time is bounded below by the
+roofline ``max(compute, memory)`` and estimated by the sum ``compute + memory + launches``,
+where compute is matmul FLOPs at the dtype's matmul peak plus the rest at the float32 CUDA-core
+peak, memory is bytes at the HBM bandwidth, and launches count a fixed cost per kernel. The
+ratio fp32 / mode is the predicted speed-up. The assumptions are written in docs/benchmarks.md.
+
+    python -m benchmarks roofline [--size 6x512:4000/1000/1000] [--modes ...] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+import jax
+
+from benchmarks import ldc, runner, timing
+from benchmarks.runner import parse_size
+
+# Vendor data-sheet peaks (dense, no sparsity): FLOP/s per matmul dtype, CUDA-core float32
+# FLOP/s, HBM bytes/s. "highest" float32 matmuls run on CUDA cores (no TF32).
+DEVICES = {
+    "H200 SXM": {"matmul": {"f32": 67e12, "tf32": 494e12, "bf16": 989e12, "f16": 989e12}, "vector": 67e12,
+                 "hbm": 4.8e12},  # fmt: skip
+    "H100 SXM": {"matmul": {"f32": 67e12, "tf32": 494e12, "bf16": 989e12, "f16": 989e12}, "vector": 67e12,
+                 "hbm": 3.35e12},  # fmt: skip
+}
+LAUNCH_S = 3e-6  # assumed cost of one kernel launch on the device (no CUDA graphs)
+MODES = ("fp32_highest", "bf16", "fp16_plain", "fp16_noscale", "fp16_scaled_order")
+_DOT = re.compile(r"stablehlo\.dot_general\s[^\n]*?contracting_dims\s*=\s*\[([0-9, ]*)\]\s*x\s*\[[0-9, ]*\]"
+                  r"[^\n]*?:\s*\(tensor<([0-9x]+)x(\w+)>,\s*tensor<[0-9x]+x\w+>\)\s*->\s*tensor<([0-9x]+)x\w+>")  # fmt: skip
+_KERNEL = re.compile(r"^\s+\S+ = \S+ (fusion|dot|custom-call|convolution|reduce|sort|scatter|gather|copy)\(", re.M)
+
+
+def matmul_flops(stablehlo: str) -> Dict[str, Dict[str, float]]:
+    """``{dtype: {"flops": ..., "bytes": ...}}`` of every ``dot_general`` of a StableHLO program
+    (``2 * result size * contracted size``; bytes of both operands and the result)."""
+    out: Dict[str, Dict[str, float]] = {}
+    for m in _DOT.finditer(stablehlo):
+        contract, lhs, dtype, res = m.group(1), m.group(2), m.group(3), m.group(4)
+        lhs_shape = [int(v) for v in lhs.split("x")]
+        res_shape = [int(v) for v in res.split("x")]
+        k = 1
+        for d in (int(v) for v in contract.replace(" ", "").split(",") if v):
+            k *= lhs_shape[d]
+        n_res = 1
+        for v in res_shape:
+            n_res *= v
+        n_lhs = 1
+        for v in lhs_shape:
+            n_lhs *= v
+        size = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8}.get(dtype, 4)
+        e = out.setdefault(dtype, {"flops": 0.0, "bytes": 0.0})
+        e["flops"] += 2.0 * n_res * k
+        e["bytes"] += size * (n_lhs + n_res + k * (n_res // max(1, res_shape[0])))  # lhs, result, ~rhs
+    return out
+
+
+def analyse(mode: str, size: ldc.LDCSize, params: Any, points: Any) -> Dict[str, Any]:
+    """Cost of one LDC train step of ``mode`` on the current backend (compiled once per run,
+    shared with :func:`benchmarks.runner.bench_steps`)."""
+    s, compiled, compile_s = runner.cached_step(mode, size, params, points)
+    with s.precision():
+        lowered = jax.jit(s.step).lower(s.state, s.batch)
+    mm = matmul_flops(lowered.as_text())
+    cost = timing.cost_of(compiled)
+    mm_flops = sum(v["flops"] for v in mm.values())
+    return {"matmul": mm, "matmul_flops": mm_flops, **cost, "compile_s": compile_s,
+            "other_flops": max(0.0, (cost["flops"] or 0.0) - mm_flops),
+            "kernels": len(_KERNEL.findall(compiled.as_text())),
+            "xla_memory": timing.memory_of(compiled)}  # fmt: skip
+
+
+def predict(a: Dict[str, Any], mode: str, dev: Dict[str, Any]) -> Dict[str, float]:
+    """Roofline bound and additive estimate (seconds) of one step on a device."""
+    dt = {"fp32_highest": "f32"}.get(mode)
+    t_mm = sum(v["flops"] / dev["matmul"][dt or k] for k, v in a["matmul"].items())
+    t_vec = a["other_flops"] / dev["vector"]
+    t_mem_xla = (a["bytes_accessed"] or 0.0) / dev["hbm"]
+    t_mem_dots = sum(v["bytes"] for v in a["matmul"].values()) / dev["hbm"]
+    t_launch = a["kernels"] * LAUNCH_S
+    return {"compute_s": t_mm + t_vec, "matmul_s": t_mm, "vector_s": t_vec, "memory_xla_bytes_s": t_mem_xla,
+            "memory_dot_bytes_s": t_mem_dots, "launch_s": t_launch,
+            "roofline_s": max(t_mm + t_vec, t_mem_dots), "additive_s": t_mm + t_vec + t_mem_xla + t_launch}  # fmt: skip
+
+
+def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks roofline", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", default="6x512:4000/1000/1000")
+    ap.add_argument("--modes", nargs="+", choices=ldc.MODES, default=list(MODES))
+    ap.add_argument("--time", action="store_true", help="also time the steps (interleaved) on this device")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--inner", type=int, default=3, help="steps per timed sample")
+    ap.add_argument("--out", help="write the analysis and predictions as JSON here")
+    a = ap.parse_args(argv)
+    if a.reps < 1 or a.inner < 1:
+        ap.error(f"--reps={a.reps} and --inner={a.inner} must be >= 1")
+    size = parse_size(a.size)
+    params, points = ldc.init_params(size), ldc.make_points(size)
+    res: Dict[str, Any] = {"meta": {**timing.device_info(), "size": a.size, "launch_s": LAUNCH_S,
+                                    "argv": sys.argv if argv is None else argv,
+                                    "started": time.strftime("%Y-%m-%dT%H:%M:%S")}, "modes": {}}  # fmt: skip
+    for mode in a.modes:
+        res["modes"][mode] = analyse(mode, size, params, points)
+        print(f"analysed {mode}", file=sys.stderr, flush=True)
+    res["predictions"] = {}
+    ref = "fp32_highest" if "fp32_highest" in res["modes"] else None
+    for dev_name, dev in DEVICES.items():
+        p = {m: predict(r, m, dev) for m, r in res["modes"].items()}
+        if ref:
+            for m in p:
+                p[m]["speedup_roofline_vs_fp32"] = p[ref]["roofline_s"] / p[m]["roofline_s"]
+                p[m]["speedup_additive_vs_fp32"] = p[ref]["additive_s"] / p[m]["additive_s"]
+        res["predictions"][dev_name] = p
+    print(f"LDC step {a.size} on {res['meta']['backend']} ({res['meta']['device_kind']}): XLA cost analysis")
+    print(f"{'mode':20s} {'matmul GF':>10s} {'dtype':>8s} {'other GF':>9s} {'GB (XLA)':>9s} {'GB (dots)':>9s} {'kernels':>8s}")
+    for m, r in res["modes"].items():
+        dts = "+".join(sorted(r["matmul"]))
+        print(f"{m:20s} {r['matmul_flops'] / 1e9:10.2f} {dts:>8s} {r['other_flops'] / 1e9:9.2f} "
+              f"{(r['bytes_accessed'] or 0) / 1e9:9.2f} {sum(v['bytes'] for v in r['matmul'].values()) / 1e9:9.2f} "
+              f"{r['kernels']:8d}")  # fmt: skip
+    for dev_name, p in res["predictions"].items():
+        print(f"\n{dev_name}: predicted step ms (roofline max(compute, dot bytes) | additive compute+XLA bytes+launches)"
+              " and speed-up vs fp32_highest")  # fmt: skip
+        for m, q in p.items():
+            print(f"  {m:20s} {q['roofline_s'] * 1e3:7.3f} | {q['additive_s'] * 1e3:7.3f}   "
+                  f"x{q.get('speedup_roofline_vs_fp32', float('nan')):.2f} | x{q.get('speedup_additive_vs_fp32', float('nan')):.2f}")
+    if a.time:
+        res["measured"] = runner.bench_steps(size, a.modes, a.reps, a.inner, res["meta"])
+        ref = res["measured"]["modes"].get("fp32_highest")
+        print(f"\nmeasured on {res['meta']['device_kind']}: step ms median [p25, p75], speed-up vs fp32_highest")
+        for m, r in res["measured"]["modes"].items():
+            st = r["step_s"]
+            up = f"x{ref['step_s']['median'] / st['median']:.2f}" if ref else ""
+            print(f"  {m:20s} {st['median'] * 1e3:8.3f} [{st['p25'] * 1e3:.3f}, {st['p75'] * 1e3:.3f}]  {up}")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return res

@@ -1,10 +1,12 @@
-"""Viscous Burgers PINN written the way a JAX user writes one (float32).
+"""Viscous Burgers PINN written the way a JAX user writes one: fp32.py, and its float16 port fp16.py.
 
 u_t + u u_x = nu u_xx on t in [0, T], x in [-X, X], u = 0 on x = +-X, with the exact
 solution of Cole-Hopf for phi = a + exp(-nu pi^2 t) cos(pi x): scalar u_net(params, t, x),
 residual by nested jax.grad under vmap, own train loop, optax adam with exponential decay,
 and loss weights from the gradient norms of the loss terms (jax.jacrev), updated every few
 steps. --domain-scale 0.02 states the same problem in physical units (domain x 0.02, nu x 0.02).
+fp16.py differs from fp32.py by the lines a port to float16 + DerivScaler needs (--plain-fp16:
+no derivative scaling, which fails in physical units).
 
     python -m examples.jax_user.fp32 --steps 2000 --domain-scale 0.02
 """
@@ -55,8 +57,7 @@ def main(argv=None):
 
     def r_net(params, t, x):
         u = u_net(params, t, x)
-        u_t = jax.grad(u_net, argnums=1)(params, t, x)
-        u_x = jax.grad(u_net, argnums=2)(params, t, x)
+        u_t, u_x = jax.grad(u_net, argnums=(1, 2))(params, t, x)
         u_xx = jax.grad(jax.grad(u_net, argnums=2), argnums=2)(params, t, x)
         return u_t + u * u_x - NU * u_xx
 

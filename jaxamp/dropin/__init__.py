@@ -8,6 +8,9 @@ overflow flags: no signature of the user's code changes.
 >>> u_xx = grad(grad(u_net, argnums=2, of="u", wrt="x"), argnums=2, wrt="x")  # doctest: +SKIP
 >>> loss, found_inf = scaled(loss_fn, amp)(scales, params, batch)          # doctest: +SKIP
 
+:func:`autocast` (re-exported from :mod:`jaxamp.autocast`) gives the user's own network
+jaxamp's precision placement, so a port needs only this module.
+
 What to use when:
 
 - :class:`jaxamp.Derivatives` (engine with named inputs/outputs): new code, or many
@@ -26,8 +29,9 @@ again with the same shapes inside another ``grad``) reports nothing, and the out
 gets a lower order: put ``jax.jit`` around the whole loss, not between nested ``grad`` s.
 """
 
+from jaxamp.autocast import autocast
 from jaxamp.dropin.grad import grad
 from jaxamp.dropin.primitives import deriv_check_p, deriv_scale_p
 from jaxamp.dropin.scaled import scaled, scaler_keys
 
-__all__ = ["grad", "scaled", "scaler_keys", "deriv_scale_p", "deriv_check_p"]
+__all__ = ["autocast", "grad", "scaled", "scaler_keys", "deriv_scale_p", "deriv_check_p"]

@@ -1,0 +1,127 @@
+"""Viscous Burgers PINN written the way a JAX user writes one: fp32.py, and its float16 port fp16.py.
+
+u_t + u u_x = nu u_xx on t in [0, T], x in [-X, X], u = 0 on x = +-X, with the exact
+solution of Cole-Hopf for phi = a + exp(-nu pi^2 t) cos(pi x): scalar u_net(params, t, x),
+residual by nested jax.grad under vmap, own train loop, optax adam with exponential decay,
+and loss weights from the gradient norms of the loss terms (jax.jacrev), updated every few
+steps. --domain-scale 0.02 states the same problem in physical units (domain x 0.02, nu x 0.02).
+fp16.py differs from fp32.py by the lines a port to float16 + DerivScaler needs (--plain-fp16:
+no derivative scaling, which fails in physical units).
+
+    python -m examples.jax_user.fp32 --steps 2000 --domain-scale 0.02
+"""
+
+import argparse
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import jaxamp
+from jaxamp import dropin
+
+
+class MLP(nn.Module):
+    width: int = 64
+    depth: int = 3
+    fourier_features: int = 32
+    fourier_sigma: float = 1.0
+
+    @nn.compact
+    def __call__(self, z):
+        b = self.param("fourier", nn.initializers.normal(self.fourier_sigma), (z.shape[-1], self.fourier_features))
+        h = jnp.concatenate([jnp.cos(2 * jnp.pi * z @ b), jnp.sin(2 * jnp.pi * z @ b)], -1)
+        for _ in range(self.depth):
+            h = jnp.tanh(nn.Dense(self.width)(h))
+        return nn.Dense(1)(h)[0]
+
+
+def exact(t, x, nu, a=1.5):
+    e = jnp.exp(-nu * jnp.pi**2 * t)
+    return 2 * nu * jnp.pi * e * jnp.sin(jnp.pi * x) / (a + e * jnp.cos(jnp.pi * x))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--domain-scale", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plain-fp16", action="store_true")
+    args = p.parse_args(argv)
+    c = args.domain_scale
+    T, X, NU = 1.0 * c, 1.0 * c, 0.1 * c  # u(t, x) = exact(t / c, x / c, 0.1)
+
+    model = MLP()
+    params = model.init(jax.random.PRNGKey(args.seed), jnp.zeros(2))
+    amp = jaxamp.AmpConfig(derivative_scaling=not args.plain_fp16)
+
+    def u_net(params, t, x):
+        return dropin.autocast(model.apply, amp)(params, jnp.stack([t / T, x / X]))
+
+    def r_net(params, t, x):
+        u = u_net(params, t, x)
+        u_t, u_x = dropin.grad(u_net, argnums=(1, 2))(params, t, x)
+        u_xx = dropin.grad(dropin.grad(u_net, argnums=2), argnums=2)(params, t, x)
+        return u_t + u * u_x - NU * u_xx
+
+    def losses(params, batch):
+        r = jax.vmap(r_net, (None, 0, 0))(params, batch["t"], batch["x"])
+        u0 = jax.vmap(u_net, (None, None, 0))(params, 0.0, batch["x0"])
+        ub = jax.vmap(u_net, (None, 0, None))(params, batch["tb"], X) ** 2
+        ub = ub + jax.vmap(u_net, (None, 0, None))(params, batch["tb"], -X) ** 2
+        return {"res": jnp.mean(r**2), "ic": jnp.mean((u0 - exact(0.0, batch["x0"] / X, 0.1)) ** 2), "bc": jnp.mean(ub)}
+
+    def loss_fn(params, weights, batch):
+        terms = losses(params, batch)
+        return sum(weights[k] * terms[k] for k in terms)
+
+    def sample(key, n=256):
+        k1, k2, k3, k4 = jax.random.split(key, 4)
+        return {"t": T * jax.random.uniform(k1, (n,)), "x": X * jax.random.uniform(k2, (n,), minval=-1.0),
+                "x0": X * jax.random.uniform(k3, (n // 2,), minval=-1.0), "tb": T * jax.random.uniform(k4, (n // 4,))}
+
+    schedule = optax.exponential_decay(1e-3, transition_steps=1000, decay_rate=0.9)
+    optimizer = optax.chain(optax.adam(schedule))
+    opt_state = optimizer.init(params)
+    weights = {"res": 1.0, "ic": 1.0, "bc": 1.0}
+    scalers = jaxamp.Scalers.create(amp, dropin.scaler_keys(loss_fn, amp)(params, weights, sample(jax.random.PRNGKey(0))))
+
+    @jax.jit
+    def update_weights(params, weights, batch, scales):
+        grads, found = dropin.scaled(jax.jacrev(losses), amp)(scales, params, batch)
+        norms = {k: optax.global_norm(g) for k, g in grads.items()}
+        new = {k: sum(norms.values()) / norms[k] for k in norms}
+        return jax.tree.map(lambda w, n: jnp.where(jaxamp.check_step(found, grads, scales).apply, 0.9 * w + 0.1 * n, w), weights, new)
+
+    grad_fn = jaxamp.scaled_value_and_grad(lambda p, s, w, b: (lambda l, f: (l, ({}, f)))(*dropin.scaled(loss_fn, amp)(s, p, w, b)))
+    @jax.jit
+    def train_step(state, batch):
+        params, opt_state, weights, scalers, loss_scale = state
+        (loss, (_, found)), grads = grad_fn(params, scalers.scales, weights, batch, loss_scale=loss_scale.scale)
+        check = jaxamp.check_step(found, grads, scalers)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        params, opt_state = check.select((params, opt_state), state[:2])  # skipped: as before the step
+        scalers, loss_scale = jaxamp.update_scalers(check, scalers, loss_scale, amp.make_loss_scaler())
+        return (params, opt_state, weights, scalers, loss_scale), loss
+
+    state, key = (params, opt_state, weights, scalers, amp.make_loss_scaler().init()), jax.random.PRNGKey(args.seed + 1)
+    for step in range(args.steps):
+        batch = sample(jax.random.fold_in(key, step))
+        if step % 100 == 0:
+            state = (state[0], state[1], update_weights(state[0], state[2], batch, state[3].scales), *state[3:])
+        state, loss = train_step(state, batch)
+        if step % 500 == 0 or step == args.steps - 1:
+            print(f"step {step} loss {float(loss):.3e}")
+
+    t, x = [g.ravel() for g in jnp.meshgrid(jnp.linspace(0, T, 64), jnp.linspace(-X, X, 128))]
+    u = jax.vmap(u_net, (None, 0, 0))(state[0], t, x)
+    ref = exact(t / c, x / c, 0.1)
+    error = float(jnp.linalg.norm(u - ref) / jnp.linalg.norm(ref))
+    print(f"relative L2 error {error:.3e}")
+    return {"error": error, "loss": float(loss)}
+
+
+if __name__ == "__main__":
+    main()

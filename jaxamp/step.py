@@ -200,6 +200,9 @@ def update_scalers(
     Example:
       >>> scalers, loss_scale = jaxamp.update_scalers(check, scalers, loss_scale, amp.make_loss_scaler())
     """
+    if not isinstance(scalers, Scalers):
+        raise TypeError(f"update_scalers: `scalers` must be a jaxamp.Scalers (Scalers.create(amp, keys) pairs each "
+                        f"key with its rule), got {type(scalers).__name__}.")
     frozen = check.nonfinite_values
     scalers = jmp.select_tree(frozen, scalers, scalers.update(check.found_inf))
     if loss_rule is not None:

@@ -152,6 +152,11 @@ CASES = [
      ["`keys`", "'12'", "a list of scaler keys"]),
     ("scalers.unknown_flag", lambda: jaxamp.Scalers.create(FP16, ["1"]).update({"7": True}), KeyError,
      ["`found_inf`", "['7']", "keys are ['1']"]),
+    ("step.update_scalers_dict", lambda: jaxamp.update_scalers(
+        jaxamp.check_step({}, {"w": jnp.ones(2)}, {"1": None}), {"1": DynamicScaler().init()}, DynamicScaler().init(),
+        None), TypeError, ["`scalers`", "got dict", "must be a jaxamp.Scalers"]),
+    ("step.scaled_value_and_grad", lambda: jaxamp.scaled_value_and_grad("loss"), TypeError,
+     ["`loss_fn`='loss'", "must be callable", "(loss, (terms, found_inf))"]),
     # ---------------------------------------------------------------- train step and loss_fn contract
     ("train.amp_dict", lambda: jaxamp.make_train_step(bare_loss, optax.sgd(0.1), amp={"dtype": "float16"}), TypeError,
      ["`amp`", "{'dtype': 'float16'}", "must be an AmpConfig"]),

@@ -5,20 +5,22 @@ The device count of JAX's CPU backend is fixed when JAX starts, so this script r
 JSON object of raw measurements on its last stdout line; the test makes the assertions.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
-        python tests/parallel_worker.py [--steps 100] [--part fp32|fp16|all]
+        python tests/parallel_worker.py [--steps 100] [--part fp32|fp16|all] [--devices 1,2,8]
 
-What it records, for meshes of 1, 2 and 8 devices (the first n of the 8 fake devices);
+What it records, for meshes of ``--devices`` devices (the first n of the 8 fake devices);
 ``--part fp32`` / ``--part fp16`` run half of it, so the test can run both halves at once:
 - ``float32``: the loss of every step of a float32 run (AMP scalers inactive);
 - ``float16``: loss, skipped flags and every scaler's log2 scale per step of a float16 run in
-  which one collocation point (global index ``NAN_INDEX``, so a different device for each
-  mesh size) is NaN at steps ``NAN_STEPS`` - an injected overflow, independent of XLA's
+  which one collocation point (global index ``BAD_INDEX``, so a different device for each
+  mesh size) is NaN at steps ``NAN_STEPS`` (bad values) and carries an overflow flag for
+  scaler key "2" at steps ``OVERFLOW_STEPS``; both are injected, so nothing depends on XLA's
   excess-precision choices;
-- ``inject``: on 8 devices, the state after ``K`` clean steps, then one step whose NaN lies
-  only in device ``NAN_DEVICE``'s shard: the step's metrics, whether every shard of the
-  new params/optimizer state/loss scale equals the old bit for bit, whether all replicas
-  of the new state are bit-identical, and the scaler states before/after;
-- ``hlo``: the collective ops in the compiled 8-device fp16 step;
+- ``inject`` (needs 8 devices): the state after ``K`` clean steps, then one step whose NaN
+  lies only in device ``BAD_DEVICE``'s shard and one step whose overflow flag lies only in
+  that shard: each step's metrics, whether every shard of the new params/optimizer
+  state/loss scale equals the old bit for bit, whether all replicas of the new state are
+  bit-identical, and the scaler states before/after;
+- ``hlo`` (8 devices): the collective ops in the compiled fp16 step;
 - ``errors``: the messages for a batch that does not divide over 8 devices.
 
 ``--multihost PROCESS_ID --port P`` instead runs one of two processes of a multi-host check
@@ -47,19 +49,24 @@ from jaxamp import parallel  # noqa: E402
 from jaxamp.models import FullyConnected  # noqa: E402
 
 GLOBAL_BATCH = 64
-NAN_INDEX = 37  # device 0 of 1, device 1 of 2, device 4 of 8 (shards of 64, 32, 8 points)
-NAN_STEPS = (20, 21)  # two consecutive overflows: derivative scalers back off twice
-K, NAN_DEVICE = 5, 5  # injection test: NaN in device 5's shard at step K
+BAD_INDEX = 37  # device 0 of 1, device 1 of 2, device 4 of 8 (shards of 64, 32, 8 points)
+NAN_STEPS = (20, 21)  # a NaN point: bad values, skipped, no scaler changes
+OVERFLOW_STEPS = (30, 31)  # two consecutive overflows of key "2": its scaler backs off twice
+K, BAD_DEVICE = 5, 5  # injection test: a NaN, then an overflow flag, in device 5's shard after K steps
 
 
-def build(dtype: str):
-    """Model, engine-based Poisson loss, optimizer, initial state and the pure step."""
-    amp = jaxamp.AmpConfig(
+def amp_config(dtype: str) -> jaxamp.AmpConfig:
+    return jaxamp.AmpConfig(
         dtype=dtype,
         default_max_scale_log2=2,  # derivative scalers may grow to 4: a trajectory with growth
         derivative_scaler={"growth_interval": 4, "recover_growth_interval": 2},
         loss_scaler={"init_scale": 2.0**10, "growth_interval": 8, "recover_growth_interval": 4},
     )
+
+
+def build(dtype: str):
+    """Model, engine-based Poisson loss, optimizer, initial state and the pure step."""
+    amp = amp_config(dtype)
     model = FullyConnected.from_amp(amp, out_features=1, layer_size=16, nr_layers=2)
     params = model.init(jax.random.PRNGKey(0), jnp.zeros(1))
     engine = jaxamp.Derivatives(
@@ -68,6 +75,9 @@ def build(dtype: str):
 
     def loss_fn(p, batch, scales):
         d, found = engine(p, {"x": batch["x"]}, scales)
+        # An overflow of key "2" flagged at chosen points: the global any() needs every shard.
+        if "2" in found:  # float32 has no derivative scalers
+            found = {**found, "2": found["2"] | jnp.any(batch["overflow"])}
         r = d["u__x__x"] + jnp.pi**2 * jnp.sin(jnp.pi * batch["x"])
         ub = jax.vmap(lambda x: model.apply(p, x))(jnp.array([[0.0], [1.0]]))  # no derivatives: no engine
         pde, bc = jnp.mean(r**2), jnp.mean(ub**2)
@@ -91,21 +101,27 @@ def runner(dtype: str, n_devices: int):
     return _RUNNERS[dtype, n_devices]
 
 
-def points(nan: bool) -> np.ndarray:
+def points(nan_at=None, overflow_at=None) -> Dict[str, np.ndarray]:
+    """The global batch: collocation points, NaN at index ``nan_at``, the overflow flag set at
+    index ``overflow_at``."""
     x = np.linspace(0.0, 1.0, GLOBAL_BATCH, dtype=np.float32)
-    if nan:
-        x[NAN_INDEX] = np.nan
-    return x
+    overflow = np.zeros(GLOBAL_BATCH, bool)
+    if nan_at is not None:
+        x[nan_at] = np.nan
+    if overflow_at is not None:
+        overflow[overflow_at] = True
+    return {"x": x, "overflow": overflow}
 
 
 def trajectory(dtype: str, n_devices: int, steps: int) -> Dict[str, List[Any]]:
     """Per-step metrics of a run on a mesh of ``n_devices``."""
     state, run, mesh = runner(dtype, n_devices)
-    prep = lambda x: parallel.shard_batch({"x": x}, mesh)  # noqa: E731
-    clean, bad = prep(points(False)), prep(points(True))
+    prep = lambda b: parallel.shard_batch(b, mesh)  # noqa: E731
+    clean, nan, overflow = prep(points()), prep(points(nan_at=BAD_INDEX)), prep(points(overflow_at=BAD_INDEX))
     out: Dict[str, List[Any]] = {}
     for i in range(steps):
-        state, metrics = run(state, bad if (dtype == "float16" and i in NAN_STEPS) else clean)
+        injected = dtype == "float16" and (nan if i in NAN_STEPS else overflow if i in OVERFLOW_STEPS else None)
+        state, metrics = run(state, injected or clean)
         for k, v in metrics.items():
             out.setdefault(k, []).append(float(v))
     out["replicas_identical"] = [bool(parallel.replicas_identical(state))]
@@ -123,42 +139,54 @@ def same_bits(a: Any, b: Any) -> bool:
 
 
 def inject() -> Dict[str, Any]:
+    """On 8 devices: K clean steps, then a step with a NaN point and one with an overflow flag,
+    each only in device ``BAD_DEVICE``'s shard, each followed by a clean step."""
     state, run, mesh = runner("float16", 8)
-    clean = parallel.shard_batch({"x": points(False)}, mesh)
+    clean = parallel.shard_batch(points(), mesh)
     for _ in range(K):
         state, _ = run(state, clean)
-    x = points(False)
-    per = GLOBAL_BATCH // 8
-    x[NAN_DEVICE * per + 3] = np.nan
-    bad = parallel.shard_batch({"x": x}, mesh)
     order = list(mesh.devices.flat)
-    nan_devices = [order.index(s.device) for s in bad["x"].addressable_shards if np.isnan(np.asarray(s.data)).any()]
-    new, metrics = run(state, bad)
-    after, metrics2 = run(new, clean)
+    bad_at = BAD_DEVICE * (GLOBAL_BATCH // 8) + 3
     scales = lambda s: {k: [float(v.scale), int(v.growth_tracker)] for k, v in s.deriv_scales.items()}  # noqa: E731
-    return {
-        "nan_devices": nan_devices,
-        "skipped": bool(metrics["skipped"]),
-        "skip_reason": int(metrics["skip_reason"]),
-        "found_inf": {k[len("found_inf/"):]: bool(v) for k, v in metrics.items() if k.startswith("found_inf/")},
-        "params_unchanged": same_bits(new.params, state.params),
-        "opt_state_unchanged": same_bits(new.opt_state, state.opt_state),
-        "loss_scale_unchanged": same_bits(new.loss_scale, state.loss_scale),
-        "replicas_identical_after_skip": parallel.replicas_identical(new),
-        "deriv_scales_before": scales(state),
-        "deriv_scales_after": scales(new),
-        "deriv_scale_replicas": {
-            k: [float(np.asarray(s.data)) for s in v.scale.addressable_shards] for k, v in new.deriv_scales.items()
-        },
-        "next_step_skipped": bool(metrics2["skipped"]),
-        "replicas_identical_after_next": parallel.replicas_identical(after),
-        "params_changed_after_next": not same_bits(after.params, new.params),
-    }
+    out: Dict[str, Any] = {}
+    for name, batch in (("nan", points(nan_at=bad_at)), ("overflow", points(overflow_at=bad_at))):
+        bad = parallel.shard_batch(batch, mesh)
+        marked = lambda a: bool(np.isnan(a).any() if a.dtype.kind == "f" else a.any())  # noqa: E731
+        new, metrics = run(state, bad)
+        after, metrics2 = run(new, clean)
+        out[name] = {
+            "bad_devices": [order.index(s.device) for s in bad["x" if name == "nan" else "overflow"].addressable_shards
+                            if marked(np.asarray(s.data))],
+            "skipped": bool(metrics["skipped"]),
+            "skip_reason": int(metrics["skip_reason"]),
+            "found_inf": {k[len("found_inf/"):]: bool(v) for k, v in metrics.items() if k.startswith("found_inf/")},
+            "found_nonfinite_values": bool(metrics["found_nonfinite_values"]),
+            "params_unchanged": same_bits(new.params, state.params),
+            "opt_state_unchanged": same_bits(new.opt_state, state.opt_state),
+            "loss_scale_unchanged": same_bits(new.loss_scale, state.loss_scale),
+            "replicas_identical_after_skip": parallel.replicas_identical(new),
+            "deriv_scales_before": scales(state),
+            "deriv_scales_after": scales(new),
+            # what each scaler's own rule gives for a clean step from the state before
+            "deriv_scales_clean_update": {
+                k: [float(u.scale), int(u.growth_tracker)]
+                for k, v in state.deriv_scales.items()
+                for u in [amp_config("float16").derivative_scaler_for(k).update(jax.device_get(v), False)]
+            },
+            "deriv_scale_replicas": {
+                k: [float(np.asarray(s.data)) for s in v.scale.addressable_shards] for k, v in new.deriv_scales.items()
+            },
+            "next_step_skipped": bool(metrics2["skipped"]),
+            "replicas_identical_after_next": parallel.replicas_identical(after),
+            "params_changed_after_next": not same_bits(after.params, new.params),
+        }
+        state = after
+    return out
 
 
 def hlo() -> Dict[str, Any]:
     state, run, mesh = runner("float16", 8)
-    batch = parallel.shard_batch({"x": points(False)}, mesh)
+    batch = parallel.shard_batch(points(), mesh)
     text = run.jitted.lower(state, batch).compile().as_text()  # cached: no second compilation
     ops = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
     # Result type of every all-reduce, e.g. "pred[]" (the overflow flags) or "f32[16,1]".
@@ -223,6 +251,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--part", choices=("fp32", "fp16", "all"), default="all")
+    ap.add_argument("--devices", default="1,2,8", help="mesh sizes of the trajectories, e.g. 1,8 or 2")
     ap.add_argument("--multihost", type=int, metavar="PROCESS_ID", help="run one process of the 2-process check")
     ap.add_argument("--port", type=int, default=0, help="coordinator port for --multihost")
     args = ap.parse_args()
@@ -231,15 +260,17 @@ def main() -> None:
         return
     if jax.device_count() < 8:
         sys.exit(f"parallel_worker.py: needs 8 devices, JAX sees {jax.device_count()}.")
+    sizes = [int(n) for n in args.devices.split(",")]
     result: Dict[str, Any] = {"device_count": jax.device_count(), "steps": args.steps}
     with jax.default_matmul_precision("highest"):
         if args.part in ("fp32", "all"):
-            result["float32"] = {str(n): trajectory("float32", n, args.steps) for n in (1, 2, 8)}
+            result["float32"] = {str(n): trajectory("float32", n, args.steps) for n in sizes}
             result["errors"] = errors()
         if args.part in ("fp16", "all"):
-            result["float16"] = {str(n): trajectory("float16", n, args.steps) for n in (1, 2, 8)}
-            result["inject"] = inject()
-            result["hlo"] = hlo()
+            result["float16"] = {str(n): trajectory("float16", n, args.steps) for n in sizes}
+            if 8 in sizes:  # the 8-device step is compiled already
+                result["inject"] = inject()
+                result["hlo"] = hlo()
     print(json.dumps(result))
 
 

@@ -4,8 +4,11 @@ The multi-device checks need 8 fake CPU devices, which must be requested before 
 so they run in subprocesses (tests/parallel_worker.py with
 XLA_FLAGS=--xla_force_host_platform_device_count=8); the float32 and float16 halves run at
 the same time, one per core. This process only runs the argument checks on whatever devices
-it has. Overflows are *injected* (NaN collocation points), so nothing depends on XLA
-keeping excess precision.
+it has. Bad values (a NaN collocation point) and derivative overflows (a flag raised at one
+point) are *injected*, so nothing depends on XLA keeping excess precision.
+
+The fast suite compares 1 and 8 devices; the slow run adds the 2-device mesh (one more
+worker per dtype), against the same 1-device trajectories.
 """
 
 from __future__ import annotations
@@ -24,18 +27,19 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
+import jaxamp
 from jaxamp import parallel
 
 WORKER = Path(__file__).with_name("parallel_worker.py")
 STEPS = 100
 
 
-@pytest.fixture(scope="module")
-def worker() -> Dict[str, Any]:
+def _run_workers(devices: str) -> Dict[str, Any]:
+    """parallel_worker.py's fp32 and fp16 halves at the same time (one per core), merged."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     procs = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), "--steps", str(STEPS), "--part", part],
+            [sys.executable, str(WORKER), "--steps", str(STEPS), "--part", part, "--devices", devices],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         for part in ("fp32", "fp16")
@@ -49,47 +53,81 @@ def worker() -> Dict[str, Any]:
     return result
 
 
-def test_fp32_loss_trajectory_same_on_1_2_8_devices(worker):
-    runs = worker["float32"]
-    base = np.array(runs["1"]["loss"])
+@pytest.fixture(scope="module")
+def worker() -> Dict[str, Any]:
+    return _run_workers("1,8")
+
+
+def _check_fp32_same(runs: Dict[str, Any], base_runs: Dict[str, Any], n: str) -> None:
+    base = np.array(base_runs["1"]["loss"])
     assert base.shape == (STEPS,) and np.all(np.isfinite(base))
     assert base[-1] < 0.5 * base[0], "the run must actually train for the comparison to mean anything"
-    for n in ("2", "8"):
-        loss = np.array(runs[n]["loss"])
-        np.testing.assert_allclose(loss, base, rtol=1e-5, err_msg=f"{n} devices vs 1")
-        assert not any(runs[n]["skipped"])
-        assert runs[n]["replicas_identical"] == [True]
+    loss = np.array(runs[n]["loss"])
+    np.testing.assert_allclose(loss, base, rtol=1e-5, err_msg=f"{n} devices vs 1")
+    assert not any(runs[n]["skipped"])
+    assert runs[n]["replicas_identical"] == [True]
 
 
-def test_fp16_scaler_trajectories_identical_on_1_2_8_devices(worker):
-    runs = worker["float16"]
-    keys = [k for k in runs["1"] if k.startswith(("scale_log2/", "found_inf/")) or k in ("skipped", "skip_reason")]
-    assert {"scale_log2/loss", "scale_log2/1", "scale_log2/2"} <= set(keys)
-    reasons = runs["1"]["skip_reason"]
-    # The trajectory exercises every branch: growth, injected derivative overflow (NaN point at
-    # steps 20, 21: reason 1) and real weight-gradient overflow of the growing loss scale (reason 2).
-    assert reasons[20] == reasons[21] == 1 and 2 in reasons and len(set(runs["1"]["scale_log2/1"])) == 3
-    for n in ("2", "8"):
-        for k in keys:
-            assert runs[n][k] == runs["1"][k], f"{k} differs between {n} devices and 1"
-        assert runs[n]["replicas_identical"] == [True]
-        # fp16 losses agree loosely (reduction order differs); the decisions above agree exactly.
-        a, b = np.array(runs[n]["loss"]), np.array(runs["1"]["loss"])
-        ok = np.isfinite(b)
-        np.testing.assert_array_equal(np.isfinite(a), ok)
-        np.testing.assert_allclose(a[ok], b[ok], rtol=1e-3)
+def _check_fp16_same(runs: Dict[str, Any], base_runs: Dict[str, Any], n: str) -> None:
+    base = base_runs["1"]
+    keys = [k for k in base if k.startswith(("scale_log2/", "found_inf/"))
+            or k in ("skipped", "skip_reason", "found_nonfinite_values")]
+    assert {"scale_log2/loss", "scale_log2/1", "scale_log2/2", "found_nonfinite_values"} <= set(keys)
+    reasons, s2 = base["skip_reason"], base["scale_log2/2"]
+    # The trajectory exercises every branch: growth, bad values (NaN point at steps 20, 21: no
+    # scaler changes), derivative overflow of key "2" (flag at steps 30, 31: two backoffs) and
+    # real weight-gradient overflow of the growing loss scale.
+    assert reasons[20] == reasons[21] == jaxamp.SKIP_NONFINITE_VALUES
+    assert base["scale_log2/1"][19:22] == [base["scale_log2/1"][19]] * 3 and s2[19:22] == [s2[19]] * 3
+    assert reasons[30] == reasons[31] == jaxamp.SKIP_DERIVATIVE_OVERFLOW and s2[31] == s2[29] - 2
+    assert jaxamp.SKIP_NONFINITE_GRADS in reasons and len(set(base["scale_log2/1"])) == 3
+    for k in keys:
+        assert runs[n][k] == base[k], f"{k} differs between {n} devices and 1"
+    assert runs[n]["replicas_identical"] == [True]
+    # fp16 losses agree loosely (reduction order differs); the decisions above agree exactly.
+    a, b = np.array(runs[n]["loss"]), np.array(base["loss"])
+    ok = np.isfinite(b)
+    np.testing.assert_array_equal(np.isfinite(a), ok)
+    np.testing.assert_allclose(a[ok], b[ok], rtol=1e-3)
+
+
+def test_fp32_loss_trajectory_same_on_1_and_8_devices(worker):
+    _check_fp32_same(worker["float32"], worker["float32"], "8")
+
+
+def test_fp16_scaler_trajectories_identical_on_1_and_8_devices(worker):
+    _check_fp16_same(worker["float16"], worker["float16"], "8")
+
+
+@pytest.mark.slow
+def test_fp32_and_fp16_trajectories_on_2_devices_follow_1_device(worker):
+    two = _run_workers("2")
+    _check_fp32_same(two["float32"], worker["float32"], "2")
+    _check_fp16_same(two["float16"], worker["float16"], "2")
+
+
+def test_bad_values_on_one_shard_skip_everywhere_and_change_no_scaler(worker):
+    r = worker["inject"]["nan"]
+    assert r["bad_devices"] == [5], "the NaN point must land on exactly one device's shard"
+    assert r["skipped"] and r["skip_reason"] == jaxamp.SKIP_NONFINITE_VALUES and r["found_nonfinite_values"]
+    assert r["params_unchanged"] and r["opt_state_unchanged"] and r["loss_scale_unchanged"]
+    assert r["deriv_scales_after"] == r["deriv_scales_before"]
+    assert r["replicas_identical_after_skip"]
+    assert not r["next_step_skipped"] and r["params_changed_after_next"] and r["replicas_identical_after_next"]
 
 
 def test_overflow_on_one_shard_skips_everywhere(worker):
-    r = worker["inject"]
-    assert r["nan_devices"] == [5], "the NaN point must land on exactly one device's shard"
-    assert r["skipped"] and r["skip_reason"] == 1  # derivative overflow
-    assert r["found_inf"] == {"1": True, "2": True}
+    r = worker["inject"]["overflow"]
+    assert r["bad_devices"] == [5], "the overflow flag must be raised in exactly one device's shard"
+    assert r["skipped"] and r["skip_reason"] == jaxamp.SKIP_DERIVATIVE_OVERFLOW
+    assert r["found_inf"] == {"1": False, "2": True} and not r["found_nonfinite_values"]
     assert r["params_unchanged"] and r["opt_state_unchanged"] and r["loss_scale_unchanged"]
     assert r["replicas_identical_after_skip"]
-    for key, (scale, tracker) in r["deriv_scales_before"].items():
-        assert r["deriv_scales_after"][key] == [scale * 0.5, 0]  # backoff 0.5, tracker reset
-        assert r["deriv_scale_replicas"][key] == [scale * 0.5] * 8
+    scale, _ = r["deriv_scales_before"]["2"]
+    assert r["deriv_scales_after"]["2"] == [scale * 0.5, 0]  # backoff 0.5, tracker reset
+    assert r["deriv_scale_replicas"]["2"] == [scale * 0.5] * 8
+    # key "1" was not flagged: it counts a clean step by its own rule
+    assert r["deriv_scales_after"]["1"] == r["deriv_scales_clean_update"]["1"]
     assert not r["next_step_skipped"] and r["params_changed_after_next"] and r["replicas_identical_after_next"]
 
 

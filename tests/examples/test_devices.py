@@ -1,4 +1,8 @@
-"""The examples' `training.devices` option: the same run on 1 and 2 (fake CPU) devices."""
+"""The examples' `training.devices` option: the same run on 1 and 2 (fake CPU) devices.
+
+The two runs are separate processes (the fake device count is fixed when JAX starts) and run
+at the same time, one per core.
+"""
 
 import json
 import os
@@ -18,20 +22,31 @@ ARGS = ["model.layer_size=8", "model.nr_layers=2", "eval.grid=9", "training.chun
         "mode=fp32", "training.max_steps=10"]
 
 
-def run(tmp_path, devices):
+def start(tmp_path, devices):
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
     out = tmp_path / f"d{devices}"
-    proc = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "examples.burgers", "--workdir", str(out), "--no-progress", *ARGS,
          f"training.devices={devices}"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, out
+
+
+def losses(proc, out):
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_two_devices_follow_the_one_device_run(tmp_path):
-    one, two = run(tmp_path, 1), run(tmp_path, 2)
+    runs = [start(tmp_path, 1), start(tmp_path, 2)]
+    try:
+        one, two = [losses(*r) for r in runs]
+    finally:
+        for proc, _ in runs:  # a run left behind by a failure must not outlive the test
+            if proc.poll() is None:
+                proc.kill()
     assert len(one) == len(two) == 10
     for a, b in zip(one, two):
         assert abs(a - b) <= 1e-5 * abs(a), (one, two)

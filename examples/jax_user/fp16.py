@@ -5,8 +5,8 @@ solution of Cole-Hopf for phi = a + exp(-nu pi^2 t) cos(pi x): scalar u_net(para
 residual by nested jax.grad under vmap, own train loop, optax adam with exponential decay,
 and loss weights from the gradient norms of the loss terms (jax.jacrev), updated every few
 steps. --domain-scale 0.02 states the same problem in physical units (domain x 0.02, nu x 0.02).
-fp16.py differs from fp32.py by the lines a port to float16 + DerivScaler needs (--plain-fp16:
-no derivative scaling, which fails in physical units).
+fp16.py differs from fp32.py by the lines a port to float16 + DerivScaler needs (its
+--plain-fp16: the same port without derivative scaling, for comparison).
 
     python -m examples.jax_user.fp32 --steps 2000 --domain-scale 0.02
 """

@@ -139,3 +139,26 @@ def _save(fig, workdir: str, name: str) -> str:
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+def plot_profile(workdir: str, prof: Any) -> str:
+    """``profile.png``: where each derivative and each scaler key sits in float16's window.
+
+    ``prof`` is a :class:`jaxamp.profile.Profile` of the final parameters and scales. One bar
+    per derivative and per scaler key, from the 1st percentile of its nonzero magnitudes to
+    its largest (log2, scaled as float16 holds it), a dot at the median; the shaded band is
+    float16's normal range, 2^-14 to 65504."""
+    rows = [(name, r) for name, r in prof.derivatives.items()] + [(f"scaler {k}", r) for k, r in prof.keys.items()]
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.5))
+    ax.axvspan(-14, np.log2(65504.0), color="C2", alpha=0.12, label="float16 normal range")
+    for i, (name, r) in enumerate(rows):
+        lo, mid, hi = (float(v) for v in (r.log2_percentiles[0], r.log2_percentiles[len(r.log2_percentiles) // 2], r.log2_max))
+        color = "C3" if float(r.frac_overflow) > 0 or float(r.frac_subnormal) > 0 else "C0"
+        ax.plot([lo, hi], [i, i], color=color, lw=6, solid_capstyle="butt")
+        ax.plot([mid], [i], "k.", ms=5)
+    ax.set_yticks(range(len(rows)), [name for name, _ in rows], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("log2 |value| as float16 holds it (scaled)")
+    ax.set_title("derivative ranges at the end of training (red: some values outside the band)")
+    ax.legend(fontsize=7, loc="lower right")
+    return _save(fig, workdir, "profile.png")

@@ -4,12 +4,14 @@ Every numeric field of a step's metric record becomes a scalar under its own tag
 and ``terms/<term>``, ``scale_log2/<key>`` for every scaler (``loss``, ``1``, ``2``, term
 names), ``found_inf/<key>``, ``grad_norm``, ``skipped``, ``skip_reason`` and any other field
 the train step reports. Skip reasons are also counted by name, ``skips/<reason>`` (the
-running number of steps skipped for that reason). View with
+running number of steps skipped for that reason). At the end of a run with plots, the
+derivative ranges of :func:`jaxamp.profile.profile` are added under ``profile/``. View with
 ``tensorboard --logdir <workdir>/tensorboard``.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from typing import Any, Dict, Iterable, Mapping
@@ -52,6 +54,8 @@ class TensorBoardLog:
         self.reasons = skip_reason_names()
         self.counts = {name: 0 for name in self.reasons.values()}
         self.counts.update(dict(skip_counts))
+        # Non-finite losses are data here (plain fp16 runs have many): no warning per value.
+        logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
         self.writer = SummaryWriter(self.logdir, purge_step=first_step + 1 if first_step else None)
 
     def write(self, records: Iterable[Mapping[str, Any]]) -> None:
@@ -69,6 +73,15 @@ class TensorBoardLog:
                 self.counts[reason] += 1
             for name, n in self.counts.items():
                 self.writer.add_scalar(f"skips/{name}", n, step)
+        self.writer.flush()
+
+    def write_profile(self, step: int, prof: Any) -> None:
+        """The ranges of a :class:`jaxamp.profile.Profile` as scalars at ``step``:
+        ``profile/<derivative or scaler key>/{log2_max,headroom_up,headroom_down}``."""
+        groups = {**prof.derivatives, **{f"scaler_{k}": r for k, r in prof.keys.items()}}
+        for name, r in groups.items():
+            for field in ("log2_max", "headroom_up", "headroom_down"):
+                self.writer.add_scalar(f"profile/{name}/{field}", float(getattr(r, field)), step)
         self.writer.flush()
 
     def close(self) -> None:

@@ -133,6 +133,16 @@ class Setup:
             self._chunks[key] = jax.jit(lambda c: jax.lax.scan(body, c, None, length=n))
         return self._chunks[key]
 
+    def profile(self, state: jaxamp.TrainState):
+        """Where the derivatives of the next batch sit in float16's window, with the state's
+        parameters and scales (:func:`jaxamp.profile.profile`, every batch part together)."""
+        from jaxamp.profile import profile
+
+        parts = self.problem.sample(jax.random.fold_in(self.sample_key, state.step)).values()
+        points = {name: jnp.concatenate([part[name] for part in parts]) for name in self.problem.inputs}
+        scales = {key: s.scale for key, s in state.deriv_scales.items()}
+        return profile(self.engines[0], state.params, points, scales)
+
     def predict(self, params, points: np.ndarray) -> np.ndarray:
         f = jax.jit(jax.vmap(lambda x: self.model.apply(params, x)))
         return np.asarray(f(jnp.asarray(points, jnp.float32)))
@@ -258,10 +268,18 @@ def train_and_evaluate(
             warned = True
     if bar is not None:
         bar.close()
+    ckpt.close()
+    summary = evaluate(setup, state, workdir, train_s=train_s, earlier_s=earlier_s, plots=plots, stalled=stalled)
+    if plots and cfg["eval"]["profile"]:  # the final derivative ranges: a plot, and scalars
+        from examples.common import plots as P
+
+        prof = setup.profile(state)
+        P.plot_profile(workdir, prof)
+        if board is not None:
+            board.write_profile(step, prof)
     if board is not None:
         board.close()
-    ckpt.close()
-    return evaluate(setup, state, workdir, train_s=train_s, earlier_s=earlier_s, plots=plots, stalled=stalled)
+    return summary
 
 
 def _record_time(path: str, step: int, seconds: float) -> None:

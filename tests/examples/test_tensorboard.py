@@ -23,9 +23,12 @@ def test_event_files_hold_every_metric_of_every_step(tmp_path):
     # the first steps are skipped (and counted under skips/<reason>).
     cfg = tiny(Burgers, "fp16_scaler_per_order", 4)
     cfg["amp"] = {**cfg["amp"], "default_max_scale_log2": 30, "derivative_scaler": {"init_scale": 2.0**30}}
-    train_and_evaluate(Burgers, cfg, str(tmp_path), progress=False, plots=False)
+    train_and_evaluate(Burgers, cfg, str(tmp_path), progress=False)
     recs = read(tmp_path / "metrics.jsonl")
     tb = scalars(tmp_path / "tensorboard")
+    # The final profile: each scaler key's range as float16 holds it, and its plot.
+    assert [s for s, _ in tb["profile/scaler_2/log2_max"]] == [4]
+    assert (tmp_path / "profile.png").stat().st_size > 0
     reasons = skip_reason_names()
     tags = ["loss", "terms/burgers", "scale_log2/loss", "scale_log2/1", "scale_log2/2", "skip_reason", "found_inf/2"]
     for tag in tags + [f"skips/{name}" for name in reasons.values()]:

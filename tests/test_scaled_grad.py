@@ -142,7 +142,7 @@ def test_vmap_over_scaled_gives_flags_per_batch(net):
 
 
 def test_control_flow_carries_flags_out(net):
-    """scan, while, cond, custom_jvp and jit around the derivatives: same values and flags."""
+    """scan, while, cond, custom_jvp, jit and checkpoint around the derivatives: same values and flags."""
     amp = jaxamp.AmpConfig()
     _, u_net, params = net
     u_xx = jax.vmap(nested(u_net, "u__x__x"), (None, 0, 0))
@@ -158,6 +158,7 @@ def test_control_flow_carries_flags_out(net):
         "flat": lambda p: u_xx(p, pts["t"], pts["x"]).reshape(3, 2),
         "scan": lambda p: jax.lax.scan(lambda c, tx: (c, u_xx(p, *tx)), 0.0, (t, x))[1],
         "jit": lambda p: jax.jit(u_xx)(p, pts["t"], pts["x"]).reshape(3, 2),
+        "checkpoint": lambda p: jax.checkpoint(u_xx)(p, pts["t"], pts["x"]).reshape(3, 2),
         "custom_jvp": lambda p: jnp.stack([wrapped(p, t[i], x[i]) for i in range(3)]),
         "cond": lambda p: jnp.stack([jax.lax.cond(t[i, 0] > -1, lambda i=i: u_xx(p, t[i], x[i]), lambda i=i: t[i])
                                      for i in range(3)]),  # fmt: skip

@@ -90,7 +90,7 @@ def main(argv=None):
     @jax.jit
     def update_weights(params, weights, batch, scales):
         grads, found = dropin.scaled(jax.jacrev(losses), amp)(scales, params, batch)
-        norms = {k: optax.global_norm(g) for k, g in grads.items()}
+        norms = {k: optax.tree.norm(g) for k, g in grads.items()}
         new = {k: sum(norms.values()) / norms[k] for k in norms}
         return jax.tree.map(lambda w, n: jnp.where(jaxamp.check_step(found, grads, scales).apply, 0.9 * w + 0.1 * n, w), weights, new)
 

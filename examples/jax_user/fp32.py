@@ -85,7 +85,7 @@ def main(argv=None):
     @jax.jit
     def update_weights(params, weights, batch):
         grads = jax.jacrev(losses)(params, batch)
-        norms = {k: optax.global_norm(g) for k, g in grads.items()}
+        norms = {k: optax.tree.norm(g) for k, g in grads.items()}
         new = {k: sum(norms.values()) / norms[k] for k in norms}
         return jax.tree.map(lambda w, n: 0.9 * w + 0.1 * n, weights, new)
 

@@ -49,6 +49,8 @@ def _check_name(arg: str, value: Any) -> None:
 
 
 def _unscale(g: jax.Array, inv: jax.Array) -> jax.Array:
+    if not jnp.issubdtype(g.dtype, jnp.inexact):  # float0 gradients of integers (allow_int)
+        return g
     wide = jnp.promote_types(g.dtype, jnp.float32)
     return (g.astype(wide) * inv.astype(wide)).astype(g.dtype)
 
@@ -122,7 +124,8 @@ def grad(
             _stack().pop()
         order, term = found["order"], found["term"]
         inv = jnp.float32(1.0) / s
-        grads = jax.tree_util.tree_map(lambda d: _unscale(deriv_check(d, value, order=order, term=term), inv), grads)
+        check = lambda d: deriv_check(d, value, order=order, term=term) if jnp.issubdtype(d.dtype, jnp.inexact) else d  # noqa: E731
+        grads = jax.tree_util.tree_map(lambda d: _unscale(check(d), inv), grads)
         if _stack():
             parent = _stack()[-1]
             parent.max_order = max(parent.max_order, order)

@@ -20,13 +20,13 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.extend import core as jcore
 
 from jaxamp.config import AmpConfig
 from jaxamp.derivatives import NONFINITE_VALUES
+from jaxamp.dropin.control import HANDLERS, call, full_flags
 from jaxamp.dropin.primitives import PRIMITIVES, deriv_check_p, deriv_scale_p
-from jaxamp.interpreter import CALL_PRIMITIVES, bind, eval_jaxpr, sub_jaxpr
+from jaxamp.interpreter import CALL_PRIMITIVES, bind, eval_jaxpr
 
 __all__ = ["scaled", "scaler_keys"]
 
@@ -65,6 +65,7 @@ class _Context:
         self.amp = amp
         self.active = amp is None or amp.scaler_enabled
         self.scales = scales
+        self.evaluate = _evaluate  # for the control-flow rules (jaxamp.dropin.control)
 
     def key(self, order: int, term: Optional[str]) -> str:
         amp = self.amp
@@ -127,13 +128,11 @@ def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ct
             return [invals[0]]
         if not any(_marks(j) for j in _jaxprs(eqn)):
             return bind(eqn, invals)  # fast path: nothing of ours inside
-        handler = _HANDLERS.get(prim.name)
-        if handler is None and prim.name in CALL_PRIMITIVES:
-            handler = _call
+        handler = HANDLERS.get(prim.name, call if prim.name in CALL_PRIMITIVES else None)
         if handler is None:
             raise NotImplementedError(
                 f"jaxamp.scaled: jaxamp.grad inside a `{prim.name}` is not supported; supported "
-                f"are {sorted(set(_HANDLERS) | CALL_PRIMITIVES)}. Move the jaxamp.grad call out of it."
+                f"are {sorted(set(HANDLERS) | CALL_PRIMITIVES)}. Move the jaxamp.grad call out of it."
             )
         outs, sub_flags = handler(eqn, invals, ctx)
         for k, v in sub_flags.items():
@@ -141,97 +140,6 @@ def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ct
         return outs
 
     return eval_jaxpr(jaxpr, consts, args, rule), flags
-
-
-def _full(flags: Flags, keys: Sequence[str]) -> Flags:
-    return {k: jnp.asarray(flags.get(k, False), bool) for k in keys}
-
-
-def _call(eqn, invals, ctx):
-    body = sub_jaxpr(eqn)
-    return _evaluate(body.jaxpr, body.consts, invals, ctx)
-
-
-def _custom(eqn, invals, ctx):
-    # the primal body only: a custom rule around jaxamp.grad would not see the scales
-    body = eqn.params["call_jaxpr"]
-    body = body if isinstance(body, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(body, ())
-    return _evaluate(body.jaxpr, body.consts, invals, ctx)
-
-
-def _scan(eqn, invals, ctx):
-    p = eqn.params
-    body, nc, nk = p["jaxpr"], p["num_consts"], p["num_carry"]
-    consts, init, xs = invals[:nc], invals[nc : nc + nk], invals[nc + nk :]
-    keys = ctx.keys(body.jaxpr)
-
-    def step(carry, x):
-        vals, fl = carry
-        outs, new = _evaluate(body.jaxpr, body.consts, [*consts, *vals, *x], ctx)
-        return (outs[:nk], {k: fl[k] | new.get(k, False) for k in keys}), outs[nk:]
-
-    (final, fl), ys = lax.scan(step, (list(init), _full({}, keys)), list(xs), length=p["length"],
-                               reverse=p["reverse"], unroll=p["unroll"])
-    return [*final, *ys], fl
-
-
-def _while(eqn, invals, ctx):
-    p = eqn.params
-    cond, body, cn, bn = p["cond_jaxpr"], p["body_jaxpr"], p["cond_nconsts"], p["body_nconsts"]
-    cconsts, bconsts, init = invals[:cn], invals[cn : cn + bn], invals[cn + bn :]
-    keys = ctx.keys(body.jaxpr)
-
-    def cond_fn(carry):
-        return _evaluate(cond.jaxpr, cond.consts, [*cconsts, *carry[0]], ctx)[0][0]
-
-    def body_fn(carry):
-        vals, fl = carry
-        outs, new = _evaluate(body.jaxpr, body.consts, [*bconsts, *vals], ctx)
-        return outs, {k: fl[k] | new.get(k, False) for k in keys}
-
-    final, fl = lax.while_loop(cond_fn, body_fn, (list(init), _full({}, keys)))
-    return final, fl
-
-
-def _cond(eqn, invals, ctx):
-    branches = eqn.params["branches"]
-    keys = list(dict.fromkeys(k for b in branches for k in ctx.keys(b.jaxpr)))
-
-    def branch_fn(b):
-        def fn(*ops):
-            outs, fl = _evaluate(b.jaxpr, b.consts, ops, ctx)
-            return outs, _full(fl, keys)
-
-        return fn
-
-    return lax.switch(invals[0], [branch_fn(b) for b in branches], *invals[1:])
-
-
-def _shard_map(eqn, invals, ctx):
-    # Re-stage through jax.shard_map with one more, replicated output per flag: each flag is
-    # ORed over the manual mesh axes inside the body. (jax.pmap is a shard_map too.)
-    p = eqn.params
-    body, axes = p["jaxpr"], tuple(p["newly_manual_axes"])
-    keys = ctx.keys(body)
-
-    def local(*args):
-        outs, fl = _evaluate(body, (), args, ctx)
-        return outs, {k: lax.psum(v.astype(jnp.int32), axes) > 0 for k, v in _full(fl, keys).items()}
-
-    out_specs = (list(p["out_specs"]), {k: jax.sharding.PartitionSpec() for k in keys})
-    mapped = jax.shard_map(local, mesh=p["mesh"], in_specs=tuple(p["in_specs"]), out_specs=out_specs,
-                           axis_names=set(axes), check_vma=p["check_vma"])  # fmt: skip
-    return jax.jit(mapped)(*invals)
-
-
-_HANDLERS: Dict[str, Callable] = {
-    "shard_map": _shard_map,
-    "custom_jvp_call": _custom,
-    "custom_vjp_call": _custom,
-    "scan": _scan,
-    "while": _while,
-    "cond": _cond,
-}
 
 
 def _trace(fun: Callable, args, kwargs):
@@ -279,7 +187,7 @@ def scaled(fun: Callable[..., Any], amp: Optional[AmpConfig] = None) -> Callable
         ctx = _Context(scales, amp)
         closed, flat, out_tree = _trace(fun, args, kwargs)
         outs, flags = _evaluate(closed.jaxpr, closed.consts, flat, ctx)
-        return jax.tree_util.tree_unflatten(out_tree, outs), _full(flags, ctx.keys(closed.jaxpr))
+        return jax.tree_util.tree_unflatten(out_tree, outs), full_flags(flags, ctx.keys(closed.jaxpr))
 
     return wrapped
 

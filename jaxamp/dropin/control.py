@@ -1,0 +1,127 @@
+"""How :func:`jaxamp.dropin.scaled` evaluates programs around ``dropin.grad`` calls.
+
+One rule per higher-order primitive whose body holds a ``dropin.grad``: ``rule(eqn, invals,
+ctx) -> (outs, flags)``, with ``ctx.evaluate(jaxpr, consts, args, ctx)`` evaluating a body
+and ``ctx.keys(jaxpr)`` its flag keys (static). Call-like bodies are inlined; loops, branches,
+``jax.checkpoint`` and ``shard_map`` (``jax.pmap``) keep their structure, rebuilt through
+their public API with the flags as extra outputs (a loop carry, replicated mesh outputs).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.extend import core as jcore
+
+from jaxamp.interpreter import sub_jaxpr
+
+__all__ = ["HANDLERS", "call", "full_flags"]
+
+
+def full_flags(flags: Mapping[str, jax.Array], keys: Sequence[str]) -> Dict[str, jax.Array]:
+    """``{key: bool[]}`` for every key, False where ``flags`` has none."""
+    return {k: jnp.asarray(flags.get(k, False), bool) for k in keys}
+
+
+def call(eqn, invals, ctx):
+    """A ``jit``/``closed_call`` body, inlined: ``(outs, flags)``."""
+    body = sub_jaxpr(eqn)
+    return ctx.evaluate(body.jaxpr, body.consts, invals, ctx)
+
+
+def _custom(eqn, invals, ctx):
+    # the primal body only: a custom rule around jaxamp.grad would not see the scales
+    body = eqn.params["call_jaxpr"]
+    body = body if isinstance(body, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(body, ())
+    return ctx.evaluate(body.jaxpr, body.consts, invals, ctx)
+
+
+def _scan(eqn, invals, ctx):
+    p = eqn.params
+    body, nc, nk = p["jaxpr"], p["num_consts"], p["num_carry"]
+    consts, init, xs = invals[:nc], invals[nc : nc + nk], invals[nc + nk :]
+    keys = ctx.keys(body.jaxpr)
+
+    def step(carry, x):
+        vals, fl = carry
+        outs, new = ctx.evaluate(body.jaxpr, body.consts, [*consts, *vals, *x], ctx)
+        return (outs[:nk], {k: fl[k] | new.get(k, False) for k in keys}), outs[nk:]
+
+    (final, fl), ys = lax.scan(step, (list(init), full_flags({}, keys)), list(xs), length=p["length"],
+                               reverse=p["reverse"], unroll=p["unroll"])
+    return [*final, *ys], fl
+
+
+def _while(eqn, invals, ctx):
+    p = eqn.params
+    cond, body, cn, bn = p["cond_jaxpr"], p["body_jaxpr"], p["cond_nconsts"], p["body_nconsts"]
+    cconsts, bconsts, init = invals[:cn], invals[cn : cn + bn], invals[cn + bn :]
+    keys = ctx.keys(body.jaxpr)
+
+    def cond_fn(carry):
+        return ctx.evaluate(cond.jaxpr, cond.consts, [*cconsts, *carry[0]], ctx)[0][0]
+
+    def body_fn(carry):
+        vals, fl = carry
+        outs, new = ctx.evaluate(body.jaxpr, body.consts, [*bconsts, *vals], ctx)
+        return outs, {k: fl[k] | new.get(k, False) for k in keys}
+
+    final, fl = lax.while_loop(cond_fn, body_fn, (list(init), full_flags({}, keys)))
+    return final, fl
+
+
+def _cond(eqn, invals, ctx):
+    branches = eqn.params["branches"]
+    keys = list(dict.fromkeys(k for b in branches for k in ctx.keys(b.jaxpr)))
+
+    def branch_fn(b):
+        def fn(*ops):
+            outs, fl = ctx.evaluate(b.jaxpr, b.consts, ops, ctx)
+            return outs, full_flags(fl, keys)
+
+        return fn
+
+    return lax.switch(invals[0], [branch_fn(b) for b in branches], *invals[1:])
+
+
+def _remat(eqn, invals, ctx):
+    # jax.checkpoint keeps its rematerialization: the rewritten body is checkpointed again
+    p = eqn.params
+    body, keys = p["jaxpr"], ctx.keys(p["jaxpr"])
+
+    def fn(*args):
+        outs, fl = ctx.evaluate(body, (), args, ctx)
+        return outs, full_flags(fl, keys)
+
+    return jax.checkpoint(fn, prevent_cse=p["prevent_cse"], policy=p["policy"])(*invals)
+
+
+def _shard_map(eqn, invals, ctx):
+    # Re-stage through jax.shard_map with one more, replicated output per flag: each flag is
+    # ORed over the manual mesh axes inside the body. (jax.pmap is a shard_map too.)
+    p = eqn.params
+    body, axes = p["jaxpr"], tuple(p["newly_manual_axes"])
+    keys = ctx.keys(body)
+
+    def local(*args):
+        outs, fl = ctx.evaluate(body, (), args, ctx)
+        return outs, {k: lax.psum(v.astype(jnp.int32), axes) > 0 for k, v in full_flags(fl, keys).items()}
+
+    out_specs = (list(p["out_specs"]), {k: jax.sharding.PartitionSpec() for k in keys})
+    mapped = jax.shard_map(local, mesh=p["mesh"], in_specs=tuple(p["in_specs"]), out_specs=out_specs,
+                           axis_names=set(axes), check_vma=p["check_vma"])  # fmt: skip
+    return jax.jit(mapped)(*invals)
+
+
+HANDLERS: Dict[str, Callable] = {
+    "remat2": _remat,
+    "shard_map": _shard_map,
+    "custom_jvp_call": _custom,
+    "custom_vjp_call": _custom,
+    "scan": _scan,
+    "while": _while,
+    "cond": _cond,
+}

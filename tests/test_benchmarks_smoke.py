@@ -91,8 +91,19 @@ def _engines(amp, derivatives, kinds):
     return params, {k: jax.jit(E.make_engine(k, fn, **kw).__call__) for k in kinds}
 
 
-@pytest.mark.parametrize("mode", ["per_order_scaler", "per_term_scaler"])
-@pytest.mark.parametrize("kind", ["forward", "fwd_nested", "fwd_over_rev"])
+# Every engine and every scaler mode once in the fast suite, the other pairs in the slow run
+# (each case compiles two engines).
+_SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("kind, mode", [
+    ("forward", "per_order_scaler"),
+    ("fwd_nested", "per_term_scaler"),
+    ("fwd_over_rev", "per_order_scaler"),
+    pytest.param("forward", "per_term_scaler", marks=_SLOW),
+    pytest.param("fwd_nested", "per_order_scaler", marks=_SLOW),
+    pytest.param("fwd_over_rev", "per_term_scaler", marks=_SLOW),
+])
 def test_forward_engines_match_reverse_scaled_fp16(mode, kind):
     amp = jaxamp.AmpConfig(dtype="float16", mode=mode)
     ders = ("u__x__x__x", "u__x__y", "v__y__y")

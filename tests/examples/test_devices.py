@@ -39,6 +39,7 @@ def losses(proc, out):
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # two fresh processes of the example CLI; jaxamp.parallel's 1 vs 8 devices is in the fast suite
 def test_two_devices_follow_the_one_device_run(tmp_path):
     runs = [start(tmp_path, 1), start(tmp_path, 2)]
     try:

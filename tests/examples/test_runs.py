@@ -60,9 +60,14 @@ def test_every_problem_and_mode(tmp_path, cls, mode):
         assert (tmp_path / name).stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_demo_table_verdicts_and_comparison_plot(tmp_path):
     """The demo runner on a tiny cavity: one row per (seed, mode), a verdict per seed, the
-    comparison plot; a second call re-evaluates the finished runs instead of retraining."""
+    comparison plot; a second call re-evaluates the finished runs instead of retraining.
+
+    Slow: three trainings of the cavity (three compiled steps). The fast suite keeps the
+    verdict logic (test_demo_verdict_logic_on_synthetic_rows) and one whole run with its
+    outputs and resume (test_run_writes_everything_and_resume_continues_identically)."""
     from examples import demo
 
     overrides = [*COMMON, *TINY[LDC], "training.max_steps=2"]

@@ -38,8 +38,13 @@ def test_fp32_derivatives_orders_1_to_3_agree_to_1e_5():
         assert np.max(np.abs(dj[name] - dt[name])) <= 1e-5 * np.max(np.abs(dj[name])), name
 
 
-@pytest.mark.parametrize("autocast_firstlayer", [False, True])
-@pytest.mark.parametrize("autocast_activation", [False, True])
+@pytest.mark.parametrize("autocast_firstlayer, autocast_activation", [
+    (False, False),
+    (True, True),
+    # the mixed placements compile two more engine pairs: in the slow run
+    pytest.param(False, True, marks=pytest.mark.slow),
+    pytest.param(True, False, marks=pytest.mark.slow),
+])
 def test_fp16_derivatives_agree_within_the_rounding_bound(autocast_firstlayer, autocast_activation):
     amp = jaxamp.AmpConfig(dtype="float16", autocast_firstlayer=autocast_firstlayer,
                            autocast_activation=autocast_activation)

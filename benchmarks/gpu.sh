@@ -1,17 +1,26 @@
 #!/usr/bin/env bash
-# GPU benchmark of the 6x512 LDC (batch lid/no-slip/interior 1000/1000/4000): every precision
-# mode's step time, DerivScaler overhead, TFLOP/s against the device's peak, derivative engines
-# by order, and per-mode peak device memory (fresh process each). Sized for < 8 min on one
-# H200 including compilation (--time-budget stops starting new work after 6 min).
+# GPU check of docs/benchmarks.md ("The GPU case on paper"), < 8 min on one H100/H200 with compilation:
+#  1. the 6x512 LDC step (interior/lid/no-slip 4000/1000/1000) in fp32_highest, bf16, fp16_plain,
+#     fp16_noscale and fp16_scaled_order: XLA's cost on the GPU, the roofline prediction, and the
+#     measured step times and speed-ups over fp32 (python -m benchmarks roofline --time), <= 4 min;
+#  2. the problem matrix at its GPU preset (python -m benchmarks matrix --preset gpu), <= 3 min;
+#     the JSON is written after every problem, so a cut run keeps what it measured.
 # Needs a Python with jax[cuda12] and this checkout installed: pip install -e '.[cuda12]'.
-# Usage: benchmarks/gpu.sh [results.json]   (default: bench_gpu.json; table on stdout)
+# Usage: benchmarks/gpu.sh [DIR]   (default DIR: benchmarks/results; tables on stdout)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT="${1:-bench_gpu.json}"
+DIR="${1:-benchmarks/results}"
+DATE="$(date +%Y-%m-%d)"
 PY="${PYTHON:-python}"
-# No pre-allocation: the memory section's child processes need the GPU while this one holds it,
-# and the device peak they report must be what the step uses, not the pool.
+mkdir -p "$DIR"
+# No pre-allocation: XLA's allocator statistics then show what the steps use, not the pool.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 "$PY" -c 'import jax; assert jax.default_backend() == "gpu", jax.devices()' \
   || { echo "gpu.sh: JAX sees no GPU (install jax[cuda12])" >&2; exit 2; }
-exec "$PY" -m benchmarks --preset gpu --time-budget 360 --out "$OUT"
+"$PY" -c 'import jax; print(jax.devices()[0].device_kind, jax.__version__)'
+status=0
+timeout 240 "$PY" -m benchmarks roofline --time --reps 20 --inner 5 --out "$DIR/roofline-gpu-$DATE.json" \
+  || { echo "gpu.sh: roofline stopped (status $?)" >&2; status=1; }
+timeout 180 "$PY" -m benchmarks matrix --preset gpu --problems unsteady_ns cavity ks poisson1d \
+  --out "$DIR/matrix-gpu-$DATE.json" || { echo "gpu.sh: matrix stopped (status $?)" >&2; status=1; }
+exit "$status"

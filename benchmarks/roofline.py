@@ -46,6 +46,8 @@ LAUNCH_S = 3e-6  # assumed cost of one kernel launch on the device (no CUDA grap
 MODES = ("fp32_highest", "bf16", "fp16_plain", "fp16_noscale", "fp16_scaled_order")
 _DOT = re.compile(r"stablehlo\.dot_general\s[^\n]*?contracting_dims\s*=\s*\[([0-9, ]*)\]\s*x\s*\[[0-9, ]*\]"
                   r"[^\n]*?:\s*\(tensor<([0-9x]+)x(\w+)>,\s*tensor<[0-9x]+x\w+>\)\s*->\s*tensor<([0-9x]+)x\w+>")  # fmt: skip
+_DEF = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = \w+\[([0-9,]*)\]", re.M)
+_OPT_DOT = re.compile(r"= \w+\[([0-9,]*)\]\S* dot\(%?([\w.\-]+), [^)]*\), lhs_contracting_dims=\{([0-9,]*)\}")
 _KERNEL = re.compile(r"^\s+\S+ = \S+ (fusion|dot|custom-call|convolution|reduce|sort|scatter|gather|copy)\(", re.M)
 
 
@@ -73,6 +75,28 @@ def matmul_flops(stablehlo: str) -> Dict[str, Dict[str, float]]:
     return out
 
 
+def _prod(dims: str) -> int:
+    out = 1
+    for v in dims.split(","):
+        if v:
+            out *= int(v)
+    return out
+
+
+def optimised_dot_flops(hlo: str) -> float:
+    """FLOPs of every ``dot`` of an optimised HLO module (``2 * result size * contracted size``):
+    what the compiled program runs, after XLA removed dead and duplicate work."""
+    shapes = {m.group(1): m.group(2) for m in _DEF.finditer(hlo)}
+    total = 0.0
+    for m in _OPT_DOT.finditer(hlo):
+        lhs = [int(v) for v in shapes.get(m.group(2), "").split(",") if v]
+        k = 1
+        for d in (int(v) for v in m.group(3).split(",") if v):
+            k *= lhs[d] if d < len(lhs) else 1
+        total += 2.0 * _prod(m.group(1)) * k
+    return total
+
+
 def analyse(mode: str, size: ldc.LDCSize, params: Any, points: Any) -> Dict[str, Any]:
     """Cost of one LDC train step of ``mode`` on the current backend (compiled once per run,
     shared with :func:`benchmarks.runner.bench_steps`)."""
@@ -81,24 +105,46 @@ def analyse(mode: str, size: ldc.LDCSize, params: Any, points: Any) -> Dict[str,
         lowered = jax.jit(s.step).lower(s.state, s.batch)
     mm = matmul_flops(lowered.as_text())
     cost = timing.cost_of(compiled)
-    mm_flops = sum(v["flops"] for v in mm.values())
-    return {"matmul": mm, "matmul_flops": mm_flops, **cost, "compile_s": compile_s,
-            "other_flops": max(0.0, (cost["flops"] or 0.0) - mm_flops),
-            "kernels": len(_KERNEL.findall(compiled.as_text())),
-            "xla_memory": timing.memory_of(compiled)}  # fmt: skip
+    text = compiled.as_text()
+    # The optimised program's dot FLOPs, split by dtype in the lowered program's proportions
+    # (the CPU compiler computes float16 dots in float32, so the optimised dtypes do not tell).
+    mm_flops = optimised_dot_flops(text)
+    lowered_total = sum(v["flops"] for v in mm.values()) or 1.0
+    for v in mm.values():
+        v["share"] = v["flops"] / lowered_total
+        v["optimised_flops"] = v["share"] * mm_flops
+    return {"matmul": mm, "matmul_flops": mm_flops, "lowered_matmul_flops": lowered_total, **cost,
+            "compile_s": compile_s, "other_flops": max(0.0, (cost["flops"] or 0.0) - mm_flops),
+            "kernels": len(_KERNEL.findall(text)), "xla_memory": timing.memory_of(compiled)}  # fmt: skip
 
 
-def predict(a: Dict[str, Any], mode: str, dev: Dict[str, Any]) -> Dict[str, float]:
-    """Roofline bound and additive estimate (seconds) of one step on a device."""
+def device_bytes(modes: Dict[str, Dict[str, Any]], backend: str) -> Dict[str, float]:
+    """Bytes each mode's step moves on the GPU: XLA's count where the program was compiled for
+    a GPU; else the float32 step's count times the ratio of the mode's dot operand bytes to
+    float32's (the same tensors at their own width: the CPU compiler's float16 programs carry
+    float32 copies of float16 tensors that a GPU program does not)."""
+    ref = modes.get("fp32_highest")
+    out = {}
+    for m, a in modes.items():
+        if backend == "gpu" or ref is None:
+            out[m] = a["bytes_accessed"] or 0.0
+        else:
+            width = sum(v["bytes"] for v in a["matmul"].values()) / sum(v["bytes"] for v in ref["matmul"].values())
+            out[m] = (ref["bytes_accessed"] or 0.0) * width
+    return out
+
+
+def predict(a: Dict[str, Any], mode: str, n_bytes: float, dev: Dict[str, Any]) -> Dict[str, float]:
+    """Roofline bound ``max(compute, memory)`` and additive estimate ``compute + memory +
+    launches`` (seconds) of one step on a device."""
     dt = {"fp32_highest": "f32"}.get(mode)
-    t_mm = sum(v["flops"] / dev["matmul"][dt or k] for k, v in a["matmul"].items())
+    t_mm = sum(v["optimised_flops"] / dev["matmul"][dt or k] for k, v in a["matmul"].items())
     t_vec = a["other_flops"] / dev["vector"]
-    t_mem_xla = (a["bytes_accessed"] or 0.0) / dev["hbm"]
-    t_mem_dots = sum(v["bytes"] for v in a["matmul"].values()) / dev["hbm"]
+    t_mem = n_bytes / dev["hbm"]
     t_launch = a["kernels"] * LAUNCH_S
-    return {"compute_s": t_mm + t_vec, "matmul_s": t_mm, "vector_s": t_vec, "memory_xla_bytes_s": t_mem_xla,
-            "memory_dot_bytes_s": t_mem_dots, "launch_s": t_launch,
-            "roofline_s": max(t_mm + t_vec, t_mem_dots), "additive_s": t_mm + t_vec + t_mem_xla + t_launch}  # fmt: skip
+    return {"bytes": n_bytes, "compute_s": t_mm + t_vec, "matmul_s": t_mm, "vector_s": t_vec, "memory_s": t_mem,
+            "launch_s": t_launch, "roofline_s": max(t_mm + t_vec, t_mem),
+            "additive_s": t_mm + t_vec + t_mem + t_launch}  # fmt: skip
 
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
@@ -122,26 +168,30 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         print(f"analysed {mode}", file=sys.stderr, flush=True)
     res["predictions"] = {}
     ref = "fp32_highest" if "fp32_highest" in res["modes"] else None
+    n_bytes = device_bytes(res["modes"], res["meta"]["backend"])
     for dev_name, dev in DEVICES.items():
-        p = {m: predict(r, m, dev) for m, r in res["modes"].items()}
+        p = {m: predict(r, m, n_bytes[m], dev) for m, r in res["modes"].items()}
         if ref:
             for m in p:
                 p[m]["speedup_roofline_vs_fp32"] = p[ref]["roofline_s"] / p[m]["roofline_s"]
                 p[m]["speedup_additive_vs_fp32"] = p[ref]["additive_s"] / p[m]["additive_s"]
         res["predictions"][dev_name] = p
     print(f"LDC step {a.size} on {res['meta']['backend']} ({res['meta']['device_kind']}): XLA cost analysis")
-    print(f"{'mode':20s} {'matmul GF':>10s} {'dtype':>8s} {'other GF':>9s} {'GB (XLA)':>9s} {'GB (dots)':>9s} {'kernels':>8s}")
+    print(f"{'mode':18s} {'XLA GF':>7s} {'dot GF':>7s} {'dot dtypes':>22s} {'XLA GB':>7s} {'GPU GB':>7s} "
+          f"{'dot GB':>7s} {'kernels':>7s}")  # fmt: skip
     for m, r in res["modes"].items():
-        dts = "+".join(sorted(r["matmul"]))
-        print(f"{m:20s} {r['matmul_flops'] / 1e9:10.2f} {dts:>8s} {r['other_flops'] / 1e9:9.2f} "
-              f"{(r['bytes_accessed'] or 0) / 1e9:9.2f} {sum(v['bytes'] for v in r['matmul'].values()) / 1e9:9.2f} "
-              f"{r['kernels']:8d}")  # fmt: skip
+        dts = " ".join(f"{k}:{v['share']:.2f}" for k, v in sorted(r["matmul"].items()))
+        print(f"{m:18s} {(r['flops'] or 0) / 1e9:7.2f} {r['matmul_flops'] / 1e9:7.2f} {dts:>22s} "
+              f"{(r['bytes_accessed'] or 0) / 1e9:7.2f} {n_bytes[m] / 1e9:7.2f} "
+              f"{sum(v['bytes'] for v in r['matmul'].values()) / 1e9:7.2f} {r['kernels']:7d}")  # fmt: skip
     for dev_name, p in res["predictions"].items():
-        print(f"\n{dev_name}: predicted step ms (roofline max(compute, dot bytes) | additive compute+XLA bytes+launches)"
-              " and speed-up vs fp32_highest")  # fmt: skip
+        print(f"\n{dev_name}, predicted ms: compute, memory, launches ({LAUNCH_S * 1e6:.0f} us each); "
+              "roofline max(compute, memory) | additive sum; speed-up vs fp32_highest")  # fmt: skip
         for m, q in p.items():
-            print(f"  {m:20s} {q['roofline_s'] * 1e3:7.3f} | {q['additive_s'] * 1e3:7.3f}   "
-                  f"x{q.get('speedup_roofline_vs_fp32', float('nan')):.2f} | x{q.get('speedup_additive_vs_fp32', float('nan')):.2f}")
+            print(f"  {m:18s} {q['compute_s'] * 1e3:6.3f} {q['memory_s'] * 1e3:6.3f} {q['launch_s'] * 1e3:6.3f}   "
+                  f"{q['roofline_s'] * 1e3:6.3f} | {q['additive_s'] * 1e3:6.3f}   "
+                  f"x{q.get('speedup_roofline_vs_fp32', float('nan')):.2f} | "
+                  f"x{q.get('speedup_additive_vs_fp32', float('nan')):.2f}")  # fmt: skip
     if a.time:
         res["measured"] = runner.bench_steps(size, a.modes, a.reps, a.inner, res["meta"])
         ref = res["measured"]["modes"].get("fp32_highest")

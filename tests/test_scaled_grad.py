@@ -100,8 +100,8 @@ def test_overflow_and_bad_values_flag_like_the_engine(net):
         assert _flags(our_found) == _flags(found) == expected, case
 
 
-def test_jacrev_inside_and_outside_scaled(net):
-    """NTK-style weights: the Jacobian of per-point residuals w.r.t. the parameters."""
+def test_jacobians_inside_and_outside_scaled(net):
+    """NTK-style weights: the Jacobian of per-point residuals w.r.t. the parameters (jacrev, jacfwd)."""
     amp = jaxamp.AmpConfig()
     fn, u_net, params = net
     engine = _engine(fn, ("u__x__x",), amp)
@@ -111,7 +111,8 @@ def test_jacrev_inside_and_outside_scaled(net):
     expected = jax.jit(jax.jacrev(lambda p: engine(p, pts, scales)[0]["u__x__x"]))(params)
     outside = jax.jit(jax.jacrev(lambda p: dropin.scaled(residual, amp)(scales, p, pts)[0]))(params)
     inside, found = jax.jit(dropin.scaled(lambda p, pts: jax.jacrev(residual)(p, pts), amp))(scales, params, pts)
-    for got in (outside, inside):
+    forward = jax.jit(jax.jacfwd(lambda p: dropin.scaled(residual, amp)(scales, p, pts)[0]))(params)
+    for got in (outside, inside, forward):
         jax.tree_util.tree_map(_close, got, expected)
     assert _flags(found) == {"1": False, "2": False, NONFINITE_VALUES: False}
 

@@ -2,14 +2,15 @@
 ``lax.scan`` chunks, log metrics (JSONL), checkpoint/resume, evaluate and plot.
 
 Workdir layout: ``config.yaml`` (the resolved config), ``metrics.jsonl`` (one record per
-step), ``checkpoints/<step>`` (orbax), ``summary.json`` (relative L2 errors, failure
-steps, timings), ``*.png`` (plots).
+step), ``tensorboard/`` (the same metrics as TensorBoard event files), ``checkpoints/<step>``
+(orbax: the train state and the stall monitor's state), ``train_time.json`` (training
+seconds per checkpoint), ``summary.json`` (relative L2 errors, failure steps, timings, why
+a stalled run stopped), ``*.png`` (plots).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import time
@@ -23,6 +24,9 @@ import optax
 import jaxamp
 from examples.common.config import ConfigError, amp_settings, to_yaml
 from examples.common.problem import Problem, rel_l2
+from examples.common.records import (
+    failure_summary, read_json, read_metrics, record_time, records_of, write_metrics,
+)
 from examples.common.stall import make_monitor, monitored_step, stop_line
 from examples.common.tensorboard import TensorBoardLog, skip_counts
 from jaxamp.models import FullyConnected
@@ -159,33 +163,6 @@ def get_setup(problem_cls: Type[Problem], cfg: Mapping[str, Any]) -> Setup:
     return _SETUPS[key]
 
 
-def read_metrics(path: str, upto: Optional[int] = None) -> List[Dict[str, Any]]:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        recs = [json.loads(line) for line in f if line.strip()]
-    return [r for r in recs if upto is None or r["step"] <= upto]
-
-
-def _write_metrics(path: str, recs: List[Dict[str, Any]], mode: str = "a") -> None:
-    with open(path, mode) as f:
-        for r in recs:
-            f.write(json.dumps(r) + "\n")
-
-
-def _records(first_step: int, metrics: Mapping[str, Any]) -> List[Dict[str, Any]]:
-    host = {k: np.asarray(v) for k, v in metrics.items()}
-    n = len(host["loss"])
-    out = []
-    for i in range(n):
-        rec: Dict[str, Any] = {"step": first_step + i + 1}
-        for k, v in host.items():
-            x = v[i].item()
-            rec[k] = x if not isinstance(x, float) or math.isfinite(x) else str(x)
-        out.append(rec)
-    return out
-
-
 def _check_workdir(workdir: str, cfg: Mapping[str, Any], resume: bool, ckpt: jaxamp.Checkpointer) -> None:
     saved_path = os.path.join(workdir, "config.yaml")
     if ckpt.latest_step() is not None and not resume:
@@ -231,14 +208,14 @@ def train_and_evaluate(
     time_path = os.path.join(workdir, "train_time.json")
     kept: List[Dict[str, Any]] = []
     if resume and ckpt.latest_step() is not None:
-        earlier_s = _read_json(time_path).get(str(ckpt.latest_step()), 0.0)
+        earlier_s = read_json(time_path).get(str(ckpt.latest_step()), 0.0)
         saved = ckpt.restore({"train": state, "monitor": mstate})
         state, mstate = setup.place(saved["train"]), saved["monitor"]
         # Drop records written after the checkpoint (the run died between the two).
         kept = read_metrics(metrics_path, upto=int(state.step))
-        _write_metrics(metrics_path, kept, mode="w")
+        write_metrics(metrics_path, kept, mode="w")
     else:
-        _write_metrics(metrics_path, [], mode="w")
+        write_metrics(metrics_path, [], mode="w")
     step, max_steps = int(state.step), t["max_steps"]
     stalled = stop_line(monitor, mstate, kept[-1], bool(limit)) if kept else None
     warned = False
@@ -249,8 +226,8 @@ def train_and_evaluate(
         next_ckpt = (step // t["checkpoint_every"] + 1) * t["checkpoint_every"]
         n = min(t["chunk_steps"], max_steps - step, next_ckpt - step)
         (state, mstate), metrics = setup.chunk(n, limit)((state, mstate))
-        recs = _records(step, metrics)[: int(state.step) - step]  # none after a stop
-        _write_metrics(metrics_path, recs)
+        recs = records_of(step, metrics)[: int(state.step) - step]  # none after a stop
+        write_metrics(metrics_path, recs)
         if board is not None:
             board.write(recs)
         step = int(state.step)
@@ -258,7 +235,7 @@ def train_and_evaluate(
         stalled = stop_line(monitor, mstate, recs[-1], bool(limit))
         if step % t["checkpoint_every"] == 0 or step == max_steps or stalled:
             ckpt.save({"train": state, "monitor": mstate}, step=step)
-            _record_time(time_path, step, earlier_s + train_s)
+            record_time(time_path, step, earlier_s + train_s)
         if bar is not None:
             bar.update(len(recs))
             bar.set_postfix(_postfix(recs), refresh=False)
@@ -282,21 +259,6 @@ def train_and_evaluate(
     return summary
 
 
-def _record_time(path: str, step: int, seconds: float) -> None:
-    """Training seconds up to each checkpointed step, ``{step: seconds}``, replaced atomically."""
-    times = {**_read_json(path), str(step): seconds}
-    with open(path + ".tmp", "w") as f:
-        json.dump(times, f)
-    os.replace(path + ".tmp", path)
-
-
-def _read_json(path: str) -> Dict[str, Any]:
-    if not os.path.exists(path):
-        return {}
-    with open(path) as f:
-        return json.load(f)
-
-
 def _progress_bar(progress: bool, step: int, max_steps: int, cfg: Mapping[str, Any]):
     if not progress:
         return None
@@ -309,29 +271,6 @@ def _postfix(recs: List[Dict[str, Any]]) -> Dict[str, Any]:
     last = recs[-1]
     out = {"loss": last["loss"], "skipped": sum(bool(r["skipped"]) for r in recs)}
     out.update({"s_" + k.split("/", 1)[1]: last[k] for k in last if k.startswith("scale_log2/")})
-    return out
-
-
-def failure_summary(recs: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """Steps where things went wrong: first non-finite loss, skipped steps, final scales."""
-    def finite(v: Any) -> bool:
-        return not isinstance(v, str) and math.isfinite(v)
-
-    nonfinite = [r["step"] for r in recs if not finite(r["loss"])]
-    skipped = [r["step"] for r in recs if r["skipped"]]
-    out = {
-        "steps": recs[-1]["step"] if recs else 0,
-        "first_nonfinite_loss_step": nonfinite[0] if nonfinite else None,
-        "nonfinite_loss_steps": len(nonfinite),
-        "first_skipped_step": skipped[0] if skipped else None,
-        "skipped_steps": len(skipped),
-        "derivative_overflow_skips": sum(r["skip_reason"] == jaxamp.SKIP_DERIVATIVE_OVERFLOW for r in recs),
-    }
-    if recs:
-        out["final_scale_log2"] = {k.split("/", 1)[1]: recs[-1][k] for k in recs[-1] if k.startswith("scale_log2/")}
-        out["min_scale_log2"] = {
-            k.split("/", 1)[1]: min(r[k] for r in recs) for k in recs[-1] if k.startswith("scale_log2/")
-        }
     return out
 
 

@@ -237,3 +237,26 @@ def test_errors_name_the_problem():
         dropin.grad(lambda x: x, "x")
     with pytest.raises(TypeError, match="`scales`"):
         dropin.scaled(g)([1.0], 2.0)
+
+
+def test_physical_units_fourth_order_overflows_unscaled_and_is_rescued_by_scales():
+    """Domain x 0.02, u__x__x__x__x on a float16 network: with every scale 1 a float16 dot of the
+    nested reverse passes overflows (the cotangents carry (1/0.02)**3); scales 2**-4(k-1) keep
+    every step finite, and the value equals the float32 network's to float16 rounding. (XLA CPU's
+    excess precision is on: the overflow is in a dot's float16 output, which it rounds.)"""
+    c = 0.02
+    _, u16, params = make_net(jaxamp.AmpConfig())
+    _, u32, _ = make_net(jaxamp.AmpConfig(enabled=False))
+    pts = points(8, scale=c)
+
+    def fourth(u):
+        return jax.vmap(nested(lambda p, t, x: u(p, t / c, x / c), "u__x__x__x__x"), (None, 0, 0))
+
+    expected = fourth(u32)(params, pts["t"], pts["x"])
+    run = jax.jit(dropin.scaled(lambda p: fourth(u16)(p, pts["t"], pts["x"])))
+    values, found = run({k: 1.0 for k in "1234"}, params)
+    assert _flags(found) == {"1": False, "2": False, "3": False, "4": True, NONFINITE_VALUES: False}
+    assert not np.all(np.isfinite(values))
+    values, found = run({k: 2.0 ** (-4 * (int(k) - 1)) for k in "1234"}, params)
+    assert not any(_flags(found).values())
+    _close(values, expected, 4e-3)

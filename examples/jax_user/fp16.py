@@ -16,7 +16,6 @@ import argparse
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import jaxamp
 from jaxamp import dropin
@@ -85,7 +84,7 @@ def main(argv=None):
     optimizer = optax.chain(optax.adam(schedule))
     opt_state = optimizer.init(params)
     weights = {"res": 1.0, "ic": 1.0, "bc": 1.0}
-    scalers = jaxamp.Scalers.create(amp, dropin.scaler_keys(loss_fn, amp)(params, weights, sample(jax.random.PRNGKey(0))))
+    scalers = jaxamp.Scalers.create(amp, dropin.scaler_keys(losses, amp)(params, sample(jax.random.PRNGKey(0))))
 
     @jax.jit
     def update_weights(params, weights, batch, scales):

@@ -16,7 +16,6 @@ import argparse
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, List, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -124,7 +124,9 @@ def grad(
             _stack().pop()
         order, term = found["order"], found["term"]
         inv = jnp.float32(1.0) / s
-        check = lambda d: deriv_check(d, value, order=order, term=term) if jnp.issubdtype(d.dtype, jnp.inexact) else d  # noqa: E731
+        def check(d):  # float0 gradients (allow_int) are not checked
+            return deriv_check(d, value, order=order, term=term) if jnp.issubdtype(d.dtype, jnp.inexact) else d
+
         grads = jax.tree_util.tree_map(lambda d: _unscale(check(d), inv), grads)
         if _stack():
             parent = _stack()[-1]

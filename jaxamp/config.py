@@ -27,6 +27,8 @@ DERIVATIVE_SCALER_KEYS = (
     "min_scale",
 )
 LOSS_SCALER_KEYS = DERIVATIVE_SCALER_KEYS + ("max_scale",)
+# DynamicScaler's field defaults (the derivative scalers' defaults).
+_DERIVATIVE_DEFAULTS = MappingProxyType({f.name: f.default for f in dataclasses.fields(DynamicScaler)})
 # float32's exponent range: a max scale of 2**k must be a normal, finite float32.
 _LOG2_RANGE = (-126, 127)
 
@@ -196,9 +198,19 @@ class AmpConfig:
 
         Returns:
           :class:`~jaxamp.DynamicScaler` with the ``derivative_scaler`` overrides and the key's
-          max scale ``2**max_scale_log2(key)``.
+          max scale ``2**max_scale_log2(key)``. A key whose max scale is below the default
+          ``init_scale`` (1) or ``recover_threshold`` (2^-6), e.g. ``custom_max_scales_log2={2: -9}``,
+          starts at its max scale and recovers below it: each is capped at the max scale,
+          unless ``derivative_scaler`` sets it explicitly (then a value above the max is an error).
+
+        Example:
+          >>> rule = AmpConfig(custom_max_scales_log2={2: -9}).derivative_scaler_for("2")
+          >>> rule.init_scale == rule.recover_threshold == rule.max_scale == 2.0**-9
+          True
         """
-        return DynamicScaler(max_scale=2.0 ** self.max_scale_log2(key), **self.derivative_scaler)
+        max_scale = 2.0 ** self.max_scale_log2(key)
+        capped = {name: min(_DERIVATIVE_DEFAULTS[name], max_scale) for name in ("init_scale", "recover_threshold")}
+        return DynamicScaler(max_scale=max_scale, **{**capped, **self.derivative_scaler})
 
     def make_loss_scaler(self) -> DynamicScaler:
         """The weight-gradient loss scaler rule (its defaults with ``loss_scaler``'s overrides)."""

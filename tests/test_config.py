@@ -49,7 +49,8 @@ def test_from_yaml_with_amp_section(tmp_path):
         ({"default_max_scale_log2": 500}, "integer exponent in [-126, 127]"),
         ({"custom_max_scales_log2": {0: 2}}, "an order >= 1"),
         ({"custom_max_scales_log2": {2: "big"}}, "custom_max_scales_log2[2]='big'"),
-        ({"custom_max_scales_log2": {2: -3}}, "amp.derivative_scaler.init_scale=1.0 must not exceed "
+        ({"custom_max_scales_log2": {2: -3}, "derivative_scaler": {"init_scale": 1.0}},
+         "amp.derivative_scaler.init_scale=1.0 must not exceed "
          "amp.derivative_scaler.max_scale=0.125; raise max_scale or lower init_scale (max_scale = "
          "2**amp.custom_max_scales_log2['2'])."),
         ({"special_terms": "nu"}, "amp.special_terms='nu'"),
@@ -70,6 +71,43 @@ def test_bad_values_are_rejected_with_key_value_and_rule(values, fragment):
     with pytest.raises(ConfigError) as e:
         AmpConfig.from_dict(values)
     assert fragment in str(e.value)
+
+
+def test_a_negative_max_scale_caps_the_default_init_scale_and_recover_threshold():
+    c = AmpConfig(custom_max_scales_log2={2: -9, "nu": -3})
+    two, nu, one = (c.derivative_scaler_for(k) for k in ("2", "nu", "1"))
+    assert two.init_scale == two.recover_threshold == two.max_scale == 2.0**-9
+    assert (nu.init_scale, nu.recover_threshold, nu.max_scale) == (2.0**-3, 2.0**-6, 2.0**-3)
+    assert (one.init_scale, one.recover_threshold, one.max_scale) == (1.0, 2.0**-6, 1.0)  # untouched
+    scalers = jaxamp.Scalers.create(c, ["1", "2"])
+    assert float(scalers["2"].scale) == 2.0**-9 and float(scalers["1"].scale) == 1.0
+    # a clean step at the cap stays there; a backoff halves; recover mode grows back to the cap
+    rule = two
+    state = rule.update(rule.init(), True)
+    assert float(state.scale) == 2.0**-10
+    for _ in range(rule.recover_growth_interval):
+        state = rule.update(state, False)
+    assert float(state.scale) == 2.0**-9
+    # the default key follows the same rule, and the config round-trips
+    d = AmpConfig(default_max_scale_log2=-2).derivative_scaler_for("1")
+    assert (d.init_scale, d.recover_threshold) == (0.25, 2.0**-6)
+    assert AmpConfig.from_dict(c.to_dict()) == c
+
+
+@pytest.mark.parametrize("name, value", [("init_scale", 1.0), ("recover_threshold", 2.0**-6)])
+def test_an_explicit_value_above_a_negative_max_scale_is_still_an_error(name, value):
+    with pytest.raises(ConfigError) as e:
+        AmpConfig(custom_max_scales_log2={2: -9}, derivative_scaler={name: value})
+    assert f"amp.derivative_scaler.{name}={value!r} must not exceed amp.derivative_scaler.max_scale=0.001953125" in str(
+        e.value) and "custom_max_scales_log2['2']" in str(e.value)
+
+
+def test_explicit_values_below_a_negative_max_scale_are_kept():
+    c = AmpConfig(custom_max_scales_log2={2: -9}, derivative_scaler={"init_scale": 2.0**-12, "recover_threshold": 2.0**-11})
+    rule = c.derivative_scaler_for("2")
+    assert (rule.init_scale, rule.recover_threshold, rule.max_scale) == (2.0**-12, 2.0**-11, 2.0**-9)
+    # an explicit init_scale applies to every key
+    assert c.derivative_scaler_for("1").init_scale == 2.0**-12
 
 
 def test_not_a_mapping():

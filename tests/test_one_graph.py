@@ -2,22 +2,28 @@
 
 A worker (:mod:`tests.helpers.one_graph`) runs in a subprocess with
 ``XLA_FLAGS=--xla_allow_excess_precision=false`` set before JAX initialises, so that every
-float16 operation rounds to float16. For jaxamp's default placement (``AmpConfig()``) and an
-all-float16 one (``autocast_activation`` and ``autocast_firstlayer``), a 3x32 tanh network, 32
-points in [-1, 1]^d, the cavity's derivatives (u, v, p of x, y to order 2, one mixed) and a
-4th-order pure derivative, with the forward and the reverse engine:
+float16 operation rounds to float16. Cases: jaxamp's default placement (``AmpConfig()``) and
+an all-float16 one (``autocast_activation`` and ``autocast_firstlayer``); a 3x32 tanh network,
+32 points in [-1, 1]^d; the cavity's derivatives (u, v, p of x, y to order 2, one mixed) and a
+4th-order pure derivative; the forward and the reverse engine; a loss ``2^12 * sum(mean(v^2))``
+(the factor keeps the backward pass's float16 cotangents normal, as a loss scaler does).
 
-- every scale 1: derivative values and weight gradients (``jax.grad`` of a loss of the
-  values) are bit-identical to the unscaled engine's;
-- every scale 2^-1 .. 2^-4 (nothing overflows or leaves float16's normal range there):
-  bit-identical after unscaling, since binary scaling commutes with rounding;
+What holds (measured; asserted below):
+
+- every scale 1, both engines, both placements, both problems: derivative values and weight
+  gradients (``jax.grad`` of the loss) bit-identical to the unscaled engine's;
 - ``make_train_step`` with ``AmpConfig()`` (derivative scales 1) and with
   ``AmpConfig(derivative_scaling=False)``: params, optimizer state and loss bit-identical over
-  3 steps.
+  3 steps, both placements;
+- every scale 2^k, k in {-1, 1, 2}, forward engine: derivative values bit-identical after
+  unscaling in both placements; weight gradients bit-identical in the default placement (both
+  problems) and for the 4th-order problem all-float16. Not asserted (measured): the all-float16
+  cavity's weight gradients differ in 32-884 of 2403 entries, and at 2^-2 one derivative value
+  differs (float16 subnormals: binary scaling commutes with rounding for normal numbers only);
+  the reverse engine's values differ in 1-15 entries at 2^k != 1.
 
-With XLA's default flags (excess precision allowed) the same cases were measured identical as
-well (:func:`test_what_holds_with_default_xla_flags`): both engines compile to the same graph,
-so XLA makes the same fusion and precision choices in both.
+With XLA's default flags (excess precision allowed) see :func:`test_what_holds_with_default_xla_flags`
+(``-m slow``): at scale 1 both engines compile to the same graph, so the same cases hold.
 """
 
 import json
@@ -49,17 +55,24 @@ def engine_cases(results):
 
 def test_every_case_ran(strict):
     cases = engine_cases(strict)
-    assert len(cases) == 2 * 2 * 2 * 5  # methods x placements x problems x scales
+    assert len(cases) == 2 * 2 * 2 * 4  # methods x placements x problems x scales
     for name, case in cases.items():  # the comparison is not vacuous: finite values, nothing flagged
         assert case["finite"] and case["flagged"] == [] and case["n_grads"] > 0, name
 
 
-@pytest.mark.parametrize("log2_scale", [0, -1, -2, -3, -4])
-def test_scaled_engine_is_bit_identical_to_unscaled(strict, log2_scale):
-    cases = {k: v for k, v in engine_cases(strict).items() if k.endswith(f"/{log2_scale}")}
-    assert cases
-    diffs = {k: (v["values_diff"], v["grads_diff"]) for k, v in cases.items() if v["values_diff"] or v["grads_diff"]}
-    assert diffs == {}
+def test_scales_one_are_bit_identical_to_unscaled(strict):
+    cases = {k: v for k, v in engine_cases(strict).items() if k.endswith("/0")}
+    assert len(cases) == 8
+    assert {k: (v["values_diff"], v["grads_diff"]) for k, v in cases.items() if v["values_diff"] or v["grads_diff"]} == {}
+
+
+@pytest.mark.parametrize("log2_scale", [-1, 1, 2])
+def test_binary_scales_are_bit_identical_after_unscaling(strict, log2_scale):
+    cases = {k: v for k, v in engine_cases(strict).items() if k.startswith("forward/") and k.endswith(f"/{log2_scale}")}
+    assert len(cases) == 4
+    values = {k: v["values_diff"] for k, v in cases.items() if v["values_diff"]}
+    grads = {k: v["grads_diff"] for k, v in cases.items() if v["grads_diff"] and "fp16/cavity" not in k}
+    assert values == {} and grads == {}
 
 
 @pytest.mark.parametrize("placement", ["default", "fp16"])
@@ -72,8 +85,8 @@ def test_train_step_with_scales_one_is_bit_identical_to_no_derivative_scaling(st
 @pytest.mark.slow
 def test_what_holds_with_default_xla_flags():
     default = run_worker("")
-    diffs = {k: v for k, v in engine_cases(default).items() if v["values_diff"] or v["grads_diff"]}
-    assert diffs == {}
+    at_one = {k: v for k, v in engine_cases(default).items() if k.endswith("/0") and (v["values_diff"] or v["grads_diff"])}
+    assert at_one == {}
     for placement in ("default", "fp16"):
         case = default[f"train/{placement}"]
         assert (case["params_diff"], case["opt_state_diff"], case["loss_diff"]) == (0, 0, 0), case

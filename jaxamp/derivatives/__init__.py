@@ -132,6 +132,9 @@ class Derivatives:
         """
         x = self.stack_points(points)
         step_scales = self.check_scales(scales)
+        if step_scales:  # one opaque vector: XLA sees the same graph for any scale values
+            stacked = jax.lax.optimization_barrier(jnp.stack(list(step_scales.values())))
+            step_scales = {k: stacked[i] for i, k in enumerate(step_scales)}
         weights = self._weights(x) if self.mask_nonfinite_points else None
         if weights is not None:
             x = jnp.where(weights[:, None] > 0, x, jnp.zeros_like(x))  # a finite stand-in
@@ -165,15 +168,12 @@ class Derivatives:
     def check_scales(self, scales: Optional[Mapping[str, jax.Array]]) -> Dict[str, jax.Array]:
         """``{step key: f32[]}`` for the plan's steps, or an error naming what is missing.
 
-        Unscaled engines get scale 1 for every step behind an optimisation barrier, so XLA
-        compiles the scaled graph: values and weight gradients are bit-identical to a scaled
-        engine's at scale 1.
+        Unscaled engines get scale 1 for every step; :meth:`__call__` passes the scales through
+        one optimisation barrier, so XLA compiles the scaled graph for both: values and weight
+        gradients are bit-identical to a scaled engine's at scale 1.
         """
         if not self.scaled:
-            if not self.plan.step_keys:
-                return {}
-            return dict(zip(self.plan.step_keys, jax.lax.optimization_barrier(
-                tuple(jnp.float32(1.0) for _ in self.plan.step_keys))))  # fmt: skip
+            return {k: jnp.float32(1.0) for k in self.plan.step_keys}
         if scales is None:
             raise ValueError(
                 f"Derivatives: `scales` is required when float16 derivative scaling is on; pass "

@@ -15,7 +15,9 @@ propagates ``K`` chains, the Taylor coefficients of orders ``1..K`` of every var
 :func:`series` is the pure derivatives of orders ``1..K``; :func:`second_order` is the same
 propagation for ``K = 2`` parametrised by the ratio of nested ``jax.jvp``'s two seeds. There
 is one implementation of the pure second order: ``series(order=2)`` and ``second_order``
-build the same rule, and float16 primitives rescale their tangents by powers of two in both.
+build the same rule and compile to the same program (float32 primitives scale the product
+``d2f[t, t]`` after it; float16 primitives rescale both tangents by powers of two before it,
+as at every order), so the forward engine may use either.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ def series(f: Callable[[jax.Array], jax.Array], x: jax.Array, direction: jax.Arr
 
 
 def second_order(f: Callable[[jax.Array], jax.Array], x: jax.Array, tangent: jax.Array,
-                 ratio: Union[None, jax.Array, Sequence[jax.Array]]) -> Tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
+                 ratio: Union[None, jax.Array, Sequence[jax.Array]]) -> Tuple[jax.Array, ...]:
     """``f(x)``, ``df[t]`` and ``d2f[t, ratio * t]`` with ``t = tangent``: :func:`series` of
     order 2 for a tangent that already carries ``S_1`` and the ratio ``S_2 / S_1**2``.
 

@@ -5,7 +5,8 @@ and ``terms/<term>``, ``scale_log2/<key>`` for every scaler (``loss``, ``1``, ``
 names), ``found_inf/<key>``, ``grad_norm``, ``skipped``, ``skip_reason`` and any other field
 the train step reports. Skip reasons are also counted by name, ``skips/<reason>`` (the
 running number of steps skipped for that reason). At the end of a run with plots, the
-derivative ranges of :func:`jaxamp.profile.profile` are added under ``profile/``. View with
+derivative ranges of :func:`jaxamp.profile.profile` are added under ``profile/``, and a
+histogram of each derivative's log2 magnitudes under ``log2_abs/``. View with
 ``tensorboard --logdir <workdir>/tensorboard``.
 """
 
@@ -15,6 +16,8 @@ import logging
 import math
 import os
 from typing import Any, Dict, Iterable, Mapping
+
+import numpy as np
 
 import jaxamp
 
@@ -75,13 +78,20 @@ class TensorBoardLog:
                 self.writer.add_scalar(f"skips/{name}", n, step)
         self.writer.flush()
 
-    def write_profile(self, step: int, prof: Any) -> None:
-        """The ranges of a :class:`jaxamp.profile.Profile` as scalars at ``step``:
-        ``profile/<derivative or scaler key>/{log2_max,headroom_up,headroom_down}``."""
+    def write_profile(self, step: int, prof: Any, scaled: Mapping[str, Any]) -> None:
+        """A derivative profile at ``step``: the ranges of a :class:`jaxamp.profile.Profile` as
+        scalars, ``profile/<derivative or scaler_<key>>/{log2_max,headroom_up,headroom_down}``,
+        and a histogram of ``log2 |value|`` per derivative, ``log2_abs/<derivative>``, from its
+        values times its key's scale (``scaled``; zeros and non-finite values left out)."""
         groups = {**prof.derivatives, **{f"scaler_{k}": r for k, r in prof.keys.items()}}
         for name, r in groups.items():
             for field in ("log2_max", "headroom_up", "headroom_down"):
                 self.writer.add_scalar(f"profile/{name}/{field}", float(getattr(r, field)), step)
+        for name, values in scaled.items():
+            mags = np.abs(np.asarray(values, np.float64)).ravel()
+            mags = mags[np.isfinite(mags) & (mags > 0)]
+            if mags.size:
+                self.writer.add_histogram(f"log2_abs/{name}", np.log2(mags), step)
         self.writer.flush()
 
     def close(self) -> None:

@@ -138,14 +138,24 @@ class Setup:
         return self._chunks[key]
 
     def profile(self, state: jaxamp.TrainState):
-        """Where the derivatives of the next batch sit in float16's window, with the state's
-        parameters and scales (:func:`jaxamp.profile.profile`, every batch part together)."""
+        """``(profile, scaled)`` of the next batch (every part together) with the state's
+        parameters and scales: where each derivative sits in float16's window
+        (:func:`jaxamp.profile.profile`), and each derivative's values times its key's scale
+        (``{name: np.ndarray}``), as float16 holds them."""
         from jaxamp.profile import profile
 
         parts = self.problem.sample(jax.random.fold_in(self.sample_key, state.step)).values()
         points = {name: jnp.concatenate([part[name] for part in parts]) for name in self.problem.inputs}
         scales = {key: s.scale for key, s in state.deriv_scales.items()}
-        return profile(self.engines[0], state.params, points, scales)
+        engine = self.engines[0]
+        values, _ = engine(state.params, points, scales)
+        scaled = {}
+        for name, v in values.items():
+            if name in engine.outputs:
+                continue
+            key = engine.scaler_key(name.rsplit("__", 1)[0]) if engine.scaler_keys else None
+            scaled[name] = np.asarray(v) * float(scales[key] if key is not None else 1.0)
+        return profile(engine, state.params, points, scales), scaled
 
     def predict(self, params, points: np.ndarray) -> np.ndarray:
         f = jax.jit(jax.vmap(lambda x: self.model.apply(params, x)))
@@ -250,10 +260,10 @@ def train_and_evaluate(
     if plots and cfg["eval"]["profile"]:  # the final derivative ranges: a plot, and scalars
         from examples.common import plots as P
 
-        prof = setup.profile(state)
+        prof, scaled = setup.profile(state)
         P.plot_profile(workdir, prof)
         if board is not None:
-            board.write_profile(step, prof)
+            board.write_profile(step, prof, scaled)
     if board is not None:
         board.close()
     return summary

@@ -18,6 +18,12 @@ def scalars(logdir):
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
+def histograms(logdir):
+    acc = event_accumulator.EventAccumulator(str(logdir), size_guidance={event_accumulator.HISTOGRAMS: 0})
+    acc.Reload()
+    return {tag: [(e.step, e.histogram_value) for e in acc.Histograms(tag)] for tag in acc.Tags()["histograms"]}
+
+
 def test_event_files_hold_every_metric_of_every_step(tmp_path):
     # Derivative scales start at 2**30: the scaled derivatives overflow float16 at once, so
     # the first steps are skipped (and counted under skips/<reason>).
@@ -45,13 +51,21 @@ def test_event_files_hold_every_metric_of_every_step(tmp_path):
 
 
 def test_resume_drops_the_dead_runs_later_events(tmp_path):
-    """A run stopped at step 2 and resumed to 4 reads back as one run of 4 steps."""
+    """A run stopped at step 2 and resumed to 4 reads back as one run of 4 steps, with the
+    final derivative profile's histograms."""
     train_and_evaluate(Burgers, tiny(Burgers, "fp32", 2), str(tmp_path), progress=False, plots=False)
-    train_and_evaluate(Burgers, tiny(Burgers, "fp32", 4), str(tmp_path), resume=True, progress=False, plots=False)
+    train_and_evaluate(Burgers, tiny(Burgers, "fp32", 4), str(tmp_path), resume=True, progress=False)
     recs = read(tmp_path / "metrics.jsonl")
-    loss = scalars(tmp_path / "tensorboard")["loss"]
-    assert [s for s, _ in loss] == [1, 2, 3, 4]
-    assert [v for _, v in loss] == pytest.approx([r["loss"] for r in recs], rel=1e-6)
+    tb = scalars(tmp_path / "tensorboard")
+    assert [s for s, _ in tb["loss"]] == [1, 2, 3, 4]
+    assert [v for _, v in tb["loss"]] == pytest.approx([r["loss"] for r in recs], rel=1e-6)
+    hist = histograms(tmp_path / "tensorboard")
+    assert set(hist) == {"log2_abs/u__t", "log2_abs/u__x", "log2_abs/u__x__x"}
+    step, value = hist["log2_abs/u__x__x"][0]
+    # One value per point of the batch (8 initial, 8 boundary, 16 interior); the largest is
+    # the profile's (the same points and network, unscaled in fp32).
+    assert step == 4 and value.num == 8 + 8 + 16
+    assert value.max == pytest.approx(tb["profile/u__x__x/log2_max"][0][1], abs=1e-3)
 
 
 def test_tensorboard_off_writes_no_event_files(tmp_path):

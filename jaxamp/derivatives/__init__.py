@@ -20,7 +20,7 @@ traced: scales come in as arrays, flags come out as arrays, so the engine runs i
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Mapping, Optional, Tuple, Union
+from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -78,8 +78,9 @@ class Derivatives:
       (['u', 'u__x', 'u__x__x'], ['1', '2', 'nonfinite_values'])
     """
 
-    def __init__(self, fn: PointFn, *, inputs, outputs, derivatives, amp: Optional[AmpConfig] = None,
-                 method: Union[str, PointEngine] = "forward", mask_nonfinite_points: bool = False) -> None:  # fmt: skip
+    def __init__(self, fn: PointFn, *, inputs: Sequence[str], outputs: Sequence[str], derivatives: Sequence[str],
+                 amp: Optional[AmpConfig] = None, method: Union[str, PointEngine] = "forward",
+                 mask_nonfinite_points: bool = False) -> None:  # fmt: skip
         if not (callable(method) or method in ENGINES):
             raise ValueError(
                 f"Derivatives: `method`={method!r} is not supported: expected one of {list(ENGINES)} "

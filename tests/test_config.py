@@ -103,7 +103,8 @@ def test_an_explicit_value_above_a_negative_max_scale_is_still_an_error(name, va
 
 
 def test_explicit_values_below_a_negative_max_scale_are_kept():
-    c = AmpConfig(custom_max_scales_log2={2: -9}, derivative_scaler={"init_scale": 2.0**-12, "recover_threshold": 2.0**-11})
+    explicit = {"init_scale": 2.0**-12, "recover_threshold": 2.0**-11}
+    c = AmpConfig(custom_max_scales_log2={2: -9}, derivative_scaler=explicit)
     rule = c.derivative_scaler_for("2")
     assert (rule.init_scale, rule.recover_threshold, rule.max_scale) == (2.0**-12, 2.0**-11, 2.0**-9)
     # an explicit init_scale applies to every key

@@ -15,6 +15,7 @@ import sys
 import numpy as np
 import pytest
 
+import jaxamp
 from benchmarks import soak
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,6 +38,10 @@ def assert_soak_holds(proc, figures, steps):
     assert figures["skipped_bit_identical_pct"] == 100.0
     assert figures["nan_skipped_as_bad_values_pct"] == 100.0 and figures["nan_steps_scalers_unchanged_pct"] == 100.0
     assert figures["overflow_skipped_as_overflow_pct"] == 100.0  # real overflows, seen by the engine
+    assert figures["overflow_steps_flagging_key"]["2"] == figures["overflow_steps"]
+    assert figures["clean_steps_flagging_a_key"] == 0
+    # a clean step is skipped only by the loss scaler (float16 weight gradients), never for values
+    assert set(figures["clean_skip_reasons"]) <= {str(jaxamp.SKIP_NONFINITE_GRADS)}
     assert min(figures["scale_log2_min_faulty"].values()) < 0  # the overflows did back a scaler off
     for key in soak.KEYS:
         assert abs(figures["scale_log2_faulty"][key] - figures["scale_log2_fault_free"][key]) <= 1.0

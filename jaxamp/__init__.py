@@ -9,13 +9,17 @@ Public API (docs/algorithm.md describes the algorithm):
                 (skip reasons APPLIED, SKIP_NONFINITE_VALUES, SKIP_DERIVATIVE_OVERFLOW, SKIP_NONFINITE_GRADS)
   training:     TrainState, make_train_step
   run safety:   Checkpointer, StallMonitor
+  drop-in:      grad, scaled (jaxamp.grad on existing jax.grad code), autocast (placement for any network)
+  range:        jaxamp.profile (profile, recommend: where every derivative sits in float16's window)
   modules:      jaxamp.models (FullyConnected, FourierNet), jaxamp.parallel (make_mesh, shard_batch, ...)
 """
 
-from jaxamp import models, parallel
+from jaxamp import dropin, models, parallel, profile
+from jaxamp.autocast import autocast
 from jaxamp.checkpoint import Checkpointer
 from jaxamp.config import AmpConfig, ConfigError
 from jaxamp.derivatives import Derivatives
+from jaxamp.dropin import grad, scaled
 from jaxamp.monitor import StallMonitor
 from jaxamp.scaler import DynamicScaler, Scalers, ScaleState
 from jaxamp.step import (
@@ -51,6 +55,11 @@ __all__ = [
     "make_train_step",
     "Checkpointer",
     "StallMonitor",
+    "grad",
+    "scaled",
+    "autocast",
+    "dropin",
+    "profile",
     "models",
     "parallel",
 ]

@@ -124,7 +124,7 @@ CASES = [
      ["amp.loss_scaler.max_scale", "inf", "a finite number > 0"]),
     ("amp.interval_type", lambda: AmpConfig(loss_scaler={"growth_interval": "10"}), ConfigError,
      ["amp.loss_scaler.growth_interval", "'10'", "a positive integer"]),
-    ("amp.custom_max_below_init", lambda: AmpConfig(custom_max_scales_log2={2: -3}), ConfigError,
+    ("amp.custom_max_below_init", lambda: AmpConfig(custom_max_scales_log2={2: -3}, derivative_scaler={"init_scale": 1.0}), ConfigError,
      ["amp.derivative_scaler.init_scale", "1.0", "max_scale=0.125", "custom_max_scales_log2['2']"]),
     ("from_dict.unknown_key", lambda: AmpConfig.from_dict({"precision": "fp16"}), ConfigError,
      ["unknown key(s) ['precision']", "allowed keys are"]),

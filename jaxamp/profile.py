@@ -211,6 +211,20 @@ class Recommendation(NamedTuple):
     custom_max_scales_log2: Dict[str, int]
     margin_log2: int
 
+    def apply(self, amp):
+        """``amp`` with these max scales added to its ``custom_max_scales_log2``: every key then
+        starts at its recommended scale (a key whose max lies below the default init scale
+        starts at its max) and never grows past it.
+
+        Example:
+          >>> amp = recommend(profile(engine, params, points)).apply(amp)  # doctest: +SKIP
+        """
+        import dataclasses
+
+        custom = dict(amp.custom_max_scales_log2)
+        custom.update(self.custom_max_scales_log2)
+        return dataclasses.replace(amp, custom_max_scales_log2=custom)
+
     def to_yaml(self) -> str:
         """An ``amp:`` block to paste into a config."""
         items = sorted(self.custom_max_scales_log2.items())

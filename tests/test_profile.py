@@ -136,3 +136,13 @@ def test_recommended_scales_remove_a_crafted_overflow():
                          timeout=300, check=True).stdout.split()
     assert out[:2] == ["True", "False"], out
     assert int(out[2]) < 0
+
+
+def test_recommendation_applied_to_amp_starts_each_key_at_its_scale():
+    prof = profile(_engine(_sine(300.0), jaxamp.AmpConfig()), {"a": jnp.float32(1.0)}, POINTS)
+    rec = recommend(prof)
+    amp = rec.apply(jaxamp.AmpConfig())
+    scalers = jaxamp.Scalers.create(amp, ["1", "2"])
+    assert float(scalers["2"].scale) == 2.0 ** rec.scales_log2["2"] < 1.0
+    assert float(scalers["1"].scale) == 1.0
+    assert amp.custom_max_scales_log2["2"] == rec.scales_log2["2"]

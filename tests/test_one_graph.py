@@ -15,15 +15,16 @@ What holds (measured; asserted below):
 - ``make_train_step`` with ``AmpConfig()`` (derivative scales 1) and with
   ``AmpConfig(derivative_scaling=False)``: params, optimizer state and loss bit-identical over
   3 steps, both placements;
-- every scale 2^k, k in {-1, 1, 2}, forward engine: derivative values bit-identical after
-  unscaling in both placements; weight gradients bit-identical in the default placement (both
-  problems) and for the 4th-order problem all-float16. Not asserted (measured): the all-float16
-  cavity's weight gradients differ in 32-884 of 2403 entries, and at 2^-2 one derivative value
-  differs (float16 subnormals: binary scaling commutes with rounding for normal numbers only);
-  the reverse engine's values differ in 1-15 entries at 2^k != 1.
+- every scale 2^k, k in {-1, 1, 2}, forward engine: derivative values and weight gradients
+  bit-identical after unscaling in the default placement (both problems) and for the
+  4th-order problem all-float16. Not asserted (measured): the all-float16 cavity's weight
+  gradients differ in 65-884 of 2403 entries and one of its 448 values differs at 2^-1
+  (float16 subnormals: binary scaling commutes with rounding for normal numbers only); the
+  reverse engine's values differ in 1-15 entries at 2^k != 1.
 
-With XLA's default flags (excess precision allowed) see :func:`test_what_holds_with_default_xla_flags`
-(``-m slow``): at scale 1 both engines compile to the same graph, so the same cases hold.
+With XLA's default flags (excess precision allowed; :func:`test_what_holds_with_default_xla_flags`,
+``-m slow``), measured: the same as above, case by case (scale 1: everything bit-identical,
+train step included; 2^k: the same cases identical, the same all-float16 cavity differences).
 """
 
 import json
@@ -70,8 +71,9 @@ def test_scales_one_are_bit_identical_to_unscaled(strict):
 def test_binary_scales_are_bit_identical_after_unscaling(strict, log2_scale):
     cases = {k: v for k, v in engine_cases(strict).items() if k.startswith("forward/") and k.endswith(f"/{log2_scale}")}
     assert len(cases) == 4
-    values = {k: v["values_diff"] for k, v in cases.items() if v["values_diff"]}
-    grads = {k: v["grads_diff"] for k, v in cases.items() if v["grads_diff"] and "fp16/cavity" not in k}
+    measured_off = "fp16/cavity"  # float16 subnormals (see the module docstring)
+    values = {k: v["values_diff"] for k, v in cases.items() if v["values_diff"] and not (measured_off in k and log2_scale < 0)}
+    grads = {k: v["grads_diff"] for k, v in cases.items() if v["grads_diff"] and measured_off not in k}
     assert values == {} and grads == {}
 
 

@@ -91,15 +91,16 @@ def _engines(amp, derivatives, kinds):
     return params, {k: jax.jit(E.make_engine(k, fn, **kw).__call__) for k in kinds}
 
 
-# Every engine and every scaler mode once in the fast suite, the other pairs in the slow run
-# (each case compiles two engines).
+# Each benchmark-only engine and each scaler mode once in the fast suite, the other pairs in
+# the slow run (each case compiles two engines; "forward" is jaxamp.Derivatives' own engine,
+# checked against reverse in test_derivatives).
 _SLOW = pytest.mark.slow
 
 
 @pytest.mark.parametrize("kind, mode", [
-    ("forward", "per_order_scaler"),
     ("fwd_nested", "per_term_scaler"),
     ("fwd_over_rev", "per_order_scaler"),
+    pytest.param("forward", "per_order_scaler", marks=_SLOW),
     pytest.param("forward", "per_term_scaler", marks=_SLOW),
     pytest.param("fwd_nested", "per_order_scaler", marks=_SLOW),
     pytest.param("fwd_over_rev", "per_term_scaler", marks=_SLOW),

@@ -50,9 +50,11 @@ def test_event_files_hold_every_metric_of_every_step(tmp_path):
         assert counted == [sum(r["skip_reason"] == code for r in recs[:i]) for i in range(1, 5)], name
 
 
+@pytest.mark.slow
 def test_resume_drops_the_dead_runs_later_events(tmp_path):
     """A run stopped at step 2 and resumed to 4 reads back as one run of 4 steps, with the
-    final derivative profile's histograms."""
+    final derivative profile's histograms. Slow: two end-to-end runs (the fast suite writes
+    and reads back one, test_event_files_hold_every_metric_of_every_step)."""
     train_and_evaluate(Burgers, tiny(Burgers, "fp32", 2), str(tmp_path), progress=False, plots=False)
     train_and_evaluate(Burgers, tiny(Burgers, "fp32", 4), str(tmp_path), resume=True, progress=False)
     recs = read(tmp_path / "metrics.jsonl")

@@ -83,8 +83,13 @@ def amp_of(firstlayer=False, activation=False, dtype="float16"):
     return AmpConfig(dtype=dtype, autocast_firstlayer=firstlayer, autocast_activation=activation)
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("dense_dtype", [None, jnp.float32])
+SLOW = pytest.mark.slow  # further variants of a property that a fast variant checks
+
+
+@pytest.mark.parametrize("dtype, dense_dtype", [
+    ("float16", None), ("bfloat16", jnp.float32),
+    pytest.param("bfloat16", None, marks=SLOW), pytest.param("float16", jnp.float32, marks=SLOW),
+])
 def test_dots_in_compute_dtype_except_features_and_first_layer(dtype, dense_dtype):
     model, params, x = UserMLP(True, dense_dtype), user_params(True), points()
     plain = walk(jax.make_jaxpr(model.apply)(params, x).jaxpr, "dot_general")
@@ -123,10 +128,14 @@ def test_flags_change_placement(firstlayer, activation):
     assert walk(jaxpr, "tanh") == [first_act] + [(F16,) if activation else (F32,)] * (DEPTH - 1)
 
 
+BITWISE_FAST = [(False, *FLAGS[0], "float16"), (True, *FLAGS[3], "float16"), (True, *FLAGS[0], "bfloat16")]
+BITWISE = [(f, *flags, "float16") for f in (False, True) for flags in FLAGS] + [
+    (True, *flags, "bfloat16") for flags in (FLAGS[0], FLAGS[3])]
+
+
 @pytest.mark.parametrize(
     "fourier,firstlayer,activation,dtype",
-    [(f, *flags, "float16") for f in (False, True) for flags in FLAGS]
-    + [(True, *flags, "bfloat16") for flags in (FLAGS[0], FLAGS[3])],
+    [case if case in BITWISE_FAST else pytest.param(*case, marks=SLOW) for case in BITWISE],
 )
 def test_bitwise_equal_to_jaxamp_models_with_zero_biases(fourier, firstlayer, activation, dtype):
     """Same weights, Flax's zero biases: FullyConnected adds its bias in the compute dtype, the
@@ -207,7 +216,8 @@ def test_bad_arguments_are_named(bad):
         autocast(UserMLP().apply, AmpConfig(), params_argnums=2)(user_params(True), points())
 
 
-@pytest.mark.parametrize("act", [jnp.tanh, jax.nn.silu, jax.nn.gelu, jax.nn.relu])
+@pytest.mark.parametrize("act", [jnp.tanh, jax.nn.relu, pytest.param(jax.nn.silu, marks=SLOW),
+                                 pytest.param(jax.nn.gelu, marks=SLOW)])
 def test_derivatives_wrt_params_and_inputs(act):
     """u(params, t, x) scalar: jax.grad w.r.t. params, nested input derivatives of order 2 under
     vmap, jacrev; finite and close to the float32 network's."""

@@ -13,7 +13,11 @@ from tests.helpers.poisson import cached_problem, poisoned
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_save_kill_restore_continue_is_bit_identical(tmp_path):
+    """A worker process killed with SIGKILL after a save (a slow test: the subprocess compiles
+    the step again); the fast suite checks an in-process save and resume
+    (test_monitor_state_beside_the_train_state_resumes_bit_identical)."""
     total, cut = 12, 6
     proc = subprocess.run(
         [sys.executable, "-m", "tests.checkpoint_worker", str(tmp_path / "ckpt"), str(cut)],

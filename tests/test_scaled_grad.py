@@ -47,7 +47,7 @@ def net():
     return make_net(jaxamp.AmpConfig())
 
 
-@pytest.mark.parametrize("mode", ["per_order_scaler", "per_term_scaler"])
+@pytest.mark.parametrize("mode", ["per_term_scaler", pytest.param("per_order_scaler", marks=pytest.mark.slow)])
 def test_values_and_flags_equal_reverse_engine_op_by_op(net, mode):
     amp = jaxamp.AmpConfig(mode=mode)
     fn, u_net, params = net
@@ -64,19 +64,19 @@ def test_values_and_flags_equal_reverse_engine_op_by_op(net, mode):
     assert _flags(our_found) == _flags(found)
 
 
-def test_jit_values_to_rounding_and_forward_engine(net):
+@pytest.mark.parametrize("method", ["forward", pytest.param("reverse", marks=pytest.mark.slow)])
+def test_jit_values_to_rounding_and_forward_engine(net, method):
     amp = jaxamp.AmpConfig()
     fn, u_net, params = net
     names = ("u__x", "u__t__x", "u__x__x", "u__x__x__x", "u__x__x__x__x")
     run = jax.jit(dropin.scaled(batched(u_net, names), amp))
-    for method in ("reverse", "forward"):
-        engine = _engine(fn, names, amp, method)
-        scales = _scales(engine.scaler_keys)
-        values, found = jax.jit(engine)(params, points(), scales)
-        ours, our_found = run(scales, params, points())
-        for n in names:
-            _close(ours[n], values[n])
-        assert _flags(our_found) == _flags(found)
+    engine = _engine(fn, names, amp, method)
+    scales = _scales(engine.scaler_keys)
+    values, found = jax.jit(engine)(params, points(), scales)
+    ours, our_found = run(scales, params, points())
+    for n in names:
+        _close(ours[n], values[n])
+    assert _flags(our_found) == _flags(found)
 
 
 def test_overflow_and_bad_values_flag_like_the_engine(net):
@@ -142,8 +142,14 @@ def test_vmap_over_scaled_gives_flags_per_batch(net):
     _close(values[0], single, 1e-6)  # vmapped vs unbatched graph: float32 rounding
 
 
-def test_control_flow_carries_flags_out(net):
-    """scan, while, cond, custom_jvp, jit and checkpoint around the derivatives: same values and flags."""
+CONTROL_FLOW = ["scan", "while", "cond"] + [pytest.param(name, marks=pytest.mark.slow)  # one compile each
+                                            for name in ("flat", "jit", "checkpoint", "custom_jvp")]
+
+
+@pytest.mark.parametrize("name", CONTROL_FLOW)
+def test_control_flow_carries_flags_out(net, name):
+    """scan, while, cond, custom_jvp, jit and checkpoint around the derivatives: same values and
+    flags as the flat program (run op by op)."""
     amp = jaxamp.AmpConfig()
     _, u_net, params = net
     u_xx = jax.vmap(nested(u_net, "u__x__x"), (None, 0, 0))
@@ -169,14 +175,13 @@ def test_control_flow_carries_flags_out(net):
     }
     scales = {"1": 1.0, "2": 2.0**-4}
     expected, found = dropin.scaled(programs["flat"], amp)(scales, params)
-    for name, program in programs.items():
-        run = jax.jit(dropin.scaled(program, amp))
-        got, got_found = run(scales, params)
-        _close(got, expected)
-        assert _flags(got_found) == _flags(found) == {"1": False, "2": False, NONFINITE_VALUES: False}, name
-        # flags leave the loop bodies: an order-2 overflow (scale 2**16) anywhere
-        _, got_found = run({"1": 1.0, "2": 2.0**16}, params)
-        assert _flags(got_found) == {"1": False, "2": True, NONFINITE_VALUES: False}, name
+    run = jax.jit(dropin.scaled(programs[name], amp))
+    got, got_found = run(scales, params)
+    _close(got, expected)
+    assert _flags(got_found) == _flags(found) == {"1": False, "2": False, NONFINITE_VALUES: False}, name
+    # flags leave the loop bodies: an order-2 overflow (scale 2**16) anywhere
+    _, got_found = run({"1": 1.0, "2": 2.0**16}, params)
+    assert _flags(got_found) == {"1": False, "2": True, NONFINITE_VALUES: False}, name
 
 
 def test_pmap_step_reduces_flags_over_devices():

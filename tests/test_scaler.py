@@ -10,7 +10,7 @@ import jaxamp
 from jaxamp.derivatives import NONFINITE_VALUES
 from jaxamp import DynamicScaler, Scalers, ScaleState
 from jaxamp.scaler import loss_scaler
-from tests.scaler_reference import reference_update
+from tests.helpers.scaler_reference import reference_update
 
 VECTOR_A = dict(growth_factor=2.0, backoff_factor=0.25, growth_interval=2, max_scale=8.0,
                      recover_threshold=2.0, recover_growth_interval=1)

@@ -15,8 +15,13 @@ from jaxamp.taylor import faa_di_bruno, rules
 from tests.helpers.taylor import FUNCTIONS, STRICT_FP16, cost, fp16_net, nested_second
 
 
-@pytest.mark.parametrize("name", sorted(FUNCTIONS))
-@pytest.mark.parametrize("ratio", [None, 2.0**-3, 0.3])
+FAST_FP32 = {(name, 0.3) for name in FUNCTIONS} | {("tanh_mlp", None), ("custom_jvp_and_where", 2.0**-3)}
+
+
+@pytest.mark.parametrize("name, ratio", [
+    case if case in FAST_FP32 else pytest.param(*case, marks=pytest.mark.slow)  # further variants: slow run
+    for case in ((name, ratio) for ratio in [None, 2.0**-3, 0.3] for name in sorted(FUNCTIONS))
+])
 def test_fp32_matches_nested_jvp(name, ratio):
     f = FUNCTIONS[name]
     xs = jax.random.uniform(jax.random.PRNGKey(1), (8, 2), minval=-1, maxval=1)
@@ -40,10 +45,12 @@ def test_fp16_matches_nested_jvp_and_overflows_where_it_does():
     f, xs = fp16_net()
     t = jnp.zeros(2).at[0].set(2.0**-2)
 
+    # the ratio is an argument: one compiled program per side serves both ratios
+    ours = jax.jit(lambda r: jax.vmap(lambda x: taylor.second_order(f, x, t, r))(xs), compiler_options=STRICT_FP16)
+    nested = jax.jit(lambda r: jax.vmap(lambda x: nested_second(f, x, t, r))(xs), compiler_options=STRICT_FP16)
+
     def both(ratio):
-        got = jax.jit(jax.vmap(lambda x: taylor.second_order(f, x, t, ratio)), compiler_options=STRICT_FP16)(xs)
-        ref = jax.jit(jax.vmap(lambda x: nested_second(f, x, t, ratio)), compiler_options=STRICT_FP16)(xs)
-        return got, ref
+        return ours(ratio), nested(ratio)
 
     got, ref = both(jnp.float32(2.0**3))
     for g, e in zip(got, ref):
@@ -63,9 +70,10 @@ def test_tiny_scales_stay_finite_under_jit():
     eng = jaxamp.Derivatives(lambda p, x: net.apply(p, x), inputs=("x",), outputs=("u",), derivatives=("u__x__x",),
                              amp=amp)
     params = net.init(jax.random.PRNGKey(0), jnp.zeros(1))
+    run = jax.jit(eng.__call__)  # the scales are arguments: one compiled program for every case
     for e in (-64, -100, -126):
         scales = {"1": jnp.float32(2.0**e), "2": jnp.float32(2.0**e)}
-        vals, found = jax.jit(eng.__call__)(params, {"x": jnp.linspace(0, 1, 8)}, scales)
+        vals, found = run(params, {"x": jnp.linspace(0, 1, 8)}, scales)
         assert not bool(found["2"]) and bool(jnp.all(jnp.isfinite(vals["u__x__x"]))), e
 
 
@@ -173,6 +181,7 @@ def _nested(f, x, col, s1, s2):
     return nested_second(f, x, _unit(col, s1), (s2 / s1, 1.0 / s1))
 
 
+@pytest.mark.slow  # compiles weight gradients of a 3x128 network at 256 points
 def test_scaled_second_order_costs_no_more_flops_than_unscaled():
     """Per-order scaling gives the two tangents of u_xx different seeds (s1, s2/s1). The pure
     second order must still propagate one tangent chain: the XLA FLOP count of a scaled weight
@@ -185,6 +194,7 @@ def test_scaled_second_order_costs_no_more_flops_than_unscaled():
     assert old > 1.05 * base, (old, base)
 
 
+@pytest.mark.slow  # compiles weight gradients of a 3x128 network at 256 points
 def test_float32_activations_scale_after_and_move_no_more_bytes_than_unscaled(monkeypatch):
     """With float32 activations the second-order term is d2f[t, t] scaled afterwards, so the
     weight gradient stores no scaled tangent: XLA's bytes accessed stay at the unscaled step's

@@ -31,8 +31,16 @@ def test_partition_coefficients_count_set_partitions(k, bell):
     assert sum(c for _, c in parts) == bell
 
 
-@pytest.mark.parametrize("name", sorted(FUNCTIONS))
-@pytest.mark.parametrize("order, scaled", [(2, True), (4, False), (4, True)])
+# fast: order 4 scaled on every function, unscaled on one (order 2 is series(order=2) ==
+# second_order, which test_taylor checks bitwise); the other variants run in the slow run
+FAST_FP32 = {(name, 4, True) for name in FUNCTIONS} | {("product_of_series", 4, False)}
+
+
+@pytest.mark.parametrize("name, order, scaled", [
+    case if case in FAST_FP32 else pytest.param(*case, marks=pytest.mark.slow)  # further variants: slow run
+    for case in ((name, order, scaled) for order, scaled in [(2, True), (4, False), (4, True)]
+                 for name in sorted(FUNCTIONS))
+])
 def test_fp32_matches_nested_jvp(name, order, scaled):
     f = FUNCTIONS[name]
     xs = jax.random.uniform(jax.random.PRNGKey(1), (8, 2), minval=-1, maxval=1)
@@ -53,15 +61,15 @@ def test_fp16_values_match_nested_jvp_and_a_large_scale_overflows_its_order():
     f, xs = fp16_net("tanh")
     e = jnp.zeros(2).at[0].set(1.0)
     scales = (2.0**-2, 2.0**-4, 2.0**-6, 2.0**-8)
-    _, got = run(lambda x: taylor.series(f, x, e, 4, [jnp.float32(s) for s in scales]), xs,
-                 compiler_options=STRICT_FP16)  # fmt: skip
+    # the scales are arguments: one compiled program serves both sets of scales
+    ours = jax.jit(lambda s: jax.vmap(lambda x: taylor.series(f, x, e, 4, s))(xs), compiler_options=STRICT_FP16)
+    _, got = ours([jnp.float32(s) for s in scales])
     ref = run(lambda x: nested_series(f, x, e, scales), xs, compiler_options=STRICT_FP16)[1:]
     for k, (g, r) in enumerate(zip(got, ref), 1):
         assert bool(jnp.all(jnp.isfinite(r))), k
         np.testing.assert_allclose(g, r, atol=1e-2 * float(jnp.abs(r).max()), err_msg=f"order {k}")
     big = scales[:3] + (2.0**30,)
-    _, got = run(lambda x: taylor.series(f, x, e, 4, [jnp.float32(s) for s in big]), xs,
-                 compiler_options=STRICT_FP16)  # fmt: skip
+    _, got = ours([jnp.float32(s) for s in big])
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in got[:3])
     assert not bool(jnp.all(jnp.isfinite(got[3])))
 
@@ -111,6 +119,7 @@ def _flops(compiled):
     return (cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"]
 
 
+@pytest.mark.slow  # compiles two weight gradients of fourth-order engines
 def test_engine_fourth_order_equals_nested_jvp_in_fewer_flops():
     """Derivatives(method="forward") on u__x__x__x__x, u__y__y__y, u__x__y: Taylor mode gives
     nested jvp's values (fp16 rounding, same flags) and the weight gradient costs fewer XLA

@@ -70,6 +70,7 @@ def test_resume_drops_the_dead_runs_later_events(tmp_path):
     assert value.max == pytest.approx(tb["profile/u__x__x/log2_max"][0][1], abs=1e-3)
 
 
+@pytest.mark.slow  # a second end-to-end run
 def test_tensorboard_off_writes_no_event_files(tmp_path):
     cfg = tiny(Burgers, "fp32", 2)
     cfg["training"] = {**cfg["training"], "tensorboard": False}

@@ -148,8 +148,9 @@ def profile(engine, params, points, scales: Optional[Mapping[str, jax.Array]] = 
       scales: ``{key: f32[]}`` current derivative scales (default: every key at 1).
 
     Returns:
-      A :class:`Profile`. Hidden-layer tangents are reported for per-order keys of pure
-      derivatives of order 1 and 2 (the chains the forward engine propagates).
+      A :class:`Profile`. Hidden-layer tangents are reported for per-order keys: order 1
+      along every input some derivative starts with, order 2 along every input of a pure
+      second derivative (the chains the forward engine propagates).
 
     Example:
       >>> prof = jax.jit(profile, static_argnums=0)(engine, params, points, state.scales)  # doctest: +SKIP
@@ -175,11 +176,15 @@ def profile(engine, params, points, scales: Optional[Mapping[str, jax.Array]] = 
     hidden = {}
     x = twin.stack_points(points) if hasattr(twin, "stack_points") else _stack(engine, points)
     taps = layer_outputs(lambda z: fn32(params, z))
+    paths = [tuple(name.split("__")[1:]) for name in values if name not in engine.outputs]
+    along = {1: {p[0] for p in paths}, 2: {p[0] for p in paths if len(p) >= 2 and p[1] == p[0]}}
     for order in (1, 2):
         key = str(order)
         if key not in keys:
             continue
         for i, name in enumerate(engine.inputs):
+            if name not in along[order]:
+                continue
             e = jnp.zeros((len(engine.inputs),), jnp.float32).at[i].set(1.0)
             first = lambda z: jax.jvp(taps, (z,), (e,))[1]  # noqa: E731
             fn = first if order == 1 else (lambda z: jax.jvp(first, (z,), (e,))[1])

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import jmp
 
 from jaxamp.derivatives import NONFINITE_VALUES
+from jaxamp.derivatives.checks import or_into
 from jaxamp.scaler import DynamicScaler, Scalers, ScaleState
 
 T = TypeVar("T")
@@ -226,5 +227,5 @@ def merge_found_inf(*flags: Flags) -> Dict[str, jax.Array]:
     out: Dict[str, jax.Array] = {}
     for f in flags:
         for k, v in f.items():
-            out[k] = v if k not in out else out[k] | v
+            or_into(out, k, v)
     return out

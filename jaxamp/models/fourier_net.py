@@ -9,6 +9,7 @@ layer, which takes the features, runs in float32).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from typing import Sequence, Tuple
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxamp.config import AmpConfig
-from jaxamp.models.fully_connected import FullyConnected, precision_fields
+from jaxamp.models.fully_connected import FullyConnected
 
 FREQUENCY_KINDS = ("axis", "diagonal", "full", "gaussian")
 DEFAULT_FREQUENCIES: Tuple = ("axis", tuple(range(10)))
@@ -65,7 +66,7 @@ def fourier_matrix(in_features: int, frequencies: Sequence, seed: int = 0) -> np
     return mat.astype(np.float32)
 
 
-class FourierNet(nn.Module):
+class FourierNet(FullyConnected):
     """FourierNet: ``FullyConnected([x, sin(2 pi x F), cos(2 pi x F)])``.
 
     Attributes as :class:`FullyConnected`, plus ``frequencies`` (a spec for
@@ -73,24 +74,15 @@ class FourierNet(nn.Module):
     ``frequency_seed`` (only for ``"gaussian"``). Build it with :meth:`from_amp`.
     """
 
-    out_features: int
     frequencies: Tuple = DEFAULT_FREQUENCIES
     frequency_seed: int = 0
-    layer_size: int = 512
-    nr_layers: int = 6
-    activation: str = "silu"
-    skip_connections: bool = False
-    weight_norm: bool = True
-    dtype: jnp.dtype = jnp.float32
-    fp32_first_layer: bool = True
-    fp32_activations: bool = True
 
     @classmethod
     def from_amp(cls, config: AmpConfig, out_features: int, **kwargs) -> "FourierNet":
         """The network with the precision placement that ``config`` asks for."""
         if "frequencies" in kwargs:
             kwargs["frequencies"] = _freeze(kwargs["frequencies"])
-        return cls(out_features=out_features, **precision_fields(config), **kwargs)
+        return super().from_amp(config, out_features, **kwargs)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -100,18 +92,9 @@ class FourierNet(nn.Module):
         freqs = jnp.asarray(fourier_matrix(x.shape[-1], self.frequencies, self.frequency_seed))
         phase = 2.0 * jnp.pi * jnp.matmul(x, freqs, precision=jax.lax.Precision.HIGHEST)
         features = jnp.concatenate([x, jnp.sin(phase), jnp.cos(phase)], axis=-1)
-        return FullyConnected(
-            out_features=self.out_features,
-            layer_size=self.layer_size,
-            nr_layers=self.nr_layers,
-            activation=self.activation,
-            skip_connections=self.skip_connections,
-            weight_norm=self.weight_norm,
-            dtype=self.dtype,
-            fp32_first_layer=self.fp32_first_layer,
-            fp32_activations=self.fp32_activations,
-            name="fc",
-        )(features)
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(FullyConnected) if f.init}
+        fields.pop("parent", None), fields.pop("name", None)
+        return FullyConnected(**fields, name="fc")(features)
 
 
 def _freeze(spec):

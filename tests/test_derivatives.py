@@ -14,6 +14,8 @@ STRICT_FP16 = {"xla_allow_excess_precision": False}  # fp16 ops round to fp16, n
 # jaxamp's engines and the benchmark-only forward-over-reverse engine (a point engine plugged
 # into jaxamp.Derivatives through its documented `method=callable` extension point).
 KINDS = jaxamp.derivatives.METHODS + ("fwd_over_rev",)
+# The default engine runs in the fast suite; the reference and benchmark-only engines with -m slow.
+FAST_KINDS = [k if k == "forward" else pytest.param(k, marks=pytest.mark.slow) for k in KINDS]
 
 
 def engine(kind, fn, **kw):
@@ -34,7 +36,7 @@ def net_and_params():
     return net, params
 
 
-@pytest.mark.parametrize("method", KINDS)
+@pytest.mark.parametrize("method", FAST_KINDS)
 def test_fp32_derivatives_match_jax_hessian_and_nested_jacfwd(net_and_params, method):
     net, params = net_and_params
     names = ("u__x", "u__y", "v__x", "u__x__x", "u__x__y", "u__y__y", "v__y__x", "u__x__x__y", "v__y__y__y", "u__x__y__x")
@@ -66,9 +68,10 @@ def test_derivatives_of_an_analytic_function_to_fourth_order():
     np.testing.assert_allclose(vals["u__x"], 2 * jnp.cos(2 * x) * jnp.exp(y), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("mode, method", [("per_order_scaler", "reverse"), ("per_term_scaler", "reverse"),
+@pytest.mark.parametrize("mode, method", [pytest.param("per_order_scaler", "reverse", marks=pytest.mark.slow),
+                                          pytest.param("per_term_scaler", "reverse", marks=pytest.mark.slow),
                                           ("per_order_scaler", "forward"), ("per_term_scaler", "forward"),
-                                          ("per_term_scaler", "fwd_over_rev")])
+                                          pytest.param("per_term_scaler", "fwd_over_rev", marks=pytest.mark.slow)])
 def test_scaled_values_equal_unscaled_values(net_and_params, mode, method):
     """The fp16 config switches scaling on; the network itself stays fp32, so scaling and
     unscaling must leave the values unchanged up to fp32 rounding (exact for powers of 2)."""
@@ -89,7 +92,7 @@ def test_scaled_values_equal_unscaled_values(net_and_params, mode, method):
             np.testing.assert_allclose(vals[name], ref[name], rtol=2e-6, atol=atol, err_msg=name)
 
 
-@pytest.mark.parametrize("method", KINDS)
+@pytest.mark.parametrize("method", FAST_KINDS)
 def test_scaling_reaches_the_derivative_pass(method):
     """The scale is the seed of each reverse pass (or each forward tangent): a huge scale
     overflows fp16 intermediates even though the unscaled value is small (excess precision
@@ -104,7 +107,7 @@ def test_scaling_reaches_the_derivative_pass(method):
     assert not bool(ok["1"]) and bool(bad["1"])
 
 
-@pytest.mark.parametrize("method", KINDS)
+@pytest.mark.parametrize("method", FAST_KINDS)
 def test_crafted_fp16_overflow_backs_off_to_fp32_values(method):
     """u__x__x overflows fp16 inside the second backward pass: the first layer runs in fp16
     (autocast_firstlayer=True) with weight_g x500, so |u_xx| reaches ~1.7e5 > 65504 while
@@ -240,7 +243,7 @@ def _first_overflowing_loss_scale(method, scales):
     return None
 
 
-@pytest.mark.parametrize("method", ["forward", "fwd_over_rev"])
+@pytest.mark.parametrize("method", ["forward", pytest.param("fwd_over_rev", marks=pytest.mark.slow)])
 def test_forward_engines_weight_gradients_overflow_no_sooner_than_reverse(method):
     """With both derivative scales at 2^-8, the forward engines' float16 values carry the scale
     of their step (s_k, or s_k / s_{k-1}), as nested reverse mode does -- not s_{k-1} * s_k,

@@ -37,17 +37,21 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_worker(xla_flags: str) -> dict:
+def run_worker(xla_flags: str, *args: str) -> dict:
     env = dict(os.environ, XLA_FLAGS=xla_flags, JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, "-m", "tests.helpers.one_graph"], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=1800)  # fmt: skip
+    out = subprocess.run([sys.executable, "-m", "tests.helpers.one_graph", *args], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=1800)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+STRICT = "--xla_allow_excess_precision=false"
+
+
 @pytest.fixture(scope="module")
 def strict():
-    return run_worker("--xla_allow_excess_precision=false")
+    """The default (forward) engine and the train step; the reverse engine runs with -m slow."""
+    return run_worker(STRICT, "forward")
 
 
 def engine_cases(results):
@@ -56,15 +60,23 @@ def engine_cases(results):
 
 def test_every_case_ran(strict):
     cases = engine_cases(strict)
-    assert len(cases) == 2 * 2 * 2 * 4  # methods x placements x problems x scales
+    assert len(cases) == 2 * 2 * 4  # placements x problems x scales (forward engine)
     for name, case in cases.items():  # the comparison is not vacuous: finite values, nothing flagged
         assert case["finite"] and case["flagged"] == [] and case["n_grads"] > 0, name
 
 
 def test_scales_one_are_bit_identical_to_unscaled(strict):
     cases = {k: v for k, v in engine_cases(strict).items() if k.endswith("/0")}
-    assert len(cases) == 8
+    assert len(cases) == 4
     assert {k: (v["values_diff"], v["grads_diff"]) for k, v in cases.items() if v["values_diff"] or v["grads_diff"]} == {}
+
+
+@pytest.mark.slow
+def test_reverse_engine_at_scales_one_is_bit_identical_to_unscaled():
+    cases = engine_cases(run_worker(STRICT, "reverse", "--no-train"))
+    assert len(cases) == 2 * 2 * 4 and all(c["finite"] and not c["flagged"] for c in cases.values())
+    at_one = {k: (v["values_diff"], v["grads_diff"]) for k, v in cases.items() if k.endswith("/0")}
+    assert len(at_one) == 4 and {k: d for k, d in at_one.items() if any(d)} == {}
 
 
 @pytest.mark.parametrize("log2_scale", [-1, 1, 2])

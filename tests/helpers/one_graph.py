@@ -10,6 +10,7 @@ object: for every case, how many entries of the derivative values and of the wei
 from __future__ import annotations
 
 import json
+import sys
 from typing import Dict
 
 import jax
@@ -115,10 +116,13 @@ def train_case(placement: str, steps: int = 3) -> dict:
 
 
 def main() -> None:
+    """``python -m tests.helpers.one_graph [METHOD ...] [--no-train]`` (default: both engines)."""
+    args = sys.argv[1:]
     out = {"xla_flags": __import__("os").environ.get("XLA_FLAGS", "")}
-    for method in ("forward", "reverse"):
+    for method in [a for a in args if not a.startswith("--")] or ["forward", "reverse"]:
         out.update(engine_cases(method))
-    out.update({f"train/{p}": train_case(p) for p in PLACEMENTS})
+    if "--no-train" not in args:
+        out.update({f"train/{p}": train_case(p) for p in PLACEMENTS})
     print(json.dumps(out))
 
 

@@ -163,18 +163,17 @@ def profile(engine, params, points, scales: Optional[Mapping[str, jax.Array]] = 
     fn32 = promote_to_float32(engine.fn)
     twin = Derivatives(fn32, inputs=engine.inputs, outputs=engine.outputs, derivatives=engine.requested)
     values, _ = twin(params, points)
-    key_of = engine.key_of if hasattr(engine, "key_of") else {}
     derivs, groups = {}, {k: [] for k in keys}
     for name, v in values.items():
         if name in engine.outputs:
             continue
-        key = key_of.get(name) if key_of else _order_key(engine, name)
-        s = scales.get(key, 1.0) if key in scales else 1.0
+        key = _order_key(engine, name)
+        s = scales.get(key, 1.0)
         derivs[name] = value_range(v, s)
         if key in groups:
             groups[key].append(jnp.ravel(v) * s)
     hidden = {}
-    x = twin.stack_points(points) if hasattr(twin, "stack_points") else _stack(engine, points)
+    x = engine.stack_points(points)
     taps = layer_outputs(lambda z: fn32(params, z))
     paths = [tuple(name.split("__")[1:]) for name in values if name not in engine.outputs]
     along = {1: {p[0] for p in paths}, 2: {p[0] for p in paths if len(p) >= 2 and p[1] == p[0]}}
@@ -199,12 +198,6 @@ def _order_key(engine, name: str) -> str:
     """The scaler key that guards derivative ``name`` (the key of its last step)."""
     parent = name.rsplit("__", 1)[0]
     return engine.scaler_key(parent) if engine.scaler_keys else ""
-
-
-def _stack(engine, points) -> jax.Array:
-    if isinstance(points, Mapping):
-        return jnp.stack([jnp.asarray(points[n], jnp.float32) for n in engine.inputs], axis=-1)
-    return jnp.asarray(points, jnp.float32)
 
 
 class Recommendation(NamedTuple):

@@ -23,7 +23,7 @@ recompiling.
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, Mapping, NamedTuple, Optional, Sequence
+from typing import Callable, Dict, Mapping, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp

@@ -10,7 +10,8 @@ Public API (docs/algorithm.md describes the algorithm):
   training:     TrainState, make_train_step
   run safety:   Checkpointer, StallMonitor
   drop-in:      grad, scaled (jaxamp.grad on existing jax.grad code), autocast (placement for any network)
-  range:        jaxamp.profile (profile, recommend: where every derivative sits in float16's window)
+  range:        jaxamp.profile (profile, recommend: where every derivative sits in float16's window);
+                headroom_log2, headroom_metrics (per scaler key, from the values a step already has)
   modules:      jaxamp.models (FullyConnected, FourierNet), jaxamp.parallel (make_mesh, shard_batch, ...)
 """
 
@@ -20,6 +21,7 @@ from jaxamp.checkpoint import Checkpointer
 from jaxamp.config import AmpConfig, ConfigError
 from jaxamp.derivatives import Derivatives
 from jaxamp.dropin import grad, scaled
+from jaxamp.headroom import headroom_log2, headroom_metrics
 from jaxamp.monitor import StallMonitor
 from jaxamp.scaler import DynamicScaler, Scalers, ScaleState
 from jaxamp.step import (
@@ -44,6 +46,8 @@ __all__ = [
     "Scalers",
     "Derivatives",
     "merge_found_inf",
+    "headroom_log2",
+    "headroom_metrics",
     "scaled_value_and_grad",
     "check_step",
     "update_scalers",

@@ -32,16 +32,17 @@ from jaxamp.scaler import DynamicScaler, Scalers, ScaleState
 
 T = TypeVar("T")
 Flags = Mapping[str, jax.Array]
-# loss_fn(params, *args) -> (loss f32[], (terms {name: f32[]}, found_inf {key: bool[]}))
-LossFn = Callable[..., Tuple[jax.Array, Tuple[Mapping[str, jax.Array], Flags]]]
+# loss_fn(params, *args) -> (loss f32[], (terms {name: f32[]}, found_inf {key: bool[]}[, metrics {name: f32[]}]))
+LossFn = Callable[..., Tuple[jax.Array, Tuple]]
 
 # Why a step was skipped (metrics["skip_reason"]); docs/algorithm.md, "Training step".
 APPLIED, SKIP_DERIVATIVE_OVERFLOW, SKIP_NONFINITE_GRADS, SKIP_NONFINITE_VALUES = 0, 1, 2, 3
 
 CONTRACT = (
-    "loss_fn(params, *args) must return (loss, (terms, found_inf)): loss a float scalar, terms a "
-    "dict {name: scalar} of loss terms to report (may be empty), found_inf the derivative engines' "
-    "flags {key: bool[]} (merge several with jaxamp.merge_found_inf). Example: "
+    "loss_fn(params, *args) must return (loss, (terms, found_inf)) or (loss, (terms, found_inf, metrics)): "
+    "loss a float scalar, terms a dict {name: scalar} of loss terms to report (may be empty), found_inf the "
+    "derivative engines' flags {key: bool[]} (merge several with jaxamp.merge_found_inf), metrics an optional "
+    "dict {name: scalar} of extra metrics to report (e.g. jaxamp.headroom_metrics(...)). Example: "
     'return pde + bc, ({"pde": pde, "bc": bc}, found_inf)'
 )
 
@@ -54,26 +55,37 @@ def _describe(x: Any) -> str:
     return f"a {type(x).__name__}"
 
 
-def check_loss_output(out: Any) -> Tuple[jax.Array, Mapping[str, jax.Array], Flags]:
+def check_loss_output(out: Any, *, with_metrics: bool = False) -> Tuple:
     """``(loss, terms, found_inf)`` from a loss function's output, or a TypeError showing the contract.
 
     Args:
-      out: what ``loss_fn`` returned.
+      out: what ``loss_fn`` returned: ``(loss, (terms, found_inf))`` or
+        ``(loss, (terms, found_inf, metrics))`` with ``metrics`` a dict ``{name: scalar}``.
+      with_metrics: also return the metrics (``{}`` for a 2-tuple).
 
     Returns:
-      Its loss, terms and found_inf, checked.
+      Its loss, terms and found_inf (and metrics when ``with_metrics``), checked.
+
+    Example:
+      >>> loss, terms, found_inf, metrics = check_loss_output(loss_fn(params, batch, scales), with_metrics=True)  # doctest: +SKIP
     """
-    ok = isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[1], (tuple, list)) and len(out[1]) == 2
+    ok = isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[1], (tuple, list)) and len(out[1]) in (2, 3)
     if ok:
-        loss, (terms, found_inf) = out
+        loss, (terms, found_inf, *extra) = out
         ok = (hasattr(loss, "shape") and jnp.shape(loss) == () and jnp.issubdtype(jnp.result_type(loss), jnp.floating)
-              and isinstance(terms, Mapping) and isinstance(found_inf, Mapping))
+              and isinstance(terms, Mapping) and isinstance(found_inf, Mapping)
+              and all(isinstance(m, Mapping) for m in extra))
     if not ok:
         raise TypeError(f"loss_fn returned {_describe(out)}: {CONTRACT}.")
-    return loss, terms, found_inf
+    metrics = dict(extra[0]) if extra else {}
+    for name, v in metrics.items():
+        if not isinstance(name, str) or jnp.shape(v) != ():
+            raise TypeError(f"loss_fn returned the metric {name!r} = {_describe(v)}: metrics must map names "
+                            f"(str) to scalars (shape ()); {CONTRACT}.")
+    return (loss, terms, found_inf, metrics) if with_metrics else (loss, terms, found_inf)
 
 
-def scaled_value_and_grad(loss_fn: LossFn) -> Callable[..., Tuple[Tuple[jax.Array, Tuple[Mapping, Flags]], Any]]:
+def scaled_value_and_grad(loss_fn: LossFn) -> Callable[..., Tuple[Tuple[jax.Array, Tuple], Any]]:
     """``jax.value_and_grad`` of ``loss_fn`` with the loss scaled up and the gradients unscaled.
 
     The gradients are those of ``loss * loss_scale`` (float32), divided by ``loss_scale``:
@@ -81,11 +93,13 @@ def scaled_value_and_grad(loss_fn: LossFn) -> Callable[..., Tuple[Tuple[jax.Arra
     as non-finite gradients (:func:`check_step` tells).
 
     Args:
-      loss_fn: ``loss_fn(params, *args) -> (loss, (terms, found_inf))``; any other output
+      loss_fn: ``loss_fn(params, *args) -> (loss, (terms, found_inf))``, or
+        ``(loss, (terms, found_inf, metrics))`` with extra scalar metrics; any other output
         raises a TypeError that shows this contract.
 
     Returns:
-      ``grad_fn(params, *args, loss_scale) -> ((loss, (terms, found_inf)), grads)`` with
+      ``grad_fn(params, *args, loss_scale) -> ((loss, aux), grads)`` with ``aux`` as
+      ``loss_fn`` gave it (``(terms, found_inf)`` or ``(terms, found_inf, metrics)``),
       ``loss_scale`` an ``f32[]`` (1.0 when loss scaling is off); ``loss`` is unscaled.
 
     Example:
@@ -95,17 +109,19 @@ def scaled_value_and_grad(loss_fn: LossFn) -> Callable[..., Tuple[Tuple[jax.Arra
     if not callable(loss_fn):
         raise TypeError(f"scaled_value_and_grad: `loss_fn`={loss_fn!r} must be callable: {CONTRACT}.")
 
-    def grad_fn(params: Any, *args: Any, loss_scale: jax.Array) -> Tuple[Tuple[jax.Array, Tuple[Mapping, Flags]], Any]:
+    def grad_fn(params: Any, *args: Any, loss_scale: jax.Array) -> Tuple[Tuple[jax.Array, Tuple], Any]:
         loss_scale = jnp.asarray(loss_scale, jnp.float32)
 
-        def scaled(params: Any) -> Tuple[jax.Array, Tuple[jax.Array, Mapping, Flags]]:
-            loss, terms, found_inf = check_loss_output(loss_fn(params, *args))
-            return loss.astype(jnp.float32) * loss_scale, (loss, terms, found_inf)
+        def scaled(params: Any) -> Tuple[jax.Array, Tuple[jax.Array, Tuple]]:
+            out = loss_fn(params, *args)
+            loss, terms, found_inf, metrics = check_loss_output(out, with_metrics=True)
+            aux = (terms, found_inf, metrics) if len(out[1]) == 3 else (terms, found_inf)
+            return loss.astype(jnp.float32) * loss_scale, (loss, aux)
 
-        scaled_grads, (loss, terms, found_inf) = jax.grad(scaled, has_aux=True)(params)
+        scaled_grads, (loss, aux) = jax.grad(scaled, has_aux=True)(params)
         inv = jnp.float32(1.0) / loss_scale
         grads = jax.tree_util.tree_map(lambda g: g * inv.astype(g.dtype), scaled_grads)
-        return (loss, (terms, found_inf)), grads
+        return (loss, aux), grads
 
     return grad_fn
 

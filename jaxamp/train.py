@@ -4,7 +4,7 @@ skip-on-overflow step (docs/algorithm.md, "Training step")."""
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, Iterable, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Mapping, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -85,16 +85,23 @@ def _clip(grads: Any, max_norm: float, norm: jax.Array) -> Any:
 
 
 def step_metrics(loss: jax.Array, terms: Any, check: StepCheck, grad_norm: jax.Array,
-                 scalers: Scalers, loss_scale: ScaleState) -> Dict[str, jax.Array]:
+                 scalers: Scalers, loss_scale: ScaleState, extra: Optional[Mapping[str, jax.Array]] = None,
+                 ) -> Dict[str, jax.Array]:
     """The metrics of one step, as :func:`make_train_step` reports them (for users' own loops).
 
     Args:
       loss: the unscaled loss. terms: ``{name: f32[]}``. check: the step's :class:`~jaxamp.StepCheck`.
       grad_norm: the global norm of the unscaled gradients. scalers, loss_scale: after the update.
+      extra: ``{name: f32[]}`` the loss function's own metrics (its optional third aux entry,
+        e.g. ``headroom_log2/<key>`` from :func:`jaxamp.headroom_metrics`), reported under
+        their names; a name the step reports itself is an error.
 
     Returns:
       ``{"loss", "skipped", "skip_reason", "found_nonfinite_values", "grad_norm", "terms/<name>",
-      "scale_log2/loss", "scale_log2/<key>", "found_inf/<key>": array}``.
+      "scale_log2/loss", "scale_log2/<key>", "found_inf/<key>": array}`` and ``extra``'s names.
+
+    Example:
+      >>> metrics = jaxamp.train.step_metrics(loss, terms, check, optax.tree.norm(grads), scalers, loss_scale)  # doctest: +SKIP
     """
     metrics = {"loss": loss, "skipped": ~check.apply, "skip_reason": check.skip_reason,
                "found_nonfinite_values": check.nonfinite_values, "grad_norm": grad_norm}
@@ -102,6 +109,11 @@ def step_metrics(loss: jax.Array, terms: Any, check: StepCheck, grad_norm: jax.A
     metrics["scale_log2/loss"] = exact_log2(loss_scale.scale)
     metrics.update({f"scale_log2/{k}": exact_log2(s.scale) for k, s in scalers.items()})
     metrics.update({f"found_inf/{k}": v for k, v in check.found_inf.items()})
+    clash = sorted(k for k in (extra or {}) if k in metrics)
+    if clash:
+        raise ValueError(f"step_metrics: the loss function's metric name(s) {clash} are not allowed: the step "
+                         f"reports them itself ({sorted(metrics)}); rename them (e.g. 'my/{clash[0]}').")
+    metrics.update(dict(extra or {}))
     return metrics
 
 
@@ -114,7 +126,9 @@ def make_train_step(
     Args:
       loss_fn: ``loss_fn(params, batch, scales) -> (loss, (terms, found_inf))``: ``scales`` is
         ``{key: f32[]}`` for the derivative engines, ``terms`` a dict of loss terms to report,
-        ``found_inf`` the engines' merged flags (:func:`~jaxamp.merge_found_inf`).
+        ``found_inf`` the engines' merged flags (:func:`~jaxamp.merge_found_inf`). It may
+        return ``(loss, (terms, found_inf, metrics))``: ``metrics`` ``{name: f32[]}`` are
+        reported as they are named, e.g. :func:`~jaxamp.headroom_metrics`'s ``headroom_log2/<key>``.
       optimizer: any optax transformation. Its schedule counts *applied* updates only (a
         skipped step leaves the optimizer state untouched), unlike Modulus.
       amp: the settings (each scaler's rule, which scalers act).
@@ -144,8 +158,8 @@ def make_train_step(
         scalers = state.deriv_scales
         if not isinstance(scalers, Scalers):  # a state built by hand with a dict of states
             scalers = Scalers({k: amp.derivative_scaler_for(k) for k in scalers}, scalers)
-        (loss, (terms, found_inf)), grads = grad_fn(state.params, batch, scalers.scales,
-                                                    loss_scale=state.loss_scale.scale)
+        (loss, (terms, found_inf, *extra)), grads = grad_fn(state.params, batch, scalers.scales,
+                                                             loss_scale=state.loss_scale.scale)
         check = check_step(found_inf, grads, scalers)
         grad_norm = optax.tree.norm(grads)
         if clip > 0:
@@ -156,6 +170,6 @@ def make_train_step(
         scalers, loss_scale = update_scalers(check, scalers, state.loss_scale, loss_rule)
         new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
                                loss_scale=loss_scale, deriv_scales=scalers)
-        return new_state, step_metrics(loss, terms, check, grad_norm, scalers, loss_scale)
+        return new_state, step_metrics(loss, terms, check, grad_norm, scalers, loss_scale, extra[0] if extra else None)
 
     return step

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The test command (README): sets up .venv on a fresh machine, then runs the fast suite
-# (everything not marked slow; .ci/run also runs the slow end-to-end tests). It prints the
+# (everything not marked slow; .ci/run also runs the slow end-to-end tests) on one pytest-xdist
+# worker per core, each test file on one worker (module fixtures compile once). It prints the
 # ten slowest tests. Extra pytest arguments are passed through, e.g.
-# `bash scripts/test.sh tests/test_models.py` or `bash scripts/test.sh -m slow`.
+# `bash scripts/test.sh tests/test_models.py`, `bash scripts/test.sh -n 0` (no workers) or
+# `bash scripts/test.sh -m slow`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_env.sh
-python -m pytest -m "not slow" -q --durations=10 "$@"
+python -m pytest -m "not slow" -q -n auto --dist loadfile --durations=10 "$@"

@@ -91,15 +91,15 @@ def _engines(amp, derivatives, kinds):
     return params, {k: jax.jit(E.make_engine(k, fn, **kw).__call__) for k in kinds}
 
 
-# Each benchmark-only engine and each scaler mode once in the fast suite, the other pairs in
-# the slow run (each case compiles two engines; "forward" is jaxamp.Derivatives' own engine,
-# checked against reverse in test_derivatives).
+# The benchmark-only engines are checked against reverse mode in the slow run (each case
+# compiles two engines; "forward" is jaxamp.Derivatives' own engine, checked against reverse
+# in the fast suite's test_derivatives).
 _SLOW = pytest.mark.slow
 
 
 @pytest.mark.parametrize("kind, mode", [
-    ("fwd_nested", "per_term_scaler"),
-    ("fwd_over_rev", "per_order_scaler"),
+    pytest.param("fwd_nested", "per_term_scaler", marks=_SLOW),
+    pytest.param("fwd_over_rev", "per_order_scaler", marks=_SLOW),
     pytest.param("forward", "per_order_scaler", marks=_SLOW),
     pytest.param("forward", "per_term_scaler", marks=_SLOW),
     pytest.param("fwd_nested", "per_order_scaler", marks=_SLOW),
@@ -124,6 +124,7 @@ def test_forward_engines_match_reverse_scaled_fp16(mode, kind):
     }
 
 
+@_SLOW
 def test_forward_engines_and_jet_match_reverse_fp32():
     ders = E.pure_derivatives(3, outputs=("u", "v"))
     params, eng = _engines(None, ders, E.KINDS)

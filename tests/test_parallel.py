@@ -7,8 +7,9 @@ the same time, one per core. This process only runs the argument checks on whate
 it has. Bad values (a NaN collocation point) and derivative overflows (a flag raised at one
 point) are *injected*, so nothing depends on XLA keeping excess precision.
 
-The fast suite compares 1 and 8 devices; the slow run adds the 2-device mesh (one more
-worker per dtype), against the same 1-device trajectories.
+The worker runs are end-to-end (``-m slow``): 1 against 8 devices, and the 2-device mesh
+(one more worker per dtype) against the same 1-device trajectories. The fast suite runs the
+argument checks in this process.
 """
 
 from __future__ import annotations
@@ -91,10 +92,12 @@ def _check_fp16_same(runs: Dict[str, Any], base_runs: Dict[str, Any], n: str) ->
     np.testing.assert_allclose(a[ok], b[ok], rtol=1e-3)
 
 
+@pytest.mark.slow  # end-to-end runs on 8 (2 x 2) fake devices in subprocesses
 def test_fp32_loss_trajectory_same_on_1_and_8_devices(worker):
     _check_fp32_same(worker["float32"], worker["float32"], "8")
 
 
+@pytest.mark.slow  # end-to-end runs on 8 (2 x 2) fake devices in subprocesses
 def test_fp16_scaler_trajectories_identical_on_1_and_8_devices(worker):
     _check_fp16_same(worker["float16"], worker["float16"], "8")
 
@@ -106,6 +109,7 @@ def test_fp32_and_fp16_trajectories_on_2_devices_follow_1_device(worker):
     _check_fp16_same(two["float16"], worker["float16"], "2")
 
 
+@pytest.mark.slow  # end-to-end runs on 8 (2 x 2) fake devices in subprocesses
 def test_bad_values_on_one_shard_skip_everywhere_and_change_no_scaler(worker):
     r = worker["inject"]["nan"]
     assert r["bad_devices"] == [5], "the NaN point must land on exactly one device's shard"
@@ -116,6 +120,7 @@ def test_bad_values_on_one_shard_skip_everywhere_and_change_no_scaler(worker):
     assert not r["next_step_skipped"] and r["params_changed_after_next"] and r["replicas_identical_after_next"]
 
 
+@pytest.mark.slow  # end-to-end runs on 8 (2 x 2) fake devices in subprocesses
 def test_overflow_on_one_shard_skips_everywhere(worker):
     r = worker["inject"]["overflow"]
     assert r["bad_devices"] == [5], "the overflow flag must be raised in exactly one device's shard"
@@ -131,6 +136,7 @@ def test_overflow_on_one_shard_skips_everywhere(worker):
     assert not r["next_step_skipped"] and r["params_changed_after_next"] and r["replicas_identical_after_next"]
 
 
+@pytest.mark.slow  # end-to-end runs on 8 (2 x 2) fake devices in subprocesses
 def test_compiled_step_reduces_flags_across_devices(worker):
     h = worker["hlo"]
     assert h["counts"]["all-reduce"] >= 1
@@ -138,6 +144,7 @@ def test_compiled_step_reduces_flags_across_devices(worker):
     assert any("f32" in t for t in h["all_reduce_types"]), h["all_reduce_types"]  # loss / gradients
 
 
+@pytest.mark.slow  # end-to-end runs on 8 (2 x 2) fake devices in subprocesses
 def test_indivisible_batch_errors_name_the_sizes(worker):
     e = worker["errors"]
     assert "63" in e["shard_batch"] and "8 device" in e["shard_batch"]
@@ -145,6 +152,7 @@ def test_indivisible_batch_errors_name_the_sizes(worker):
     assert "`devices`=9" in e["make_mesh"]
 
 
+@pytest.mark.slow  # end-to-end runs on 8 (2 x 2) fake devices in subprocesses
 def test_multihost_two_processes_share_one_skip_decision():
     """jax.distributed.initialize with 2 local processes x 2 fake CPU devices (gloo)."""
     with socket.socket() as sock:

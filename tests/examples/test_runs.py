@@ -22,6 +22,7 @@ def test_plain_fp16_has_loss_scaler_but_no_derivative_scalers():
     assert sorted(per_term.deriv_scales) == ["u", "u__x"]
 
 
+@pytest.mark.slow  # an end-to-end run, interrupted and resumed
 def test_run_writes_everything_and_resume_continues_identically(tmp_path):
     cfg = tiny(Burgers, "fp16_scaler_per_order", 4)
     straight = train_and_evaluate(Burgers, cfg, str(tmp_path / "a"), progress=False)

@@ -24,6 +24,7 @@ def histograms(logdir):
     return {tag: [(e.step, e.histogram_value) for e in acc.Histograms(tag)] for tag in acc.Tags()["histograms"]}
 
 
+@pytest.mark.slow  # an end-to-end run of an example
 def test_event_files_hold_every_metric_of_every_step(tmp_path):
     # Derivative scales start at 2**30: the scaled derivatives overflow float16 at once, so
     # the first steps are skipped (and counted under skips/<reason>).

@@ -60,8 +60,12 @@ def plot_losses(workdir: str, recs: List[Dict[str, Any]]) -> str:
 
 
 def plot_scales(workdir: str, recs: List[Dict[str, Any]]) -> str:
-    """``scales.png``: log2 of every scaler against the step, skipped steps marked."""
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    """``scales.png``: log2 of every scaler against the step, skipped steps marked; below it,
+    when the records have them, each key's headroom (``headroom_log2/<key>``: powers of two
+    between its largest scaled derivative and 65504; 0 is the overflow line)."""
+    keys = [k for k in recs[0] if k.startswith("headroom_log2/")] if recs else []
+    fig, axes = plt.subplots(2 if keys else 1, 1, figsize=(8, 7.5 if keys else 4.5), sharex=True, squeeze=False)
+    ax = axes[0, 0]
     if recs:
         steps = np.array([r["step"] for r in recs])
         for k in [k for k in recs[0] if k.startswith("scale_log2/")]:
@@ -71,9 +75,16 @@ def plot_scales(workdir: str, recs: List[Dict[str, Any]]) -> str:
             ymin = ax.get_ylim()[0]
             ax.plot(skipped, np.full(len(skipped), ymin), "r|", ms=12, label=f"skipped ({len(skipped)} steps)")
         ax.legend(fontsize=8)
-    ax.set_xlabel("step")
     ax.set_ylabel("log2 scale")
     ax.set_title("scalers")
+    if keys:
+        low = axes[1, 0]
+        for k in keys:
+            low.plot(steps, [_num(r[k]) for r in recs], lw=0.8, label=k.split("/", 1)[1])
+        low.axhline(0.0, color="r", lw=0.8, ls="--")
+        low.set_ylabel("headroom, log2 (to 65504)")
+        low.legend(fontsize=8)
+    axes[-1, 0].set_xlabel("step")
     return _save(fig, workdir, "scales.png")
 
 

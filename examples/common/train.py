@@ -92,6 +92,7 @@ class Setup:
 
     def _loss_fn(self, params, batch, scales):
         flags: List[Dict[str, jax.Array]] = []
+        headroom: List[Dict[str, jax.Array]] = []
 
         def derive(points, derivatives=True):
             values: Dict[str, jax.Array] = {}
@@ -99,10 +100,12 @@ class Setup:
                 v, found = engine(params, points, scales)
                 values.update(v)
                 flags.append(found)
+                headroom.append(jaxamp.headroom_log2(engine, v, scales))  # one max per derivative
             return values
 
         loss, terms = self.problem.loss(derive, batch)
-        return loss, (terms, jaxamp.merge_found_inf(*flags))
+        # metrics headroom_log2/<key>: powers of two left below 65504 by each key's largest scaled derivative
+        return loss, (terms, jaxamp.merge_found_inf(*flags), jaxamp.headroom_metrics(*headroom))
 
     def init_state(self) -> jaxamp.TrainState:
         x0 = jnp.zeros(len(self.problem.inputs), jnp.float32)

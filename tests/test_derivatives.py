@@ -45,9 +45,9 @@ def test_fp32_derivatives_match_jax_hessian_and_nested_jacfwd(net_and_params, me
     with jax.default_matmul_precision("highest"):
         vals, flags = jax.jit(eng.__call__)(params, pts)
         f = lambda x: net.apply(params, x)
-        jac = jax.vmap(jax.jacfwd(f))(pts)  # [N, out, in]
-        hess = jax.vmap(jax.hessian(f))(pts)  # [N, out, in, in]
-        third = jax.vmap(jax.jacfwd(jax.jacfwd(jax.jacfwd(f))))(pts)  # [N, out, in, in, in]
+        jac = jax.jit(jax.vmap(jax.jacfwd(f)))(pts)  # [N, out, in]
+        hess = jax.jit(jax.vmap(jax.hessian(f)))(pts)  # [N, out, in, in]
+        third = jax.jit(jax.vmap(jax.jacfwd(jax.jacfwd(jax.jacfwd(f)))))(pts)  # [N, out, in, in, in]
     assert flags == {}
     o, i = {"u": 0, "v": 1}, {"x": 0, "y": 1}
     for name in names:

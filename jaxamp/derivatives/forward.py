@@ -13,8 +13,12 @@ One pass per maximal path: its primal outputs are the lower-order values along t
 every output's tangent comes out of it, so under per-order scaling ``u__x__x`` and
 ``v__x__x`` (and ``u__x``, ``p__x``) share one pass. Paths that differ only in their keys
 (per-term scaling: ``u__x__x`` and ``v__x__x`` under keys ``u``/``u__x`` and ``v``/``v__x``)
-share one pass too: the pass is ``jax.vmap``-ed over their stacked scales, so the primal
-network runs once and only the tangents are batched.
+share one pass too, as per-order paths do: its step scales are the smallest of theirs
+(:func:`shared_scales`), its unscaled values are every path's values, and each path's scaled
+result for the check is that value times the path's own scale, as float16 holds it
+(:func:`as_scaled`). A key is flagged when the shared pass overflows (each path's own pass,
+at scales no smaller, would too) or when its own scaled result leaves float16's range
+(docs/algorithm.md, "Engines").
 
 A pure second-order step (the same input twice) is :func:`jaxamp.taylor.second_order`: one
 propagated tangent instead of nested ``jax.jvp``'s two. A pure path of order >=
@@ -25,6 +29,7 @@ pure second order. Unscaled engines run this same code with every scale 1.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Dict, List, Mapping, Sequence, Tuple
 
 import jax
@@ -57,8 +62,12 @@ def point_values(plan: Plan, f: Callable[[jax.Array], jax.Array], x: jax.Array, 
       derivative; ``scaled[derivative]`` the scaled result of its last step.
     """
     groups: Dict[Tuple[int, ...], List[Path]] = {}
-    for path in plan.maximal_paths():
-        groups.setdefault(tuple(col for _, col in path), []).append(path)
+    for path in plan.maximal_paths():  # a path along a prefix of another's inputs joins its pass
+        cols = tuple(col for _, col in path)
+        longest = max((g for g in groups if g[: len(cols)] == cols), key=len, default=cols)
+        groups.setdefault(longest, []).append(path)
+        for g in [g for g in groups if len(g) < len(longest) and longest[: len(g)] == g]:
+            groups[longest] += groups.pop(g)
     results: Dict[Path, Levels] = {}
     for cols, paths in groups.items():
         chain = _chain(f, cols, len(plan.inputs), series_min_order)
@@ -66,10 +75,9 @@ def point_values(plan: Plan, f: Callable[[jax.Array], jax.Array], x: jax.Array, 
         if len(paths) == 1:
             results[paths[0]] = chain(x, per_path[0])[1]
             continue
-        stacked = [jnp.stack(column) for column in zip(*per_path)]
-        unscaled, scaled = jax.vmap(lambda s: chain(x, s)[1])(stacked)
-        for g, path in enumerate(paths):
-            results[path] = ([u[g] for u in unscaled], [d[g] for d in scaled])
+        unscaled, _ = chain(x, shared_scales(per_path))[1]
+        for path, s in zip(paths, per_path):
+            results[path] = (unscaled, [as_scaled(u, sk) for u, sk in zip(unscaled[1:], s)])
     row = {name: i for i, name in enumerate(plan.outputs)}
     values: Dict[str, jax.Array] = {}
     scaled_values: Dict[str, jax.Array] = {}
@@ -81,6 +89,28 @@ def point_values(plan: Plan, f: Callable[[jax.Array], jax.Array], x: jax.Array, 
     y = next(iter(results.values()))[0][0] if results else f(x)
     values.update({name: y[i] for name, i in row.items()})
     return values, scaled_values
+
+
+def shared_scales(per_path: Sequence[Sequence[jax.Array]]) -> List[jax.Array]:
+    """The step scales of one chain shared by paths along the same inputs (per-term keys).
+
+    Step k's seed ratio is the smallest of the paths' ``s_k / s_{k-1}``, so every float16
+    tangent of the shared chain carries a scale no larger than the same tangent of any
+    path's own chain: if the shared chain overflows, so would each path's own chain.
+    """
+    shared: List[jax.Array] = []
+    for k in range(max(len(p) for p in per_path)):  # shorter paths constrain their steps only
+        ratios = [p[k] / p[k - 1] if k else p[k] for p in per_path if len(p) > k]
+        ratio = functools.reduce(jnp.minimum, ratios)
+        shared.append(ratio * shared[-1] if k else ratio)
+    return shared
+
+
+def as_scaled(value: jax.Array, scale: jax.Array) -> jax.Array:
+    """``value * scale`` as float16 holds it (inf beyond its range): a path's scaled result
+    for the overflow check, from the unscaled value of a shared chain (exact: the scales are
+    powers of two)."""
+    return (value * scale).astype(jnp.float16).astype(jnp.float32)
 
 
 def _basis(n: int, col: int, value: jax.Array) -> jax.Array:

@@ -59,3 +59,34 @@ def batched(u_net: Callable, names: Sequence[str], inputs: Sequence[str] = INPUT
 def points(n: int = 8, seed: int = 1, scale: float = 1.0):
     key = jax.random.PRNGKey(seed)
     return {name: scale * jax.random.uniform(jax.random.fold_in(key, i), (n,)) for i, name in enumerate(INPUTS)}
+
+
+def physical_fourier_net(amp: AmpConfig, *, c: float = 0.02, seed: int = 0) -> Tuple[Callable, dict]:
+    """``(u_net, params)``: examples/jax_user's MLP written with physical inputs, its Fourier
+    features ``cos(z @ b), sin(z @ b)`` with ``b ~ N(0, (2 pi / c)^2)`` (the length scale in the
+    first layer's weights, as jaxpi's FourierEmbs), under :func:`jaxamp.dropin.autocast`."""
+    import flax.linen as nn
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, z):
+            b = self.param("fourier", nn.initializers.normal(2 * jnp.pi / c), (z.shape[-1], 32))
+            h = jnp.concatenate([jnp.cos(z @ b), jnp.sin(z @ b)], -1)
+            for _ in range(3):
+                h = jnp.tanh(nn.Dense(64)(h))
+            return nn.Dense(1)(h)[0]
+
+    model = Net()
+    params = model.init(jax.random.PRNGKey(seed), jnp.zeros(2))
+
+    def u_net(p, t, x):
+        return dropin.autocast(model.apply, amp)(p, jnp.stack([t, x]))
+
+    return u_net, params
+
+
+def u_xx_under_scaled(u_net: Callable, params, amp: AmpConfig, t, x):
+    """``(u_xx f32[N], found_inf)``: nested :func:`jaxamp.dropin.grad` under ``vmap``, every scale 1."""
+    f = jax.vmap(dropin.grad(dropin.grad(u_net, argnums=2), argnums=2), (None, 0, 0))
+    keys = dropin.scaler_keys(f, amp)(params, t, x)
+    return jax.jit(dropin.scaled(f, amp))({k: 1.0 for k in keys}, params, t, x)

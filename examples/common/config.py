@@ -36,6 +36,12 @@ MODE_NAMES = tuple(MODES) + ("custom",)
 
 Check = Tuple[Callable[[Any], bool], str]
 
+# The examples' own keys of the ``amp:`` section (not AmpConfig's; every config has them, with
+# these defaults). init_scales_from_profile: before training, profile the initial parameters on
+# the first batch and start every derivative scaler at the recommended scale
+# (jaxamp.profile.recommend(...).apply(amp); examples/common/train.py).
+EXAMPLE_AMP_DEFAULTS: Dict[str, Any] = {"init_scales_from_profile": False}
+
 
 def positive_int() -> Check:
     return (lambda v: v >= 1, "an integer >= 1")
@@ -143,6 +149,8 @@ def load_config(name: str, overrides: Sequence[str] = (), checks: Optional[Mappi
     if mode != "custom":
         merged = OmegaConf.merge(cfg, {"amp": MODES[mode]}, cli)
     out = OmegaConf.to_container(merged, resolve=True)
+    if isinstance(out.get("amp"), dict):
+        out["amp"] = {**EXAMPLE_AMP_DEFAULTS, **out["amp"]}
     schema = OmegaConf.to_container(root, resolve=True)
     validate(out, schema, {**COMMON_CHECKS, **(checks or {})})
     return out
@@ -192,10 +200,14 @@ def validate(cfg: Mapping[str, Any], schema: Mapping[str, Any], checks: Mapping[
 
 
 def check_amp(amp: Any) -> jaxamp.AmpConfig:
-    """The ``amp:`` section as an AmpConfig (which validates every key)."""
+    """The ``amp:`` section as an AmpConfig (which validates every key), less the examples'
+    own keys (:data:`EXAMPLE_AMP_DEFAULTS`, checked here)."""
     if not isinstance(amp, dict):
         raise ConfigError(f"amp={amp!r} must be a mapping of Modulus amp keys.")
-    return jaxamp.AmpConfig.from_dict(amp)
+    for key, default in EXAMPLE_AMP_DEFAULTS.items():
+        if key in amp and not _type_ok(amp[key], default):
+            raise ConfigError(f"amp.{key}={amp[key]!r} has the wrong type: expected {_type_name(default)}.")
+    return jaxamp.AmpConfig.from_dict({k: v for k, v in amp.items() if k not in EXAMPLE_AMP_DEFAULTS})
 
 
 def amp_settings(cfg: Mapping[str, Any]) -> Tuple[jaxamp.AmpConfig, bool]:

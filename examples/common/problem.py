@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Mapping, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import jax
 import numpy as np
@@ -31,6 +31,13 @@ class Problem:
 
     def __init__(self, cfg: Mapping[str, Any]) -> None:
         self.cfg = cfg
+
+    def input_scale(self) -> Optional[Tuple[float, ...]]:
+        """Per input, the factor the network's input layer multiplies the coordinates by
+        (e.g. ``1 / domain size``: physical units in, unit-sized inputs to the network), or
+        None (default): the network sees the coordinates as they are. The derivatives are
+        still taken with respect to the coordinates."""
+        return None
 
     def sample(self, key: jax.Array) -> Dict[str, Any]:
         """One batch of collocation points (traced: called inside the jitted step)."""

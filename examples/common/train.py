@@ -52,12 +52,19 @@ class Setup:
         self.model = build_model(cfg, self.amp, len(p.outputs))
         # amp.derivative_scaling=false (fp16_plain): the engines neither scale nor check; the
         # model still runs in float16 and the loss scaler stays on.
-        fn = lambda params, x: self.model.apply(params, x)  # noqa: E731
+        inv = None if p.input_scale() is None else jnp.asarray(p.input_scale(), jnp.float32)
+        # the network as a function of the coordinates (the problem's input scaling inside it)
+        fn = lambda params, x: self.model.apply(params, x if inv is None else x * inv)  # noqa: E731
+        self.net = fn
         # One forward-mode engine for every derivative: under per-order scaling a jvp pass
         # yields all outputs' derivatives along its path (u__x__x and v__x__x share one).
         self.engines = [
             jaxamp.Derivatives(fn, inputs=p.inputs, outputs=p.outputs, derivatives=p.derivatives, amp=self.amp)
         ]
+        self.sample_key = jax.random.fold_in(jax.random.PRNGKey(cfg["seed"]), 1)
+        # amp.init_scales_from_profile: every scaler starts at (and is capped by) the scale the
+        # profile of the initial parameters on the first batch recommends.
+        self.start_scales = self._start_from_profile(fn) if cfg["amp"].get("init_scales_from_profile") else None
         # Boundary points that need only the outputs get an engine without derivatives.
         self.values_engine = jaxamp.Derivatives(fn, inputs=p.inputs, outputs=p.outputs, derivatives=(), amp=self.amp)
         o = cfg["optimizer"]
@@ -68,9 +75,28 @@ class Setup:
         self.step_fn = jaxamp.make_train_step(
             self._loss_fn, self.optimizer, amp=self.amp, grad_clip_max_norm=o["grad_clip_max_norm"] or None
         )
-        self.sample_key = jax.random.fold_in(jax.random.PRNGKey(cfg["seed"]), 1)
         self._chunks: Dict[Tuple[int, int], Callable] = {}
         self.mesh = self._make_mesh(cfg["training"]["devices"])
+
+    def _start_from_profile(self, fn: Callable) -> Optional[Dict[str, int]]:
+        """Profile the initial parameters on the first batch at scale 1, apply the recommended
+        scales to ``self.amp`` (:meth:`jaxamp.profile.Recommendation.apply`: each key starts at
+        its scale and never grows past it) and rebuild the engines; the recommended
+        ``{key: log2 scale}`` (None when no derivative scaler acts)."""
+        from jaxamp.profile import profile, recommend
+
+        if not self.amp.scaler_enabled:
+            return None
+        params = self.init_params()
+        parts = self.problem.sample(jax.random.fold_in(self.sample_key, 0)).values()
+        points = {name: jnp.concatenate([part[name] for part in parts]) for name in self.problem.inputs}
+        prof = jax.jit(profile, static_argnums=0)(self.engines[0], params, points)
+        rec = recommend(prof, default_max_scale_log2=self.amp.default_max_scale_log2)
+        self.amp = rec.apply(self.amp)
+        p = self.problem
+        self.engines = [jaxamp.Derivatives(fn, inputs=p.inputs, outputs=p.outputs, derivatives=p.derivatives,
+                                           amp=self.amp)]
+        return dict(rec.scales_log2)
 
     def _make_mesh(self, devices: int):
         """A data-parallel mesh for ``training.devices > 1`` (None for one device)."""
@@ -107,9 +133,13 @@ class Setup:
         # metrics headroom_log2/<key>: powers of two left below 65504 by each key's largest scaled derivative
         return loss, (terms, jaxamp.merge_found_inf(*flags), jaxamp.headroom_metrics(*headroom))
 
-    def init_state(self) -> jaxamp.TrainState:
+    def init_params(self):
+        """The initial parameters (from ``seed``)."""
         x0 = jnp.zeros(len(self.problem.inputs), jnp.float32)
-        params = self.model.init(jax.random.PRNGKey(self.cfg["seed"]), x0)
+        return self.model.init(jax.random.PRNGKey(self.cfg["seed"]), x0)
+
+    def init_state(self) -> jaxamp.TrainState:
+        params = self.init_params()
         state = jaxamp.TrainState.create(params=params, optimizer=self.optimizer, amp=self.amp, engines=self.engines)
         return self.place(state)
 
@@ -161,7 +191,7 @@ class Setup:
         return profile(engine, state.params, points, scales), scaled
 
     def predict(self, params, points: np.ndarray) -> np.ndarray:
-        f = jax.jit(jax.vmap(lambda x: self.model.apply(params, x)))
+        f = jax.jit(jax.vmap(lambda x: self.net(params, x)))
         return np.asarray(f(jnp.asarray(points, jnp.float32)))
 
 
@@ -309,6 +339,7 @@ def evaluate(setup: Setup, state: jaxamp.TrainState, workdir: str, *, train_s: f
         **errs,
         **failure_summary(recs),
         "stalled": stalled,
+        **({} if setup.start_scales is None else {"init_scales_log2_from_profile": setup.start_scales}),
         "train_seconds_this_session": train_s,
         "train_seconds": earlier_s + train_s,
     }

@@ -15,13 +15,13 @@ produce them; :func:`jaxamp.profile.profile` covers those, at the cost of its ow
 
 from __future__ import annotations
 
-import math
 from typing import Dict, Mapping
 
 import jax
 import jax.numpy as jnp
 
-LOG2_FP16_MAX = math.log2(65504.0)
+from jaxamp.profile import LOG2_FP16_MAX
+
 PREFIX = "headroom_log2/"  # the metric name of a key's headroom: PREFIX + key
 
 

@@ -331,7 +331,7 @@ def test_checkpoint_cond_scan_and_while_bodies_are_rewritten():
     assert walk(jaxpr, "dot_general") == [(F32, F32)] + [(F16, F16)] * 5
     assert walk(jaxpr, "tanh") == [(F32,)] * 4
     assert [walk(jaxpr, p) != [] for p in ("scan", "remat2", "cond", "while")] == [True] * 4
-    out, ref = wrapped(params, x), net(params, x)
+    out, ref = jax.jit(wrapped)(params, x), jax.jit(net)(params, x)
     assert out.dtype == F32 and float(jnp.max(jnp.abs(out - ref))) <= 0.02 * float(jnp.max(jnp.abs(ref)))
     grads = jax.jit(jax.grad(lambda p: jnp.sum(autocast(net, AmpConfig())(p, x, loop=False) ** 2)))(params)
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree_util.tree_leaves(grads))

@@ -7,7 +7,8 @@ an all-float16 one (``autocast_activation`` and ``autocast_firstlayer``); a 3x32
 32 points in [-1, 1]^d; the cavity's derivatives (u, v, p of x, y to order 2, one mixed) and a
 4th-order pure derivative; the forward and the reverse engine; a loss ``2^12 * sum(mean(v^2))``
 (the factor keeps the backward pass's float16 cotangents normal, as a loss scaler does).
-The fast suite runs the default placement; the all-float16 placement runs with ``-m slow``.
+The fast suite runs the cavity in the default placement; the 4th-order problem and the
+all-float16 placement run with ``-m slow``.
 
 What holds (measured; asserted below):
 
@@ -49,23 +50,29 @@ def run_worker(xla_flags: str, *args: str) -> dict:
 STRICT = "--xla_allow_excess_precision=false"
 
 
-PLACEMENTS = [pytest.param("default"), pytest.param("fp16", marks=pytest.mark.slow)]
+# (placement, problem): the fast suite runs the cavity in the default placement; the 4th-order
+# problem (Taylor mode) and the all-float16 placement run with -m slow.
+RUNS = [pytest.param(("default", "cavity"), id="default-cavity"),
+        pytest.param(("default", "order4"), id="default-order4", marks=pytest.mark.slow),
+        pytest.param(("fp16", "cavity"), id="fp16-cavity", marks=pytest.mark.slow),
+        pytest.param(("fp16", "order4"), id="fp16-order4", marks=pytest.mark.slow)]
 
 
 @pytest.fixture(scope="module")
 def strict_runs():
-    """One worker run per placement, on demand (the all-float16 placement runs with -m slow)."""
+    """One worker run per (placement, problem), on demand."""
     return {}
 
 
-@pytest.fixture(params=PLACEMENTS)
+@pytest.fixture(params=RUNS)
 def strict(request, strict_runs):
-    """The default (forward) engine and the train step for one placement; the reverse engine
-    runs with -m slow."""
-    placement = request.param
-    if placement not in strict_runs:
-        strict_runs[placement] = run_worker(STRICT, "forward", f"--placement={placement}")
-    return strict_runs[placement]
+    """The default (forward) engine for one placement and problem, and the train step (on the
+    cavity) for that placement; the reverse engine runs with -m slow."""
+    placement, problem = request.param
+    if request.param not in strict_runs:
+        train = [] if problem == "cavity" else ["--no-train"]
+        strict_runs[request.param] = run_worker(STRICT, "forward", f"--placement={placement}", f"--problem={problem}", *train)
+    return strict_runs[request.param]
 
 
 def engine_cases(results):
@@ -74,14 +81,14 @@ def engine_cases(results):
 
 def test_every_case_ran(strict):
     cases = engine_cases(strict)
-    assert len(cases) == 2 * 4  # problems x scales (forward engine), for this placement
+    assert len(cases) == 4  # scales (forward engine), for this placement and problem
     for name, case in cases.items():  # the comparison is not vacuous: finite values, nothing flagged
         assert case["finite"] and case["flagged"] == [] and case["n_grads"] > 0, name
 
 
 def test_scales_one_are_bit_identical_to_unscaled(strict):
     cases = {k: v for k, v in engine_cases(strict).items() if k.endswith("/0")}
-    assert len(cases) == 2
+    assert len(cases) == 1
     assert {k: (v["values_diff"], v["grads_diff"]) for k, v in cases.items() if v["values_diff"] or v["grads_diff"]} == {}
 
 
@@ -96,13 +103,14 @@ def test_reverse_engine_at_scales_one_is_bit_identical_to_unscaled():
 @pytest.mark.parametrize("log2_scale", [-1, 1, 2])
 def test_binary_scales_are_bit_identical_after_unscaling(strict, log2_scale):
     cases = {k: v for k, v in engine_cases(strict).items() if k.startswith("forward/") and k.endswith(f"/{log2_scale}")}
-    assert len(cases) == 2
+    assert len(cases) == 1
     measured_off = "fp16/cavity"  # float16 subnormals (see the module docstring)
     values = {k: v["values_diff"] for k, v in cases.items() if v["values_diff"] and not (measured_off in k and log2_scale < 0)}
     grads = {k: v["grads_diff"] for k, v in cases.items() if v["grads_diff"] and measured_off not in k}
     assert values == {} and grads == {}
 
 
+@pytest.mark.parametrize("strict", [RUNS[0], RUNS[2]], indirect=True)  # the cavity's workers
 def test_train_step_with_scales_one_is_bit_identical_to_no_derivative_scaling(strict):
     (case,) = [v for k, v in strict.items() if k.startswith("train/")]
     assert (case["params_diff"], case["opt_state_diff"], case["loss_diff"]) == (0, 0, 0), case

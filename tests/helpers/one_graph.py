@@ -70,10 +70,10 @@ def _value_and_grad(engine):
     return jax.jit(jax.value_and_grad(loss, has_aux=True))
 
 
-def engine_cases(method: str, placements=tuple(PLACEMENTS)) -> Dict[str, dict]:
+def engine_cases(method: str, placements=tuple(PLACEMENTS), problems=tuple(PROBLEMS)) -> Dict[str, dict]:
     out = {}
     for placement in placements:
-        for problem in PROBLEMS:
+        for problem in problems:
             scaled, plain, params, x = _setup(placement, problem, method)
             (_, (ref, _)), ref_g = _value_and_grad(plain)(params, x, None)
             f = _value_and_grad(scaled)
@@ -116,13 +116,14 @@ def train_case(placement: str, steps: int = 3) -> dict:
 
 
 def main() -> None:
-    """``python -m tests.helpers.one_graph [METHOD ...] [--no-train] [--placement=NAME ...]``
-    (default: both engines, every placement)."""
+    """``python -m tests.helpers.one_graph [METHOD ...] [--no-train] [--placement=NAME ...]
+    [--problem=NAME ...]`` (default: both engines, every placement, every problem)."""
     args = sys.argv[1:]
     placements = [a.split("=", 1)[1] for a in args if a.startswith("--placement=")] or list(PLACEMENTS)
+    problems = [a.split("=", 1)[1] for a in args if a.startswith("--problem=")] or list(PROBLEMS)
     out = {"xla_flags": __import__("os").environ.get("XLA_FLAGS", "")}
     for method in [a for a in args if not a.startswith("--")] or ["forward", "reverse"]:
-        out.update(engine_cases(method, placements))
+        out.update(engine_cases(method, placements, problems))
     if "--no-train" not in args:
         out.update({f"train/{p}": train_case(p) for p in placements})
     print(json.dumps(out))

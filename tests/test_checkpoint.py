@@ -64,6 +64,7 @@ def test_restore_errors_and_keeping(tmp_path):
         jaxamp.Checkpointer(tmp_path / "d", max_to_keep=0)
 
 
+@pytest.mark.slow  # an end-to-end run (fast-suite budget); CI runs it
 def test_monitor_state_beside_the_train_state_resumes_bit_identical(tmp_path):
     """A stall monitor's state saved with the train state: the resumed run counts on as the
     uninterrupted one, and the Scalers container with its rules comes back."""

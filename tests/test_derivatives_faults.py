@@ -105,6 +105,7 @@ def test_masked_points_are_zero_unflagged_and_weighted_out(method):
     assert flagged(jax.jit(plain.__call__, compiler_options=STRICT_FP16)(None, pts, scales)[1]) == {NONFINITE_VALUES}
 
 
+@pytest.mark.slow  # an end-to-end run (fast-suite budget); CI runs it
 def test_masked_weight_gradient_is_finite_and_ignores_masked_points():
     """A weighted residual mean over masked points has a finite gradient equal to the mean over
     the finite points alone (the stand-in's values never reach the loss)."""

@@ -57,6 +57,7 @@ def test_engines_flag_bad_values_and_overflows_alike(pair, method, first, expect
     assert fj == expected and ft == expected
 
 
+@pytest.mark.slow  # an end-to-end run (fast-suite budget); CI runs it
 def test_bad_value_steps_change_no_scaler_in_either_framework():
     nan, overflow = frozenset({3, 4, 9}), frozenset({4, 7})  # step 4: both, bad values take precedence
     js, jstep, ts, tstep = fresh_pair("fp16")

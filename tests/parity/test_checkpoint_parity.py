@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 import torch
 
 import jaxamp
@@ -202,6 +203,7 @@ def _check_continuation(jm, tm):
     assert np.abs(jl[ok] - tl[ok]).max() / np.abs(jl[ok]).min() < 5e-2 and abs(jl[0] - tl[0]) < 1e-2 * jl[0]
 
 
+@pytest.mark.slow  # an end-to-end run (fast-suite budget); CI runs it
 def test_training_checkpoint_jaxamp_to_torch_ref(tmp_path):
     js, jstep, ts, tstep = fresh_pair("fp16")
     js, _ = run_jax(js, jstep, range(CUT), INJECT)

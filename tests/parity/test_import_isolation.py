@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -12,11 +14,13 @@ def _run(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
 
 
+@pytest.mark.slow  # a fresh interpreter importing jax or torch (fast-suite budget); CI runs it
 def test_import_jaxamp_does_not_import_torch():
     r = _run("import sys, jaxamp, jaxamp.models; assert 'torch' not in sys.modules, 'torch imported'")
     assert r.returncode == 0, r.stderr
 
 
+@pytest.mark.slow  # a fresh interpreter importing jax or torch (fast-suite budget); CI runs it
 def test_import_torch_ref_does_not_import_jax():
     r = _run(
         "import sys, torch_ref, torch_ref.models\n"

@@ -55,6 +55,7 @@ def test_fp32_training_losses_agree_to_1e_4():
     assert jl[-1] < 0.5 * jl[0]  # it trains
 
 
+@pytest.mark.slow  # an end-to-end run (fast-suite budget); CI runs it
 def test_fp32_training_losses_agree_to_1e_4_first_steps():
     _fp32_agree(FAST_STEPS)
 

@@ -58,13 +58,17 @@ class Setup:
         self.net = fn
         # One forward-mode engine for every derivative: under per-order scaling a jvp pass
         # yields all outputs' derivatives along its path (u__x__x and v__x__x share one).
-        self.engines = [
-            jaxamp.Derivatives(fn, inputs=p.inputs, outputs=p.outputs, derivatives=p.derivatives, amp=self.amp)
-        ]
+        engine = lambda amp: jaxamp.Derivatives(fn, inputs=p.inputs, outputs=p.outputs,  # noqa: E731
+                                                derivatives=p.derivatives, amp=amp)
+        self.engines = [engine(self.amp)]
         self.sample_key = jax.random.fold_in(jax.random.PRNGKey(cfg["seed"]), 1)
         # amp.init_scales_from_profile: every scaler starts at (and is capped by) the scale the
         # profile of the initial parameters on the first batch recommends.
-        self.start_scales = self._start_from_profile(fn) if cfg["amp"].get("init_scales_from_profile") else None
+        self.start_scales = None
+        if cfg["amp"].get("init_scales_from_profile") and self.amp.scaler_enabled:
+            rec = self._recommend_from_profile()
+            self.amp, self.start_scales = rec.apply(self.amp), dict(rec.scales_log2)
+            self.engines = [engine(self.amp)]
         # Boundary points that need only the outputs get an engine without derivatives.
         self.values_engine = jaxamp.Derivatives(fn, inputs=p.inputs, outputs=p.outputs, derivatives=(), amp=self.amp)
         o = cfg["optimizer"]
@@ -78,25 +82,15 @@ class Setup:
         self._chunks: Dict[Tuple[int, int], Callable] = {}
         self.mesh = self._make_mesh(cfg["training"]["devices"])
 
-    def _start_from_profile(self, fn: Callable) -> Optional[Dict[str, int]]:
-        """Profile the initial parameters on the first batch at scale 1, apply the recommended
-        scales to ``self.amp`` (:meth:`jaxamp.profile.Recommendation.apply`: each key starts at
-        its scale and never grows past it) and rebuild the engines; the recommended
-        ``{key: log2 scale}`` (None when no derivative scaler acts)."""
+    def _recommend_from_profile(self):
+        """:func:`jaxamp.profile.recommend` for the initial parameters on the first batch at
+        scale 1 (its ``apply`` starts each key at its scale, never growing past it)."""
         from jaxamp.profile import profile, recommend
 
-        if not self.amp.scaler_enabled:
-            return None
-        params = self.init_params()
         parts = self.problem.sample(jax.random.fold_in(self.sample_key, 0)).values()
         points = {name: jnp.concatenate([part[name] for part in parts]) for name in self.problem.inputs}
-        prof = jax.jit(profile, static_argnums=0)(self.engines[0], params, points)
-        rec = recommend(prof, default_max_scale_log2=self.amp.default_max_scale_log2)
-        self.amp = rec.apply(self.amp)
-        p = self.problem
-        self.engines = [jaxamp.Derivatives(fn, inputs=p.inputs, outputs=p.outputs, derivatives=p.derivatives,
-                                           amp=self.amp)]
-        return dict(rec.scales_log2)
+        prof = jax.jit(profile, static_argnums=0)(self.engines[0], self.init_params(), points)
+        return recommend(prof, default_max_scale_log2=self.amp.default_max_scale_log2)
 
     def _make_mesh(self, devices: int):
         """A data-parallel mesh for ``training.devices > 1`` (None for one device)."""

@@ -62,12 +62,11 @@ def point_values(plan: Plan, f: Callable[[jax.Array], jax.Array], x: jax.Array, 
       derivative; ``scaled[derivative]`` the scaled result of its last step.
     """
     groups: Dict[Tuple[int, ...], List[Path]] = {}
-    for path in plan.maximal_paths():  # a path along a prefix of another's inputs joins its pass
+    # Longest first: a path along a prefix of another's inputs joins that pass.
+    for path in sorted(plan.maximal_paths(), key=len, reverse=True):
         cols = tuple(col for _, col in path)
-        longest = max((g for g in groups if g[: len(cols)] == cols), key=len, default=cols)
-        groups.setdefault(longest, []).append(path)
-        for g in [g for g in groups if len(g) < len(longest) and longest[: len(g)] == g]:
-            groups[longest] += groups.pop(g)
+        home = next((g for g in groups if g[: len(cols)] == cols), cols)
+        groups.setdefault(home, []).append(path)
     results: Dict[Path, Levels] = {}
     for cols, paths in groups.items():
         chain = _chain(f, cols, len(plan.inputs), series_min_order)

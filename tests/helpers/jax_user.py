@@ -62,21 +62,12 @@ def points(n: int = 8, seed: int = 1, scale: float = 1.0):
 
 
 def physical_fourier_net(amp: AmpConfig, *, c: float = 0.02, seed: int = 0) -> Tuple[Callable, dict]:
-    """``(u_net, params)``: examples/jax_user's MLP written with physical inputs, its Fourier
-    features ``cos(z @ b), sin(z @ b)`` with ``b ~ N(0, (2 pi / c)^2)`` (the length scale in the
-    first layer's weights, as jaxpi's FourierEmbs), under :func:`jaxamp.dropin.autocast`."""
-    import flax.linen as nn
+    """``(u_net, params)``: examples/jax_user's MLP on physical inputs, its Fourier features
+    ``cos(z @ b), sin(z @ b)`` with ``b ~ N(0, (2 pi / c)^2)`` (the length scale in the first
+    layer's weights, as jaxpi's FourierEmbs), under :func:`jaxamp.dropin.autocast`."""
+    from examples.jax_user.fp32 import MLP
 
-    class Net(nn.Module):
-        @nn.compact
-        def __call__(self, z):
-            b = self.param("fourier", nn.initializers.normal(2 * jnp.pi / c), (z.shape[-1], 32))
-            h = jnp.concatenate([jnp.cos(z @ b), jnp.sin(z @ b)], -1)
-            for _ in range(3):
-                h = jnp.tanh(nn.Dense(64)(h))
-            return nn.Dense(1)(h)[0]
-
-    model = Net()
+    model = MLP(fourier_sigma=2 * jnp.pi / c)
     params = model.init(jax.random.PRNGKey(seed), jnp.zeros(2))
 
     def u_net(p, t, x):

@@ -53,16 +53,13 @@ def test_physical_units_port_trains_like_fp32():
     """Domain x 0.02: the port reaches fp32's relative L2 error within 1.2x.
 
     Measured on CPU (1500 steps, domain x 0.02; XLA on CPU may keep excess precision in
-    fusions): seed 0 fp32 7.72e-3, port 8.22e-3 (1.06x); seed 1 fp32 7.42e-3, port 7.64e-3
-    (1.03x); domain x 1, seed 0: fp32 7.44e-3, port 7.69e-3. Without the port's cap on the
-    order-2 scale (custom_max_scales_log2={2: -2}; the scaler starts at 1) the port reached
-    1.32e-2 (1.71x, seed 0; loss 91.7 at step 500 against fp32's 25.1): the jacrev loss-weight
-    update at step 0 overflows at scale 1 and is skipped, so the weights stay at 1 until step
-    100. fp32 with that one update skipped: 1.25e-2 (loss 83.7 at step 500). Not the loss scale
-    (an investigation copy of the loop, another parameter draw, seed 0): with or without the
-    cap it backs off from 2^16 to 1 over steps 2-17 (16 skipped steps, 2-4 more later) and
-    regrows to 2^7-2^8; the fp16 weight gradients were within 3-11% of fp32's at the same
-    parameters (checked every 250 steps).
+    fusions), the port's scalers started from its float32 profile (dropin.init_scalers: key
+    "2" at and capped by 2^-4, key "1" at 1): seed 0 fp32 7.72e-3, port 7.12e-3.
+    Started at scale 1 instead, the jacrev loss-weight update at step 0 overflows and is
+    skipped, the weights stay at 1 until step 100 and the port reached 1.32e-2 (1.71x, seed 0;
+    fp32 with that one update skipped: 1.25e-2). The loss scale is not the cause (an
+    investigation copy of the loop): it backs off from 2^16 to 1 over steps 2-17 either way,
+    and the fp16 weight gradients were within 3-11% of fp32's at the same parameters.
     """
     fp32 = _run("fp32", *PHYSICAL)
     ported = _run("fp16", *PHYSICAL)

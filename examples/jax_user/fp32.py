@@ -11,10 +11,10 @@ initialization is past float16's 65504.
 fp16.py differs from fp32.py by the lines a port to float16 + DerivScaler needs (its
 --plain-fp16: the same port without derivative scaling, for comparison). The port runs the
 first layer in float16 too (autocast_firstlayer=True, as a jmp policy casting everything
-would), so in physical units plain fp16 overflows from step 0 and never trains. It caps the
-order-2 derivative scale at 2^-2 (custom_max_scales_log2): the loss-weight update at step 0
-runs before any train step has backed the scaler off, and a skipped update there keeps the
-loss weights at 1 for the first 100 steps (fp32 with that update skipped trains as slowly).
+would), so in physical units plain fp16 overflows from step 0 and never trains. Its scalers
+start from a float32 profile of the losses on the first batch (dropin.init_scalers): the
+loss-weight update at step 0 runs before any train step could back a scaler off, and skipped
+there it would keep the loss weights at 1 for the first 100 steps.
 
     python -m examples.jax_user.fp32 --steps 1500 --domain-scale 0.02
 """

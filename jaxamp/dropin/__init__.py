@@ -32,6 +32,7 @@ gets a lower order: put ``jax.jit`` around the whole loss, not between nested ``
 from jaxamp.autocast import autocast
 from jaxamp.dropin.grad import grad
 from jaxamp.dropin.primitives import deriv_check_p, deriv_scale_p
+from jaxamp.dropin.ranges import init_scalers, profile
 from jaxamp.dropin.scaled import scaled, scaler_keys
 
-__all__ = ["autocast", "grad", "scaled", "scaler_keys", "deriv_scale_p", "deriv_check_p"]
+__all__ = ["autocast", "grad", "scaled", "scaler_keys", "profile", "init_scalers", "deriv_scale_p", "deriv_check_p"]

@@ -28,17 +28,17 @@ from jaxamp.dropin.control import HANDLERS, call, full_flags
 from jaxamp.dropin.primitives import PRIMITIVES, deriv_check_p, deriv_scale_p
 from jaxamp.interpreter import CALL_PRIMITIVES, bind, eval_jaxpr
 
-__all__ = ["scaled", "scaler_keys"]
+__all__ = ["scaled", "scaler_keys", "Context", "check_amp", "marks", "sub_jaxprs", "trace"]
 
 Flags = Dict[str, jax.Array]
 _MARKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _jaxprs(eqn) -> List[jcore.Jaxpr]:
+def sub_jaxprs(eqn) -> List[jcore.Jaxpr]:
     return [j.jaxpr if isinstance(j, jcore.ClosedJaxpr) else j for j in jcore.jaxprs_in_params(eqn.params)]
 
 
-def _marks(jaxpr: jcore.Jaxpr) -> Tuple[Tuple[int, Optional[str]], ...]:
+def marks(jaxpr: jcore.Jaxpr) -> Tuple[Tuple[int, Optional[str]], ...]:
     """The (order, term) of every jaxamp primitive in ``jaxpr`` and its sub-jaxprs (cached)."""
     try:
         return _MARKED[jaxpr]
@@ -48,8 +48,8 @@ def _marks(jaxpr: jcore.Jaxpr) -> Tuple[Tuple[int, Optional[str]], ...]:
     for eqn in jaxpr.eqns:
         if eqn.primitive in PRIMITIVES:
             found.append((eqn.params["order"], eqn.params["term"]))
-        for sub in _jaxprs(eqn):
-            found.extend(_marks(sub))
+        for sub in sub_jaxprs(eqn):
+            found.extend(marks(sub))
     found = tuple(dict.fromkeys(found))
     try:
         _MARKED[jaxpr] = found
@@ -58,7 +58,7 @@ def _marks(jaxpr: jcore.Jaxpr) -> Tuple[Tuple[int, Optional[str]], ...]:
     return found
 
 
-class _Context:
+class Context:
     """The scales and the key rule of one evaluation."""
 
     def __init__(self, scales: Mapping[str, Any], amp: Optional[AmpConfig]) -> None:
@@ -83,7 +83,7 @@ class _Context:
         """The flag keys ``jaxpr`` produces (static)."""
         if not self.active:
             return []
-        keys = list(dict.fromkeys(self.key(o, t) for o, t in _marks(jaxpr)))
+        keys = list(dict.fromkeys(self.key(o, t) for o, t in marks(jaxpr)))
         return keys + [NONFINITE_VALUES] if keys else []
 
     def scale(self, v, order: int, term: Optional[str]) -> jax.Array:
@@ -103,7 +103,7 @@ def _or(flags: Flags, key: str, hit) -> None:
     flags[key] = hit if key not in flags else flags[key] | hit
 
 
-def _check(ctx: _Context, flags: Flags, g, v, order: int, term: Optional[str]) -> None:
+def _check(ctx: Context, flags: Flags, g, v, order: int, term: Optional[str]) -> None:
     if not ctx.active:
         return
     finite_v = jnp.isfinite(v)
@@ -116,7 +116,7 @@ def _check(ctx: _Context, flags: Flags, g, v, order: int, term: Optional[str]) -
     _or(flags, NONFINITE_VALUES, jnp.any(~finite_v) if order == 1 else jnp.zeros((), bool))
 
 
-def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: _Context) -> Tuple[List, Flags]:
+def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: Context) -> Tuple[List, Flags]:
     flags: Flags = {}
 
     def rule(eqn, invals):
@@ -126,7 +126,7 @@ def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ct
         if prim is deriv_check_p:
             _check(ctx, flags, *invals, **eqn.params)
             return [invals[0]]
-        if not any(_marks(j) for j in _jaxprs(eqn)):
+        if not any(marks(j) for j in sub_jaxprs(eqn)):
             return bind(eqn, invals)  # fast path: nothing of ours inside
         handler = HANDLERS.get(prim.name, call if prim.name in CALL_PRIMITIVES else None)
         if handler is None:
@@ -142,7 +142,7 @@ def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ct
     return eval_jaxpr(jaxpr, consts, args, rule), flags
 
 
-def _trace(fun: Callable, args, kwargs):
+def trace(fun: Callable, args, kwargs):
     flat, in_tree = jax.tree_util.tree_flatten((args, kwargs))
 
     def flat_fun(*leaves):
@@ -153,7 +153,7 @@ def _trace(fun: Callable, args, kwargs):
     return closed, flat, jax.tree_util.tree_structure(shape)
 
 
-def _check_amp(amp) -> None:
+def check_amp(amp) -> None:
     if amp is not None and not isinstance(amp, AmpConfig):
         raise TypeError(f"jaxamp.scaled: `amp`={amp!r} must be an AmpConfig or None (per-order keys).")
 
@@ -179,13 +179,13 @@ def scaled(fun: Callable[..., Any], amp: Optional[AmpConfig] = None) -> Callable
     """
     if not callable(fun):
         raise TypeError(f"jaxamp.scaled: `fun`={fun!r} must be callable.")
-    _check_amp(amp)
+    check_amp(amp)
 
     def wrapped(scales: Mapping[str, Any], *args, **kwargs):
         if not isinstance(scales, Mapping):
             raise TypeError(f"jaxamp.scaled: `scales`={scales!r} must be a mapping {{scaler key: f32[]}}.")
-        ctx = _Context(scales, amp)
-        closed, flat, out_tree = _trace(fun, args, kwargs)
+        ctx = Context(scales, amp)
+        closed, flat, out_tree = trace(fun, args, kwargs)
         outs, flags = _evaluate(closed.jaxpr, closed.consts, flat, ctx)
         return jax.tree_util.tree_unflatten(out_tree, outs), full_flags(flags, ctx.keys(closed.jaxpr))
 
@@ -198,10 +198,10 @@ def scaler_keys(fun: Callable[..., Any], amp: Optional[AmpConfig] = None) -> Cal
     Create one derivative scaler per key, e.g.
     ``{k: amp.derivative_scaler_for(k).init() for k in scaler_keys(loss, amp)(params, batch)}``.
     """
-    _check_amp(amp)
+    check_amp(amp)
 
     def keys(*args, **kwargs) -> Tuple[str, ...]:
-        closed = _trace(fun, args, kwargs)[0]
-        return tuple(k for k in _Context({}, amp).keys(closed.jaxpr) if k != NONFINITE_VALUES)
+        closed = trace(fun, args, kwargs)[0]
+        return tuple(k for k in Context({}, amp).keys(closed.jaxpr) if k != NONFINITE_VALUES)
 
     return keys

@@ -1,0 +1,170 @@
+"""Where the derivatives of a ``dropin.grad`` program sit in float16's window, and start scales.
+
+:func:`profile` is :func:`jaxamp.profile.profile` for code written with
+:func:`jaxamp.dropin.grad`: it evaluates the user's function (e.g. the per-point losses) with
+every float16/bfloat16 operation promoted to float32, each derivative seed at the scale of its
+key, and reports per scaler key the range of
+
+- ``derivatives[key]``: the scaled derivatives the key's overflow checks look at, and
+- ``hidden[key]``: every float16/bfloat16 value of the derivative passes the key scales: the
+  values that depend on the key's seed *and* feed the key's check (the backward pass of that
+  ``grad``, inside the user's own network), where float16 overflows first.
+
+:func:`init_scalers` turns the profile into :class:`jaxamp.Scalers` whose every key starts
+at (and is capped by) the scale :func:`jaxamp.profile.recommend` gives it: the port of an
+existing code starts from measured scales instead of hand-tuned ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Mapping, Optional
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jcore
+
+from jaxamp.config import AmpConfig
+from jaxamp.dropin.primitives import deriv_check_p, deriv_scale_p
+from jaxamp.dropin.scaled import Context, check_amp, marks, scaler_keys, sub_jaxprs, trace
+from jaxamp.interpreter import bind, eval_jaxpr, sub_jaxpr
+from jaxamp.profile import Profile, check_margin, is_low_precision, promote_eqn, promote_value, recommend, value_range
+from jaxamp.scaler import Scalers
+
+__all__ = ["profile", "init_scalers"]
+
+_CUSTOM_BODIES = {"custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr"}
+
+
+def _inline(eqn, vals):
+    """Bind ``eqn``, with call and custom-derivative bodies inlined (one flat program)."""
+    body = sub_jaxpr(eqn)
+    if body is None and eqn.primitive.name in _CUSTOM_BODIES:
+        body = eqn.params[_CUSTOM_BODIES[eqn.primitive.name]]
+        body = body if isinstance(body, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(body, ())
+    if body is not None:
+        return eval_jaxpr(body.jaxpr, body.consts, vals, _inline)
+    return bind(eqn, vals)
+
+
+def _key_sets(jaxpr: jcore.Jaxpr, ctx: Context) -> Dict[Any, frozenset]:
+    """``{var: keys}``: the scaler keys whose seed ``var`` depends on and whose check it feeds."""
+    after: Dict[Any, frozenset] = {}  # keys of the seeds a var depends on
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is deriv_scale_p:
+            keys = frozenset((ctx.key(**eqn.params),))
+        else:
+            keys = frozenset().union(*(after.get(v, frozenset()) for v in eqn.invars if not isinstance(v, jcore.Literal)))
+        after.update((v, keys) for v in eqn.outvars)
+    before: Dict[Any, frozenset] = {}  # keys of the checks a var feeds
+    for eqn in reversed(jaxpr.eqns):
+        down = frozenset().union(*(before.get(v, frozenset()) for v in eqn.outvars))
+        ins = [v for v in eqn.invars if not isinstance(v, jcore.Literal)]
+        if eqn.primitive is deriv_check_p:  # the scaled gradient feeds the check; the value does not
+            ins, down = ins[:1], down | {ctx.key(**eqn.params)}
+        for v in ins:
+            before[v] = before.get(v, frozenset()) | down
+    return {v: after[v] & before[v] for v in after if v in before and after[v] & before[v]}
+
+
+def profile(fun: Callable[..., Any], amp: Optional[AmpConfig] = None) -> Callable[..., Profile]:
+    """The float16 range of every scaled derivative in ``fun``, per scaler key.
+
+    Args:
+      fun: a function whose derivatives are taken with :func:`jaxamp.dropin.grad` (through
+        ``vmap``, ``jit``, ``jacrev``; not inside ``scan``/``while``/``cond`` bodies).
+      amp: as for :func:`jaxamp.dropin.scaled`.
+
+    Returns:
+      ``prof(scales, *args, **kwargs) -> Profile`` with ``derivatives`` and ``hidden`` per key
+      (see the module docstring) and ``keys``, their union. ``scales``: ``{key: f32[]}`` or None
+      (every key at 1: what :func:`jaxamp.profile.recommend` expects). Empty when ``amp``'s
+      derivative scalers are inactive.
+
+    Example:
+      >>> prof = profile(losses, amp)(None, params, batch)                  # doctest: +SKIP
+      >>> amp = jaxamp.profile.recommend(prof).apply(amp)                   # doctest: +SKIP
+    """
+    if not callable(fun):
+        raise TypeError(f"jaxamp.dropin.profile: `fun`={fun!r} must be callable.")
+    check_amp(amp)
+
+    def prof(scales: Optional[Mapping[str, Any]], *args, **kwargs) -> Profile:
+        if scales is not None and not isinstance(scales, Mapping):
+            raise TypeError(f"jaxamp.dropin.profile: `scales`={scales!r} must be None or a mapping {{key: f32[]}}.")
+        ctx = Context({}, amp)
+        if not ctx.active:
+            return Profile(derivatives={}, hidden={}, keys={})
+        closed, flat, _ = trace(fun, args, kwargs)
+        flat_jaxpr = jax.make_jaxpr(lambda *a: eval_jaxpr(closed.jaxpr, closed.consts, a, _inline))(*flat)
+        for eqn in flat_jaxpr.jaxpr.eqns:
+            if any(marks(j) for j in sub_jaxprs(eqn)):
+                raise NotImplementedError(
+                    f"jaxamp.dropin.profile: a jaxamp.grad inside a `{eqn.primitive.name}` body is not "
+                    "profiled; profile the function the loop or branch calls."
+                )
+        ctx.scales = {k: jnp.float32(1.0) for k in ctx.keys(flat_jaxpr.jaxpr)} | dict(scales or {})
+        hidden_of = _key_sets(flat_jaxpr.jaxpr, ctx)
+        found: Dict[str, Dict[str, List[jax.Array]]] = {"derivatives": {}, "hidden": {}}
+
+        def record(group: str, key: str, value) -> None:
+            found[group].setdefault(key, []).append(jnp.ravel(jnp.asarray(value, jnp.float32)))
+
+        def rule(eqn, vals):
+            if eqn.primitive is deriv_scale_p:
+                outs = [ctx.scale(vals[0], **eqn.params)]
+            elif eqn.primitive is deriv_check_p:
+                outs = [promote_value(vals[0])]
+                record("derivatives", ctx.key(**eqn.params), outs[0])
+            else:
+                outs = promote_eqn(eqn, vals)
+            for var, out in zip(eqn.outvars, outs):
+                if is_low_precision(getattr(var.aval, "dtype", None)):
+                    for key in hidden_of.get(var, ()):
+                        record("hidden", key, out)
+            return outs
+
+        consts = [promote_value(c) for c in flat_jaxpr.consts]
+        eval_jaxpr(flat_jaxpr.jaxpr, consts, [promote_value(a) for a in flat], rule, literal=promote_value)
+        ranges = {g: {k: value_range(jnp.concatenate(v)) for k, v in d.items()} for g, d in found.items()}
+        union = {k: value_range(jnp.concatenate(found["derivatives"].get(k, []) + found["hidden"].get(k, [])))
+                 for k in dict.fromkeys([*found["derivatives"], *found["hidden"]])}
+        return Profile(derivatives=ranges["derivatives"], hidden=ranges["hidden"], keys=union)
+
+    return prof
+
+
+def init_scalers(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *, from_profile: bool = True,
+                 margin_log2: int = 2) -> Callable[..., Scalers]:
+    """The derivative scalers of ``fun``'s ``dropin.grad`` calls, started from a profile.
+
+    Args:
+      fun: as for :func:`profile` (typically the function of the per-point losses).
+      amp: the settings (None: ``AmpConfig()``).
+      from_profile: profile ``fun`` at every scale 1 and start (and cap) each key at the scale
+        :func:`jaxamp.profile.recommend` gives it. False: the keys at ``amp``'s rules only
+        (as ``Scalers.create(amp, scaler_keys(fun, amp)(*args))``).
+      margin_log2: powers of two kept free below 65504 (as ``recommend``).
+
+    Returns:
+      ``init(*args, **kwargs) -> Scalers``, evaluated on example arguments (e.g. the initial
+      parameters and a first batch).
+
+    Example:
+      >>> scalers = init_scalers(losses, amp)(params, batch)               # doctest: +SKIP
+      >>> loss, found_inf = scaled(loss_fn, amp)(scalers.scales, params, batch)  # doctest: +SKIP
+    """
+    check_amp(amp)
+    if not isinstance(from_profile, bool):
+        raise TypeError(f"jaxamp.dropin.init_scalers: `from_profile`={from_profile!r} must be True or False.")
+    check_margin(margin_log2, "jaxamp.dropin.init_scalers")
+    amp = AmpConfig() if amp is None else amp
+
+    def init(*args, **kwargs) -> Scalers:
+        keys = scaler_keys(fun, amp)(*args, **kwargs)
+        if from_profile and keys:
+            prof = jax.jit(profile(fun, amp))(None, *args, **kwargs)
+            rec = recommend(prof, margin_log2=margin_log2, default_max_scale_log2=amp.default_max_scale_log2)
+            return Scalers.create(rec.apply(amp), keys)
+        return Scalers.create(amp, keys)
+
+    return init

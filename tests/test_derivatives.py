@@ -243,7 +243,8 @@ def _first_overflowing_loss_scale(method, scales):
     return None
 
 
-@pytest.mark.parametrize("method", ["forward", pytest.param("fwd_over_rev", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["forward", "fwd_over_rev"])
 def test_forward_engines_weight_gradients_overflow_no_sooner_than_reverse(method):
     """With both derivative scales at 2^-8, the forward engines' float16 values carry the scale
     of their step (s_k, or s_k / s_{k-1}), as nested reverse mode does -- not s_{k-1} * s_k,

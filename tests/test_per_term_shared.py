@@ -46,6 +46,7 @@ def _flags(found):
     return {k for k, v in found.items() if bool(v)}
 
 
+@pytest.mark.slow
 def test_per_term_costs_what_per_order_costs(setup):
     engines, params, x, _, _ = setup
     order = jaxamp.Derivatives(engines["forward"].fn, inputs=INPUTS, outputs=OUTPUTS, derivatives=NAMES,
@@ -101,6 +102,7 @@ def _own_keys(engine, own):
     return {engine.plan.paths[n][k - 1][0] for n, steps in own.items() for k in steps}
 
 
+@pytest.mark.slow
 def test_one_terms_too_large_scale_flags_that_key_only(setup, own_passes):
     engines, params, x, _, run = setup
     scales = {k: jnp.float32(1.0) for k in engines["forward"].scaler_keys}

@@ -162,6 +162,7 @@ def test_clipping_is_off_by_default_and_follows_torch_formula_when_asked():
     assert float(mc["grad_norm"]) == float(m["grad_norm"])  # the norm before clipping
 
 
+@pytest.mark.slow
 def test_real_network_nan_point_is_bad_values_and_the_step_compiles_once_without_host_callbacks():
     model = FullyConnected.from_amp(FP16, out_features=1, layer_size=8, nr_layers=2)
     params = model.init(jax.random.PRNGKey(0), jnp.zeros(1))

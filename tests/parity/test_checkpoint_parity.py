@@ -223,6 +223,7 @@ def test_training_checkpoint_jaxamp_to_torch_ref(tmp_path):
     _check_continuation(jm, tm)
 
 
+@pytest.mark.slow
 def test_training_checkpoint_torch_ref_to_jaxamp(tmp_path):
     js, jstep, ts, tstep = fresh_pair("fp16")
     run_torch(ts, tstep, range(CUT), INJECT)

@@ -9,7 +9,8 @@ Public API (docs/algorithm.md describes the algorithm):
                 (skip reasons APPLIED, SKIP_NONFINITE_VALUES, SKIP_DERIVATIVE_OVERFLOW, SKIP_NONFINITE_GRADS)
   training:     TrainState, make_train_step
   run safety:   Checkpointer, StallMonitor
-  drop-in:      grad, scaled (jaxamp.grad on existing jax.grad code), autocast (placement for any network)
+  drop-in:      grad, jacrev, jacfwd, jvp, hessian, scaled (on existing jax.grad code), autocast (placement
+                for any network); jaxamp.dropin.profile / init_scalers (start scales from a profile)
   range:        jaxamp.profile (profile, recommend: where every derivative sits in float16's window);
                 headroom_log2, headroom_metrics (per scaler key, from the values a step already has)
   modules:      jaxamp.models (FullyConnected, FourierNet), jaxamp.parallel (make_mesh, shard_batch, ...)
@@ -20,7 +21,7 @@ from jaxamp.autocast import autocast
 from jaxamp.checkpoint import Checkpointer
 from jaxamp.config import AmpConfig, ConfigError
 from jaxamp.derivatives import Derivatives
-from jaxamp.dropin import grad, scaled
+from jaxamp.dropin import grad, hessian, jacfwd, jacrev, jvp, scaled
 from jaxamp.headroom import headroom_log2, headroom_metrics
 from jaxamp.monitor import StallMonitor
 from jaxamp.scaler import DynamicScaler, Scalers, ScaleState
@@ -60,6 +61,10 @@ __all__ = [
     "Checkpointer",
     "StallMonitor",
     "grad",
+    "jacrev",
+    "jacfwd",
+    "jvp",
+    "hessian",
     "scaled",
     "autocast",
     "dropin",

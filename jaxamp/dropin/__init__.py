@@ -22,6 +22,11 @@ What to use when:
   keys (per order; per term and special terms with ``of=``/``wrt=`` names); the speed is that
   of the user's nested ``jax.grad``.
 
+Siblings with the JAX signatures, scaled and checked the same way: :func:`jacrev` (any output
+array), :func:`jacfwd` and :func:`jvp` (forward mode: the tangent seed carries the scale) and
+:func:`hessian` (``jacfwd`` of ``jacrev``). :func:`profile` measures where a program's scaled
+derivatives sit in float16's window; :func:`init_scalers` starts every key from it.
+
 Keys: the order of a ``grad`` is 1 + the highest order of the ``grad`` calls made while its
 function is evaluated, found when it is traced. A function that calls ``grad`` through a
 ``jax.jit`` whose trace is cached from an earlier call (the same jitted function called
@@ -30,9 +35,10 @@ gets a lower order: put ``jax.jit`` around the whole loss, not between nested ``
 """
 
 from jaxamp.autocast import autocast
-from jaxamp.dropin.grad import grad
+from jaxamp.dropin.forward import hessian, jacfwd, jvp
+from jaxamp.dropin.grad import grad, jacrev
 from jaxamp.dropin.primitives import deriv_check_p, deriv_scale_p
 from jaxamp.dropin.ranges import init_scalers, profile
 from jaxamp.dropin.scaled import scaled, scaler_keys
 
-__all__ = ["autocast", "grad", "scaled", "scaler_keys", "profile", "init_scalers", "deriv_scale_p", "deriv_check_p"]
+__all__ = ["autocast", "grad", "jacrev", "jacfwd", "jvp", "hessian", "scaled", "scaler_keys", "profile", "init_scalers", "deriv_scale_p", "deriv_check_p"]

@@ -16,20 +16,20 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Any, Callable, List, Optional, Sequence, Union
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import jax
 import jax.numpy as jnp
 
 from jaxamp.dropin.primitives import deriv_check, deriv_scale
 
-__all__ = ["grad", "SEP"]
+__all__ = ["grad", "jacrev", "SEP", "Frame", "frames", "check_name", "check_wrt", "unscale", "report", "term_of"]
 
 SEP = "__"  # as jaxamp.derivatives: "u__x" is du/dx
 _STATE = threading.local()
 
 
-class _Frame:
+class Frame:
     """What the ``grad`` calls made while one ``fun`` is evaluated report to it."""
 
     def __init__(self) -> None:
@@ -37,22 +37,98 @@ class _Frame:
         self.names: List[Optional[str]] = []
 
 
-def _stack() -> List[_Frame]:
+def frames() -> List[Frame]:
+    """The frames of the derivative calls under way in this thread, innermost last."""
     if not hasattr(_STATE, "frames"):
         _STATE.frames = []
     return _STATE.frames
 
 
-def _check_name(arg: str, value: Any) -> None:
+def check_name(arg: str, value: Any) -> None:
     if not isinstance(value, str) or not value:
-        raise TypeError(f"jaxamp.grad: `{arg}`={value!r} must be a non-empty string (a variable name).")
+        raise TypeError(f"jaxamp.dropin: `{arg}`={value!r} must be a non-empty string (a variable name).")
 
 
-def _unscale(g: jax.Array, inv: jax.Array) -> jax.Array:
+def unscale(g: jax.Array, inv: jax.Array) -> jax.Array:
+    """``g * inv`` in (at least) float32, back in ``g``'s dtype; ``inv`` broadcasts over ``g``'s
+    trailing axes (one factor per value: a Jacobian's rows)."""
     if not jnp.issubdtype(g.dtype, jnp.inexact):  # float0 gradients of integers (allow_int)
         return g
     wide = jnp.promote_types(g.dtype, jnp.float32)
+    inv = jnp.reshape(inv, jnp.shape(inv) + (1,) * (g.ndim - jnp.ndim(inv)))
     return (g.astype(wide) * inv.astype(wide)).astype(g.dtype)
+
+
+def check_wrt(caller: str, argnums: Any, wrt: Any) -> Union[int, Tuple[int, ...]]:
+    """Validate ``argnums`` (an int or a tuple of ints) and ``wrt`` (one name per argnum)."""
+    multi = not isinstance(argnums, int)
+    if multi and not (isinstance(argnums, (tuple, list)) and all(isinstance(a, int) for a in argnums)):
+        raise TypeError(f"{caller}: `argnums`={argnums!r} must be an int or a tuple of ints.")
+    if wrt is not None:
+        names = (wrt,) if isinstance(wrt, str) else tuple(wrt)
+        for n in names:
+            check_name("wrt", n)
+        if isinstance(wrt, str) == multi or (multi and len(names) != len(argnums)):
+            raise ValueError(
+                f"{caller}: `wrt`={wrt!r} must be one name for an int `argnums` or a tuple of "
+                f"{len(argnums) if multi else 1} names for `argnums`={argnums!r}."
+            )
+    return tuple(argnums) if multi else argnums
+
+
+def term_of(frame: Frame, of: Optional[str]) -> Optional[str]:
+    """The name of the value a derivative differentiates: ``of``, else the one name the inner
+    derivatives of its function reported, else None."""
+    names = set(frame.names)
+    return of if of is not None else (names.pop() if len(names) == 1 else None)
+
+
+def report(order: int, term: Optional[str], wrt: Any) -> None:
+    """Tell the enclosing derivative call (if any) the order and the name of this one."""
+    if frames():
+        parent = frames()[-1]
+        parent.max_order = max(parent.max_order, order)
+        parent.names.append(SEP.join((term, wrt)) if term is not None and isinstance(wrt, str) else None)
+
+
+def _reverse(transform: Callable, caller: str, fun: Callable, argnums, has_aux: bool, of, wrt,
+             **options) -> Callable:  # fmt: skip
+    """``transform`` (jax.grad or jax.jacrev) of ``fun``, its seed scaled, its result checked."""
+    if not callable(fun):
+        raise TypeError(f"{caller}: `fun`={fun!r} must be callable.")
+    argnums = check_wrt(caller, argnums, wrt)
+    if of is not None:
+        check_name("of", of)
+
+    @functools.wraps(fun)
+    def derivative(*args, **kwargs):
+        frame, found = Frame(), {}
+
+        def seeded(*a, **kw):
+            out = fun(*a, **kw)
+            out, aux = out if has_aux else (out, None)
+            if not hasattr(out, "dtype"):
+                raise TypeError(f"{caller}: `fun`={fun!r} must return one array, got {type(out).__name__}.")
+            found.update(order=frame.max_order + 1, term=term_of(frame, of))
+            s = deriv_scale(out, **found)
+            wide = jnp.promote_types(jnp.result_type(out), jnp.float32)
+            return jnp.asarray(out, wide) * s.astype(wide), (out, s, aux)
+
+        frames().append(frame)
+        try:
+            grads, (value, s, aux) = transform(seeded, argnums, has_aux=True, **options)(*args, **kwargs)
+        finally:
+            frames().pop()
+        inv = jnp.float32(1.0) / s
+
+        def check(d):  # float0 gradients (allow_int) are not checked
+            return deriv_check(d, value, **found) if jnp.issubdtype(d.dtype, jnp.inexact) else d
+
+        grads = jax.tree_util.tree_map(lambda d: unscale(check(d), inv), grads)
+        report(found["order"], found["term"], wrt)
+        return (grads, aux) if has_aux else grads
+
+    return derivative
 
 
 def grad(
@@ -84,54 +160,28 @@ def grad(
       >>> u_xx = grad(u_x, argnums=2, wrt="x")                   # key "2" ("u__x" per term)
       >>> (r, found_inf) = scaled(residual, amp)(scales, params, t, x)  # doctest: +SKIP
     """
-    if not callable(fun):
-        raise TypeError(f"jaxamp.grad: `fun`={fun!r} must be callable.")
-    multi = not isinstance(argnums, int)
-    if multi and not (isinstance(argnums, (tuple, list)) and all(isinstance(a, int) for a in argnums)):
-        raise TypeError(f"jaxamp.grad: `argnums`={argnums!r} must be an int or a tuple of ints.")
-    argnums = tuple(argnums) if multi else argnums
-    if of is not None:
-        _check_name("of", of)
-    if wrt is not None:
-        names = (wrt,) if isinstance(wrt, str) else tuple(wrt)
-        for n in names:
-            _check_name("wrt", n)
-        if isinstance(wrt, str) == multi or (multi and len(names) != len(argnums)):
-            raise ValueError(
-                f"jaxamp.grad: `wrt`={wrt!r} must be one name for an int `argnums` or a tuple of "
-                f"{len(argnums) if multi else 1} names for `argnums`={argnums!r}."
-            )
+    return _reverse(jax.grad, "jaxamp.grad", fun, argnums, has_aux, of, wrt, holomorphic=holomorphic,
+                    allow_int=allow_int)
 
-    @functools.wraps(fun)
-    def derivative(*args, **kwargs):
-        frame, found = _Frame(), {}
 
-        def seeded(*a, **kw):
-            out = fun(*a, **kw)
-            out, aux = out if has_aux else (out, None)
-            names = set(frame.names)
-            term = of if of is not None else (names.pop() if len(names) == 1 else None)
-            found.update(order=frame.max_order + 1, term=term)
-            s = deriv_scale(out, order=found["order"], term=term)
-            wide = jnp.promote_types(jnp.result_type(out), jnp.float32)
-            return jnp.asarray(out, wide) * s.astype(wide), (out, s, aux)
+def jacrev(
+    fun: Callable[..., Any],
+    argnums: Union[int, Sequence[int]] = 0,
+    has_aux: bool = False,
+    holomorphic: bool = False,
+    allow_int: bool = False,
+    *,
+    of: Optional[str] = None,
+    wrt: Optional[Union[str, Sequence[str]]] = None,
+) -> Callable[..., Any]:
+    """``jax.jacrev`` of a function returning one array, scaled and checked as :func:`grad`.
 
-        _stack().append(frame)
-        try:
-            g = jax.grad(seeded, argnums, has_aux=True, holomorphic=holomorphic, allow_int=allow_int)
-            grads, (value, s, aux) = g(*args, **kwargs)
-        finally:
-            _stack().pop()
-        order, term = found["order"], found["term"]
-        inv = jnp.float32(1.0) / s
-        def check(d):  # float0 gradients (allow_int) are not checked
-            return deriv_check(d, value, order=order, term=term) if jnp.issubdtype(d.dtype, jnp.inexact) else d
+    The seed of every row is the scale of the key; the Jacobian (``out.shape + arg.shape``) is
+    checked row by row against ``fun``'s value and unscaled in float32. ``of``/``wrt``: as
+    :func:`grad`.
 
-        grads = jax.tree_util.tree_map(lambda d: _unscale(check(d), inv), grads)
-        if _stack():
-            parent = _stack()[-1]
-            parent.max_order = max(parent.max_order, order)
-            parent.names.append(SEP.join((term, wrt)) if term is not None and isinstance(wrt, str) else None)
-        return (grads, aux) if has_aux else grads
-
-    return derivative
+    Example:
+      >>> grad_u = jacrev(u_net, argnums=1, of="u", wrt="x")(params, xy)  # doctest: +SKIP
+    """
+    return _reverse(jax.jacrev, "jaxamp.jacrev", fun, argnums, has_aux, of, wrt, holomorphic=holomorphic,
+                    allow_int=allow_int)

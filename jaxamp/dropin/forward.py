@@ -1,0 +1,153 @@
+"""Forward-mode siblings of :func:`jaxamp.dropin.grad`: ``jvp``, ``jacfwd`` and ``hessian``.
+
+Forward mode seeds the *input* side, before ``fun`` runs, while the scaler key of a derivative
+(its order: 1 + the highest order of the derivative calls ``fun`` makes) is only known once
+``fun`` has been traced. Both are had from ``jax.linearize``: it traces ``fun`` (and with it the
+inner calls, which report their orders) and returns the linear map of the tangents, which is
+then applied to the tangent seed multiplied by the key's scale. Every tangent of that map
+carries the scale, as in the Derivatives engine's forward passes; the result is checked
+against ``fun``'s value and multiplied by ``1/s`` in float32, as :func:`jaxamp.dropin.grad`.
+Outside :func:`jaxamp.dropin.scaled` the scale is 1 and these are ``jax.jvp``,
+``jax.jacfwd`` and ``jax.hessian``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional, Sequence, Tuple, Union
+
+import jax
+import jax.numpy as jnp
+
+from jaxamp.dropin.grad import Frame, check_name, check_wrt, frames, jacrev, report, term_of, unscale
+from jaxamp.dropin.primitives import deriv_check, deriv_scale
+
+__all__ = ["jvp", "jacfwd", "hessian"]
+
+
+def _linearized(caller: str, fun: Callable, primals: Sequence[Any], has_aux: bool, of: Optional[str]):
+    """``(out, f_jvp, aux, s, found)``: ``fun`` linearized at ``primals`` and the scale of its key."""
+    frame = Frame()
+    frames().append(frame)
+    try:
+        linear = jax.linearize(fun, *primals, has_aux=has_aux)
+    finally:
+        frames().pop()
+    out, f_jvp, aux = linear if has_aux else (*linear, None)
+    if not hasattr(out, "dtype"):
+        raise TypeError(f"{caller}: `fun`={fun!r} must return one array, got {type(out).__name__}.")
+    found = {"order": frame.max_order + 1, "term": term_of(frame, of)}
+    s = deriv_scale(out, **found)
+    return out, f_jvp, aux, jnp.reshape(s, (-1,))[0] if jnp.size(s) else jnp.float32(1.0), found
+
+
+def _finish(d, out, s, found) -> jax.Array:
+    """The scaled tangent ``d``: checked against the value ``out``, unscaled in float32."""
+    return unscale(deriv_check(d, out, **found), jnp.float32(1.0) / s)
+
+
+def _seed(t, s):
+    wide = jnp.promote_types(jnp.result_type(t), jnp.float32)
+    return (jnp.asarray(t, wide) * s.astype(wide)).astype(jnp.result_type(t))
+
+
+def jvp(fun: Callable[..., Any], primals: Sequence[Any], tangents: Sequence[Any], has_aux: bool = False, *,
+        of: Optional[str] = None) -> Tuple[Any, ...]:  # fmt: skip
+    """``jax.jvp`` with the tangents multiplied by the scale of the derivative's key.
+
+    Args:
+      fun, primals, tangents, has_aux: as ``jax.jvp`` (``fun`` returns one array).
+      of: the name of ``fun``'s value, for per-term keys (as :func:`jaxamp.dropin.grad`).
+
+    Returns:
+      ``(out, tangent_out)`` (and ``aux``), the tangent checked under its key and unscaled.
+
+    Example:
+      >>> u, u_t = jvp(lambda t: u_net(params, t, x), (t,), (1.0,), of="u")  # doctest: +SKIP
+    """
+    if not callable(fun):
+        raise TypeError(f"jaxamp.jvp: `fun`={fun!r} must be callable.")
+    if of is not None:
+        check_name("of", of)
+    if not isinstance(primals, (tuple, list)) or not isinstance(tangents, (tuple, list)) or len(primals) != len(tangents):
+        raise TypeError(f"jaxamp.jvp: `primals` and `tangents` must be tuples of the same length, got "
+                        f"{type(primals).__name__} and {type(tangents).__name__}.")  # fmt: skip
+    out, f_jvp, aux, s, found = _linearized("jaxamp.jvp", fun, primals, has_aux, of)
+    d = _finish(f_jvp(*[jax.tree_util.tree_map(lambda t: _seed(t, s), t) for t in tangents]), out, s, found)
+    report(found["order"], found["term"], None)
+    return (out, d, aux) if has_aux else (out, d)
+
+
+def jacfwd(
+    fun: Callable[..., Any],
+    argnums: Union[int, Sequence[int]] = 0,
+    has_aux: bool = False,
+    holomorphic: bool = False,
+    *,
+    of: Optional[str] = None,
+    wrt: Optional[Union[str, Sequence[str]]] = None,
+) -> Callable[..., Any]:
+    """``jax.jacfwd`` of a function returning one array, with scaled tangent seeds.
+
+    Args:
+      fun, argnums, has_aux, holomorphic: as ``jax.jacfwd`` (array arguments at ``argnums``).
+      of, wrt: names, as :func:`jaxamp.dropin.grad`.
+
+    Returns:
+      A function with ``jax.jacfwd``'s outputs (``out.shape + arg.shape`` per argument). Under
+      :func:`jaxamp.dropin.scaled` every basis tangent carries the scale of the key.
+
+    Example:
+      >>> u_xx = jacfwd(grad(u_net, 2, of="u", wrt="x"), 2, wrt="x")  # doctest: +SKIP
+    """
+    if not callable(fun):
+        raise TypeError(f"jaxamp.jacfwd: `fun`={fun!r} must be callable.")
+    argnums = check_wrt("jaxamp.jacfwd", argnums, wrt)
+    if of is not None:
+        check_name("of", of)
+    nums = argnums if isinstance(argnums, tuple) else (argnums,)
+
+    @functools.wraps(fun)
+    def derivative(*args, **kwargs):
+        def partial(*dyn):
+            full = list(args)
+            for i, a in zip(nums, dyn):
+                full[i] = a
+            return fun(*full, **kwargs)
+
+        dyn = [jnp.asarray(args[i]) for i in nums]
+        if holomorphic and not all(jnp.iscomplexobj(a) for a in dyn):
+            raise TypeError("jaxamp.jacfwd: holomorphic=True needs complex arguments at `argnums`.")
+        out, f_jvp, aux, s, found = _linearized("jaxamp.jacfwd", partial, dyn, has_aux, of)
+        jacs = []
+        for j, a in enumerate(dyn):
+            def column(e, j=j):
+                return f_jvp(*[_seed(e, s) if k == j else jnp.zeros_like(b) for k, b in enumerate(dyn)])
+
+            basis = jnp.eye(a.size, dtype=a.dtype).reshape((a.size,) + a.shape)
+            cols = jax.vmap(column)(basis)  # [a.size, *out.shape]
+            jac = jnp.moveaxis(cols, 0, -1).reshape(out.shape + a.shape)
+            jacs.append(_finish(jac, out, s, found))
+        report(found["order"], found["term"], wrt)
+        result = tuple(jacs) if isinstance(argnums, tuple) else jacs[0]
+        return (result, aux) if has_aux else result
+
+    return derivative
+
+
+def hessian(
+    fun: Callable[..., Any],
+    argnums: Union[int, Sequence[int]] = 0,
+    has_aux: bool = False,
+    holomorphic: bool = False,
+    *,
+    of: Optional[str] = None,
+    wrt: Optional[Union[str, Sequence[str]]] = None,
+) -> Callable[..., Any]:
+    """``jax.hessian``: :func:`jacfwd` of :func:`jaxamp.dropin.jacrev` (keys of orders 1 and 2).
+
+    Example:
+      >>> lap = jnp.trace(hessian(u_net, argnums=1)(params, xy))  # doctest: +SKIP
+    """
+    inner = jacrev(fun, argnums, has_aux=has_aux, holomorphic=holomorphic, of=of, wrt=wrt)
+    return jacfwd(inner, argnums, has_aux=has_aux, holomorphic=holomorphic, wrt=wrt)

@@ -100,7 +100,8 @@ def profile(fun: Callable[..., Any], amp: Optional[AmpConfig] = None) -> Callabl
             if any(marks(j) for j in sub_jaxprs(eqn)):
                 raise NotImplementedError(
                     f"jaxamp.dropin.profile: a jaxamp.grad inside a `{eqn.primitive.name}` body is not "
-                    "profiled; profile the function the loop or branch calls."
+                    "profiled; profile the function the loop or branch calls (or start the scalers "
+                    "without a profile: init_scalers(..., from_profile=False))."
                 )
         ctx.scales = {k: jnp.float32(1.0) for k in ctx.keys(flat_jaxpr.jaxpr)} | dict(scales or {})
         hidden_of = _key_sets(flat_jaxpr.jaxpr, ctx)

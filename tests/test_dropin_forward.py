@@ -116,5 +116,7 @@ def test_errors_name_the_argument(small):
         dropin.jacfwd(_u, 1, wrt=("x",))
     with pytest.raises(TypeError, match="jaxamp.jvp: `primals` and `tangents` must be tuples of the same length"):
         dropin.jvp(lambda z: z, (xy,), ())
+    with pytest.raises(TypeError, match="jaxamp.jacfwd: argument 0 .* must be an array or a number, got dict"):
+        dropin.jacfwd(_u, 0)(p, xy)
     with pytest.raises(TypeError, match="jaxamp.jacrev: `fun`=.* must return one array, got dict"):
         dropin.jacrev(lambda p, xy: {"u": _u(p, xy)}, 1)(p, xy)

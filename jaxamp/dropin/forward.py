@@ -78,15 +78,9 @@ def jvp(fun: Callable[..., Any], primals: Sequence[Any], tangents: Sequence[Any]
     return (out, d, aux) if has_aux else (out, d)
 
 
-def jacfwd(
-    fun: Callable[..., Any],
-    argnums: Union[int, Sequence[int]] = 0,
-    has_aux: bool = False,
-    holomorphic: bool = False,
-    *,
-    of: Optional[str] = None,
-    wrt: Optional[Union[str, Sequence[str]]] = None,
-) -> Callable[..., Any]:
+def jacfwd(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_aux: bool = False,
+           holomorphic: bool = False, *, of: Optional[str] = None,
+           wrt: Optional[Union[str, Sequence[str]]] = None) -> Callable[..., Any]:
     """``jax.jacfwd`` of a function returning one array, with scaled tangent seeds.
 
     Args:
@@ -115,6 +109,10 @@ def jacfwd(
                 full[i] = a
             return fun(*full, **kwargs)
 
+        for i in nums:
+            if not hasattr(args[i], "dtype") and not isinstance(args[i], (int, float, complex)):
+                raise TypeError(f"jaxamp.jacfwd: argument {i} (in `argnums`) must be an array or a number, "
+                                f"got {type(args[i]).__name__}; use jax.jacfwd for pytree arguments.")  # fmt: skip
         dyn = [jnp.asarray(args[i]) for i in nums]
         if holomorphic and not all(jnp.iscomplexobj(a) for a in dyn):
             raise TypeError("jaxamp.jacfwd: holomorphic=True needs complex arguments at `argnums`.")
@@ -135,15 +133,9 @@ def jacfwd(
     return derivative
 
 
-def hessian(
-    fun: Callable[..., Any],
-    argnums: Union[int, Sequence[int]] = 0,
-    has_aux: bool = False,
-    holomorphic: bool = False,
-    *,
-    of: Optional[str] = None,
-    wrt: Optional[Union[str, Sequence[str]]] = None,
-) -> Callable[..., Any]:
+def hessian(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_aux: bool = False,
+            holomorphic: bool = False, *, of: Optional[str] = None,
+            wrt: Optional[Union[str, Sequence[str]]] = None) -> Callable[..., Any]:
     """``jax.hessian``: :func:`jacfwd` of :func:`jaxamp.dropin.jacrev` (keys of orders 1 and 2).
 
     Example:

@@ -131,16 +131,9 @@ def _reverse(transform: Callable, caller: str, fun: Callable, argnums, has_aux: 
     return derivative
 
 
-def grad(
-    fun: Callable[..., Any],
-    argnums: Union[int, Sequence[int]] = 0,
-    has_aux: bool = False,
-    holomorphic: bool = False,
-    allow_int: bool = False,
-    *,
-    of: Optional[str] = None,
-    wrt: Optional[Union[str, Sequence[str]]] = None,
-) -> Callable[..., Any]:
+def grad(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_aux: bool = False,
+         holomorphic: bool = False, allow_int: bool = False, *, of: Optional[str] = None,
+         wrt: Optional[Union[str, Sequence[str]]] = None) -> Callable[..., Any]:
     """``jax.grad`` with a derivative scale on the seed and an overflow check on the result.
 
     Args:
@@ -164,16 +157,9 @@ def grad(
                     allow_int=allow_int)
 
 
-def jacrev(
-    fun: Callable[..., Any],
-    argnums: Union[int, Sequence[int]] = 0,
-    has_aux: bool = False,
-    holomorphic: bool = False,
-    allow_int: bool = False,
-    *,
-    of: Optional[str] = None,
-    wrt: Optional[Union[str, Sequence[str]]] = None,
-) -> Callable[..., Any]:
+def jacrev(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_aux: bool = False,
+           holomorphic: bool = False, allow_int: bool = False, *, of: Optional[str] = None,
+           wrt: Optional[Union[str, Sequence[str]]] = None) -> Callable[..., Any]:
     """``jax.jacrev`` of a function returning one array, scaled and checked as :func:`grad`.
 
     The seed of every row is the scale of the key; the Jacobian (``out.shape + arg.shape``) is

@@ -310,6 +310,7 @@ def test_convolutions():
     assert walk(jaxpr, "conv_general_dilated") == [(F32, F32), (F16, F16), (F16, F16)]
 
 
+@pytest.mark.slow
 def test_checkpoint_cond_scan_and_while_bodies_are_rewritten():
     keys = jax.random.split(jax.random.PRNGKey(0), 3)
     params = {"w0": jax.random.normal(keys[0], (2, 8)), "ws": 0.3 * jax.random.normal(keys[1], (3, 8, 8)),

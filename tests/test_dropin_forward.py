@@ -35,14 +35,14 @@ def small():
                                   pytest.param("jacfwd", marks=pytest.mark.slow)])
 def test_outside_scaled_they_are_jax(small, name):
     p, xy = small
-    ours, theirs = getattr(dropin, name)(_u, 1)(p, xy), getattr(jax, name)(_u, 1)(p, xy)
-    assert ours.shape == theirs.shape
-    np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-6)
     vec = lambda p, xy: jnp.tanh(p["w"] @ xy)  # noqa: E731  (a vector output)
-    np.testing.assert_allclose(getattr(dropin, name)(vec, 1)(p, xy), getattr(jax, name)(vec, 1)(p, xy), atol=1e-6)
+    for fn in (_u, vec):
+        ours, theirs = (jax.jit(getattr(m, name)(fn, 1))(p, xy) for m in (dropin, jax))
+        assert ours.shape == theirs.shape
+        np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-6)
     t = jnp.array([1.0, 0.0])
-    assert jnp.allclose(jnp.stack(dropin.jvp(lambda z: _u(p, z), (xy,), (t,))),
-                        jnp.stack(jax.jvp(lambda z: _u(p, z), (xy,), (t,))), atol=1e-6)  # fmt: skip
+    ours, theirs = (jax.jit(lambda z, m=m: jnp.stack(m.jvp(lambda z: _u(p, z), (z,), (t,))))(xy) for m in (dropin, jax))
+    np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-6)
 
 
 def test_keys_and_binary_scaling_on_float32(small):

@@ -112,6 +112,7 @@ def test_one_terms_too_large_scale_flags_that_key_only(setup, own_passes):
     assert all(bool(jnp.all(jnp.isfinite(fwd[n]))) for n in NAMES)  # the shared pass did not overflow
 
 
+@pytest.mark.slow
 def test_equal_scales_flag_what_the_own_passes_flag(setup, own_passes):
     engines, params, x, _, run = setup
     for log2 in (15, 20):

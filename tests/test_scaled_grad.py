@@ -47,7 +47,8 @@ def net():
     return make_net(jaxamp.AmpConfig())
 
 
-@pytest.mark.parametrize("mode", ["per_term_scaler", pytest.param("per_order_scaler", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["per_term_scaler", "per_order_scaler"])
 def test_values_and_flags_equal_reverse_engine_op_by_op(net, mode):
     amp = jaxamp.AmpConfig(mode=mode)
     fn, u_net, params = net

@@ -54,6 +54,7 @@ def test_fp32_matches_nested_jvp(name, order, scaled):
         np.testing.assert_allclose(g, r, rtol=2e-6, atol=2e-6 * float(jnp.abs(r).max() + 1e-30))
 
 
+@pytest.mark.slow
 def test_fp16_values_match_nested_jvp_and_a_large_scale_overflows_its_order():
     """Float16 network, float32 first layer and activations: every order agrees with nested
     jvp to float16 rounding; an order whose scale is too large overflows (to inf in that order

@@ -72,6 +72,7 @@ def _fp16_runs(steps: int):
     return jm, tm
 
 
+@pytest.mark.slow
 def test_fp16_training_parity_first_steps():
     _, tm = _fp16_runs(FAST_STEPS)
     reasons = np.array([m["skip_reason"] for m in tm])

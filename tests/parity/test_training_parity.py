@@ -6,8 +6,9 @@
   the INJECT steps: identical skip decisions and (scale, tracker) trajectories of every
   scaler and of the loss scaler; losses within FP16_LOSS_RTOL.
 Overflow here is injected (a flag), so it does not depend on XLA's excess precision.
-The full runs are slow end-to-end tests; the fast suite runs their first FAST_STEPS steps
-(the burst of injections, the backoffs, the first recoveries).
+All are end-to-end training runs, so they run with -m slow (which CI runs); the shortest
+runs the fp16 pair's first FAST_STEPS steps (the burst of injections, the backoffs, the
+first recoveries).
 The jitted jaxamp step is shared with test_checkpoint_parity.py (tests.helpers.poisson_pair.jax_side).
 """
 

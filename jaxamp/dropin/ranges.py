@@ -8,7 +8,9 @@ key, and reports per scaler key the range of
 - ``derivatives[key]``: the scaled derivatives the key's overflow checks look at, and
 - ``hidden[key]``: every float16/bfloat16 value of the derivative passes the key scales: the
   values that depend on the key's seed *and* feed the key's check (the backward pass of that
-  ``grad``, inside the user's own network), where float16 overflows first.
+  ``grad``, inside the user's own network), where float16 overflows first. Call bodies
+  (``jit``, ``custom_jvp``/``custom_vjp``) are inlined; a ``scan``/``while``/``cond`` is seen
+  through its outputs, and one with a ``dropin`` derivative inside is an error.
 
 :func:`init_scalers` turns the profile into :class:`jaxamp.Scalers` whose every key starts
 at (and is capped by) the scale :func:`jaxamp.profile.recommend` gives it: the port of an

@@ -2,8 +2,10 @@
 
 Oracles: the scaled derivatives it reports are the engine's (``Derivatives(method="reverse")``,
 same network, every float16 operation promoted to float32); what it reports for a key scales
-exactly with that key's seed and with no other (binary scaling is exact in float32), so it
-holds the values of that key's passes and nothing else; and start scales recommended from it
+exactly with that key's seed (binary scaling is exact in float32) and no other key's
+derivatives move with it, so it holds the values of that key's passes and nothing else (the
+outer pass of a nested reverse derivative also holds s2/s1 values, see the test); and start
+scales recommended from it
 remove the overflows the float16 program flags at scale 1 (XLA CPU's excess precision on: the
 overflows are in float16 dot outputs, which it rounds).
 """

@@ -22,6 +22,8 @@ Rule = Callable[[Any, List[Any]], Sequence[Any]]
 
 # Call-like primitives whose ``jaxpr`` parameter is the whole body, evaluated once.
 CALL_PRIMITIVES = frozenset(("pjit", "jit", "closed_call", "core_call", "remat", "checkpoint"))
+# Functions with a custom derivative rule: ``call_jaxpr`` is the primal body.
+CUSTOM_PRIMITIVES = frozenset(("custom_jvp_call", "custom_vjp_call"))
 
 
 def eval_jaxpr(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], rule: Rule, *,
@@ -81,3 +83,16 @@ def sub_jaxpr(eqn) -> Optional[jcore.ClosedJaxpr]:
     if isinstance(body, jcore.Jaxpr):
         return jcore.ClosedJaxpr(body, ())
     return None
+
+
+def custom_body(eqn) -> Optional[jcore.ClosedJaxpr]:
+    """The primal body of a ``custom_jvp``/``custom_vjp`` call (its rule is not kept), else None."""
+    if eqn.primitive.name not in CUSTOM_PRIMITIVES:
+        return None
+    body = eqn.params["call_jaxpr"]
+    return body if isinstance(body, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(body, ())
+
+
+def sub_jaxprs(eqn) -> List[jcore.Jaxpr]:
+    """Every jaxpr in ``eqn``'s parameters (bodies of calls, loops, branches), open."""
+    return [j.jaxpr if isinstance(j, jcore.ClosedJaxpr) else j for j in jcore.jaxprs_in_params(eqn.params)]

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp.interpreter import bind, eval_jaxpr, sub_jaxpr
+from jaxamp.interpreter import bind, custom_body, eval_jaxpr, sub_jaxpr
 
 FP16_MAX = 65504.0
 FP16_SMALLEST_NORMAL = 2.0**-14
@@ -37,7 +37,6 @@ LOG2_FP16_MAX = math.log2(FP16_MAX)
 LOG2_FP16_SMALLEST_NORMAL = -14.0
 PERCENTILES = (1.0, 50.0, 99.0)
 _LOW = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
-_BODY_PARAMS = ("call_jaxpr", "fun_jaxpr")  # custom_jvp_call / custom_vjp_call bodies
 
 
 class Range(NamedTuple):
@@ -112,9 +111,7 @@ def promote_to_float32(fn: Callable) -> Callable:
 def promote_eqn(eqn, vals):
     """The interpreter rule of :func:`promote_to_float32`: one equation, float16/bfloat16 run in
     float32 (call and ``custom_jvp``/``custom_vjp`` bodies inlined and promoted)."""
-    body = sub_jaxpr(eqn)
-    if body is None and eqn.primitive.name.startswith("custom_"):
-        body = next((eqn.params[p] for p in _BODY_PARAMS if p in eqn.params), None)
+    body = sub_jaxpr(eqn) or custom_body(eqn)
     if body is not None:
         return eval_jaxpr(body.jaxpr, [promote_value(c) for c in body.consts], vals, promote_eqn,
                           literal=promote_value)

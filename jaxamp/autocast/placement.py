@@ -15,14 +15,13 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from jaxamp.config import AmpConfig
-from jaxamp.interpreter import bind, eval_jaxpr, sub_jaxpr
+from jaxamp.interpreter import CUSTOM_PRIMITIVES, bind, custom_body, eval_jaxpr, sub_jaxpr
 
 COMPUTE_PRIMITIVES = frozenset(("dot_general", "conv_general_dilated"))
 ACTIVATION_PRIMITIVES = frozenset((
     "tanh", "logistic", "sin", "cos", "tan", "asin", "acos", "atan", "atan2", "sinh", "cosh",
     "asinh", "acosh", "atanh", "exp", "exp2", "expm1", "log", "log1p", "erf", "erfc", "erf_inv",
 ))
-CUSTOM_PRIMITIVES = frozenset(("custom_jvp_call", "custom_vjp_call"))
 # Bodies rewritten in place (same structure, same avals): checkpoint and control flow.
 BODY_PRIMITIVES = frozenset(("remat2", "checkpoint", "cond", "scan", "while"))
 
@@ -76,7 +75,7 @@ class Placement:
         name = eqn.primitive.name
         body = sub_jaxpr(eqn)
         if body is None and name in CUSTOM_PRIMITIVES and self._move_inside(eqn, invals):
-            body = eqn.params["call_jaxpr"]
+            body = custom_body(eqn)
         if body is not None:  # inline: the body's equations get their own decisions
             return eval_jaxpr(body.jaxpr, [constant(c) for c in body.consts], invals, self, literal=constant)
         if name in BODY_PRIMITIVES:

@@ -14,9 +14,8 @@ from typing import Callable, Dict, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.extend import core as jcore
 
-from jaxamp.interpreter import sub_jaxpr
+from jaxamp.interpreter import custom_body, sub_jaxpr
 
 __all__ = ["HANDLERS", "call", "full_flags"]
 
@@ -34,8 +33,7 @@ def call(eqn, invals, ctx):
 
 def _custom(eqn, invals, ctx):
     # the primal body only: a custom rule around jaxamp.grad would not see the scales
-    body = eqn.params["call_jaxpr"]
-    body = body if isinstance(body, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(body, ())
+    body = custom_body(eqn)
     return ctx.evaluate(body.jaxpr, body.consts, invals, ctx)
 
 

@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional, Sequence, Tuple, Union
 import jax
 import jax.numpy as jnp
 
-from jaxamp.dropin.grad import Frame, check_name, check_wrt, frames, jacrev, report, term_of, unscale
+from jaxamp.dropin.grad import Frame, check_fun, check_wrt, frames, jacrev, report, term_of, unscale
 from jaxamp.dropin.primitives import deriv_check, deriv_scale
 
 __all__ = ["jvp", "jacfwd", "hessian"]
@@ -65,10 +65,7 @@ def jvp(fun: Callable[..., Any], primals: Sequence[Any], tangents: Sequence[Any]
     Example:
       >>> u, u_t = jvp(lambda t: u_net(params, t, x), (t,), (1.0,), of="u")  # doctest: +SKIP
     """
-    if not callable(fun):
-        raise TypeError(f"jaxamp.jvp: `fun`={fun!r} must be callable.")
-    if of is not None:
-        check_name("of", of)
+    check_fun("jaxamp.jvp", fun, of)
     if not isinstance(primals, (tuple, list)) or not isinstance(tangents, (tuple, list)) or len(primals) != len(tangents):
         raise TypeError(f"jaxamp.jvp: `primals` and `tangents` must be tuples of the same length, got "
                         f"{type(primals).__name__} and {type(tangents).__name__}.")  # fmt: skip
@@ -94,11 +91,8 @@ def jacfwd(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_
     Example:
       >>> u_xx = jacfwd(grad(u_net, 2, of="u", wrt="x"), 2, wrt="x")  # doctest: +SKIP
     """
-    if not callable(fun):
-        raise TypeError(f"jaxamp.jacfwd: `fun`={fun!r} must be callable.")
+    check_fun("jaxamp.jacfwd", fun, of)
     argnums = check_wrt("jaxamp.jacfwd", argnums, wrt)
-    if of is not None:
-        check_name("of", of)
     nums = argnums if isinstance(argnums, tuple) else (argnums,)
 
     @functools.wraps(fun)

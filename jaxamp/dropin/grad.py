@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from jaxamp.dropin.primitives import deriv_check, deriv_scale
 
-__all__ = ["grad", "jacrev", "SEP", "Frame", "frames", "check_name", "check_wrt", "unscale", "report", "term_of"]
+__all__ = ["grad", "jacrev", "SEP", "Frame", "frames", "check_fun", "check_name", "check_wrt", "unscale", "report", "term_of"]
 
 SEP = "__"  # as jaxamp.derivatives: "u__x" is du/dx
 _STATE = threading.local()
@@ -57,6 +57,14 @@ def unscale(g: jax.Array, inv: jax.Array) -> jax.Array:
     wide = jnp.promote_types(g.dtype, jnp.float32)
     inv = jnp.reshape(inv, jnp.shape(inv) + (1,) * (g.ndim - jnp.ndim(inv)))
     return (g.astype(wide) * inv.astype(wide)).astype(g.dtype)
+
+
+def check_fun(caller: str, fun: Any, of: Any) -> None:
+    """Raise unless ``fun`` is callable and ``of`` is None or a variable name."""
+    if not callable(fun):
+        raise TypeError(f"{caller}: `fun`={fun!r} must be callable.")
+    if of is not None:
+        check_name("of", of)
 
 
 def check_wrt(caller: str, argnums: Any, wrt: Any) -> Union[int, Tuple[int, ...]]:
@@ -94,11 +102,8 @@ def report(order: int, term: Optional[str], wrt: Any) -> None:
 def _reverse(transform: Callable, caller: str, fun: Callable, argnums, has_aux: bool, of, wrt,
              **options) -> Callable:  # fmt: skip
     """``transform`` (jax.grad or jax.jacrev) of ``fun``, its seed scaled, its result checked."""
-    if not callable(fun):
-        raise TypeError(f"{caller}: `fun`={fun!r} must be callable.")
+    check_fun(caller, fun, of)
     argnums = check_wrt(caller, argnums, wrt)
-    if of is not None:
-        check_name("of", of)
 
     @functools.wraps(fun)
     def derivative(*args, **kwargs):

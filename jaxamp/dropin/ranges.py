@@ -27,22 +27,17 @@ from jax.extend import core as jcore
 
 from jaxamp.config import AmpConfig
 from jaxamp.dropin.primitives import deriv_check_p, deriv_scale_p
-from jaxamp.dropin.scaled import Context, check_amp, marks, scaler_keys, sub_jaxprs, trace
-from jaxamp.interpreter import bind, eval_jaxpr, sub_jaxpr
+from jaxamp.dropin.scaled import Context, check_amp, marks, scaler_keys, trace
+from jaxamp.interpreter import bind, custom_body, eval_jaxpr, sub_jaxpr, sub_jaxprs
 from jaxamp.profile import Profile, check_margin, is_low_precision, promote_eqn, promote_value, recommend, value_range
 from jaxamp.scaler import Scalers
 
 __all__ = ["profile", "init_scalers"]
 
-_CUSTOM_BODIES = {"custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr"}
-
 
 def _inline(eqn, vals):
     """Bind ``eqn``, with call and custom-derivative bodies inlined (one flat program)."""
-    body = sub_jaxpr(eqn)
-    if body is None and eqn.primitive.name in _CUSTOM_BODIES:
-        body = eqn.params[_CUSTOM_BODIES[eqn.primitive.name]]
-        body = body if isinstance(body, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(body, ())
+    body = sub_jaxpr(eqn) or custom_body(eqn)
     if body is not None:
         return eval_jaxpr(body.jaxpr, body.consts, vals, _inline)
     return bind(eqn, vals)

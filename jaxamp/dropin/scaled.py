@@ -26,16 +26,12 @@ from jaxamp.config import AmpConfig
 from jaxamp.derivatives import NONFINITE_VALUES
 from jaxamp.dropin.control import HANDLERS, call, full_flags
 from jaxamp.dropin.primitives import PRIMITIVES, deriv_check_p, deriv_scale_p
-from jaxamp.interpreter import CALL_PRIMITIVES, bind, eval_jaxpr
+from jaxamp.interpreter import CALL_PRIMITIVES, bind, eval_jaxpr, sub_jaxprs
 
-__all__ = ["scaled", "scaler_keys", "Context", "check_amp", "marks", "sub_jaxprs", "trace"]
+__all__ = ["scaled", "scaler_keys", "Context", "check_amp", "marks", "trace"]
 
 Flags = Dict[str, jax.Array]
 _MARKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def sub_jaxprs(eqn) -> List[jcore.Jaxpr]:
-    return [j.jaxpr if isinstance(j, jcore.ClosedJaxpr) else j for j in jcore.jaxprs_in_params(eqn.params)]
 
 
 def marks(jaxpr: jcore.Jaxpr) -> Tuple[Tuple[int, Optional[str]], ...]:

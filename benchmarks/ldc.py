@@ -80,8 +80,8 @@ class LDCStep:
     """One mode's ready-to-run step: ``step(state, batch) -> (state, metrics)`` (not jitted)."""
 
     mode: str
-    step: Callable[[jaxamp.TrainState, Any], Tuple[jaxamp.TrainState, Dict[str, jax.Array]]]
-    state: jaxamp.TrainState
+    step: Callable[[jaxamp.train.TrainState, Any], Tuple[jaxamp.train.TrainState, Dict[str, jax.Array]]]
+    state: jaxamp.train.TrainState
     batch: Dict[str, jax.Array]
     precision: Callable[[], ContextManager]  # enter while tracing/compiling this mode
     engine: jaxamp.Derivatives
@@ -174,8 +174,8 @@ def build_step(mode: str, size: LDCSize, params: Any = None, points: Dict[str, j
         return sum(terms.values()), (terms, found)
 
     opt = optax.adam(1e-3)
-    state = jaxamp.TrainState.create(params=params, optimizer=opt, amp=step_amp, engines=[engine])
-    step = jaxamp.make_train_step(loss_fn, opt, amp=step_amp)
+    state = jaxamp.train.TrainState.create(params=params, optimizer=opt, amp=step_amp, engines=[engine])
+    step = jaxamp.train.make_train_step(loss_fn, opt, amp=step_amp)
 
     def ctx() -> ContextManager:
         return jax.default_matmul_precision("highest") if precision == "highest" else contextlib.nullcontext()

@@ -1,7 +1,7 @@
 """``python -m benchmarks matrix``: the DerivScaler's cost over a matrix of PINN problems.
 
 For every problem of :data:`benchmarks.problems.PROBLEMS` and every case
-``<placement>/<mode>`` the whole jitted train step (``jaxamp.make_train_step``, Adam) is
+``<placement>/<mode>`` the whole jitted train step (``jaxamp.train.make_train_step``, Adam) is
 compiled on shared weights and points, and measured:
 
 - placements: ``default`` (``FullyConnected.from_amp(AmpConfig())``: first layer and
@@ -68,7 +68,7 @@ class Case:
     """One compiled train step of the matrix."""
 
     name: str
-    state: jaxamp.TrainState
+    state: jaxamp.train.TrainState
     compiled: Any
     compile_s: float
 
@@ -90,8 +90,8 @@ def build_case(problem: Problem, placement: str, mode: str, params: Any, batch: 
         return sum(terms.values()), (terms, found_inf)
 
     opt = optax.adam(1e-3)
-    state = jaxamp.TrainState.create(params=params, optimizer=opt, amp=amp, engines=[engine])
-    step = jaxamp.make_train_step(loss_fn, opt, amp=amp)
+    state = jaxamp.train.TrainState.create(params=params, optimizer=opt, amp=amp, engines=[engine])
+    step = jaxamp.train.make_train_step(loss_fn, opt, amp=amp)
     t = time.perf_counter()
     compiled = jax.jit(step).lower(state, batch).compile()
     case = Case(f"{problem.name}/{placement}/{mode}", state, compiled, time.perf_counter() - t)

@@ -2,7 +2,7 @@
 
 float16 + per-order DerivScaler on a small 1-D Poisson PINN (u'' = -pi^2 sin(pi x) on [0, 1],
 u(0) = u(1) = 0; a 2x16 tanh network, Adam 1e-3 with a cosine decay), trained through the public API
-(:func:`jaxamp.make_train_step`). Every step draws 32 fresh collocation points; 10 % of the
+(:func:`jaxamp.train.make_train_step`). Every step draws 32 fresh collocation points; 10 % of the
 steps are faulty:
 
 - 9 %: one collocation point is NaN (bad values: the step must be skipped with
@@ -101,8 +101,8 @@ def build(amp: jaxamp.AmpConfig = AMP, *, steps: int = 10_000, layer_size: int =
         return pde + bc, ({"pde": pde, "bc": bc}, found)
 
     optimizer = optax.adam(optax.cosine_decay_schedule(LR, decay_steps=steps, alpha=0.01))
-    state = jaxamp.TrainState.create(params=params, optimizer=optimizer, amp=amp, engines=[engine])
-    return state, jaxamp.make_train_step(loss_fn, optimizer, amp=amp), loss_fn, engine
+    state = jaxamp.train.TrainState.create(params=params, optimizer=optimizer, amp=amp, engines=[engine])
+    return state, jaxamp.train.make_train_step(loss_fn, optimizer, amp=amp), loss_fn, engine
 
 
 def schedule(steps: int, seed: int = 0) -> Dict[str, np.ndarray]:
@@ -173,7 +173,7 @@ def eval_loss(chunk_fn, state, chunk: int) -> float:
     x = np.broadcast_to(grid, (chunk, N_POINTS + 2)).astype(np.float32)
     _, rec = chunk_fn(state, x, np.ones(chunk, np.float32), np.zeros(chunk, bool))
     reasons = set(np.asarray(rec["reason"]).tolist())
-    if reasons & {jaxamp.SKIP_NONFINITE_VALUES, jaxamp.SKIP_DERIVATIVE_OVERFLOW}:
+    if reasons & {jaxamp.SkipReason.NONFINITE_VALUES, jaxamp.SkipReason.DERIVATIVE_OVERFLOW}:
         raise RuntimeError(f"the clean evaluation grid was flagged (skip reasons {sorted(reasons)})")
     return float(rec["loss"][0])
 
@@ -210,10 +210,10 @@ def soak(steps: int = 10_000, *, chunk: int = 500, seed: int = 0,
         "nonfinite_param_steps": int((~rec["finite"].astype(bool)).sum()),
         "skipped_steps": int(skipped.sum()),
         "skipped_bit_identical_pct": 100.0 * float(rec["unchanged"][skipped].mean()) if skipped.any() else 100.0,
-        "nan_skipped_as_bad_values_pct": 100.0 * float((rec["reason"][nan] == jaxamp.SKIP_NONFINITE_VALUES).mean()),
+        "nan_skipped_as_bad_values_pct": 100.0 * float((rec["reason"][nan] == jaxamp.SkipReason.NONFINITE_VALUES).mean()),
         "nan_steps_scalers_unchanged_pct": 100.0 * float(rec["scalers_unchanged"][nan].mean()),
         "overflow_skipped_as_overflow_pct": 100.0 * float(
-            (rec["reason"][overflow] == jaxamp.SKIP_DERIVATIVE_OVERFLOW).mean()) if overflow.any() else 100.0,
+            (rec["reason"][overflow] == jaxamp.SkipReason.DERIVATIVE_OVERFLOW).mean()) if overflow.any() else 100.0,
         "scale_log2_faulty": {k: v[0] for k, v in scales.items()},
         "scale_log2_fault_free": {k: v[1] for k, v in scales.items()},
         "overflow_step_reasons": {int(r): int(c) for r, c in zip(*np.unique(rec["reason"][overflow],

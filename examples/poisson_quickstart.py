@@ -20,13 +20,13 @@ def loss_fn(params, x, scales):  # u'' = -pi^2 sin(pi x), u(0) = u(1) = 0
     ends, found_inf_ends = engine(params, {"x": jnp.array([0.0, 1.0])}, scales)
     pde = jnp.mean((d["u__x__x"] + jnp.pi**2 * jnp.sin(jnp.pi * x)) ** 2)
     bc = jnp.mean(ends["u"] ** 2)
-    return pde + bc, ({"pde": pde, "bc": bc}, jaxamp.merge_found_inf(found_inf, found_inf_ends))
+    return pde + bc, ({"pde": pde, "bc": bc}, jaxamp.marks.merge_found_inf(found_inf, found_inf_ends))
 
 
 optimizer = optax.adam(optax.cosine_decay_schedule(1e-3, 3000))
 params = model.init(jax.random.PRNGKey(0), jnp.zeros(1))
-state = jaxamp.TrainState.create(params=params, optimizer=optimizer, amp=amp, engines=[engine])
-step = jax.jit(jaxamp.make_train_step(loss_fn, optimizer, amp=amp, grad_clip_max_norm=0.5))
+state = jaxamp.train.TrainState.create(params=params, optimizer=optimizer, amp=amp, engines=[engine])
+step = jax.jit(jaxamp.train.make_train_step(loss_fn, optimizer, amp=amp, grad_clip_max_norm=0.5))
 x = jnp.linspace(0.0, 1.0, 128)
 for i in range(3000):
     state, metrics = step(state, x)

@@ -2,8 +2,10 @@
 
 ``python -m examples.profile --config burgers [--steps N] [--margin M] [key=value ...]``
 prints :func:`jaxamp.profile.format_profile`'s table for the config's network at
-initialization (and after ``N`` training steps), then the recommended ``amp:`` block
-(:func:`jaxamp.profile.recommend`, measured at scale 1) to paste into the config.
+initialization (and after ``N`` training steps) with its legend, then the recommended
+``amp:`` block of start scales (:func:`jaxamp.profile.recommend`, measured at scale 1;
+``custom_init_scales_log2``: where each key starts, its max scale unchanged) to paste into
+the config, or a comment saying that nothing needs to change.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import jaxamp
 from examples.common.config import load_config
 from examples.common.problem import Problem
 from examples.common.train import get_setup
-from jaxamp.profile import format_profile, profile, recommend
+from jaxamp.profile import LEGEND, format_profile, profile, recommend
 
 
 def problem_class(name: str) -> Type[Problem]:
@@ -33,7 +35,8 @@ def problem_class(name: str) -> Type[Problem]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m examples.profile", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m examples.profile", description=__doc__.split("\n\n")[0],
+                                     epilog=f"the table:\n{LEGEND}", formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="config name in examples/configs or a YAML path")
     parser.add_argument("--steps", type=int, default=0, help="also profile after this many training steps")
     parser.add_argument("--margin", type=int, default=2, help="powers of two kept free below 65504")
@@ -49,8 +52,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     state = setup.init_state()
-    print(f"# {name}: step 0\n{format_profile(setup.profile(state)[0])}")
-    if args.steps:
+    print(f"# {name}: step 0\n{format_profile(setup.profile(state)[0], legend=not args.steps)}")
+    if args.steps:  # the legend once, below the last table
         monitor = setup.monitor(0)
         (state, _), _ = setup.chunk(args.steps, 0)((state, monitor.init()))
         print(f"\n# {name}: step {int(state.step)}\n{format_profile(setup.profile(state)[0])}")
@@ -59,7 +62,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if setup.engines[0].scaler_keys:
         rec = recommend(profile(setup.engines[0], state.params, points), margin_log2=args.margin,
                         default_max_scale_log2=setup.amp.default_max_scale_log2)
-        print(f"\n# recommended (margin 2^{args.margin} below 65504):\n{rec.to_yaml()}", end="")
+        print(f"\n# recommended start scales (margin 2^{args.margin} below 65504; max scales unchanged):\n"
+              f"{rec.to_yaml()}", end="")
     return 0
 
 

@@ -1,41 +1,33 @@
 """jaxamp: automatic mixed precision with derivative scaling for physics-informed networks.
 
-Public API (docs/algorithm.md describes the algorithm):
+The public API (docs/algorithm.md describes the algorithm; each name has its docstring):
 
-  config:       AmpConfig, ConfigError
-  scalers:      DynamicScaler, ScaleState, Scalers
-  derivatives:  Derivatives, merge_found_inf
-  step pieces:  scaled_value_and_grad, check_step, update_scalers
-                (skip reasons APPLIED, SKIP_NONFINITE_VALUES, SKIP_DERIVATIVE_OVERFLOW, SKIP_NONFINITE_GRADS)
-  training:     TrainState, make_train_step
-  run safety:   Checkpointer, StallMonitor
-  drop-in:      grad, jacrev, jacfwd, jvp, hessian, scaled (on existing jax.grad code), autocast (placement
-                for any network); jaxamp.dropin.profile / init_scalers (start scales from a profile)
-  range:        jaxamp.profile (profile, recommend: where every derivative sits in float16's window);
-                headroom_log2, headroom_metrics (per scaler key, from the values a step already has)
-  modules:      jaxamp.models (FullyConnected, FourierNet), jaxamp.parallel (make_mesh, shard_batch, ...)
+  settings:     AmpConfig, ConfigError, DynamicScaler
+  state:        AmpState, init (the one way to create it)
+  train step:   value_and_grad, apply_or_skip, optimizer (optax), SkipReason
+  derivatives:  grad, jacrev, jacfwd, jvp, hessian, laplacian, scaled (interprets them),
+                NONFINITE_VALUES (the bad-values key of found_inf)
+  networks:     autocast (precision placement for any network)
+  engine:       Derivatives (named derivatives of a per-point network)
+
+Modules for more: :mod:`jaxamp.models` (FullyConnected, FourierNet), :mod:`jaxamp.train`
+(TrainState, make_train_step for Derivatives engines), :mod:`jaxamp.profile` (ranges in
+float16's window), :mod:`jaxamp.parallel`, :mod:`jaxamp.checkpoint`, :mod:`jaxamp.monitor`,
+:mod:`jaxamp.headroom`, :mod:`jaxamp.step` (the step's pieces), :mod:`jaxamp.scaler`.
 """
 
-from jaxamp import dropin, models, parallel, profile
-from jaxamp.autocast import autocast
-from jaxamp.checkpoint import Checkpointer
+from jaxamp import checkpoint, headroom, marks, models, monitor, parallel, profile, scaler, step, train  # noqa: F401
 from jaxamp.config import AmpConfig, ConfigError
-from jaxamp.derivatives import Derivatives
-from jaxamp.dropin import grad, hessian, jacfwd, jacrev, jvp, scaled
-from jaxamp.headroom import headroom_log2, headroom_metrics
-from jaxamp.monitor import StallMonitor
-from jaxamp.scaler import DynamicScaler, Scalers, ScaleState
-from jaxamp.step import (
-    APPLIED,
-    SKIP_DERIVATIVE_OVERFLOW,
-    SKIP_NONFINITE_GRADS,
-    SKIP_NONFINITE_VALUES,
-    check_step,
-    merge_found_inf,
-    scaled_value_and_grad,
-    update_scalers,
-)
-from jaxamp.train import TrainState, make_train_step
+from jaxamp.derivatives.engine import Derivatives
+from jaxamp.dropin.forward import hessian, jacfwd, jvp
+from jaxamp.dropin.grad import grad, jacrev
+from jaxamp.dropin.scaled import scaled
+from jaxamp.marks import NONFINITE_VALUES
+from jaxamp.optim import apply_or_skip, optimizer, value_and_grad
+from jaxamp.placement.rewrite import autocast
+from jaxamp.scaler import DynamicScaler
+from jaxamp.state import AmpState, init
+from jaxamp.step import SkipReason
 
 __version__ = "0.1.0"
 
@@ -43,32 +35,19 @@ __all__ = [
     "AmpConfig",
     "ConfigError",
     "DynamicScaler",
-    "ScaleState",
-    "Scalers",
-    "Derivatives",
-    "merge_found_inf",
-    "headroom_log2",
-    "headroom_metrics",
-    "scaled_value_and_grad",
-    "check_step",
-    "update_scalers",
-    "APPLIED",
-    "SKIP_NONFINITE_VALUES",
-    "SKIP_DERIVATIVE_OVERFLOW",
-    "SKIP_NONFINITE_GRADS",
-    "TrainState",
-    "make_train_step",
-    "Checkpointer",
-    "StallMonitor",
+    "AmpState",
+    "init",
+    "value_and_grad",
+    "apply_or_skip",
+    "optimizer",
+    "SkipReason",
     "grad",
     "jacrev",
     "jacfwd",
     "jvp",
     "hessian",
     "scaled",
+    "NONFINITE_VALUES",
     "autocast",
-    "dropin",
-    "profile",
-    "models",
-    "parallel",
+    "Derivatives",
 ]

@@ -1,4 +1,4 @@
-"""Atomic checkpoints of a whole :class:`~jaxamp.TrainState` with orbax-checkpoint.
+"""Atomic checkpoints of a whole :class:`~jaxamp.train.TrainState` with orbax-checkpoint.
 
 Orbax writes each checkpoint into a temporary directory and renames it into place only
 once it is complete, so an interrupted save never replaces or corrupts an earlier one.
@@ -23,15 +23,15 @@ def _name(path: Any) -> str:
 class Checkpointer:
     """Save and restore training states under ``directory/<step>``.
 
-    Any pytree of arrays can be saved: a :class:`~jaxamp.TrainState`, or a dict holding it
-    beside a :class:`~jaxamp.StallMonitor` state or the user's own state.
+    Any pytree of arrays can be saved: a :class:`~jaxamp.train.TrainState`, or a dict holding it
+    beside a :class:`~jaxamp.monitor.StallMonitor` state or the user's own state.
 
     Args:
       directory: where checkpoints live (created if missing). Must be a path, not a file.
       max_to_keep: how many of the newest checkpoints to keep (``None``: all).
 
     Example:
-      >>> with jaxamp.Checkpointer("ckpt") as ckpt:
+      >>> with jaxamp.checkpoint.Checkpointer("ckpt") as ckpt:
       ...     ckpt.save({"train": state, "monitor": mstate})
       ...     restored = ckpt.restore({"train": fresh_state, "monitor": monitor.init()})
     """

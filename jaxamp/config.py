@@ -17,15 +17,8 @@ MODES = ("per_order_scaler", "per_term_scaler")
 DTYPES = ("float16", "bfloat16", "float32")
 # Scaler hyper-parameters a config may override. The derivative scalers' max scale comes
 # from `default_max_scale_log2` / `custom_max_scales_log2`, so it is not listed for them.
-DERIVATIVE_SCALER_KEYS = (
-    "init_scale",
-    "growth_factor",
-    "backoff_factor",
-    "growth_interval",
-    "recover_threshold",
-    "recover_growth_interval",
-    "min_scale",
-)
+DERIVATIVE_SCALER_KEYS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "recover_threshold",
+                          "recover_growth_interval", "min_scale")
 LOSS_SCALER_KEYS = DERIVATIVE_SCALER_KEYS + ("max_scale",)
 # DynamicScaler's field defaults (the derivative scalers' defaults).
 _DERIVATIVE_DEFAULTS = MappingProxyType({f.name: f.default for f in dataclasses.fields(DynamicScaler)})
@@ -59,10 +52,10 @@ def _check_bool(key: str, value: Any) -> None:
         _fail(key, value, "true or false")
 
 
-def _check_log2(key: str, value: Any) -> None:
+def _check_log2(key: str, value: Any, what: str = "max scale") -> None:
     lo, hi = _LOG2_RANGE
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        _fail(key, value, f"an integer exponent in [{lo}, {hi}] (max scale = 2**value)")
+        _fail(key, value, f"an integer exponent in [{lo}, {hi}] ({what} = 2**value)")
 
 
 def _check_scaler_overrides(key: str, value: Any, allowed_keys: Tuple[str, ...]) -> None:
@@ -73,22 +66,34 @@ def _check_scaler_overrides(key: str, value: Any, allowed_keys: Tuple[str, ...])
             _fail(f"{key}.{name}", value[name], f"one of the keys {list(allowed_keys)} (unknown key)")
 
 
-def _build(section: str, make: Callable[[], DynamicScaler], max_scale_note: str) -> None:
-    """Build a scaler rule; its error is re-worded with the config keys (amp.<section>.<name>)."""
+def _build(section: str, make: Callable[[], DynamicScaler], note: str) -> None:
+    """Build a scaler rule; its error is re-worded with the config keys (amp.<section>.<name>, ``note``)."""
     try:
         make()
     except (TypeError, ValueError) as e:
         msg = re.sub(r"`(\w+)`", lambda m: f"amp.{section}.{m.group(1)}", str(e).removeprefix("DynamicScaler: "))
-        raise ConfigError(msg.rstrip(".") + (max_scale_note if "max_scale" in msg else "") + ".") from None
+        involved = "max_scale" in msg or ("init_scale" in msg and "init_scale =" in note)
+        raise ConfigError(msg.rstrip(".") + (note if involved else "") + ".") from None
 
 
-def _scaler_key(key: Any) -> str:
+def _scaler_key(key: Any, field: str = "custom_max_scales_log2") -> str:
     """Scaler keys are strings: per-order keys are the order ("1", "2"), others term names."""
     if isinstance(key, bool) or not isinstance(key, (int, str)) or str(key) == "":
-        _fail("custom_max_scales_log2", key, "keys that are an order (int >= 1) or a term name (str)")
+        _fail(field, key, "keys that are an order (int >= 1) or a term name (str)")
     if isinstance(key, int) and key < 1:
-        _fail("custom_max_scales_log2", key, "an order >= 1")
+        _fail(field, key, "an order >= 1")
     return str(key)
+
+
+def _per_key(amp: Any, field: str, what: str) -> Mapping[str, int]:
+    """Validate ``amp.<field>`` ``{scaler key: int exponent}``, store it with normalised keys."""
+    value = getattr(amp, field)
+    if not isinstance(value, Mapping):
+        _fail(field, value, "a mapping {key: int}")
+    for key, exp in value.items():
+        _check_log2(f"{field}[{key!r}]", exp, what)
+    object.__setattr__(amp, field, MappingProxyType({_scaler_key(k, field): v for k, v in value.items()}))
+    return getattr(amp, field)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -107,6 +112,10 @@ class AmpConfig:
         first layer and its activation run in float32.
       default_max_scale_log2: every derivative scaler's max scale is ``2**this``.
       custom_max_scales_log2: per-key overrides of that exponent, e.g. ``{2: -4, "nu": 20}``.
+      custom_init_scales_log2: per-key start scales, e.g. ``{2: -4}``: key ``"2"`` starts at 2^-4
+        instead of ``init_scale`` (what :meth:`jaxamp.profile.Recommendation.apply` sets) and
+        still grows up to its max scale. Above the key's max-scale exponent is an error; below
+        the recover threshold (2^-6) is allowed (the recover growth then brings it back up).
       special_terms: variables that get their own derivative scaler, keyed by their name,
         even in per-order mode (e.g. a turbulence model's ``nu``).
       derivative_scaler: overrides of the derivative scalers' hyper-parameters.
@@ -118,9 +127,10 @@ class AmpConfig:
     key, the value and what is allowed.
 
     Example:
-      >>> amp = AmpConfig(dtype="float16", custom_max_scales_log2={2: 3})
-      >>> amp.derivative_scaler_for("2").max_scale
-      8.0
+      >>> amp = AmpConfig(dtype="float16", custom_max_scales_log2={2: 3}, custom_init_scales_log2={2: -4})
+      >>> rule = amp.derivative_scaler_for("2")
+      >>> rule.max_scale, rule.init_scale
+      (8.0, 0.0625)
     """
 
     enabled: bool = True
@@ -130,6 +140,7 @@ class AmpConfig:
     autocast_firstlayer: bool = False
     default_max_scale_log2: int = 0
     custom_max_scales_log2: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    custom_init_scales_log2: Mapping[str, int] = dataclasses.field(default_factory=dict)
     special_terms: Tuple[str, ...] = ()
     derivative_scaler: Mapping[str, float] = dataclasses.field(default_factory=dict)
     loss_scaler: Mapping[str, float] = dataclasses.field(default_factory=dict)
@@ -145,13 +156,14 @@ class AmpConfig:
         _check_bool("autocast_activation", self.autocast_activation)
         _check_bool("autocast_firstlayer", self.autocast_firstlayer)
         _check_log2("default_max_scale_log2", self.default_max_scale_log2)
-        if not isinstance(self.custom_max_scales_log2, Mapping):
-            _fail("custom_max_scales_log2", self.custom_max_scales_log2, "a mapping {key: int}")
-        custom = {}
-        for key, value in self.custom_max_scales_log2.items():
-            _check_log2(f"custom_max_scales_log2[{key!r}]", value)
-            custom[_scaler_key(key)] = value
-        object.__setattr__(self, "custom_max_scales_log2", MappingProxyType(custom))
+        custom = _per_key(self, "custom_max_scales_log2", "max scale")
+        inits = _per_key(self, "custom_init_scales_log2", "init scale")
+        where = {k: f"custom_max_scales_log2[{k!r}]" if k in custom else "default_max_scale_log2"
+                 for k in ("__default__", *custom, *inits)}  # where each key's max scale comes from
+        for key, value in inits.items():  # a start above the key's max scale: name both
+            if value > (top := self.max_scale_log2(key)):
+                _fail(f"custom_init_scales_log2[{key!r}]", value, f"an integer exponent in [{_LOG2_RANGE[0]}, {top}]"
+                      f" (a key starts at or below its max scale 2**amp.{where[key]} = 2**{top})")
         terms = self.special_terms
         if isinstance(terms, str) or not all(isinstance(t, str) and t for t in terms):
             _fail("special_terms", terms, "a list of non-empty variable names (str)")
@@ -161,9 +173,10 @@ class AmpConfig:
         object.__setattr__(self, "derivative_scaler", MappingProxyType(dict(self.derivative_scaler)))
         object.__setattr__(self, "loss_scaler", MappingProxyType(dict(self.loss_scaler)))
         # Build every scaler once so that a bad hyper-parameter fails here, not mid-run.
-        for key in ("__default__", *custom):
-            where = "default_max_scale_log2" if key == "__default__" else f"custom_max_scales_log2[{key!r}]"
-            _build("derivative_scaler", lambda: self.derivative_scaler_for(key), f" (max_scale = 2**amp.{where})")
+        for key in where:
+            start = f", init_scale = 2**amp.custom_init_scales_log2[{key!r}]" if key in inits else ""
+            note = f" (max_scale = 2**amp.{where[key]}{start})"
+            _build("derivative_scaler", lambda: self.derivative_scaler_for(key), note)
         _build("loss_scaler", self.make_loss_scaler, "")
 
     def __hash__(self) -> int:  # hashable (a static jit argument, a cache key) despite its mapping fields
@@ -191,26 +204,32 @@ class AmpConfig:
 
     def derivative_scaler_for(self, key: str) -> DynamicScaler:
         """The derivative scaler rule for one scaler key: the one place a key's rule is built
-        from the config (:class:`~jaxamp.Scalers` and the engines use it).
+        from the config (:class:`~jaxamp.scaler.Scalers` and the engines use it).
 
         Args:
           key: a scaler key (``"1"``, ``"2"``, a term name).
 
         Returns:
           :class:`~jaxamp.DynamicScaler` with the ``derivative_scaler`` overrides and the key's
-          max scale ``2**max_scale_log2(key)``. A key whose max scale is below the default
-          ``init_scale`` (1) or ``recover_threshold`` (2^-6), e.g. ``custom_max_scales_log2={2: -9}``,
-          starts at its max scale and recovers below it: each is capped at the max scale,
-          unless ``derivative_scaler`` sets it explicitly (then a value above the max is an error).
+          max scale ``2**max_scale_log2(key)``; ``init_scale = 2**custom_init_scales_log2[key]``
+          where the key has one (over ``derivative_scaler.init_scale``). Else a max scale below
+          the default ``init_scale`` (1) or ``recover_threshold`` (2^-6), e.g.
+          ``custom_max_scales_log2={2: -9}``, caps them (an explicit ``derivative_scaler``
+          value is kept: one above the max is an error).
 
         Example:
           >>> rule = AmpConfig(custom_max_scales_log2={2: -9}).derivative_scaler_for("2")
           >>> rule.init_scale == rule.recover_threshold == rule.max_scale == 2.0**-9
           True
+          >>> rule = AmpConfig(custom_init_scales_log2={2: -9}).derivative_scaler_for("2")
+          >>> rule.init_scale == 2.0**-9 and rule.max_scale == 1.0
+          True
         """
         max_scale = 2.0 ** self.max_scale_log2(key)
         capped = {name: min(_DERIVATIVE_DEFAULTS[name], max_scale) for name in ("init_scale", "recover_threshold")}
-        return DynamicScaler(max_scale=max_scale, **{**capped, **self.derivative_scaler})
+        start = self.custom_init_scales_log2.get(str(key))
+        own = {} if start is None else {"init_scale": 2.0**start}
+        return DynamicScaler(max_scale=max_scale, **{**capped, **self.derivative_scaler, **own})
 
     def make_loss_scaler(self) -> DynamicScaler:
         """The weight-gradient loss scaler rule (its defaults with ``loss_scaler``'s overrides)."""
@@ -275,7 +294,7 @@ class AmpConfig:
     def to_dict(self) -> dict:
         """Plain ``{key: value}`` that :meth:`from_dict` takes back."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        for key in ("custom_max_scales_log2", "derivative_scaler", "loss_scaler"):
+        for key in ("custom_max_scales_log2", "custom_init_scales_log2", "derivative_scaler", "loss_scaler"):
             out[key] = dict(getattr(self, key))
         out["special_terms"] = list(self.special_terms)
         return out

@@ -8,7 +8,7 @@ could grow 8-fold before it overflowed; a negative value means it did overflow.
 :func:`headroom_log2` computes it from the values an engine *already returned* (one
 abs-max reduction per derivative, no extra pass through the network): a loss function
 returns it as extra metrics, ``(loss, (terms, found_inf, metrics))``, and
-:func:`jaxamp.make_train_step` reports it as ``headroom_log2/<key>``. It covers the
+:func:`jaxamp.train.make_train_step` reports it as ``headroom_log2/<key>``. It covers the
 derivative outputs (the last step of each derivative), not the hidden-layer tangents that
 produce them; :func:`jaxamp.profile.profile` covers those, at the cost of its own passes.
 """
@@ -46,7 +46,7 @@ def headroom_log2(engine, values: Mapping[str, jax.Array], scales: Mapping[str, 
 
     Example:
       >>> values, found_inf = engine(params, points, scales)  # doctest: +SKIP
-      >>> metrics = jaxamp.headroom_log2(engine, values, scales)  # doctest: +SKIP
+      >>> metrics = jaxamp.headroom.headroom_log2(engine, values, scales)  # doctest: +SKIP
       >>> return loss, (terms, found_inf, metrics)  # doctest: +SKIP
     """
     plan = getattr(engine, "plan", None)
@@ -83,7 +83,7 @@ def headroom_log2(engine, values: Mapping[str, jax.Array], scales: Mapping[str, 
 def headroom_metrics(*headrooms: Mapping[str, jax.Array]) -> Dict[str, jax.Array]:
     """``{"headroom_log2/<key>": f32[]}``: the smallest headroom per key over several
     :func:`headroom_log2` results (e.g. one per engine call: interior and boundary points),
-    named as the extra metrics a loss function returns to :func:`jaxamp.make_train_step`.
+    named as the extra metrics a loss function returns to :func:`jaxamp.train.make_train_step`.
 
     Args:
       *headrooms: ``{key: f32[]}`` dicts; keys may overlap (NaN wins: it stays visible).

@@ -1,7 +1,7 @@
 """One jaxpr interpreter for every program rewrite in jaxamp.
 
 jaxamp rewrites traced programs in three ways: Taylor propagation (:mod:`jaxamp.taylor`),
-precision placement (:mod:`jaxamp.autocast`) and scale/flag plumbing for scaled
+precision placement (:mod:`jaxamp.placement`) and scale/flag plumbing for scaled
 ``jaxamp.grad``. Each is :func:`eval_jaxpr` with its own per-equation *rule*, as
 ``jax.experimental.jet`` and checkify each pair one interpreter with a rule table.
 

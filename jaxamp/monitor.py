@@ -20,19 +20,19 @@ import numpy as np
 
 from jaxamp.config import AmpConfig
 from jaxamp.scaler import SMALLEST_NORMAL
-from jaxamp.step import APPLIED, SKIP_DERIVATIVE_OVERFLOW, SKIP_NONFINITE_GRADS, SKIP_NONFINITE_VALUES
+from jaxamp.step import SkipReason
 
 ADVICE = {
-    SKIP_NONFINITE_VALUES: (
+    SkipReason.NONFINITE_VALUES: (
         "bad values in the batch (non-finite inputs or network outputs)",
         "no scale can cure them: check the data for NaN/inf points and the parameters for NaN",
     ),
-    SKIP_DERIVATIVE_OVERFLOW: (
+    SkipReason.DERIVATIVE_OVERFLOW: (
         "overflow in derivative scaler {keys}",
         "rescale the problem (non-dimensional inputs and outputs) so that its derivatives fit "
         "float16, or lower that scaler's max scale (amp.custom_max_scales_log2), or use amp.dtype: bfloat16",
     ),
-    SKIP_NONFINITE_GRADS: (
+    SkipReason.NONFINITE_GRADS: (
         "non-finite weight gradients",
         "lower the learning rate, clip the gradients (grad_clip_max_norm) or lower amp.loss_scaler.init_scale",
     ),
@@ -64,7 +64,7 @@ class StallMonitor:
       amp: the settings, for each scale's floor (``min_scale``); None: the floor 2**-126.
 
     Example:
-      >>> monitor = jaxamp.StallMonitor(max_consecutive_skips=100, amp=amp)
+      >>> monitor = jaxamp.monitor.StallMonitor(max_consecutive_skips=100, amp=amp)
       >>> mstate = monitor.init()
       >>> state, metrics = step(state, batch)
       >>> mstate = monitor.update(mstate, metrics)
@@ -89,7 +89,7 @@ class StallMonitor:
     def init(self) -> MonitorState:
         """The state before the first step."""
         zero = jnp.asarray(0, jnp.int32)
-        return MonitorState(zero, zero, jnp.zeros((self.window,), jnp.int32), jnp.asarray(APPLIED, jnp.int32))
+        return MonitorState(zero, zero, jnp.zeros((self.window,), jnp.int32), jnp.asarray(SkipReason.APPLIED, jnp.int32))
 
     def update(self, state: MonitorState, metrics: Mapping[str, Any]) -> MonitorState:
         """Count one step. Pure: works inside ``jit``/``lax.scan`` or outside.
@@ -102,7 +102,7 @@ class StallMonitor:
           The new state.
         """
         skipped = jnp.asarray(metrics["skipped"], bool)
-        reason = jnp.where(skipped, jnp.asarray(metrics["skip_reason"], jnp.int32), APPLIED)
+        reason = jnp.where(skipped, jnp.asarray(metrics["skip_reason"], jnp.int32), SkipReason.APPLIED)
         return MonitorState(
             steps=state.steps + 1,
             consecutive_skips=jnp.where(skipped, state.consecutive_skips + 1, 0),
@@ -134,13 +134,13 @@ class StallMonitor:
                   if k.startswith("scale_log2/") and float(v) <= self.floor_log2(k.split("/", 1)[1])]
         if run >= self.max_consecutive_skips:
             what, reason = f"{run} consecutive skipped steps", int(state.last_reason)
-        elif steps >= self.window and np.mean(reasons != APPLIED) > self.max_skip_rate:
-            skips = reasons[reasons != APPLIED]
+        elif steps >= self.window and np.mean(reasons != SkipReason.APPLIED) > self.max_skip_rate:
+            skips = reasons[reasons != SkipReason.APPLIED]
             reason = int(np.bincount(skips).argmax())
             what = f"{len(skips)} of the last {self.window} steps skipped"
         elif floors:
             what = f"scale {', '.join(f'`{k}`' for k in floors)} at its floor"
-            reason = SKIP_NONFINITE_GRADS if floors == ["loss"] else SKIP_DERIVATIVE_OVERFLOW
+            reason = SkipReason.NONFINITE_GRADS if floors == ["loss"] else SkipReason.DERIVATIVE_OVERFLOW
         else:
             return None
         flagged = [k.split("/", 1)[1] for k, v in host.items() if k.startswith("found_inf/") and bool(v)]

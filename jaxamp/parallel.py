@@ -2,7 +2,7 @@
 
 The batch (collocation points) is split along a ``"batch"`` mesh axis; parameters, optimizer
 state and every scaler state are replicated. The train step from
-:func:`jaxamp.make_train_step` is jitted unchanged with those shardings, and XLA's SPMD
+:func:`jaxamp.train.make_train_step` is jitted unchanged with those shardings, and XLA's SPMD
 partitioner (GSPMD) turns every reduction over the batch into a global one: the
 derivative engine's ``jnp.any`` over points becomes an all-reduce of the overflow flags,
 ``jnp.mean`` of the residuals an all-reduce of the loss, and the parameter gradients are
@@ -18,7 +18,7 @@ One API for one device and many::
 
     mesh = jaxamp.parallel.make_mesh()            # all devices; make_mesh(2): the first two
     state = jaxamp.parallel.replicate(state, mesh)
-    step = jaxamp.parallel.data_parallel_step(jaxamp.make_train_step(loss_fn, opt, amp=amp), mesh)
+    step = jaxamp.parallel.data_parallel_step(jaxamp.train.make_train_step(loss_fn, opt, amp=amp), mesh)
     state, metrics = step(state, jaxamp.parallel.shard_batch({"x": x}, mesh))
 
 ``make_mesh(1)`` gives the single-device case with the same code path. The global batch
@@ -164,7 +164,7 @@ def data_parallel_step(
     """Jit ``step(state, batch) -> (state, metrics)`` to run data-parallel over ``mesh``.
 
     Args:
-      step: the pure step from :func:`jaxamp.make_train_step` (or any function of that shape).
+      step: the pure step from :func:`jaxamp.train.make_train_step` (or any function of that shape).
       mesh: a one-axis mesh (:func:`make_mesh`); one device works the same way.
       batch_spec: a ``PartitionSpec`` or a pytree prefix of them for the batch. Default:
         every leaf split along its leading dimension (``P(axis)``). Use ``P()`` for parts

@@ -5,24 +5,17 @@ float16 represents magnitudes from its smallest normal, ``2**-14`` (about 6.1e-5
 float16 as ``scale_k * value``, and so do the hidden-layer tangents that produce it. The
 profiler evaluates the *same* network graph with every float16/bfloat16 operation promoted
 to float32 (so nothing in the profile itself overflows), multiplies each quantity by the
-scale of its key and reports, per derivative, per hidden-layer tangent and per key:
-
-- ``log2_max``: log2 of the largest magnitude;
-- ``log2_percentiles``: log2 of the magnitudes at :data:`PERCENTILES` (nonzero values);
-- ``frac_subnormal`` / ``frac_overflow``: the fractions of nonzero values below float16's
-  smallest normal / above its max;
-- ``headroom_up`` / ``headroom_down``: powers of two left to the top edge (from the max)
-  and to the bottom edge (from the lowest percentile). Negative means outside the window.
-
-:func:`recommend` turns a profile into per-key scales that fit every key inside the window
-with a margin, printable as an ``amp:`` YAML block (:meth:`Recommendation.to_yaml`).
-Everything is traced: ``jax.jit(profile, static_argnums=0)`` runs every N steps without
-recompiling.
+scale of its key and reports a :class:`Range` (the columns of :data:`LEGEND`) per derivative,
+hidden-layer tangent and key (:func:`format_profile`: a table). :func:`recommend` turns it into
+per-key *start* scales that fit every key in the window with a margin (:meth:`Recommendation.apply`:
+``custom_init_scales_log2``; max scales unchanged). ``jax.jit(profile, static_argnums=0)``: one compile.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import textwrap
 from typing import Callable, Dict, Mapping, NamedTuple, Optional
 
 import jax
@@ -37,10 +30,12 @@ LOG2_FP16_MAX = math.log2(FP16_MAX)
 LOG2_FP16_SMALLEST_NORMAL = -14.0
 PERCENTILES = (1.0, 50.0, 99.0)
 _LOW = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+NOTHING_TO_CHANGE = "# nothing to change: every key fits at its configured start scale\n"  # an empty to_yaml()
 
 
 class Range(NamedTuple):
-    """The range of one group of values, as float16 holds them (scaled). All ``f32``."""
+    """The range of one group of values, as float16 holds them (scaled). All ``f32``; the
+    fields are the columns of :data:`LEGEND` (``-inf`` max and percentiles: no nonzero value)."""
 
     log2_max: jax.Array
     log2_percentiles: jax.Array  # [len(PERCENTILES)]
@@ -62,26 +57,22 @@ class Profile(NamedTuple):
 
 def value_range(values: jax.Array, scale=1.0) -> Range:
     """The :class:`Range` of ``values * scale`` (any shape; zeros are ignored)."""
-    mag = jnp.abs(jnp.ravel(values).astype(jnp.float32)) * jnp.asarray(scale, jnp.float32)
+    flat = jnp.ravel(values).astype(jnp.float32) if jnp.size(values) else jnp.zeros((1,), jnp.float32)  # empty
+    mag = jnp.abs(flat) * jnp.asarray(scale, jnp.float32)
     nonzero = mag > 0
     count = jnp.maximum(jnp.sum(nonzero), 1).astype(jnp.float32)
     log2 = jnp.log2(jnp.where(nonzero, mag, 1.0))
     pct = jnp.where(jnp.any(nonzero), _percentiles(jnp.where(nonzero, log2, jnp.inf), count), -jnp.inf)
     log2_max = jnp.where(jnp.any(nonzero), jnp.max(jnp.where(nonzero, log2, -jnp.inf)), -jnp.inf)
-    return Range(
-        log2_max=log2_max,
-        log2_percentiles=pct,
-        frac_subnormal=jnp.sum(nonzero & (mag < FP16_SMALLEST_NORMAL)) / count,
-        frac_overflow=jnp.sum(mag > FP16_MAX) / count,
-        headroom_up=LOG2_FP16_MAX - log2_max,
-        headroom_down=pct[0] - LOG2_FP16_SMALLEST_NORMAL,
-    )
+    return Range(log2_max=log2_max, log2_percentiles=pct,
+                 frac_subnormal=jnp.sum(nonzero & (mag < FP16_SMALLEST_NORMAL)) / count,
+                 frac_overflow=jnp.sum(mag > FP16_MAX) / count,
+                 headroom_up=LOG2_FP16_MAX - log2_max, headroom_down=pct[0] - LOG2_FP16_SMALLEST_NORMAL)
 
 
 def _percentiles(values: jax.Array, count: jax.Array) -> jax.Array:
     """:data:`PERCENTILES` of the ``count`` smallest entries of ``values`` (the rest are +inf),
-    interpolated linearly as ``numpy.percentile``; one sort (``jnp.nanpercentile`` compiles
-    several times slower)."""
+    interpolated linearly as ``numpy.percentile``; one sort (``jnp.nanpercentile`` compiles slower)."""
     ordered = jnp.sort(values)
     pos = jnp.asarray(PERCENTILES, jnp.float32) / 100.0 * (count - 1.0)
     lo = jnp.floor(pos).astype(jnp.int32)
@@ -91,11 +82,8 @@ def _percentiles(values: jax.Array, count: jax.Array) -> jax.Array:
 
 
 def promote_to_float32(fn: Callable) -> Callable:
-    """``fn`` with every float16/bfloat16 operation of its traced program run in float32.
-
-    The same graph (same operations, same order), so the ranges it shows are those of the
-    mixed-precision program without its rounding or overflow.
-    """
+    """``fn`` with every float16/bfloat16 operation of its traced program run in float32: the
+    same graph, so its ranges are the mixed-precision program's without rounding or overflow."""
 
     def promoted(*args):
         closed = jax.make_jaxpr(fn)(*args)
@@ -171,7 +159,7 @@ def profile(engine, params, points, scales: Optional[Mapping[str, jax.Array]] = 
       >>> prof = jax.jit(profile, static_argnums=0)(engine, params, points, state.scales)  # doctest: +SKIP
       >>> print(format_profile(prof))  # doctest: +SKIP
     """
-    from jaxamp.derivatives import Derivatives
+    from jaxamp.derivatives.engine import Derivatives
 
     keys = tuple(engine.scaler_keys)
     scales = {k: jnp.float32(1.0) for k in keys} | dict(scales or {})
@@ -179,24 +167,16 @@ def profile(engine, params, points, scales: Optional[Mapping[str, jax.Array]] = 
     twin = Derivatives(fn32, inputs=engine.inputs, outputs=engine.outputs, derivatives=engine.requested)
     values, _ = twin(params, points)
     derivs, groups = {}, {k: [] for k in keys}
-    for name, v in values.items():
-        if name in engine.outputs:
-            continue
-        key = _order_key(engine, name)
-        s = scales.get(key, 1.0)
-        derivs[name] = value_range(v, s)
-        if key in groups:
-            groups[key].append(jnp.ravel(v) * s)
-    hidden = {}
-    x = engine.stack_points(points)
+    for name in (n for n in values if n not in engine.outputs):
+        key = engine.scaler_key(name.rsplit("__", 1)[0]) if keys else ""  # the key of its last step
+        derivs[name] = value_range(values[name], s := scales.get(key, 1.0))
+        groups.get(key, []).append(jnp.ravel(values[name]) * s)
+    hidden, x = {}, engine.stack_points(points)
     taps = layer_outputs(lambda z: fn32(params, z))
     paths = [tuple(name.split("__")[1:]) for name in values if name not in engine.outputs]
     along = {1: {p[0] for p in paths}, 2: {p[0] for p in paths if len(p) >= 2 and p[1] == p[0]}}
-    for order in (1, 2):
-        key = str(order)
-        if key not in keys:
-            continue
-        for i, name in enumerate(engine.inputs):
+    for order, key in ((1, "1"), (2, "2")):
+        for i, name in enumerate(engine.inputs if key in keys else ()):
             if name not in along[order]:
                 continue
             e = jnp.zeros((len(engine.inputs),), jnp.float32).at[i].set(1.0)
@@ -209,40 +189,35 @@ def profile(engine, params, points, scales: Optional[Mapping[str, jax.Array]] = 
     return Profile(derivatives=derivs, hidden=hidden, keys=ranges)
 
 
-def _order_key(engine, name: str) -> str:
-    """The scaler key that guards derivative ``name`` (the key of its last step)."""
-    parent = name.rsplit("__", 1)[0]
-    return engine.scaler_key(parent) if engine.scaler_keys else ""
-
-
 class Recommendation(NamedTuple):
     """Per-key start scales ``2**scales_log2[key]`` that fit each key in float16's window
-    with ``margin_log2`` powers of two to spare at the top, and the matching
-    ``custom_max_scales_log2`` (only for keys below the default max scale)."""
+    with ``margin_log2`` powers of two to spare at the top, and ``custom_init_scales_log2``:
+    the keys that must start below the default max scale (empty: nothing to change)."""
 
     scales_log2: Dict[str, int]
-    custom_max_scales_log2: Dict[str, int]
+    custom_init_scales_log2: Dict[str, int]
     margin_log2: int
 
     def apply(self, amp):
-        """``amp`` with these max scales added to its ``custom_max_scales_log2``: every key then
-        starts at its recommended scale (a key whose max lies below the default init scale
-        starts at its max) and never grows past it.
+        """``amp`` (a :class:`jaxamp.AmpConfig`) with these start scales in its
+        ``custom_init_scales_log2``.
+
+        Returns:
+          A copy in which every recommended key starts at its scale, or at its own max scale
+          if that is lower. Max scales are unchanged: a key grows back up to its max.
 
         Example:
           >>> amp = recommend(profile(engine, params, points)).apply(amp)  # doctest: +SKIP
         """
-        import dataclasses
-
-        custom = dict(amp.custom_max_scales_log2)
-        custom.update(self.custom_max_scales_log2)
-        return dataclasses.replace(amp, custom_max_scales_log2=custom)
+        starts = dict(amp.custom_init_scales_log2)
+        starts.update({k: min(v, amp.max_scale_log2(k)) for k, v in self.custom_init_scales_log2.items()})
+        return dataclasses.replace(amp, custom_init_scales_log2=starts)
 
     def to_yaml(self) -> str:
-        """An ``amp:`` block to paste into a config."""
-        items = sorted(self.custom_max_scales_log2.items())
-        body = "".join(f'\n    "{k}": {v}' for k, v in items) if items else " {}"
-        return f"amp:\n  custom_max_scales_log2:{body}\n"
+        """An ``amp:`` block of ``custom_init_scales_log2`` to paste into a config, or, when
+        no key has to start lower, :data:`NOTHING_TO_CHANGE` (a YAML comment line)."""
+        items = "".join(f'\n    "{k}": {v}' for k, v in sorted(self.custom_init_scales_log2.items()))
+        return f"amp:\n  custom_init_scales_log2:{items}\n" if items else NOTHING_TO_CHANGE
 
 
 def check_margin(margin_log2, caller: str) -> None:
@@ -258,35 +233,68 @@ def recommend(prof: Profile, *, margin_log2: int = 2, default_max_scale_log2: in
       prof: a profile computed with every scale 1 (the unscaled ranges).
       margin_log2: powers of two kept free below 65504 (a key's max lands at ``2**(16 - 1 -
         margin)`` or lower).
-      default_max_scale_log2: the config's default max scale exponent; keys that fit at it
-        get no custom entry.
+      default_max_scale_log2: the config's default max scale exponent: no start is above it,
+        and keys that fit at it get no ``custom_init_scales_log2`` entry.
 
     Returns:
-      A :class:`Recommendation`.
+      A :class:`Recommendation`: a key whose largest value ``m`` (``prof.keys``) needs it
+      starts at ``2**floor(log2(65504) - margin_log2 - log2(m))``; an all-zero key at the default.
+
+    Example:
+      >>> rec = recommend(jax.jit(profile, static_argnums=0)(engine, params, points))  # doctest: +SKIP
+      >>> print(rec.to_yaml()); amp = rec.apply(amp)  # doctest: +SKIP
     """
     check_margin(margin_log2, "recommend")
     scales, custom = {}, {}
     for key, r in prof.keys.items():
         top = float(np.asarray(r.log2_max))
-        exp = default_max_scale_log2 if not math.isfinite(top) else min(
-            default_max_scale_log2, math.floor(LOG2_FP16_MAX - margin_log2 - top))
-        exp = max(exp, -126)
-        scales[key] = exp
+        fit = math.floor(LOG2_FP16_MAX - margin_log2 - top) if math.isfinite(top) else default_max_scale_log2
+        scales[key] = exp = max(min(default_max_scale_log2, fit), -126)
         if exp < default_max_scale_log2:
             custom[key] = exp
-    return Recommendation(scales_log2=scales, custom_max_scales_log2=custom, margin_log2=margin_log2)
+    return Recommendation(scales_log2=scales, custom_init_scales_log2=custom, margin_log2=margin_log2)
 
 
-def format_profile(prof: Profile) -> str:
-    """A fixed-width table of a concrete profile: one row per key, derivative and layer."""
-    head = f"{'quantity':<28}{'log2 max':>9}{'p1':>7}{'p50':>7}{'p99':>7}{'<normal':>9}{'>max':>7}{'up':>6}{'down':>6}"
-    rows = [head]
+LEGEND = """\
+columns: magnitudes as float16 holds them (times the key's scale); zeros are left out
+  log2 max    log2 of the largest magnitude
+  p1 p50 p99  log2 of the 1st / 50th / 99th percentiles of the nonzero magnitudes
+  <normal     fraction of the nonzero values below float16's smallest normal 2^-14
+  >max        fraction of the nonzero values above float16's max 65504
+  up / down   headroom in powers of two, from log2 max up to 65504 / from p1 down to 2^-14;
+              negative: outside float16's window by that much (overflow / underflow)
+rows: key K = every value scaler K scales (what recommend fits); derivative, hidden: parts"""
+
+
+def format_profile(prof: Profile, *, legend: bool = True) -> str:
+    """A fixed-width table of a concrete profile: one row per key, derivative and layer.
+
+    {LEGEND}
+
+    Args:
+      prof: a concrete :class:`Profile` (e.g. from a jitted :func:`profile`).
+      legend: print that legend (:data:`LEGEND`) below the table.
+
+    Returns:
+      The table as text; a group without nonzero values reads "all zero / no values".
+
+    Example:
+      >>> print(format_profile(jax.jit(profile, static_argnums=0)(engine, params, points)))  # doctest: +SKIP
+    """
+    rows = [f"{'quantity':<28}{'log2 max':>9}" + "".join(f"{'p' + format(q, 'g'):>7}" for q in PERCENTILES)
+            + f"{'<normal':>9}{'>max':>7}{'up':>6}{'down':>6}"]
     for title, group in (("key", prof.keys), ("derivative", prof.derivatives), ("hidden", prof.hidden)):
         for name, r in group.items():
-            p = np.asarray(r.log2_percentiles)
-            rows.append(
-                f"{title + ' ' + name:<28}{float(r.log2_max):>9.1f}{p[0]:>7.1f}{p[1]:>7.1f}{p[2]:>7.1f}"
-                f"{float(r.frac_subnormal):>9.3f}{float(r.frac_overflow):>7.3f}"
-                f"{float(r.headroom_up):>6.1f}{float(r.headroom_down):>6.1f}"
-            )
-    return "\n".join(rows)
+            top, p, row = float(r.log2_max), np.asarray(r.log2_percentiles, np.float64), f"{title + ' ' + name:<28}"
+            if not (math.isfinite(top) and np.all(np.isfinite(p))):
+                rows.append(row + ("   all zero / no values" if top == -math.inf else "   non-finite values (inf)"))
+                continue
+            rows.append(row + f"{top:>9.1f}" + "".join(f"{v:>7.1f}" for v in p)
+                        + f"{float(r.frac_subnormal):>9.3f}{float(r.frac_overflow):>7.3f}"
+                        f"{float(r.headroom_up):>6.1f}{float(r.headroom_down):>6.1f}")
+    rows += [] if len(rows) > 1 else ["(no scaled values: derivative scaling is off, or nothing is differentiated)"]
+    return "\n".join(rows + ["", LEGEND] * legend)
+
+
+if format_profile.__doc__:  # the legend in the docstring (help(), docs) is the one printed
+    format_profile.__doc__ = format_profile.__doc__.replace("{LEGEND}", textwrap.indent(LEGEND, "    ").lstrip())

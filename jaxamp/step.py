@@ -1,4 +1,4 @@
-"""The pieces of a mixed-precision train step, for :func:`jaxamp.make_train_step` and users' own loops.
+"""The pieces of a mixed-precision train step, for :func:`jaxamp.train.make_train_step` and users' own loops.
 
 docs/algorithm.md, "Training step": (1) the loss and its derivatives with per-key
 overflow flags, gradients of ``loss * loss_scale``, unscaled (:func:`scaled_value_and_grad`);
@@ -8,26 +8,26 @@ All branches are selects: no host synchronisation, one compilation.
 
 Example (a user's own step, scaler states carried next to the user's own state)::
 
-    grad_fn = jaxamp.scaled_value_and_grad(loss_fn)        # loss_fn(params, batch, scales)
+    grad_fn = jaxamp.step.scaled_value_and_grad(loss_fn)        # loss_fn(params, batch, scales)
     def step(params, opt_state, scalers, loss_scale, batch):
         (loss, (terms, found_inf)), grads = grad_fn(params, batch, scalers.scales, loss_scale=loss_scale.scale)
-        check = jaxamp.check_step(found_inf, grads, scalers)
+        check = jaxamp.step.check_step(found_inf, grads, scalers)
         updates, new_opt_state = optimizer.update(grads, opt_state, params)
         params, opt_state = check.select((optax.apply_updates(params, updates), new_opt_state), (params, opt_state))
-        scalers, loss_scale = jaxamp.update_scalers(check, scalers, loss_scale, amp.make_loss_scaler())
+        scalers, loss_scale = jaxamp.step.update_scalers(check, scalers, loss_scale, amp.make_loss_scaler())
         return params, opt_state, scalers, loss_scale
 """
 
 from __future__ import annotations
 
+import enum
 from typing import Any, Callable, Dict, Mapping, NamedTuple, Optional, Tuple, TypeVar
 
 import jax
 import jax.numpy as jnp
 import jmp
 
-from jaxamp.derivatives import NONFINITE_VALUES
-from jaxamp.derivatives.checks import or_into
+from jaxamp.marks import NONFINITE_VALUES
 from jaxamp.scaler import DynamicScaler, Scalers, ScaleState
 
 T = TypeVar("T")
@@ -35,14 +35,35 @@ Flags = Mapping[str, jax.Array]
 # loss_fn(params, *args) -> (loss f32[], (terms {name: f32[]}, found_inf {key: bool[]}[, metrics {name: f32[]}]))
 LossFn = Callable[..., Tuple[jax.Array, Tuple]]
 
-# Why a step was skipped (metrics["skip_reason"]); docs/algorithm.md, "Training step".
-APPLIED, SKIP_DERIVATIVE_OVERFLOW, SKIP_NONFINITE_GRADS, SKIP_NONFINITE_VALUES = 0, 1, 2, 3
+
+
+class SkipReason(enum.IntEnum):
+    """Why a step was skipped (``metrics["skip_reason"]``; docs/algorithm.md, "Training step").
+
+    Example:
+      >>> SkipReason(1).name
+      'DERIVATIVE_OVERFLOW'
+    """
+
+    APPLIED = 0  # the update was applied
+    DERIVATIVE_OVERFLOW = 1  # a derivative scaler key overflowed: that key backs off
+    NONFINITE_GRADS = 2  # the weight gradients are non-finite: the loss scale backs off
+    NONFINITE_VALUES = 3  # bad inputs or network outputs: no scaler moves
+
+
+class ScaledGrads(NamedTuple):
+    """What :func:`jaxamp.value_and_grad` returns as gradients: the weight gradients (the loss
+    scale divided out) and the derivative flags of the same evaluation. The optimizer of
+    :func:`jaxamp.optimizer` and :func:`jaxamp.apply_or_skip` take it as it is."""
+
+    grads: Any
+    found_inf: Dict[str, jax.Array]
 
 CONTRACT = (
     "loss_fn(params, *args) must return (loss, (terms, found_inf)) or (loss, (terms, found_inf, metrics)): "
     "loss a float scalar, terms a dict {name: scalar} of loss terms to report (may be empty), found_inf the "
-    "derivative engines' flags {key: bool[]} (merge several with jaxamp.merge_found_inf), metrics an optional "
-    "dict {name: scalar} of extra metrics to report (e.g. jaxamp.headroom_metrics(...)). Example: "
+    "derivative engines' flags {key: bool[]} (merge several with jaxamp.marks.merge_found_inf), metrics an optional "
+    "dict {name: scalar} of extra metrics to report (e.g. jaxamp.headroom.headroom_metrics(...)). Example: "
     'return pde + bc, ({"pde": pde, "bc": bc}, found_inf)'
 )
 
@@ -103,7 +124,7 @@ def scaled_value_and_grad(loss_fn: LossFn) -> Callable[..., Tuple[Tuple[jax.Arra
       ``loss_scale`` an ``f32[]`` (1.0 when loss scaling is off); ``loss`` is unscaled.
 
     Example:
-      >>> grad_fn = jaxamp.scaled_value_and_grad(loss_fn)
+      >>> grad_fn = jaxamp.step.scaled_value_and_grad(loss_fn)
       >>> (loss, (terms, found_inf)), grads = grad_fn(params, batch, scales, loss_scale=2.0**16)
     """
     if not callable(loss_fn):
@@ -130,7 +151,7 @@ class StepCheck(NamedTuple):
     """The apply-or-skip decision of one step (a pytree of scalars; see :func:`check_step`)."""
 
     apply: jax.Array  # bool[]: the update is applied
-    skip_reason: jax.Array  # i32[]: APPLIED or a SKIP_* constant
+    skip_reason: jax.Array  # i32[]: a SkipReason
     found_inf: Dict[str, jax.Array]  # {scaler key: bool[]}: a true overflow under that key
     nonfinite_values: jax.Array  # bool[]: bad values (inputs, network outputs) somewhere
     derivative_overflow: jax.Array  # bool[]: some derivative scaler key overflowed
@@ -173,7 +194,7 @@ def check_step(found_inf: Flags, grads: Any, scalers: Mapping[str, Any], *, axis
       A :class:`StepCheck`.
 
     Example:
-      >>> check = jaxamp.check_step(found_inf, grads, state.deriv_scales)
+      >>> check = jaxamp.step.check_step(found_inf, grads, state.deriv_scales)
       >>> params = check.select(new_params, params)
     """
     unknown = sorted(k for k in found_inf if k not in scalers and k != NONFINITE_VALUES)
@@ -189,9 +210,9 @@ def check_step(found_inf: Flags, grads: Any, scalers: Mapping[str, Any], *, axis
         reduce = lambda b: jax.lax.pmax(b.astype(jnp.int32), axis_name) > 0  # noqa: E731
         flags, values, finite = {k: reduce(v) for k, v in flags.items()}, reduce(values), ~reduce(~finite)
     overflow = _any(flags)
-    reason = jnp.where(values, SKIP_NONFINITE_VALUES,
-                       jnp.where(overflow, SKIP_DERIVATIVE_OVERFLOW, jnp.where(finite, APPLIED, SKIP_NONFINITE_GRADS)))
-    return StepCheck(apply=reason == APPLIED, skip_reason=reason.astype(jnp.int32), found_inf=flags,
+    reason = jnp.where(values, int(SkipReason.NONFINITE_VALUES), jnp.where(overflow, int(SkipReason.DERIVATIVE_OVERFLOW),
+                       jnp.where(finite, int(SkipReason.APPLIED), int(SkipReason.NONFINITE_GRADS))))
+    return StepCheck(apply=reason == int(SkipReason.APPLIED), skip_reason=reason.astype(jnp.int32), found_inf=flags,
                      nonfinite_values=values, derivative_overflow=overflow, grads_finite=finite)
 
 
@@ -215,10 +236,10 @@ def update_scalers(
       ``(scalers, loss_scale)`` after the step.
 
     Example:
-      >>> scalers, loss_scale = jaxamp.update_scalers(check, scalers, loss_scale, amp.make_loss_scaler())
+      >>> scalers, loss_scale = jaxamp.step.update_scalers(check, scalers, loss_scale, amp.make_loss_scaler())
     """
     if not isinstance(scalers, Scalers):
-        raise TypeError(f"update_scalers: `scalers` must be a jaxamp.Scalers (Scalers.create(amp, keys) pairs each "
+        raise TypeError(f"update_scalers: `scalers` must be a jaxamp.scaler.Scalers (Scalers.create(amp, keys) pairs each "
                         f"key with its rule), got {type(scalers).__name__}.")
     frozen = check.nonfinite_values
     scalers = jmp.select_tree(frozen, scalers, scalers.update(check.found_inf))
@@ -226,22 +247,3 @@ def update_scalers(
         stepped = loss_rule.update(loss_scale, ~check.grads_finite)
         loss_scale = jmp.select_tree(frozen | check.derivative_overflow, loss_scale, stepped)
     return scalers, loss_scale
-
-
-def merge_found_inf(*flags: Flags) -> Dict[str, jax.Array]:
-    """OR together the found_inf dicts of several engines (keys may overlap).
-
-    Args:
-      *flags: ``{key: bool[]}`` dicts, e.g. one per engine call.
-
-    Returns:
-      One ``{key: bool[]}`` holding every key.
-
-    Example:
-      >>> found_inf = jaxamp.merge_found_inf(found_interior, found_boundary)
-    """
-    out: Dict[str, jax.Array] = {}
-    for f in flags:
-        for k, v in f.items():
-            or_into(out, k, v)
-    return out

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxamp.config import AmpConfig
-from jaxamp.derivatives import Derivatives
+from jaxamp.derivatives.engine import Derivatives
 from jaxamp.scaler import Scalers, ScaleState, exact_log2
 from jaxamp.step import LossFn, StepCheck, check_step, scaled_value_and_grad, update_scalers
 
@@ -25,8 +25,8 @@ class TrainState(NamedTuple):
       step: ``i32[]``, steps taken, applied or skipped.
       params: the parameters (float32 pytree).
       opt_state: the optax state of the optimizer given to :func:`make_train_step`.
-      loss_scale: the weight-gradient loss scaler's :class:`~jaxamp.ScaleState`.
-      deriv_scales: the derivative scalers, a :class:`~jaxamp.Scalers` (``{key: ScaleState}``).
+      loss_scale: the weight-gradient loss scaler's :class:`~jaxamp.scaler.ScaleState`.
+      deriv_scales: the derivative scalers, a :class:`~jaxamp.scaler.Scalers` (``{key: ScaleState}``).
     """
 
     step: jax.Array
@@ -52,7 +52,7 @@ class TrainState(NamedTuple):
           fixed at 1; with the derivative scalers inactive there are none.
 
         Example:
-          >>> state = jaxamp.TrainState.create(params=params, optimizer=optax.adam(1e-3), amp=amp, engines=[engine])
+          >>> state = jaxamp.train.TrainState.create(params=params, optimizer=optax.adam(1e-3), amp=amp, engines=[engine])
         """
         if not isinstance(amp, AmpConfig):
             raise TypeError(f"TrainState.create: `amp`={amp!r} must be an AmpConfig.")
@@ -93,7 +93,7 @@ def step_metrics(loss: jax.Array, terms: Any, check: StepCheck, grad_norm: jax.A
       loss: the unscaled loss. terms: ``{name: f32[]}``. check: the step's :class:`~jaxamp.StepCheck`.
       grad_norm: the global norm of the unscaled gradients. scalers, loss_scale: after the update.
       extra: ``{name: f32[]}`` the loss function's own metrics (its optional third aux entry,
-        e.g. ``headroom_log2/<key>`` from :func:`jaxamp.headroom_metrics`), reported under
+        e.g. ``headroom_log2/<key>`` from :func:`jaxamp.headroom.headroom_metrics`), reported under
         their names; a name the step reports itself is an error.
 
     Returns:
@@ -126,9 +126,9 @@ def make_train_step(
     Args:
       loss_fn: ``loss_fn(params, batch, scales) -> (loss, (terms, found_inf))``: ``scales`` is
         ``{key: f32[]}`` for the derivative engines, ``terms`` a dict of loss terms to report,
-        ``found_inf`` the engines' merged flags (:func:`~jaxamp.merge_found_inf`). It may
+        ``found_inf`` the engines' merged flags (:func:`~jaxamp.marks.merge_found_inf`). It may
         return ``(loss, (terms, found_inf, metrics))``: ``metrics`` ``{name: f32[]}`` are
-        reported as they are named, e.g. :func:`~jaxamp.headroom_metrics`'s ``headroom_log2/<key>``.
+        reported as they are named, e.g. :func:`~jaxamp.headroom.headroom_metrics`'s ``headroom_log2/<key>``.
       optimizer: any optax transformation. Its schedule counts *applied* updates only (a
         skipped step leaves the optimizer state untouched), unlike Modulus.
       amp: the settings (each scaler's rule, which scalers act).
@@ -136,11 +136,11 @@ def make_train_step(
         ``clip_grad_norm_``; None or 0 (default): no clipping (Modulus' trainer clips at 0.5).
 
     Returns:
-      The step: :func:`~jaxamp.scaled_value_and_grad`, :func:`~jaxamp.check_step`, the update
-      applied or skipped (:meth:`~jaxamp.StepCheck.select`), :func:`~jaxamp.update_scalers`.
+      The step: :func:`~jaxamp.step.scaled_value_and_grad`, :func:`~jaxamp.step.check_step`, the update
+      applied or skipped (:meth:`~jaxamp.StepCheck.select`), :func:`~jaxamp.step.update_scalers`.
 
     Example:
-      >>> step = jax.jit(jaxamp.make_train_step(loss_fn, optax.adam(1e-3), amp=amp))
+      >>> step = jax.jit(jaxamp.train.make_train_step(loss_fn, optax.adam(1e-3), amp=amp))
       >>> state, metrics = step(state, batch)
     """
     if not isinstance(amp, AmpConfig):

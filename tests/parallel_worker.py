@@ -84,8 +84,8 @@ def build(dtype: str):
         return pde + bc, ({"pde": pde, "bc": bc}, found)
 
     opt = optax.adam(1e-3)
-    state = jaxamp.TrainState.create(params=params, optimizer=opt, amp=amp, engines=[engine])
-    return state, jaxamp.make_train_step(loss_fn, opt, amp=amp)
+    state = jaxamp.train.TrainState.create(params=params, optimizer=opt, amp=amp, engines=[engine])
+    return state, jaxamp.train.make_train_step(loss_fn, opt, amp=amp)
 
 
 _RUNNERS: Dict[Any, Any] = {}

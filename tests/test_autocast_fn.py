@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from jaxamp import AmpConfig
-from jaxamp.autocast import autocast
+from jaxamp.placement.rewrite import autocast
 from jaxamp.models import FourierNet, FullyConnected
 from jaxamp.models.fourier_net import fourier_matrix
 

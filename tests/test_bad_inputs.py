@@ -15,7 +15,8 @@ import optax
 import pytest
 
 import jaxamp
-from jaxamp import AmpConfig, ConfigError, DynamicScaler, StallMonitor
+from jaxamp import AmpConfig, ConfigError, DynamicScaler
+from jaxamp.monitor import StallMonitor
 from jaxamp.models import FullyConnected
 
 FP16 = AmpConfig()
@@ -29,12 +30,12 @@ def engine(**overrides):
 
 def toy_state():
     params = {"w": jnp.ones(3)}
-    return jaxamp.TrainState.create(params=params, optimizer=optax.sgd(0.1), amp=FP16, engines=[engine()])
+    return jaxamp.train.TrainState.create(params=params, optimizer=optax.sgd(0.1), amp=FP16, engines=[engine()])
 
 
 def step_with(loss_fn):
     """Call one train step with ``loss_fn`` (eagerly: the contract is checked while tracing)."""
-    return jaxamp.make_train_step(loss_fn, optax.sgd(0.1), amp=FP16)(toy_state(), {"x": jnp.ones(3)})
+    return jaxamp.train.make_train_step(loss_fn, optax.sgd(0.1), amp=FP16)(toy_state(), {"x": jnp.ones(3)})
 
 
 def yaml_file(text):
@@ -46,13 +47,13 @@ def yaml_file(text):
 
 def restore_mismatched():
     state = toy_state()
-    with jaxamp.Checkpointer(tempfile.mkdtemp()) as ckpt:
+    with jaxamp.checkpoint.Checkpointer(tempfile.mkdtemp()) as ckpt:
         ckpt.save(state, step=1)
         ckpt.restore(state._replace(params={"w": jnp.ones(4)}))
 
 
 def restore_missing_step():
-    with jaxamp.Checkpointer(tempfile.mkdtemp()) as ckpt:
+    with jaxamp.checkpoint.Checkpointer(tempfile.mkdtemp()) as ckpt:
         ckpt.save(toy_state(), step=1)
         ckpt.restore(toy_state(), step=7)
 
@@ -60,7 +61,7 @@ def restore_missing_step():
 def checkpointer_on_a_file():
     path = os.path.join(tempfile.mkdtemp(), "file")
     open(path, "w").close()
-    jaxamp.Checkpointer(path)
+    jaxamp.checkpoint.Checkpointer(path)
 
 
 def shard_indivisible_batch():
@@ -148,38 +149,38 @@ CASES = [
      ["`growth_interval`", "10.5", "a positive integer"]),
     ("scaler.recover_slower", lambda: DynamicScaler(recover_growth_interval=20, growth_interval=10), ValueError,
      ["`recover_growth_interval`", "20", "must not exceed `growth_interval`=10"]),
-    ("scalers.keys_string", lambda: jaxamp.Scalers.create(FP16, "12"), TypeError,
+    ("scalers.keys_string", lambda: jaxamp.scaler.Scalers.create(FP16, "12"), TypeError,
      ["`keys`", "'12'", "a list of scaler keys"]),
-    ("scalers.unknown_flag", lambda: jaxamp.Scalers.create(FP16, ["1"]).update({"7": True}), KeyError,
+    ("scalers.unknown_flag", lambda: jaxamp.scaler.Scalers.create(FP16, ["1"]).update({"7": True}), KeyError,
      ["`found_inf`", "['7']", "keys are ['1']"]),
-    ("step.update_scalers_dict", lambda: jaxamp.update_scalers(
-        jaxamp.check_step({}, {"w": jnp.ones(2)}, {"1": None}), {"1": DynamicScaler().init()}, DynamicScaler().init(),
-        None), TypeError, ["`scalers`", "got dict", "must be a jaxamp.Scalers"]),
-    ("step.scaled_value_and_grad", lambda: jaxamp.scaled_value_and_grad("loss"), TypeError,
+    ("step.update_scalers_dict", lambda: jaxamp.step.update_scalers(
+        jaxamp.step.check_step({}, {"w": jnp.ones(2)}, {"1": None}), {"1": DynamicScaler().init()}, DynamicScaler().init(),
+        None), TypeError, ["`scalers`", "got dict", "must be a jaxamp.scaler.Scalers"]),
+    ("step.scaled_value_and_grad", lambda: jaxamp.step.scaled_value_and_grad("loss"), TypeError,
      ["`loss_fn`='loss'", "must be callable", "(loss, (terms, found_inf))"]),
     # ---------------------------------------------------------------- train step and loss_fn contract
-    ("train.amp_dict", lambda: jaxamp.make_train_step(bare_loss, optax.sgd(0.1), amp={"dtype": "float16"}), TypeError,
+    ("train.amp_dict", lambda: jaxamp.train.make_train_step(bare_loss, optax.sgd(0.1), amp={"dtype": "float16"}), TypeError,
      ["`amp`", "{'dtype': 'float16'}", "must be an AmpConfig"]),
-    ("train.clip_negative", lambda: jaxamp.make_train_step(bare_loss, optax.sgd(0.1), amp=FP16, grad_clip_max_norm=-1),
+    ("train.clip_negative", lambda: jaxamp.train.make_train_step(bare_loss, optax.sgd(0.1), amp=FP16, grad_clip_max_norm=-1),
      ValueError, ["`grad_clip_max_norm`", "-1", "None or a finite number >= 0"]),
-    ("train.clip_nan", lambda: jaxamp.make_train_step(bare_loss, optax.sgd(0.1), amp=FP16,
+    ("train.clip_nan", lambda: jaxamp.train.make_train_step(bare_loss, optax.sgd(0.1), amp=FP16,
                                                       grad_clip_max_norm=float("nan")),
      ValueError, ["`grad_clip_max_norm`", "nan", "None or a finite number >= 0"]),
-    ("train.optimizer", lambda: jaxamp.make_train_step(bare_loss, "adam", amp=FP16), TypeError,
+    ("train.optimizer", lambda: jaxamp.train.make_train_step(bare_loss, "adam", amp=FP16), TypeError,
      ["`optimizer`", "'adam'", "optax GradientTransformation"]),
     ("loss_fn.bare_loss", lambda: step_with(bare_loss), TypeError,
      ["loss_fn returned an array of dtype float32 and shape ()", "must return (loss, (terms, found_inf))"]),
     ("loss_fn.no_flags", lambda: step_with(loss_without_flags), TypeError,
-     ["loss_fn returned a tuple of length 2", "(loss, (terms, found_inf))", "jaxamp.merge_found_inf"]),
+     ["loss_fn returned a tuple of length 2", "(loss, (terms, found_inf))", "jaxamp.marks.merge_found_inf"]),
     ("loss_fn.vector_loss", lambda: step_with(vector_loss), TypeError,
      ["loss_fn returned a tuple of length 2 (an array of dtype float32 and shape (3,)", "loss a float scalar"]),
     ("loss_fn.unknown_key", lambda: step_with(loss_with_unknown_key), KeyError,
      ["found_inf has scaler key(s) ['u__x']", "the scalers have ['1']", "engines=[every engine the loss uses]"]),
-    ("state.amp_dict", lambda: jaxamp.TrainState.create(params={}, optimizer=optax.sgd(0.1), amp={}), TypeError,
+    ("state.amp_dict", lambda: jaxamp.train.TrainState.create(params={}, optimizer=optax.sgd(0.1), amp={}), TypeError,
      ["`amp`={}", "must be an AmpConfig"]),
-    ("state.engines", lambda: jaxamp.TrainState.create(params={}, optimizer=optax.sgd(0.1), amp=FP16, engines=["e"]),
+    ("state.engines", lambda: jaxamp.train.TrainState.create(params={}, optimizer=optax.sgd(0.1), amp=FP16, engines=["e"]),
      TypeError, ["`engines`", "'e'", "jaxamp.Derivatives engines"]),
-    ("state.engine_amp_mismatch", lambda: jaxamp.TrainState.create(
+    ("state.engine_amp_mismatch", lambda: jaxamp.train.TrainState.create(
         params={}, optimizer=optax.sgd(0.1), amp=AmpConfig(derivative_scaling=False), engines=[engine()]),
      ValueError, ["scaler keys ['1']", "derivative_scaling=False", "build the engines with the same amp"]),
     # ---------------------------------------------------------------- checkpoints
@@ -187,7 +188,7 @@ CASES = [
      ["does not match `like`", "params.w (checkpoint float32[3], like float32[4])", "same model, optimizer"]),
     ("ckpt.missing_step", restore_missing_step, FileNotFoundError, ["`step`=7", "available steps: [1]"]),
     ("ckpt.file", checkpointer_on_a_file, ValueError, ["`directory`=", "exists and is not a directory"]),
-    ("ckpt.max_to_keep", lambda: jaxamp.Checkpointer(tempfile.mkdtemp(), max_to_keep=0), ValueError,
+    ("ckpt.max_to_keep", lambda: jaxamp.checkpoint.Checkpointer(tempfile.mkdtemp(), max_to_keep=0), ValueError,
      ["`max_to_keep`=0", "a positive integer or None"]),
     # ---------------------------------------------------------------- stall monitor
     ("monitor.skips", lambda: StallMonitor(max_consecutive_skips=0), ValueError,

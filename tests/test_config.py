@@ -8,7 +8,7 @@ def test_defaults_are_modulus_amp_keys():
     c = AmpConfig()
     assert (c.enabled, c.mode, c.dtype, c.autocast_activation, c.autocast_firstlayer, c.default_max_scale_log2) == (
         True, "per_order_scaler", "float16", False, False, 0)
-    assert dict(c.custom_max_scales_log2) == {} and c.scaler_enabled
+    assert dict(c.custom_max_scales_log2) == {} == dict(c.custom_init_scales_log2) and c.scaler_enabled
     assert not AmpConfig(dtype="bfloat16").scaler_enabled and not AmpConfig(enabled=False).scaler_enabled
     assert c.derivative_scaling and c.loss_scaling_enabled
 
@@ -28,11 +28,13 @@ def test_from_yaml_with_amp_section(tmp_path):
     path.write_text(
         "amp:\n  enabled: true\n  mode: per_term_scaler\n  dtype: float16\n  autocast_activation: false\n"
         "  autocast_firstlayer: true\n  default_max_scale_log2: 0\n  custom_max_scales_log2: {2: 3, nu: 20}\n"
+        "  custom_init_scales_log2: {2: -4}\n"
         "  special_terms: [nu]\n  derivative_scaler: {growth_interval: 500}\n  loss_scaler: {init_scale: 1024.0}\n"
     )
     c = AmpConfig.from_yaml(path)
     assert c.mode == "per_term_scaler" and c.autocast_firstlayer and c.special_terms == ("nu",)
-    assert dict(c.custom_max_scales_log2) == {"2": 3, "nu": 20}
+    assert dict(c.custom_max_scales_log2) == {"2": 3, "nu": 20} and dict(c.custom_init_scales_log2) == {"2": -4}
+    assert c.derivative_scaler_for("2").init_scale == 2.0**-4 and c.derivative_scaler_for("nu").init_scale == 1.0
     assert c.derivative_scaler_for("2").max_scale == 8.0 and c.derivative_scaler_for("nu").max_scale == 2.0**20
     assert c.derivative_scaler_for("1").growth_interval == 500
     assert c.make_loss_scaler().init_scale == 1024.0
@@ -53,6 +55,18 @@ def test_from_yaml_with_amp_section(tmp_path):
          "amp.derivative_scaler.init_scale=1.0 must not exceed "
          "amp.derivative_scaler.max_scale=0.125; raise max_scale or lower init_scale (max_scale = "
          "2**amp.custom_max_scales_log2['2'])."),
+        ({"custom_init_scales_log2": [2]}, "amp.custom_init_scales_log2=[2] is not allowed: expected a mapping"),
+        ({"custom_init_scales_log2": {0: -2}}, "amp.custom_init_scales_log2=0 is not allowed: expected an order >= 1"),
+        ({"custom_init_scales_log2": {2: 1.5}}, "amp.custom_init_scales_log2[2]=1.5 is not allowed: expected an "
+         "integer exponent in [-126, 127] (init scale = 2**value)"),
+        ({"custom_init_scales_log2": {2: 1}}, "amp.custom_init_scales_log2['2']=1 is not allowed: expected an integer "
+         "exponent in [-126, 0] (a key starts at or below its max scale 2**amp.default_max_scale_log2 = 2**0)"),
+        ({"custom_max_scales_log2": {"nu": -9}, "custom_init_scales_log2": {"nu": -3}},
+         "amp.custom_init_scales_log2['nu']=-3 is not allowed: expected an integer exponent in [-126, -9] (a key "
+         "starts at or below its max scale 2**amp.custom_max_scales_log2['nu'] = 2**-9)"),
+        ({"custom_init_scales_log2": {2: -4}, "derivative_scaler": {"min_scale": 0.5}},
+         "amp.derivative_scaler.min_scale=0.5 must not exceed amp.derivative_scaler.init_scale=0.0625 (max_scale = "
+         "2**amp.default_max_scale_log2, init_scale = 2**amp.custom_init_scales_log2['2'])."),
         ({"special_terms": "nu"}, "amp.special_terms='nu'"),
         ({"derivative_scaler": {"max_scale": 4}}, "amp.derivative_scaler.max_scale=4"),
         ({"loss_scaler": {"growth_interval": 0}}, "amp.loss_scaler.growth_interval=0 is not allowed: expected a "
@@ -79,7 +93,7 @@ def test_a_negative_max_scale_caps_the_default_init_scale_and_recover_threshold(
     assert two.init_scale == two.recover_threshold == two.max_scale == 2.0**-9
     assert (nu.init_scale, nu.recover_threshold, nu.max_scale) == (2.0**-3, 2.0**-6, 2.0**-3)
     assert (one.init_scale, one.recover_threshold, one.max_scale) == (1.0, 2.0**-6, 1.0)  # untouched
-    scalers = jaxamp.Scalers.create(c, ["1", "2"])
+    scalers = jaxamp.scaler.Scalers.create(c, ["1", "2"])
     assert float(scalers["2"].scale) == 2.0**-9 and float(scalers["1"].scale) == 1.0
     # a clean step at the cap stays there; a backoff halves; recover mode grows back to the cap
     rule = two
@@ -147,3 +161,25 @@ def test_malformed_yaml_names_the_file_and_line(tmp_path):
     path.write_text("amp:\n  dtype: float8\n")
     with pytest.raises(ConfigError, match=f"{path}: amp.dtype='float8' is not allowed"):
         AmpConfig.from_yaml(path)
+
+
+def test_a_custom_init_scale_sets_only_where_a_key_starts():
+    """The start of one key, below the recover threshold too; max scale, other keys and the
+    other hyper-parameters as configured; recover growth brings it back up to the max."""
+    c = AmpConfig(custom_init_scales_log2={2: -9, "nu": 3}, default_max_scale_log2=4,
+                  derivative_scaler={"init_scale": 0.5, "recover_growth_interval": 2})
+    two, nu, one = (c.derivative_scaler_for(k) for k in ("2", "nu", "1"))
+    assert (two.init_scale, two.max_scale, two.recover_threshold) == (2.0**-9, 16.0, 2.0**-6)
+    assert (nu.init_scale, one.init_scale) == (8.0, 0.5)  # the key's start wins over derivative_scaler.init_scale
+    assert two.recover_growth_interval == one.recover_growth_interval == 2
+    scalers = jaxamp.scaler.Scalers.create(c, ["1", "2"])
+    assert float(scalers["2"].scale) == 2.0**-9 and float(scalers["1"].scale) == 0.5
+    state = two.init()
+    for _ in range(2 * 3):  # 2^-9 -> 2^-6 in recover mode: one doubling per 2 clean steps
+        state = two.update(state, False)
+    assert float(state.scale) == 2.0**-6
+    # a start at the max scale is allowed; the keys are normalised; the config round-trips
+    assert AmpConfig(custom_init_scales_log2={3: 0}).custom_init_scales_log2 == {"3": 0}
+    assert AmpConfig(custom_max_scales_log2={2: -9}, custom_init_scales_log2={2: -9}).derivative_scaler_for(
+        "2").init_scale == 2.0**-9
+    assert AmpConfig.from_dict(c.to_dict()) == c and c.to_dict()["custom_init_scales_log2"] == {"2": -9, "nu": 3}

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jaxamp
-from jaxamp.derivatives import NONFINITE_VALUES
+from jaxamp import NONFINITE_VALUES
 
 STRICT_FP16 = {"xla_allow_excess_precision": False}
 K = 300.0  # u = sin(K x) in float16: |u_x| <= 300, |u_xx| <= 9e4 > 65504 where |sin(K x)| > 0.73
@@ -42,7 +42,7 @@ NAN = jnp.array([[jnp.nan]], jnp.float32)
 INF_OUT = jnp.array([[20.0]], jnp.float32)  # v = inf there, v_x = 0
 
 
-@pytest.mark.parametrize("method", jaxamp.derivatives.METHODS)
+@pytest.mark.parametrize("method", jaxamp.derivatives.engine.METHODS)
 @pytest.mark.parametrize(
     "points, scales, expected",
     [
@@ -82,7 +82,7 @@ def test_unscaled_engines_check_nothing():
     assert found == {} and bool(jnp.isnan(vals["u"][3]))
 
 
-@pytest.mark.parametrize("method", jaxamp.derivatives.METHODS)
+@pytest.mark.parametrize("method", jaxamp.derivatives.engine.METHODS)
 def test_masked_points_are_zero_unflagged_and_weighted_out(method):
     masked = wave_engine(method, mask_nonfinite_points=True)
     plain = wave_engine(method)

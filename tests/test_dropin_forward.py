@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 
 import jaxamp
-from jaxamp import dropin
-from jaxamp.derivatives import NONFINITE_VALUES
+from jaxamp import NONFINITE_VALUES
 from tests.helpers.jax_user import INPUTS, make_net, points
 
 FP16_ROUNDING = 4e-3  # relative to the largest value
@@ -37,25 +36,25 @@ def test_outside_scaled_they_are_jax(small, name):
     p, xy = small
     vec = lambda p, xy: jnp.tanh(p["w"] @ xy)  # noqa: E731  (a vector output)
     for fn in (_u, vec):
-        ours, theirs = (jax.jit(getattr(m, name)(fn, 1))(p, xy) for m in (dropin, jax))
+        ours, theirs = (jax.jit(getattr(m, name)(fn, 1))(p, xy) for m in (jaxamp, jax))
         assert ours.shape == theirs.shape
         np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-6)
     t = jnp.array([1.0, 0.0])
-    ours, theirs = (jax.jit(lambda z, m=m: jnp.stack(m.jvp(lambda z: _u(p, z), (z,), (t,))))(xy) for m in (dropin, jax))
+    ours, theirs = (jax.jit(lambda z, m=m: jnp.stack(m.jvp(lambda z: _u(p, z), (z,), (t,))))(xy) for m in (jaxamp, jax))
     np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-6)
 
 
 def test_keys_and_binary_scaling_on_float32(small):
     p, xy = small
-    lap = lambda p, xy: jnp.trace(dropin.hessian(_u, 1)(p, xy))  # noqa: E731
-    fwd2 = lambda p, xy: dropin.jacfwd(dropin.jacfwd(_u, 1), 1)(p, xy)  # noqa: E731
-    third = lambda p, xy: dropin.jacfwd(dropin.hessian(_u, 1), 1)(p, xy)  # noqa: E731
-    assert dropin.scaler_keys(lap)(p, xy) == dropin.scaler_keys(fwd2)(p, xy) == ("1", "2")
-    assert dropin.scaler_keys(third)(p, xy) == ("1", "2", "3")
-    named = lambda p, xy: dropin.hessian(_u, 1, of="u", wrt="xy")(p, xy)  # noqa: E731
-    assert dropin.scaler_keys(named, jaxamp.AmpConfig(mode="per_term_scaler"))(p, xy) == ("u", "u__xy")
+    lap = lambda p, xy: jnp.trace(jaxamp.hessian(_u, 1)(p, xy))  # noqa: E731
+    fwd2 = lambda p, xy: jaxamp.jacfwd(jaxamp.jacfwd(_u, 1), 1)(p, xy)  # noqa: E731
+    third = lambda p, xy: jaxamp.jacfwd(jaxamp.hessian(_u, 1), 1)(p, xy)  # noqa: E731
+    assert jaxamp.dropin.scaled.scaler_keys(lap)(p, xy) == jaxamp.dropin.scaled.scaler_keys(fwd2)(p, xy) == ("1", "2")
+    assert jaxamp.dropin.scaled.scaler_keys(third)(p, xy) == ("1", "2", "3")
+    named = lambda p, xy: jaxamp.hessian(_u, 1, of="u", wrt="xy")(p, xy)  # noqa: E731
+    assert jaxamp.dropin.scaled.scaler_keys(named, jaxamp.AmpConfig(mode="per_term_scaler"))(p, xy) == ("u", "u__xy")
     for fn in (lap, fwd2):
-        run = jax.jit(dropin.scaled(fn))
+        run = jax.jit(jaxamp.scaled(fn))
         one, found = run({"1": 1.0, "2": 1.0}, p, xy)
         for scales in ({"1": 2.0**-3, "2": 2.0**-7}, {"1": 2.0**5, "2": 2.0**-20}):
             values, found = run(scales, p, xy)
@@ -74,12 +73,12 @@ def test_float16_jacfwd_gives_the_engines_values_and_flags(net):
     fn, u_net, params = net
     amp = jaxamp.AmpConfig()
     ix = 1 + INPUTS.index("x")
-    u_xx = {"jacfwd(grad)": dropin.jacfwd(dropin.grad(u_net, ix), ix),
-            "jacfwd(jacfwd)": dropin.jacfwd(dropin.jacfwd(u_net, ix), ix)}  # fmt: skip
+    u_xx = {"jacfwd(grad)": jaxamp.jacfwd(jaxamp.grad(u_net, ix), ix),
+            "jacfwd(jacfwd)": jaxamp.jacfwd(jaxamp.jacfwd(u_net, ix), ix)}  # fmt: skip
     engine = jaxamp.Derivatives(fn, inputs=INPUTS, outputs=("u",), derivatives=("u__x__x",), amp=amp)
     pts = points()
     for name, f in u_xx.items():
-        run = jax.jit(dropin.scaled(jax.vmap(f, (None, 0, 0)), amp))
+        run = jax.jit(jaxamp.scaled(jax.vmap(f, (None, 0, 0)), amp))
         for scales, flags in (({"1": 2.0**-3, "2": 2.0**-5}, (False, False)), ({"1": 1.0, "2": 2.0**16}, (False, True)),
                               ({"1": 2.0**18, "2": 1.0}, (True, False))):  # fmt: skip
             scales = {k: jnp.float32(v) for k, v in scales.items()}
@@ -97,10 +96,10 @@ def test_jacrev_of_the_parameters_around_scaled_jacfwd(net):
     _, u_net, params = net
     ix = 1 + INPUTS.index("x")
     pts = points()
-    ours = jax.vmap(dropin.jacfwd(dropin.grad(u_net, ix), ix), (None, 0, 0))
+    ours = jax.vmap(jaxamp.jacfwd(jaxamp.grad(u_net, ix), ix), (None, 0, 0))
     theirs = jax.vmap(jax.grad(jax.grad(u_net, ix), ix), (None, 0, 0))
     scales = {"1": jnp.float32(2.0**-2), "2": jnp.float32(2.0**-4)}
-    got = jax.jit(jax.jacrev(lambda p: dropin.scaled(ours)(scales, p, pts["t"], pts["x"])[0]))(params)
+    got = jax.jit(jax.jacrev(lambda p: jaxamp.scaled(ours)(scales, p, pts["t"], pts["x"])[0]))(params)
     expected = jax.jit(jax.jacrev(lambda p: theirs(p, pts["t"], pts["x"])))(params)
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(expected)):
         np.testing.assert_allclose(a, b, atol=1e-2 * float(np.max(np.abs(b))))
@@ -109,14 +108,14 @@ def test_jacrev_of_the_parameters_around_scaled_jacfwd(net):
 def test_errors_name_the_argument(small):
     p, xy = small
     with pytest.raises(TypeError, match="jaxamp.jacfwd: `fun`=3 must be callable"):
-        dropin.jacfwd(3)
+        jaxamp.jacfwd(3)
     with pytest.raises(TypeError, match="jaxamp.jacrev: `argnums`='x' must be an int or a tuple"):
-        dropin.jacrev(_u, "x")
+        jaxamp.jacrev(_u, "x")
     with pytest.raises(ValueError, match="jaxamp.jacfwd: `wrt`=\\('x',\\) must be one name"):
-        dropin.jacfwd(_u, 1, wrt=("x",))
+        jaxamp.jacfwd(_u, 1, wrt=("x",))
     with pytest.raises(TypeError, match="jaxamp.jvp: `primals` and `tangents` must be tuples of the same length"):
-        dropin.jvp(lambda z: z, (xy,), ())
+        jaxamp.jvp(lambda z: z, (xy,), ())
     with pytest.raises(TypeError, match="jaxamp.jacfwd: argument 0 .* must be an array or a number, got dict"):
-        dropin.jacfwd(_u, 0)(p, xy)
+        jaxamp.jacfwd(_u, 0)(p, xy)
     with pytest.raises(TypeError, match="jaxamp.jacrev: `fun`=.* must return one array, got dict"):
-        dropin.jacrev(lambda p, xy: {"u": _u(p, xy)}, 1)(p, xy)
+        jaxamp.jacrev(lambda p, xy: {"u": _u(p, xy)}, 1)(p, xy)

@@ -1,4 +1,4 @@
-"""jaxamp.dropin.profile / init_scalers: the float16 range of a dropin.grad program, per key.
+"""jaxamp.dropin.ranges.profile / init_scalers: the float16 range of a jaxamp.grad program, per key.
 
 Oracles: the scaled derivatives it reports are the engine's (``Derivatives(method="reverse")``,
 same network, every float16 operation promoted to float32); what it reports for a key scales
@@ -7,7 +7,8 @@ derivatives move with it, so it holds the values of that key's passes and nothin
 outer pass of a nested reverse derivative also holds s2/s1 values, see the test); and start
 scales recommended from it
 remove the overflows the float16 program flags at scale 1 (XLA CPU's excess precision on: the
-overflows are in float16 dot outputs, which it rounds).
+overflows are in float16 dot outputs, which it rounds), while a derivative that is large only
+in float32 (never held in float16) lowers no start scale.
 """
 
 import jax
@@ -16,8 +17,10 @@ import numpy as np
 import pytest
 
 import jaxamp
-from jaxamp import dropin
-from jaxamp.profile import promote_to_float32, recommend, value_range
+from jaxamp.dropin import ranges
+from jaxamp.dropin.scaled import scaler_keys
+from jaxamp.models import FullyConnected
+from jaxamp.profile import LOG2_FP16_MAX, promote_to_float32, recommend, value_range
 from tests.helpers.jax_user import INPUTS, batched, make_net, nested, physical_fourier_net, points
 
 NAMES = ("u__t", "u__x__x")
@@ -31,7 +34,7 @@ def net():
 @pytest.fixture(scope="module")
 def profiler(net):
     """``prof(scales {"1", "2"}, params, points)``, jitted once for the module."""
-    return jax.jit(dropin.profile(batched(net[1], NAMES), jaxamp.AmpConfig()))
+    return jax.jit(ranges.profile(batched(net[1], NAMES), jaxamp.AmpConfig()))
 
 
 def _max(r):
@@ -53,8 +56,11 @@ def test_derivatives_are_the_engines_scaled_derivatives(net, profiler):
     first = jnp.concatenate([values["u__t"], values["u__x"]]) * scales["1"]
     np.testing.assert_allclose(_max(ours.derivatives["1"]), _max(value_range(first)), atol=1e-5)
     np.testing.assert_allclose(_max(ours.derivatives["2"]), _max(value_range(values["u__x__x"] * scales["2"])), atol=1e-5)
+    # keys hold the float16 values only: these derivatives are float32 (the inputs are), so
+    # a key's range is its hidden values' (the derivatives are reported, not fitted)
     for k in ("1", "2"):
-        assert _max(ours.keys[k]) == max(_max(ours.derivatives[k]), _max(ours.hidden[k]))
+        np.testing.assert_array_equal(np.asarray(ours.keys[k].log2_percentiles), ours.hidden[k].log2_percentiles)
+        assert _max(ours.keys[k]) == _max(ours.hidden[k])
 
 
 @pytest.mark.parametrize("key", ["1", "2"])
@@ -82,11 +88,11 @@ def test_recommended_start_scales_remove_the_overflows_of_scale_one():
     amp = jaxamp.AmpConfig(autocast_firstlayer=True)
     u_net, params = physical_fourier_net(amp)
     pts = points(64, scale=0.02)
-    f = jax.vmap(dropin.grad(dropin.grad(u_net, argnums=2), argnums=2), (None, 0, 0))
-    run = jax.jit(dropin.scaled(f, amp))
+    f = jax.vmap(jaxamp.grad(jaxamp.grad(u_net, argnums=2), argnums=2), (None, 0, 0))
+    run = jax.jit(jaxamp.scaled(f, amp))
     values, found = run({"1": 1.0, "2": 1.0}, params, pts["t"], pts["x"])
     assert bool(found["2"])
-    prof = jax.jit(dropin.profile(f, amp))(None, params, pts["t"], pts["x"])
+    prof = jax.jit(ranges.profile(f, amp))(None, params, pts["t"], pts["x"])
     assert _max(prof.hidden["2"]) > jaxamp.profile.LOG2_FP16_MAX
     rec = recommend(prof)
     assert rec.scales_log2["2"] < 0
@@ -95,44 +101,90 @@ def test_recommended_start_scales_remove_the_overflows_of_scale_one():
 
 
 def test_init_scalers_from_the_profile_or_the_config(net):
-    """Every derivative x 2**16: each key starts below 1, at its max scale (the profile's
-    recommendation applied to the config); without the profile every key starts at 1."""
+    """Every derivative x 2**16: each key starts below 1 (the profile's recommendation applied
+    to the config) and keeps the configured max scale 1; without the profile every key starts at 1."""
     _, u_net, params = net
     amp = jaxamp.AmpConfig(mode="per_term_scaler")
     big = batched(lambda p, t, x: 2.0**16 * u_net(p, t, x), NAMES)
-    plain = dropin.init_scalers(big, amp, from_profile=False)(params, points())
+    plain = ranges.init_scalers(big, amp, from_profile=False)(params, points())
     assert {k: float(v) for k, v in plain.scales.items()} == {"u": 1.0, "u__x": 1.0}
-    assert set(plain.scales) == set(dropin.scaler_keys(big, amp)(params, points()))
-    lowered = dropin.init_scalers(big, amp)(params, points())
+    assert set(plain.scales) == set(scaler_keys(big, amp)(params, points()))
+    lowered = ranges.init_scalers(big, amp)(params, points())
     for k, v in lowered.scales.items():
-        assert float(v) < 1.0 and float(v) == lowered.rules[k].max_scale == lowered.rules[k].init_scale, k
+        assert float(v) < 1.0 and float(v) == lowered.rules[k].init_scale, k
+        assert lowered.rules[k].max_scale == plain.rules[k].max_scale == 1.0, k  # a start, not a cap
         assert lowered.rules[k].growth_interval == plain.rules[k].growth_interval, k
+        assert lowered.rules[k] == amp_with_start(amp, k, float(v)).derivative_scaler_for(k), k
 
 
 def test_inactive_scalers_give_an_empty_profile(net):
     _, u_net, params = net
     for amp in (jaxamp.AmpConfig(enabled=False), jaxamp.AmpConfig(derivative_scaling=False)):
-        prof = dropin.profile(batched(u_net, NAMES), amp)(None, params, points())
+        prof = ranges.profile(batched(u_net, NAMES), amp)(None, params, points())
         assert prof.derivatives == prof.hidden == prof.keys == {}
-        assert len(dropin.init_scalers(batched(u_net, NAMES), amp)(params, points())) == 0
+        assert len(ranges.init_scalers(batched(u_net, NAMES), amp)(params, points())) == 0
 
 
 def test_errors_name_the_argument(net):
     _, u_net, params = net
     fn = batched(u_net, NAMES)
     with pytest.raises(TypeError, match="`fun`=3 must be callable"):
-        dropin.profile(3)
+        ranges.profile(3)
     with pytest.raises(TypeError, match="`amp`"):
-        dropin.profile(fn, {"mode": "per_order_scaler"})
+        ranges.profile(fn, {"mode": "per_order_scaler"})
     with pytest.raises(TypeError, match="`scales`=.* must be None or a mapping"):
-        dropin.profile(fn)([1.0], params, points())
+        ranges.profile(fn)([1.0], params, points())
     with pytest.raises(TypeError, match="`from_profile`='yes'"):
-        dropin.init_scalers(fn, from_profile="yes")
+        ranges.init_scalers(fn, from_profile="yes")
     with pytest.raises(ValueError, match=r"`margin_log2`=-1 must be an integer in \[0, 15\]"):
-        dropin.init_scalers(fn, margin_log2=-1)
+        ranges.init_scalers(fn, margin_log2=-1)
 
     def looped(p, pts):
         return jax.lax.scan(lambda c, t: (c, nested(u_net, "u__t")(p, t, 0.5)), 0.0, pts["t"])[1]
 
     with pytest.raises(NotImplementedError, match="inside a `scan` body is not profiled"):
-        dropin.profile(looped)(None, params, points())
+        ranges.profile(looped)(None, params, points())
+
+
+def amp_with_start(amp, key, scale):
+    """``amp`` with ``key`` starting at ``scale`` (a power of two)."""
+    return jaxamp.AmpConfig.from_dict(amp.to_dict() | {"custom_init_scales_log2": {key: int(np.log2(scale))}})
+
+
+def _length_scaled_net(in_float16: bool, length: float = 0.002):
+    """``u(t, x) = net(z / length)`` with every layer of ``net`` in float16; ``z / length`` in
+    float32 (a length scale divided out before the network) or, ``in_float16``, in float16."""
+    amp = jaxamp.AmpConfig(autocast_firstlayer=True)
+    model = FullyConnected.from_amp(amp, out_features=1, layer_size=16, nr_layers=2, activation="tanh")
+    params = model.init(jax.random.PRNGKey(0), jnp.zeros(2))
+
+    def u_net(p, t, x):
+        z = jnp.stack([t, x])
+        if in_float16:
+            return model.apply(p, z.astype(jnp.float16) * jnp.float16(1 / length))[0]
+        return model.apply(p, z * (1 / length))[0]
+
+    return amp, batched(u_net, NAMES), params, points(64, scale=length)
+
+
+def test_a_derivative_large_only_in_float32_lowers_no_start_scale():
+    """u_xx = L^2 net'' with L = 1/0.002 applied in float32: the float32 derivative passes
+    65504 while every float16 value stays small. The profile reports the derivative, fits only
+    the float16 values: key "2" keeps its default start (0); and the float16 program at scale 1
+    indeed flags nothing. The same network with the 1/L factor in float16 holds the large values
+    in float16: there key "2" must start lower."""
+    amp, fn, params, pts = _length_scaled_net(in_float16=False)
+    prof = jax.jit(ranges.profile(fn, amp))(None, params, pts)
+    assert _max(prof.derivatives["2"]) > LOG2_FP16_MAX  # float32, reported
+    assert _max(prof.keys["2"]) == _max(prof.hidden["2"]) < LOG2_FP16_MAX - 2  # float16, fitted
+    rec = recommend(prof)
+    assert rec.scales_log2 == {"1": 0, "2": 0} and rec.custom_init_scales_log2 == {}
+    values, found = jax.jit(jaxamp.scaled(fn, amp))({"1": 1.0, "2": 1.0}, params, pts)
+    assert float(jnp.max(jnp.abs(values["u__x__x"]))) > 65504.0 and not any(bool(v) for v in found.values())
+    scalers = ranges.init_scalers(fn, amp)(params, pts)
+    assert {k: float(v) for k, v in scalers.scales.items()} == {"1": 1.0, "2": 1.0}
+
+    amp, fn, params, pts = _length_scaled_net(in_float16=True)
+    prof = jax.jit(ranges.profile(fn, amp))(None, params, pts)
+    assert _max(prof.keys["2"]) > LOG2_FP16_MAX
+    assert recommend(prof).scales_log2["2"] < 0

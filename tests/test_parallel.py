@@ -78,10 +78,10 @@ def _check_fp16_same(runs: Dict[str, Any], base_runs: Dict[str, Any], n: str) ->
     # The trajectory exercises every branch: growth, bad values (NaN point at steps 20, 21: no
     # scaler changes), derivative overflow of key "2" (flag at steps 30, 31: two backoffs) and
     # real weight-gradient overflow of the growing loss scale.
-    assert reasons[20] == reasons[21] == jaxamp.SKIP_NONFINITE_VALUES
+    assert reasons[20] == reasons[21] == jaxamp.SkipReason.NONFINITE_VALUES
     assert base["scale_log2/1"][19:22] == [base["scale_log2/1"][19]] * 3 and s2[19:22] == [s2[19]] * 3
-    assert reasons[30] == reasons[31] == jaxamp.SKIP_DERIVATIVE_OVERFLOW and s2[31] == s2[29] - 2
-    assert jaxamp.SKIP_NONFINITE_GRADS in reasons and len(set(base["scale_log2/1"])) == 3
+    assert reasons[30] == reasons[31] == jaxamp.SkipReason.DERIVATIVE_OVERFLOW and s2[31] == s2[29] - 2
+    assert jaxamp.SkipReason.NONFINITE_GRADS in reasons and len(set(base["scale_log2/1"])) == 3
     for k in keys:
         assert runs[n][k] == base[k], f"{k} differs between {n} devices and 1"
     assert runs[n]["replicas_identical"] == [True]
@@ -113,7 +113,7 @@ def test_fp32_and_fp16_trajectories_on_2_devices_follow_1_device(worker):
 def test_bad_values_on_one_shard_skip_everywhere_and_change_no_scaler(worker):
     r = worker["inject"]["nan"]
     assert r["bad_devices"] == [5], "the NaN point must land on exactly one device's shard"
-    assert r["skipped"] and r["skip_reason"] == jaxamp.SKIP_NONFINITE_VALUES and r["found_nonfinite_values"]
+    assert r["skipped"] and r["skip_reason"] == jaxamp.SkipReason.NONFINITE_VALUES and r["found_nonfinite_values"]
     assert r["params_unchanged"] and r["opt_state_unchanged"] and r["loss_scale_unchanged"]
     assert r["deriv_scales_after"] == r["deriv_scales_before"]
     assert r["replicas_identical_after_skip"]
@@ -124,7 +124,7 @@ def test_bad_values_on_one_shard_skip_everywhere_and_change_no_scaler(worker):
 def test_overflow_on_one_shard_skips_everywhere(worker):
     r = worker["inject"]["overflow"]
     assert r["bad_devices"] == [5], "the overflow flag must be raised in exactly one device's shard"
-    assert r["skipped"] and r["skip_reason"] == jaxamp.SKIP_DERIVATIVE_OVERFLOW
+    assert r["skipped"] and r["skip_reason"] == jaxamp.SkipReason.DERIVATIVE_OVERFLOW
     assert r["found_inf"] == {"1": False, "2": True} and not r["found_nonfinite_values"]
     assert r["params_unchanged"] and r["opt_state_unchanged"] and r["loss_scale_unchanged"]
     assert r["replicas_identical_after_skip"]

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import jaxamp
-from jaxamp.derivatives import NONFINITE_VALUES
+from jaxamp import NONFINITE_VALUES
 from jaxamp.models import FullyConnected
 
 INPUTS, OUTPUTS = ("x", "y"), ("u", "v", "p")

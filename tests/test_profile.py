@@ -7,8 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import yaml
+
 import jaxamp
-from jaxamp.profile import LOG2_FP16_MAX, promote_to_float32, recommend, value_range
+from jaxamp.profile import LOG2_FP16_MAX, NOTHING_TO_CHANGE, promote_to_float32, recommend, value_range
 from jaxamp.profile import profile as _profile
 
 profile = jax.jit(_profile, static_argnums=0)  # one compile instead of op-by-op dispatch
@@ -107,10 +109,11 @@ def test_recommendation_fits_every_key_with_its_margin():
     params = {"a": jnp.float32(1.0)}
     prof = profile(_engine(_sine(300.0), jaxamp.AmpConfig()), params, POINTS)  # u__x__x ~ 9e4
     rec = recommend(prof, margin_log2=2)
-    assert rec.scales_log2["1"] == 0 and "1" not in rec.custom_max_scales_log2
+    assert rec.scales_log2["1"] == 0 and "1" not in rec.custom_init_scales_log2
     top = float(prof.keys["2"].log2_max) + rec.scales_log2["2"]
     assert LOG2_FP16_MAX - 3 <= top <= LOG2_FP16_MAX - 2
-    assert '"2": ' in rec.to_yaml() and rec.to_yaml().startswith("amp:")
+    assert rec.to_yaml() == f'amp:\n  custom_init_scales_log2:\n    "2": {rec.scales_log2["2"]}\n'
+    assert jaxamp.AmpConfig.from_dict(yaml.safe_load(rec.to_yaml())) == rec.apply(jaxamp.AmpConfig())
     with pytest.raises(ValueError, match="margin_log2"):
         recommend(prof, margin_log2=-1)
 
@@ -134,11 +137,35 @@ def test_recommended_scales_remove_a_crafted_overflow():
     assert rec.scales_log2["2"] < 0
 
 
-def test_recommendation_applied_to_amp_starts_each_key_at_its_scale():
+def test_recommendation_applied_to_amp_starts_each_key_at_its_scale_and_never_caps_it():
     prof = profile(_engine(_sine(300.0), jaxamp.AmpConfig()), {"a": jnp.float32(1.0)}, POINTS)
     rec = recommend(prof)
-    amp = rec.apply(jaxamp.AmpConfig())
-    scalers = jaxamp.Scalers.create(amp, ["1", "2"])
+    amp = rec.apply(jaxamp.AmpConfig(derivative_scaler={"growth_interval": 2, "recover_growth_interval": 2}))
+    scalers = jaxamp.scaler.Scalers.create(amp, ["1", "2"])
     assert float(scalers["2"].scale) == 2.0 ** rec.scales_log2["2"] < 1.0
     assert float(scalers["1"].scale) == 1.0
-    assert amp.custom_max_scales_log2["2"] == rec.scales_log2["2"]
+    assert dict(amp.custom_init_scales_log2) == {"2": rec.scales_log2["2"]} and dict(amp.custom_max_scales_log2) == {}
+    # the max scale stays the configured one: clean steps grow key 2 back up to 1, not to its start
+    rule = scalers.rules["2"]
+    assert rule.max_scale == 1.0
+    state = rule.init()
+    for _ in range(2 * (1 - rec.scales_log2["2"]) * rule.growth_interval):
+        state = rule.update(state, False)
+        if float(state.scale) == 1.0:
+            break
+    assert float(state.scale) == 1.0
+
+
+def test_apply_keeps_a_start_at_or_below_a_lower_custom_max_scale():
+    rec = jaxamp.profile.Recommendation(scales_log2={"1": 0, "2": -3}, custom_init_scales_log2={"2": -3}, margin_log2=2)
+    amp = rec.apply(jaxamp.AmpConfig(custom_max_scales_log2={2: -9}, custom_init_scales_log2={"nu": -1}))
+    assert dict(amp.custom_init_scales_log2) == {"nu": -1, "2": -9} and amp.max_scale_log2("2") == -9
+
+
+def test_an_empty_recommendation_says_that_nothing_changes():
+    prof = profile(_engine(_sine(3.0), jaxamp.AmpConfig()), {"a": jnp.float32(1.0)}, POINTS)
+    rec = recommend(prof)
+    assert rec.custom_init_scales_log2 == {} and rec.scales_log2 == {"1": 0, "2": 0}
+    assert rec.to_yaml() == NOTHING_TO_CHANGE and "nothing to change" in rec.to_yaml()
+    assert "amp:" not in rec.to_yaml() and yaml.safe_load(rec.to_yaml()) is None  # a comment, valid YAML
+    assert rec.apply(jaxamp.AmpConfig()) == jaxamp.AmpConfig()

@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 
 import jaxamp
-from jaxamp import dropin
-from jaxamp.derivatives import NONFINITE_VALUES
+from jaxamp import NONFINITE_VALUES
 from tests.helpers.jax_user import INPUTS, batched, make_net, nested, points
 
 PURE_AND_MIXED = ("u__t__x", "u__x__x__x")  # orders 1-3 on the pure path, a mixed second order
@@ -56,8 +55,8 @@ def test_values_and_flags_equal_reverse_engine_op_by_op(net, mode):
     scales = _scales(engine.scaler_keys)
     names = [n for n in engine.names if "__" in n]
     values, found = engine(params, points(), scales)
-    ours, our_found = dropin.scaled(batched(u_net, names), amp)(scales, params, points())
-    assert sorted(dropin.scaler_keys(batched(u_net, names), amp)(params, points())) == sorted(engine.scaler_keys)
+    ours, our_found = jaxamp.scaled(batched(u_net, names), amp)(scales, params, points())
+    assert sorted(jaxamp.dropin.scaled.scaler_keys(batched(u_net, names), amp)(params, points())) == sorted(engine.scaler_keys)
     if mode == "per_term_scaler":
         assert set(engine.scaler_keys) == {"u", "u__t", "u__x", "u__x__x"}
     for n in names:
@@ -70,7 +69,7 @@ def test_jit_values_to_rounding_and_forward_engine(net, method):
     amp = jaxamp.AmpConfig()
     fn, u_net, params = net
     names = ("u__x", "u__t__x", "u__x__x", "u__x__x__x", "u__x__x__x__x")
-    run = jax.jit(dropin.scaled(batched(u_net, names), amp))
+    run = jax.jit(jaxamp.scaled(batched(u_net, names), amp))
     engine = _engine(fn, names, amp, method)
     scales = _scales(engine.scaler_keys)
     values, found = jax.jit(engine)(params, points(), scales)
@@ -85,7 +84,7 @@ def test_overflow_and_bad_values_flag_like_the_engine(net):
     fn, u_net, params = net
     names = ("u__x__x", "u__t__x")
     engine = _engine(fn, names, amp)
-    run = jax.jit(dropin.scaled(batched(u_net, names), amp))
+    run = jax.jit(jaxamp.scaled(batched(u_net, names), amp))
     clean = points()
     poisoned = dict(clean, x=clean["x"].at[3].set(jnp.nan))
     cases = {  # (points, scales) -> the flags both must raise
@@ -114,11 +113,11 @@ def test_jacobians_inside_and_outside_scaled(net, where):
     residual = lambda p, pts: batched(u_net, ["u__x__x"])(p, pts)["u__x__x"]  # noqa: E731
     expected = jax.jit(jax.jacrev(lambda p: engine(p, pts, scales)[0]["u__x__x"]))(params)
     if where == "inside":
-        got, found = jax.jit(dropin.scaled(lambda p, pts: jax.jacrev(residual)(p, pts), amp))(scales, params, pts)
+        got, found = jax.jit(jaxamp.scaled(lambda p, pts: jax.jacrev(residual)(p, pts), amp))(scales, params, pts)
         assert _flags(found) == {"1": False, "2": False, NONFINITE_VALUES: False}
     else:
         jac = jax.jacrev if where == "outside" else jax.jacfwd
-        got = jax.jit(jac(lambda p: dropin.scaled(residual, amp)(scales, p, pts)[0]))(params)
+        got = jax.jit(jac(lambda p: jaxamp.scaled(residual, amp)(scales, p, pts)[0]))(params)
     jax.tree_util.tree_map(_close, got, expected)
 
 
@@ -130,7 +129,7 @@ def test_weight_gradient_of_a_scaled_loss_equals_the_engine_loss(net):
     pts = points()
     ours = lambda p: jnp.mean(batched(u_net, ["u__x__x"])(p, pts)["u__x__x"] ** 2)  # noqa: E731
     theirs = lambda p: jnp.mean(engine(p, pts, scales)[0]["u__x__x"] ** 2)  # noqa: E731
-    g_ours, found = jax.jit(jax.grad(lambda p: dropin.scaled(ours, amp)(scales, p), has_aux=True))(params)
+    g_ours, found = jax.jit(jax.grad(lambda p: jaxamp.scaled(ours, amp)(scales, p), has_aux=True))(params)
     jax.tree_util.tree_map(_close, g_ours, jax.jit(jax.grad(theirs))(params))
     assert not any(_flags(found).values())
 
@@ -139,7 +138,7 @@ def test_vmap_over_scaled_gives_flags_per_batch(net):
     amp = jaxamp.AmpConfig()
     _, u_net, params = net
     u_xx = nested(u_net, "u__x__x")
-    fn = dropin.scaled(lambda p, t, x: u_xx(p, t, x), amp)
+    fn = jaxamp.scaled(lambda p, t, x: u_xx(p, t, x), amp)
     t, x = jnp.full((3,), 0.5), jnp.array([0.1, jnp.nan, 0.3])
     values, found = jax.vmap(fn, (None, None, 0, 0))({"1": 1.0, "2": 1.0}, params, t, x)
     assert values.shape == (3,) and found[NONFINITE_VALUES].tolist() == [False, True, False]
@@ -179,8 +178,8 @@ def test_control_flow_carries_flags_out(net, name):
             (0, jnp.zeros((3, 2))))[1],  # fmt: skip
     }
     scales = {"1": 1.0, "2": 2.0**-4}
-    expected, found = dropin.scaled(programs["flat"], amp)(scales, params)
-    run = jax.jit(dropin.scaled(programs[name], amp))
+    expected, found = jaxamp.scaled(programs["flat"], amp)(scales, params)
+    run = jax.jit(jaxamp.scaled(programs[name], amp))
     got, got_found = run(scales, params)
     _close(got, expected)
     assert _flags(got_found) == _flags(found) == {"1": False, "2": False, NONFINITE_VALUES: False}, name
@@ -191,21 +190,21 @@ def test_control_flow_carries_flags_out(net, name):
 
 def test_pmap_step_reduces_flags_over_devices():
     """jax.pmap (a shard_map): flags come out replicated, ORed over the mapped axis."""
-    g = jax.vmap(dropin.grad(dropin.grad(lambda x: x**3)))
+    g = jax.vmap(jaxamp.grad(jaxamp.grad(lambda x: x**3)))
     step = lambda x: jax.pmap(lambda y: g(y) + jax.lax.psum(0.0, "i"), axis_name="i")(x)  # noqa: E731
     x = jnp.array([[1.0, 1e3]])
-    values, found = jax.jit(dropin.scaled(step))({"1": 1.0, "2": 2.0**-3}, x)
+    values, found = jax.jit(jaxamp.scaled(step))({"1": 1.0, "2": 2.0**-3}, x)
     np.testing.assert_allclose(values, [[6.0, 6e3]])
     assert _flags(found) == {"1": False, "2": False, NONFINITE_VALUES: False}
-    _, found = jax.jit(dropin.scaled(step))({"1": 1.0, "2": 2.0**125}, x)
+    _, found = jax.jit(jaxamp.scaled(step))({"1": 1.0, "2": 2.0**125}, x)
     assert _flags(found) == {"1": False, "2": True, NONFINITE_VALUES: False}
-    grads = jax.grad(lambda x: dropin.scaled(step)({"1": 1.0, "2": 2.0**-3}, x)[0].sum())(x)
+    grads = jax.grad(lambda x: jaxamp.scaled(step)({"1": 1.0, "2": 2.0**-3}, x)[0].sum())(x)
     np.testing.assert_allclose(grads, [[6.0, 6.0]])
 
 
 def test_outside_scaled_grad_is_jax_grad(net):
     _, u_net, params = net
-    mine = jax.vmap(dropin.grad(dropin.grad(u_net, 2), 2), (None, 0, 0))
+    mine = jax.vmap(jaxamp.grad(jaxamp.grad(u_net, 2), 2), (None, 0, 0))
     theirs = jax.vmap(jax.grad(jax.grad(u_net, 2), 2), (None, 0, 0))
     pts = points()
     np.testing.assert_array_equal(mine(params, pts["t"], pts["x"]), theirs(params, pts["t"], pts["x"]))
@@ -215,39 +214,39 @@ def test_outside_scaled_grad_is_jax_grad(net):
 
 def test_orders_names_aux_and_argnums():
     f = lambda a, b: jnp.sin(a) * b**3  # noqa: E731
-    g1 = dropin.grad(f, 1, of="f", wrt="b")
-    sum_of_orders = lambda a, b: g1(a, b) + dropin.grad(g1, 1, wrt="b")(a, b)  # noqa: E731
-    assert dropin.scaler_keys(dropin.grad(sum_of_orders, 0))(1.0, 2.0) == ("1", "2", "3")
+    g1 = jaxamp.grad(f, 1, of="f", wrt="b")
+    sum_of_orders = lambda a, b: g1(a, b) + jaxamp.grad(g1, 1, wrt="b")(a, b)  # noqa: E731
+    assert jaxamp.dropin.scaled.scaler_keys(jaxamp.grad(sum_of_orders, 0))(1.0, 2.0) == ("1", "2", "3")
     per_term = jaxamp.AmpConfig(mode="per_term_scaler")
-    assert dropin.scaler_keys(dropin.grad(g1, 1, wrt="b"), per_term)(1.0, 2.0) == ("f", "f__b")
+    assert jaxamp.dropin.scaled.scaler_keys(jaxamp.grad(g1, 1, wrt="b"), per_term)(1.0, 2.0) == ("f", "f__b")
     special = jaxamp.AmpConfig(special_terms=("f__b",))
-    assert dropin.scaler_keys(dropin.grad(g1, 0), special)(1.0, 2.0) == ("1", "f__b")
-    (ga, gb), aux = dropin.grad(lambda a, b: (f(a, b), a), (0, 1), has_aux=True, wrt=("a", "b"))(1.0, 2.0)
+    assert jaxamp.dropin.scaled.scaler_keys(jaxamp.grad(g1, 0), special)(1.0, 2.0) == ("1", "f__b")
+    (ga, gb), aux = jaxamp.grad(lambda a, b: (f(a, b), a), (0, 1), has_aux=True, wrt=("a", "b"))(1.0, 2.0)
     np.testing.assert_allclose([ga, gb, aux], [np.cos(1.0) * 8, np.sin(1.0) * 12, 1.0], rtol=1e-6)
-    out, found = dropin.scaled(g1)({"1": 2.0**-10}, 1.0, 2.0)
+    out, found = jaxamp.scaled(g1)({"1": 2.0**-10}, 1.0, 2.0)
     np.testing.assert_allclose(out, np.sin(1.0) * 12, rtol=1e-6)
     assert _flags(found) == {"1": False, NONFINITE_VALUES: False}
 
 
 def test_inactive_scalers_ignore_scales_and_flag_nothing():
-    g = dropin.grad(lambda x: x**3)
+    g = jaxamp.grad(lambda x: x**3)
     for amp in (jaxamp.AmpConfig(dtype="float32"), jaxamp.AmpConfig(derivative_scaling=False)):
-        out, found = dropin.scaled(g, amp)({}, 2.0)
+        out, found = jaxamp.scaled(g, amp)({}, 2.0)
         assert float(out) == 12.0 and found == {}
 
 
 def test_errors_name_the_problem():
-    g = dropin.grad(lambda x: x**3)
+    g = jaxamp.grad(lambda x: x**3)
     with pytest.raises(KeyError, match=r"key '1'.*only the keys \['2'\]"):
-        dropin.scaled(g)({"2": 1.0}, 2.0)
+        jaxamp.scaled(g)({"2": 1.0}, 2.0)
     with pytest.raises(ValueError, match="unnamed value.*of='u'"):
-        dropin.scaled(g, jaxamp.AmpConfig(mode="per_term_scaler"))({}, 2.0)
+        jaxamp.scaled(g, jaxamp.AmpConfig(mode="per_term_scaler"))({}, 2.0)
     with pytest.raises(ValueError, match="`wrt`"):
-        dropin.grad(lambda x, y: x, (0, 1), wrt="x")
+        jaxamp.grad(lambda x, y: x, (0, 1), wrt="x")
     with pytest.raises(TypeError, match="`argnums`"):
-        dropin.grad(lambda x: x, "x")
+        jaxamp.grad(lambda x: x, "x")
     with pytest.raises(TypeError, match="`scales`"):
-        dropin.scaled(g)([1.0], 2.0)
+        jaxamp.scaled(g)([1.0], 2.0)
 
 
 def test_physical_units_fourth_order_overflows_unscaled_and_is_rescued_by_scales():
@@ -264,7 +263,7 @@ def test_physical_units_fourth_order_overflows_unscaled_and_is_rescued_by_scales
         return jax.vmap(nested(lambda p, t, x: u(p, t / c, x / c), "u__x__x__x__x"), (None, 0, 0))
 
     expected = fourth(u32)(params, pts["t"], pts["x"])
-    run = jax.jit(dropin.scaled(lambda p: fourth(u16)(p, pts["t"], pts["x"])))
+    run = jax.jit(jaxamp.scaled(lambda p: fourth(u16)(p, pts["t"], pts["x"])))
     values, found = run({k: 1.0 for k in "1234"}, params)
     assert _flags(found) == {"1": False, "2": False, "3": False, "4": True, NONFINITE_VALUES: False}
     assert not np.all(np.isfinite(values))

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 import jaxamp
-from jaxamp.derivatives import NONFINITE_VALUES
-from jaxamp import DynamicScaler, Scalers, ScaleState
+from jaxamp import NONFINITE_VALUES
+from jaxamp import DynamicScaler
+from jaxamp.scaler import Scalers, ScaleState
 from jaxamp.scaler import loss_scaler
 from tests.helpers.scaler_reference import reference_update
 

@@ -41,7 +41,7 @@ def assert_soak_holds(proc, figures, steps):
     assert figures["overflow_steps_flagging_key"]["2"] == figures["overflow_steps"]
     assert figures["clean_steps_flagging_a_key"] == 0
     # a clean step is skipped only by the loss scaler (float16 weight gradients), never for values
-    assert set(figures["clean_skip_reasons"]) <= {str(jaxamp.SKIP_NONFINITE_GRADS)}
+    assert set(figures["clean_skip_reasons"]) <= {str(jaxamp.SkipReason.NONFINITE_GRADS)}
     assert min(figures["scale_log2_min_faulty"].values()) < 0  # the overflows did back a scaler off
     for key in soak.KEYS:
         assert abs(figures["scale_log2_faulty"][key] - figures["scale_log2_fault_free"][key]) <= 1.0

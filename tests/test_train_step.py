@@ -17,7 +17,7 @@ import optax
 import pytest
 
 import jaxamp
-from jaxamp.derivatives import NONFINITE_VALUES
+from jaxamp import NONFINITE_VALUES
 from jaxamp.models import FullyConnected
 
 N = 16
@@ -50,8 +50,8 @@ def batch(bad=False, overflow=False, overflow1=False, nan_grad=False):
 @functools.lru_cache(maxsize=None)
 def problem(amp=FP16, clip=None, opt=optax.adam(1e-2)):
     params = {"w": jnp.linspace(0.5, 1.5, N)}
-    state = jaxamp.TrainState.create(params=params, optimizer=opt, amp=amp, engines=[keys_engine(amp)])
-    step = jaxamp.make_train_step(toy_loss, opt, amp=amp, grad_clip_max_norm=clip)
+    state = jaxamp.train.TrainState.create(params=params, optimizer=opt, amp=amp, engines=[keys_engine(amp)])
+    step = jaxamp.train.make_train_step(toy_loss, opt, amp=amp, grad_clip_max_norm=clip)
     return state, jax.jit(step), step, opt
 
 
@@ -66,7 +66,7 @@ def warm(n=3):
 def test_derivative_overflow_skips_and_backs_off_only_its_own_scaler():
     before, step = warm()
     state, m = step(before, batch(overflow=True))
-    assert bool(m["skipped"]) and int(m["skip_reason"]) == jaxamp.SKIP_DERIVATIVE_OVERFLOW
+    assert bool(m["skipped"]) and int(m["skip_reason"]) == jaxamp.SkipReason.DERIVATIVE_OVERFLOW
     assert bool(m["found_inf/2"]) and not bool(m["found_inf/1"]) and not bool(m["found_nonfinite_values"])
     assert tree_equal((state.params, state.opt_state, state.loss_scale), (before.params, before.opt_state, before.loss_scale))
     assert float(state.deriv_scales["2"].scale) == 0.5 * float(before.deriv_scales["2"].scale)
@@ -81,7 +81,7 @@ def test_derivative_overflow_skips_and_backs_off_only_its_own_scaler():
 def test_bad_values_skip_and_change_no_scaler_whatever_else_is_flagged(overflow):
     before, step = warm()
     state, m = step(before, batch(bad=True, overflow=overflow))
-    assert bool(m["skipped"]) and int(m["skip_reason"]) == jaxamp.SKIP_NONFINITE_VALUES
+    assert bool(m["skipped"]) and int(m["skip_reason"]) == jaxamp.SkipReason.NONFINITE_VALUES
     assert bool(m["found_nonfinite_values"]) and bool(m["found_inf/2"]) == overflow
     assert tree_equal(state._replace(step=before.step), before)  # scales and trackers included
     assert int(state.step) == int(before.step) + 1
@@ -89,16 +89,16 @@ def test_bad_values_skip_and_change_no_scaler_whatever_else_is_flagged(overflow)
 
 def test_nonfinite_weight_gradients_back_off_the_loss_scaler_and_skip():
     before, step = warm()
-    state = before._replace(loss_scale=jaxamp.ScaleState(jnp.float32(2.0**30), jnp.int32(7)))
+    state = before._replace(loss_scale=jaxamp.scaler.ScaleState(jnp.float32(2.0**30), jnp.int32(7)))
     new, m = step(state, batch(nan_grad=True))
-    assert int(m["skip_reason"]) == jaxamp.SKIP_NONFINITE_GRADS and bool(m["skipped"])
+    assert int(m["skip_reason"]) == jaxamp.SkipReason.NONFINITE_GRADS and bool(m["skipped"])
     assert float(new.loss_scale.scale) == 2.0**29 and int(new.loss_scale.growth_tracker) == 0
     assert tree_equal((new.params, new.opt_state), (state.params, state.opt_state))
     assert all(int(new.deriv_scales[k].growth_tracker) == int(state.deriv_scales[k].growth_tracker) + 1
                for k in ("1", "2"))  # a clean step for them
     # with a derivative overflow too, the overflow is the reason and the loss scaler stays
     new, m = step(state, batch(overflow=True, nan_grad=True))
-    assert int(m["skip_reason"]) == jaxamp.SKIP_DERIVATIVE_OVERFLOW and tree_equal(new.loss_scale, state.loss_scale)
+    assert int(m["skip_reason"]) == jaxamp.SkipReason.DERIVATIVE_OVERFLOW and tree_equal(new.loss_scale, state.loss_scale)
 
 
 def test_thousand_steps_with_injected_faults_never_produce_nonfinite_params():
@@ -119,8 +119,8 @@ def test_thousand_steps_with_injected_faults_never_produce_nonfinite_params():
     assert bool(jnp.all(finite)) and int(jnp.sum(bad)) > 50 and int(jnp.sum(overflow)) > 3
     faulty = bad | overflow
     assert bool(jnp.all(skipped[faulty])) and bool(jnp.all(unchanged[faulty]))
-    assert bool(jnp.all(reason[bad] == jaxamp.SKIP_NONFINITE_VALUES))
-    assert bool(jnp.all(reason[overflow] == jaxamp.SKIP_DERIVATIVE_OVERFLOW))
+    assert bool(jnp.all(reason[bad] == jaxamp.SkipReason.NONFINITE_VALUES))
+    assert bool(jnp.all(reason[overflow] == jaxamp.SkipReason.DERIVATIVE_OVERFLOW))
     assert bool(jnp.all(scales_same[bad]))  # bad values never move a derivative scaler
     assert float(final.deriv_scales["2"].scale) == 2.0 ** -int(jnp.sum(overflow))  # one halving per overflow
 
@@ -176,8 +176,8 @@ def test_real_network_nan_point_is_bad_values_and_the_step_compiles_once_without
         return pde, ({"pde": pde}, found)
 
     opt = optax.adam(1e-3)
-    state = jaxamp.TrainState.create(params=params, optimizer=opt, amp=FP16, engines=[engine])
-    step = jaxamp.make_train_step(loss_fn, opt, amp=FP16)
+    state = jaxamp.train.TrainState.create(params=params, optimizer=opt, amp=FP16, engines=[engine])
+    step = jaxamp.train.make_train_step(loss_fn, opt, amp=FP16)
     traces = []
 
     def counted(s, b):
@@ -192,7 +192,7 @@ def test_real_network_nan_point_is_bad_values_and_the_step_compiles_once_without
         outcomes.append((bool(m["skipped"]), int(m["skip_reason"]), bool(m["found_nonfinite_values"])))
         if i == 2:
             assert tree_equal(state._replace(step=before.step), before)
-    assert outcomes == [(False, 0, False), (False, 0, False), (True, jaxamp.SKIP_NONFINITE_VALUES, True), (False, 0, False)]
+    assert outcomes == [(False, 0, False), (False, 0, False), (True, jaxamp.SkipReason.NONFINITE_VALUES, True), (False, 0, False)]
     assert len(traces) == 1
     text = jitted.lower(state, batch()).as_text()
     assert "callback" not in text.lower() and "outfeed" not in text.lower()
@@ -223,11 +223,11 @@ def test_unknown_flag_keys_and_bad_arguments_are_rejected():
         return jnp.float32(0.0) * sum(jnp.sum(p) for p in jax.tree_util.tree_leaves(params)), ({}, {"7": jnp.bool_(False)})
 
     with pytest.raises(KeyError, match=r"scaler key\(s\) \['7'\]"):
-        jaxamp.make_train_step(loss_fn, opt, amp=FP16)(state, batch())
+        jaxamp.train.make_train_step(loss_fn, opt, amp=FP16)(state, batch())
     with pytest.raises(ValueError, match="`grad_clip_max_norm`=-1 is not allowed"):
-        jaxamp.make_train_step(loss_fn, opt, amp=FP16, grad_clip_max_norm=-1)
+        jaxamp.train.make_train_step(loss_fn, opt, amp=FP16, grad_clip_max_norm=-1)
     with pytest.raises(TypeError, match="must be an AmpConfig"):
-        jaxamp.make_train_step(loss_fn, opt, amp={"dtype": "float16"})
+        jaxamp.train.make_train_step(loss_fn, opt, amp={"dtype": "float16"})
 
 
 def test_a_bare_loss_gets_an_error_that_shows_the_contract():
@@ -237,7 +237,7 @@ def test_a_bare_loss_gets_an_error_that_shows_the_contract():
         return jnp.sum(jax.tree_util.tree_leaves(params)[0])
 
     with pytest.raises(TypeError) as e:
-        jaxamp.make_train_step(bare, optax.adam(1e-3), amp=FP16)(state, batch())
+        jaxamp.train.make_train_step(bare, optax.adam(1e-3), amp=FP16)(state, batch())
     assert "loss_fn returned an array of dtype float32 and shape ()" in str(e.value)
     assert "must return (loss, (terms, found_inf))" in str(e.value)
 
@@ -246,18 +246,18 @@ def test_pieces_in_a_users_own_step_with_extra_state_match_make_train_step():
     """Loss weights and an EMA of the params ride along; a skipped step leaves them as they were."""
     state, step, _, opt = problem()
     rule = FP16.make_loss_scaler()
-    grad_fn = jaxamp.scaled_value_and_grad(toy_loss)
+    grad_fn = jaxamp.step.scaled_value_and_grad(toy_loss)
 
     @jax.jit
     def user_step(params, opt_state, scalers, loss_scale, extra, b):
         (loss, (terms, found_inf)), grads = grad_fn(params, b, scalers.scales, loss_scale=loss_scale.scale)
-        check = jaxamp.check_step(found_inf, grads, scalers)
+        check = jaxamp.step.check_step(found_inf, grads, scalers)
         updates, new_opt_state = opt.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
         new_extra = {"weights": extra["weights"] * 0.9 + 0.1,
                      "ema": jax.tree_util.tree_map(lambda e, p: 0.99 * e + 0.01 * p, extra["ema"], new_params)}
         params, opt_state, extra = check.select((new_params, new_opt_state, new_extra), (params, opt_state, extra))
-        scalers, loss_scale = jaxamp.update_scalers(check, scalers, loss_scale, rule)
+        scalers, loss_scale = jaxamp.step.update_scalers(check, scalers, loss_scale, rule)
         return params, opt_state, scalers, loss_scale, extra
 
     carry = (state.params, state.opt_state, state.deriv_scales, state.loss_scale,
@@ -274,19 +274,19 @@ def test_pieces_inside_a_named_axis_step_decide_alike_on_every_replica():
     """Two replicas under jax.vmap(axis_name=...): gradients pmean-ed, flags OR-ed by check_step."""
     state, _, _, opt = problem()
     rule = FP16.make_loss_scaler()
-    grad_fn = jaxamp.scaled_value_and_grad(toy_loss)
+    grad_fn = jaxamp.step.scaled_value_and_grad(toy_loss)
 
     def replica(params, opt_state, scalers, loss_scale, b):
         (_, (_, found_inf)), grads = grad_fn(params, b, scalers.scales, loss_scale=loss_scale.scale)
         grads = jax.lax.pmean(grads, "devices")
-        check = jaxamp.check_step(found_inf, grads, scalers, axis_name="devices")
+        check = jaxamp.step.check_step(found_inf, grads, scalers, axis_name="devices")
         updates, new_opt_state = opt.update(grads, opt_state, params)
         params, opt_state = check.select((optax.apply_updates(params, updates), new_opt_state), (params, opt_state))
-        scalers, loss_scale = jaxamp.update_scalers(check, scalers, loss_scale, rule)
+        scalers, loss_scale = jaxamp.step.update_scalers(check, scalers, loss_scale, rule)
         return params, opt_state, scalers, loss_scale, check.skip_reason
 
     run = jax.jit(jax.vmap(replica, in_axes=(None, None, None, None, 0), axis_name="devices"))
-    for overflow, expected in [([False, False], jaxamp.APPLIED), ([False, True], jaxamp.SKIP_DERIVATIVE_OVERFLOW)]:
+    for overflow, expected in [([False, False], jaxamp.SkipReason.APPLIED), ([False, True], jaxamp.SkipReason.DERIVATIVE_OVERFLOW)]:
         b = jax.tree_util.tree_map(lambda v: jnp.stack([v, v]), batch())
         b = dict(b, x=b["x"] * jnp.asarray([[1.0], [2.0]]), overflow=jnp.asarray(overflow))
         params, opt_state, scalers, loss_scale, reason = run(state.params, state.opt_state, state.deriv_scales,
@@ -303,5 +303,5 @@ def test_state_with_a_dict_of_scaler_states_still_steps():
     as_dict = state._replace(deriv_scales=dict(state.deriv_scales))
     got, _ = jax.jit(step)(as_dict, batch(overflow=True))
     want, _ = jitted(state, batch(overflow=True))
-    assert isinstance(got.deriv_scales, jaxamp.Scalers) and tree_equal(got, want)
+    assert isinstance(got.deriv_scales, jaxamp.scaler.Scalers) and tree_equal(got, want)
     assert NONFINITE_VALUES not in got.deriv_scales

@@ -29,6 +29,7 @@ class AmpSettings:
     autocast_firstlayer: bool = False
     default_max_scale_log2: int = 0
     custom_max_scales_log2: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    custom_init_scales_log2: Mapping[str, int] = dataclasses.field(default_factory=dict)  # per-key start
     special_terms: Tuple[str, ...] = ()
     derivative_scaler: Mapping[str, float] = dataclasses.field(default_factory=dict)
     loss_scaler: Mapping[str, float] = dataclasses.field(default_factory=dict)
@@ -43,18 +44,20 @@ class AmpSettings:
         if self.dtype not in DTYPES:
             raise ValueError(f"amp.dtype={self.dtype!r} is not allowed: expected one of {list(DTYPES)}.")
         logs = {"default_max_scale_log2": self.default_max_scale_log2}
-        logs.update({f"custom_max_scales_log2[{k!r}]": v for k, v in dict(self.custom_max_scales_log2).items()})
+        for field in ("custom_max_scales_log2", "custom_init_scales_log2"):
+            logs.update({f"{field}[{k!r}]": v for k, v in dict(getattr(self, field)).items()})
         for key, value in logs.items():
             if isinstance(value, bool) or not isinstance(value, int) or not -126 <= value <= 127:
                 raise ValueError(f"amp.{key}={value!r} is not allowed: expected an integer exponent in [-126, 127].")
-        object.__setattr__(self, "custom_max_scales_log2", {str(k): v for k, v in self.custom_max_scales_log2.items()})
+        for field in ("custom_max_scales_log2", "custom_init_scales_log2"):
+            object.__setattr__(self, field, {str(k): v for k, v in getattr(self, field).items()})
         terms = self.special_terms
         if isinstance(terms, str) or not all(isinstance(t, str) and t for t in terms):
             raise ValueError(f"amp.special_terms={terms!r} is not allowed: expected a list of variable names.")
         object.__setattr__(self, "special_terms", tuple(terms))
         object.__setattr__(self, "derivative_scaler", dict(self.derivative_scaler))
         object.__setattr__(self, "loss_scaler", dict(self.loss_scaler))
-        for key in ("__default__", *self.custom_max_scales_log2):  # fail now, not mid-run
+        for key in ("__default__", *self.custom_max_scales_log2, *self.custom_init_scales_log2):  # fail now
             self.derivative_scaler_for(key)
         self.make_loss_scaler()
 
@@ -76,7 +79,9 @@ class AmpSettings:
         return self.custom_max_scales_log2.get(str(key), self.default_max_scale_log2)
 
     def derivative_scaler_for(self, key: str) -> DynamicScaler:
-        return DynamicScaler(max_scale=2.0 ** self.max_scale_log2(key), **self.derivative_scaler)
+        start = self.custom_init_scales_log2.get(str(key))
+        own = {} if start is None else {"init_scale": 2.0**start}  # the key's start wins, as in jaxamp
+        return DynamicScaler(max_scale=2.0 ** self.max_scale_log2(key), **{**self.derivative_scaler, **own})
 
     def make_loss_scaler(self) -> DynamicScaler:
         return loss_scaler(**self.loss_scaler)

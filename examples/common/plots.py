@@ -152,24 +152,54 @@ def _save(fig, workdir: str, name: str) -> str:
     return path
 
 
+# plot_profile's colors: what each says about the drawn bar (1st percentile to max).
+PROFILE_COLORS = (("C3", "bar crosses the band: values above 65504 or p1 below 2^-14"),
+                  ("C1", "bar inside, but some values below p1 are under 2^-14"),
+                  ("C0", "every nonzero value inside the band"))
+
+
+def profile_color(r: Any) -> str:
+    """The color of one :class:`jaxamp.profile.Range`'s bar in ``profile.png``: ``C3`` (red)
+    exactly when the drawn bar leaves the band (its max above 65504 or its 1st percentile
+    below 2^-14: ``headroom_up`` or ``headroom_down`` negative), ``C1`` (orange) when the bar
+    is inside but a fraction of the values under the 1st percentile lies below 2^-14, else
+    ``C0`` (blue)."""
+    if float(r.headroom_up) < 0 or float(r.headroom_down) < 0:
+        return "C3"
+    return "C1" if float(r.frac_subnormal) > 0 else "C0"
+
+
 def plot_profile(workdir: str, prof: Any) -> str:
     """``profile.png``: where each derivative and each scaler key sits in float16's window.
 
     ``prof`` is a :class:`jaxamp.profile.Profile` of the final parameters and scales. One bar
     per derivative and per scaler key, from the 1st percentile of its nonzero magnitudes to
     its largest (log2, scaled as float16 holds it), a dot at the median; the shaded band is
-    float16's normal range, 2^-14 to 65504."""
+    float16's normal range, 2^-14 to 65504. Colors (:data:`PROFILE_COLORS`, :func:`profile_color`):
+    red = the bar crosses the band, orange = the bar is inside but some values below its
+    1st percentile are under 2^-14, blue = inside. A group with no nonzero value gets no bar,
+    the words "all zero / no values" instead."""
+    from matplotlib.patches import Patch
+
     rows = [(name, r) for name, r in prof.derivatives.items()] + [(f"scaler {k}", r) for k, r in prof.keys.items()]
-    fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.5))
-    ax.axvspan(-14, np.log2(65504.0), color="C2", alpha=0.12, label="float16 normal range")
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 3.0))
+    top = float(np.log2(65504.0))
+    ax.axvspan(-14, top, color="C2", alpha=0.12)
     for i, (name, r) in enumerate(rows):
-        lo, mid, hi = (float(v) for v in (r.log2_percentiles[0], r.log2_percentiles[len(r.log2_percentiles) // 2], r.log2_max))
-        color = "C3" if float(r.frac_overflow) > 0 or float(r.frac_subnormal) > 0 else "C0"
-        ax.plot([lo, hi], [i, i], color=color, lw=6, solid_capstyle="butt")
+        p = np.asarray(r.log2_percentiles, np.float64)
+        lo, mid, hi = float(p[0]), float(p[len(p) // 2]), float(r.log2_max)
+        if not all(np.isfinite([lo, mid, hi])):
+            ax.text(-14, i, " all zero / no values" if hi == -np.inf else " non-finite values", va="center", fontsize=8)
+            continue
+        ax.plot([lo, hi], [i, i], color=profile_color(r), lw=6, solid_capstyle="butt")
         ax.plot([mid], [i], "k.", ms=5)
     ax.set_yticks(range(len(rows)), [name for name, _ in rows], fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlabel("log2 |value| as float16 holds it (scaled)")
-    ax.set_title("derivative ranges at the end of training (red: some values outside the band)")
-    ax.legend(fontsize=7, loc="lower right")
+    ax.set_xlabel("log2 |value| as float16 holds it (scaled); bar: 1st percentile to max, dot: median")
+    ax.set_title("derivative ranges at the end of training\nred: bar outside the shaded float16 band; "
+                 "orange: inside, but values below p1 under 2^-14; blue: inside", fontsize=9)
+    handles = [Patch(color="C2", alpha=0.12, label="float16 normal range, 2^-14 to 65504")]
+    handles += [Patch(color=c, label=text) for c, text in PROFILE_COLORS]
+    below = -0.6 / (0.45 * len(rows) + 1.2)  # about 0.6 inch under the axes, past the x label: no bar hidden
+    ax.legend(handles=handles, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, below), ncol=2)
     return _save(fig, workdir, "profile.png")

@@ -72,7 +72,7 @@ def failure_summary(recs: List[Dict[str, Any]]) -> Dict[str, Any]:
         "nonfinite_loss_steps": len(nonfinite),
         "first_skipped_step": skipped[0] if skipped else None,
         "skipped_steps": len(skipped),
-        "derivative_overflow_skips": sum(r["skip_reason"] == jaxamp.SKIP_DERIVATIVE_OVERFLOW for r in recs),
+        "derivative_overflow_skips": sum(r["skip_reason"] == jaxamp.SkipReason.DERIVATIVE_OVERFLOW for r in recs),
     }
     if recs:
         out["final_scale_log2"] = {k.split("/", 1)[1]: recs[-1][k] for k in recs[-1] if k.startswith("scale_log2/")}

@@ -3,7 +3,7 @@
 Every numeric field of a step's metric record becomes a scalar under its own tag: the loss
 and ``terms/<term>``, ``scale_log2/<key>`` for every scaler (``loss``, ``1``, ``2``, term
 names), ``found_inf/<key>``, ``headroom_log2/<key>`` (powers of two between each key's
-largest scaled derivative and 65504, :func:`jaxamp.headroom_log2`), ``grad_norm``,
+largest scaled derivative and 65504, :func:`jaxamp.headroom.headroom_log2`), ``grad_norm``,
 ``skipped``, ``skip_reason`` and any other field the train step reports. Skip reasons are also counted by name, ``skips/<reason>`` (the
 running number of steps skipped for that reason). At the end of a run with plots, the
 derivative ranges of :func:`jaxamp.profile.profile` are added under ``profile/``, and a
@@ -26,13 +26,9 @@ SUBDIR = "tensorboard"
 
 
 def skip_reason_names() -> Dict[int, str]:
-    """``{code: name}`` of the train step's skip reasons (``jaxamp.SKIP_*``), e.g.
+    """``{code: name}`` of the train step's skip reasons (``jaxamp.SkipReason``), e.g.
     ``{1: "derivative_overflow", 2: "nonfinite_grads"}``."""
-    return {
-        int(getattr(jaxamp, attr)): attr[len("SKIP_"):].lower()
-        for attr in dir(jaxamp)
-        if attr.startswith("SKIP_") and isinstance(getattr(jaxamp, attr), int)
-    }
+    return {int(r): r.name.lower() for r in jaxamp.SkipReason if r != jaxamp.SkipReason.APPLIED}
 
 
 class TensorBoardLog:

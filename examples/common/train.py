@@ -62,8 +62,8 @@ class Setup:
                                                 derivatives=p.derivatives, amp=amp)
         self.engines = [engine(self.amp)]
         self.sample_key = jax.random.fold_in(jax.random.PRNGKey(cfg["seed"]), 1)
-        # amp.init_scales_from_profile: every scaler starts at (and is capped by) the scale the
-        # profile of the initial parameters on the first batch recommends.
+        # amp.init_scales_from_profile: every scaler starts at the scale the
+        # profile of the initial parameters on the first batch recommends (custom_init_scales_log2; max scales unchanged).
         self.start_scales = None
         if cfg["amp"].get("init_scales_from_profile") and self.amp.scaler_enabled:
             rec = self._recommend_from_profile()
@@ -76,7 +76,7 @@ class Setup:
         schedule = optax.exponential_decay(o["lr"], transition_steps=o["decay_steps"], decay_rate=o["decay_rate"])
         self.optimizer = optax.adam(schedule)
         # The library does not clip by default; the configs pass Modulus' 0.5 (0 turns it off).
-        self.step_fn = jaxamp.make_train_step(
+        self.step_fn = jaxamp.train.make_train_step(
             self._loss_fn, self.optimizer, amp=self.amp, grad_clip_max_norm=o["grad_clip_max_norm"] or None
         )
         self._chunks: Dict[Tuple[int, int], Callable] = {}
@@ -120,28 +120,28 @@ class Setup:
                 v, found = engine(params, points, scales)
                 values.update(v)
                 flags.append(found)
-                headroom.append(jaxamp.headroom_log2(engine, v, scales))  # one max per derivative
+                headroom.append(jaxamp.headroom.headroom_log2(engine, v, scales))  # one max per derivative
             return values
 
         loss, terms = self.problem.loss(derive, batch)
         # metrics headroom_log2/<key>: powers of two left below 65504 by each key's largest scaled derivative
-        return loss, (terms, jaxamp.merge_found_inf(*flags), jaxamp.headroom_metrics(*headroom))
+        return loss, (terms, jaxamp.marks.merge_found_inf(*flags), jaxamp.headroom.headroom_metrics(*headroom))
 
     def init_params(self):
         """The initial parameters (from ``seed``)."""
         x0 = jnp.zeros(len(self.problem.inputs), jnp.float32)
         return self.model.init(jax.random.PRNGKey(self.cfg["seed"]), x0)
 
-    def init_state(self) -> jaxamp.TrainState:
+    def init_state(self) -> jaxamp.train.TrainState:
         params = self.init_params()
-        state = jaxamp.TrainState.create(params=params, optimizer=self.optimizer, amp=self.amp, engines=self.engines)
+        state = jaxamp.train.TrainState.create(params=params, optimizer=self.optimizer, amp=self.amp, engines=self.engines)
         return self.place(state)
 
-    def place(self, state: jaxamp.TrainState) -> jaxamp.TrainState:
+    def place(self, state: jaxamp.train.TrainState) -> jaxamp.train.TrainState:
         """Replicate the state over the mesh (a no-op on one device)."""
         return state if self.mesh is None else jaxamp.parallel.replicate(state, self.mesh)
 
-    def monitor(self, limit: int) -> jaxamp.StallMonitor:
+    def monitor(self, limit: int) -> jaxamp.monitor.StallMonitor:
         """The stall monitor of ``training.max_consecutive_skips=limit`` (0: never stop)."""
         return make_monitor(limit, self.amp)
 
@@ -164,7 +164,7 @@ class Setup:
             self._chunks[key] = jax.jit(lambda c: jax.lax.scan(body, c, None, length=n))
         return self._chunks[key]
 
-    def profile(self, state: jaxamp.TrainState):
+    def profile(self, state: jaxamp.train.TrainState):
         """``(profile, scaled)`` of the next batch (every part together) with the state's
         parameters and scales: where each derivative sits in float16's window
         (:func:`jaxamp.profile.profile`), and each derivative's values times its key's scale
@@ -200,7 +200,7 @@ def get_setup(problem_cls: Type[Problem], cfg: Mapping[str, Any]) -> Setup:
     return _SETUPS[key]
 
 
-def _check_workdir(workdir: str, cfg: Mapping[str, Any], resume: bool, ckpt: jaxamp.Checkpointer) -> None:
+def _check_workdir(workdir: str, cfg: Mapping[str, Any], resume: bool, ckpt: jaxamp.checkpoint.Checkpointer) -> None:
     saved_path = os.path.join(workdir, "config.yaml")
     if ckpt.latest_step() is not None and not resume:
         raise ConfigError(
@@ -233,7 +233,7 @@ def train_and_evaluate(
     setup = get_setup(problem_cls, cfg)
     setup.cfg = cfg
     t = cfg["training"]
-    ckpt = jaxamp.Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=2)
+    ckpt = jaxamp.checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=2)
     _check_workdir(workdir, cfg, resume, ckpt)
     with open(os.path.join(workdir, "config.yaml"), "w") as f:
         f.write(to_yaml(cfg))
@@ -311,7 +311,7 @@ def _postfix(recs: List[Dict[str, Any]]) -> Dict[str, Any]:
     return out
 
 
-def evaluate(setup: Setup, state: jaxamp.TrainState, workdir: str, *, train_s: float, plots: bool,
+def evaluate(setup: Setup, state: jaxamp.train.TrainState, workdir: str, *, train_s: float, plots: bool,
              earlier_s: float = 0.0, stalled: Optional[str] = None) -> Dict[str, Any]:  # fmt: skip
     """Relative L2 errors against the reference, failure steps, plots; writes summary.json.
     ``train_seconds`` adds this session's training time to ``earlier_s`` (the training time

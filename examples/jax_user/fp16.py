@@ -9,14 +9,14 @@ the gradient norms of the loss terms (jax.jacrev), updated every 100 steps. --do
 states the same problem in physical units (domain x 0.02, nu x 0.02): |b| ~ 300 and |u_xx| at
 initialization is past float16's 65504.
 fp16.py differs from fp32.py by the lines a port to float16 + DerivScaler needs (its
---plain-fp16: the same port without derivative scaling, for comparison). The port runs the
-first layer in float16 too (autocast_firstlayer=True, as a jmp policy casting everything
-would), so in physical units plain fp16 overflows from step 0 and never trains. Its scalers
-start from a float32 profile of the losses on the first batch (dropin.init_scalers): the
-loss-weight update at step 0 runs before any train step could back a scaler off, and skipped
-there it would keep the loss weights at 1 for the first 100 steps.
+--plain-fp16: the same port without derivative scaling, for comparison): the network under
+autocast, the derivatives by the scaled siblings of jax.grad, one AMP state started from a
+float32 profile of the losses on a first batch, the optimizer wrapped so that it skips an
+overflowing step and advances the scalers, the loss-weight update skipped on overflow. The port
+runs the first layer in float16 too (autocast_firstlayer=True, as a jmp policy casting
+everything would), so in physical units plain fp16 overflows from step 0 and never trains.
 
-    python -m examples.jax_user.fp32 --steps 1500 --domain-scale 0.02
+    python -m examples.jax_user.fp32 --steps 1500 --domain-scale 0.02   (from the repository root)
 """
 
 import argparse
@@ -26,7 +26,6 @@ import jax
 import jax.numpy as jnp
 import optax
 import jaxamp
-from jaxamp import dropin
 
 
 class MLP(nn.Module):
@@ -56,20 +55,20 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plain-fp16", action="store_true")
     args = p.parse_args(argv)
+    amp = jaxamp.AmpConfig(derivative_scaling=not args.plain_fp16, autocast_firstlayer=True)
     c = args.domain_scale
     T, X, NU = 1.0 * c, 1.0 * c, 0.1 * c  # u(t, x) = exact(t / c, x / c, 0.1)
 
     model = MLP(fourier_sigma=2 * jnp.pi / X)  # Fourier features of the domain's length scale
     params = model.init(jax.random.PRNGKey(args.seed), jnp.zeros(2))
-    amp = jaxamp.AmpConfig(derivative_scaling=not args.plain_fp16, autocast_firstlayer=True)
 
     def u_net(params, t, x):
-        return dropin.autocast(model.apply, amp)(params, jnp.stack([t, x]))
+        return jaxamp.autocast(model.apply, amp)(params, jnp.stack([t, x]))
 
     def r_net(params, t, x):
         u = u_net(params, t, x)
-        u_t, u_x = dropin.grad(u_net, argnums=(1, 2))(params, t, x)
-        u_xx = dropin.grad(dropin.grad(u_net, argnums=2), argnums=2)(params, t, x)
+        u_t, u_x = jaxamp.grad(u_net, argnums=(1, 2))(params, t, x)
+        u_xx = jaxamp.grad(jaxamp.grad(u_net, argnums=2), argnums=2)(params, t, x)
         return u_t + u * u_x - NU * u_xx
 
     def losses(params, batch):
@@ -89,35 +88,33 @@ def main(argv=None):
                 "x0": X * jax.random.uniform(k3, (n // 2,), minval=-1.0), "tb": T * jax.random.uniform(k4, (n // 4,))}
 
     schedule = optax.exponential_decay(1e-3, transition_steps=1000, decay_rate=0.9)
-    optimizer = optax.chain(optax.adam(schedule))
+    amp_state = jaxamp.init(losses, amp)(params, sample(jax.random.PRNGKey(0)))  # from a profile
+    optimizer = jaxamp.optimizer(optax.chain(optax.adam(schedule)), amp_state)
     opt_state = optimizer.init(params)
     weights = {"res": 1.0, "ic": 1.0, "bc": 1.0}
-    scalers = dropin.init_scalers(losses, amp)(params, sample(jax.random.PRNGKey(0)))  # start scales from a float32 profile
 
     @jax.jit
-    def update_weights(params, weights, batch, scales):
-        grads, found = dropin.scaled(jax.jacrev(losses), amp)(scales, params, batch)
+    def update_weights(state, batch):
+        params, opt_state, weights = state
+        grads, found = jaxamp.scaled(jax.jacrev(losses))(opt_state, params, batch)
         norms = {k: optax.tree.norm(g) for k, g in grads.items()}
         new = {k: sum(norms.values()) / norms[k] for k in norms}
-        return jax.tree.map(lambda w, n: jnp.where(jaxamp.check_step(found, grads, scales).apply, 0.9 * w + 0.1 * n, w), weights, new)
+        new = jax.tree.map(lambda w, n: 0.9 * w + 0.1 * n, weights, new)
+        return params, opt_state, jaxamp.apply_or_skip(opt_state, found, new, weights)[0]
 
-    grad_fn = jaxamp.scaled_value_and_grad(lambda p, s, w, b: (lambda l, f: (l, ({}, f)))(*dropin.scaled(loss_fn, amp)(s, p, w, b)))
     @jax.jit
     def train_step(state, batch):
-        params, opt_state, weights, scalers, loss_scale = state
-        (loss, (_, found)), grads = grad_fn(params, scalers.scales, weights, batch, loss_scale=loss_scale.scale)
-        check = jaxamp.check_step(found, grads, scalers)
+        params, opt_state, weights = state
+        loss, grads = jaxamp.value_and_grad(loss_fn)(opt_state, params, weights, batch)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        params, opt_state = check.select((params, opt_state), state[:2])  # skipped: as before the step
-        scalers, loss_scale = jaxamp.update_scalers(check, scalers, loss_scale, amp.make_loss_scaler())
-        return (params, opt_state, weights, scalers, loss_scale), loss
+        return (params, opt_state, weights), loss
 
-    state, key = (params, opt_state, weights, scalers, amp.make_loss_scaler().init()), jax.random.PRNGKey(args.seed + 1)
+    state, key = (params, opt_state, weights), jax.random.PRNGKey(args.seed + 1)
     for step in range(args.steps):
         batch = sample(jax.random.fold_in(key, step))
         if step % 100 == 0:
-            state = (state[0], state[1], update_weights(state[0], state[2], batch, state[3].scales), *state[3:])
+            state = update_weights(state, batch)
         state, loss = train_step(state, batch)
         if step % 500 == 0 or step == args.steps - 1:
             print(f"step {step} loss {float(loss):.3e}")

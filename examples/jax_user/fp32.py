@@ -9,14 +9,14 @@ the gradient norms of the loss terms (jax.jacrev), updated every 100 steps. --do
 states the same problem in physical units (domain x 0.02, nu x 0.02): |b| ~ 300 and |u_xx| at
 initialization is past float16's 65504.
 fp16.py differs from fp32.py by the lines a port to float16 + DerivScaler needs (its
---plain-fp16: the same port without derivative scaling, for comparison). The port runs the
-first layer in float16 too (autocast_firstlayer=True, as a jmp policy casting everything
-would), so in physical units plain fp16 overflows from step 0 and never trains. Its scalers
-start from a float32 profile of the losses on the first batch (dropin.init_scalers): the
-loss-weight update at step 0 runs before any train step could back a scaler off, and skipped
-there it would keep the loss weights at 1 for the first 100 steps.
+--plain-fp16: the same port without derivative scaling, for comparison): the network under
+autocast, the derivatives by the scaled siblings of jax.grad, one AMP state started from a
+float32 profile of the losses on a first batch, the optimizer wrapped so that it skips an
+overflowing step and advances the scalers, the loss-weight update skipped on overflow. The port
+runs the first layer in float16 too (autocast_firstlayer=True, as a jmp policy casting
+everything would), so in physical units plain fp16 overflows from step 0 and never trains.
 
-    python -m examples.jax_user.fp32 --steps 1500 --domain-scale 0.02
+    python -m examples.jax_user.fp32 --steps 1500 --domain-scale 0.02   (from the repository root)
 """
 
 import argparse
@@ -90,11 +90,13 @@ def main(argv=None):
     weights = {"res": 1.0, "ic": 1.0, "bc": 1.0}
 
     @jax.jit
-    def update_weights(params, weights, batch):
+    def update_weights(state, batch):
+        params, opt_state, weights = state
         grads = jax.jacrev(losses)(params, batch)
         norms = {k: optax.tree.norm(g) for k, g in grads.items()}
         new = {k: sum(norms.values()) / norms[k] for k in norms}
-        return jax.tree.map(lambda w, n: 0.9 * w + 0.1 * n, weights, new)
+        new = jax.tree.map(lambda w, n: 0.9 * w + 0.1 * n, weights, new)
+        return params, opt_state, new
 
     @jax.jit
     def train_step(state, batch):
@@ -108,7 +110,7 @@ def main(argv=None):
     for step in range(args.steps):
         batch = sample(jax.random.fold_in(key, step))
         if step % 100 == 0:
-            state = (state[0], state[1], update_weights(state[0], state[2], batch))
+            state = update_weights(state, batch)
         state, loss = train_step(state, batch)
         if step % 500 == 0 or step == args.steps - 1:
             print(f"step {step} loss {float(loss):.3e}")

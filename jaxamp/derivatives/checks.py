@@ -9,21 +9,13 @@ non-finite value has a non-finite value below it, which is one of the two.
 
 from __future__ import annotations
 
-from typing import Dict, Mapping, MutableMapping, Optional
+from typing import Dict, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
 
 from jaxamp.derivatives.plan import Plan, parent_of
-
-# Reserved key of found_inf: True when an input, a network output or a level below a
-# derivative is non-finite at some point (bad values: no scale can cure them).
-NONFINITE_VALUES = "nonfinite_values"
-
-
-def or_into(flags: MutableMapping[str, jax.Array], key: str, hit: jax.Array) -> None:
-    """``flags[key] |= hit`` (set when absent): the one way flags are merged."""
-    flags[key] = hit if key not in flags else flags[key] | hit
+from jaxamp.marks import NONFINITE_VALUES, or_into, step_flags
 
 
 def found_inf(plan: Plan, x: jax.Array, values: Mapping[str, jax.Array], scaled: Mapping[str, jax.Array],
@@ -46,6 +38,6 @@ def found_inf(plan: Plan, x: jax.Array, values: Mapping[str, jax.Array], scaled:
     for name in plan.derivatives:
         parent = parent_of(name)
         below_ok[name] = below_ok[parent] & jnp.isfinite(values[parent])
-        or_into(per_point, plan.paths[name][-1][0], below_ok[name] & ~jnp.isfinite(scaled[name]))
+        or_into(per_point, plan.paths[name][-1][0], step_flags(scaled[name], below_ok[name]))
     per_point[NONFINITE_VALUES] = bad
     return {key: jnp.any(hit & counted) for key, hit in per_point.items()}

@@ -10,11 +10,12 @@ the variable below (docs/algorithm.md, "Scaler keys").
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Mapping, Sequence, Tuple
+from typing import Dict, Mapping, Optional, Sequence, Tuple
 
+from jaxamp import marks
 from jaxamp.config import AmpConfig
+from jaxamp.marks import SEP
 
-SEP = "__"
 Step = Tuple[str, int]  # (scaler key, index of the input differentiated by)
 Path = Tuple[Step, ...]
 
@@ -98,16 +99,14 @@ class Plan:
         return tuple(p for p in paths if not any(q != p and q[: len(p)] == p for q in paths))
 
 
-def scaler_key(amp: AmpConfig, parent: str) -> str:
+def scaler_key(amp: Optional[AmpConfig], parent: str) -> str:
     """The scaler key that guards differentiating ``parent`` (docs/algorithm.md, "Scaler keys").
 
     Example:
       >>> scaler_key(AmpConfig(), "u__x")
       '2'
     """
-    if amp.mode == "per_term_scaler" or parent in amp.special_terms:
-        return parent
-    return str(order_of(parent) + 1)
+    return marks.scaler_key(amp, order_of(parent) + 1, parent)
 
 
 def make_plan(inputs: Sequence[str], outputs: Sequence[str], derivatives: Sequence[str], amp: AmpConfig) -> Plan:
@@ -125,7 +124,7 @@ def make_plan(inputs: Sequence[str], outputs: Sequence[str], derivatives: Sequen
     for name in requested:
         _check_derivative_name(name, inputs, outputs)
     scaled = amp.scaler_enabled
-    key = (lambda parent: scaler_key(amp, parent)) if scaled else (lambda parent: str(order_of(parent) + 1))
+    key = lambda parent: scaler_key(amp if scaled else None, parent)  # noqa: E731
     needed = {SEP.join((base, *wrt[:k])) for base, wrt in map(parse_name, requested) for k in range(1, len(wrt) + 1)}
     below, levels = list(outputs), []
     for order in range(1, max((order_of(n) for n in needed), default=0) + 1):

@@ -8,8 +8,7 @@ overflow flags: no signature of the user's code changes.
 >>> u_xx = grad(grad(u_net, argnums=2, of="u", wrt="x"), argnums=2, wrt="x")  # doctest: +SKIP
 >>> loss, found_inf = scaled(loss_fn, amp)(scales, params, batch)          # doctest: +SKIP
 
-:func:`autocast` (re-exported from :mod:`jaxamp.autocast`) gives the user's own network
-jaxamp's precision placement, so a port needs only this module.
+:func:`jaxamp.autocast` gives the user's own network jaxamp's precision placement.
 
 What to use when:
 
@@ -33,12 +32,3 @@ function is evaluated, found when it is traced. A function that calls ``grad`` t
 again with the same shapes inside another ``grad``) reports nothing, and the outer ``grad``
 gets a lower order: put ``jax.jit`` around the whole loss, not between nested ``grad`` s.
 """
-
-from jaxamp.autocast import autocast
-from jaxamp.dropin.forward import hessian, jacfwd, jvp
-from jaxamp.dropin.grad import grad, jacrev
-from jaxamp.dropin.primitives import deriv_check_p, deriv_scale_p
-from jaxamp.dropin.ranges import init_scalers, profile
-from jaxamp.dropin.scaled import scaled, scaler_keys
-
-__all__ = ["autocast", "grad", "jacrev", "jacfwd", "jvp", "hessian", "scaled", "scaler_keys", "profile", "init_scalers", "deriv_scale_p", "deriv_check_p"]

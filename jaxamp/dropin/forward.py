@@ -19,8 +19,8 @@ from typing import Any, Callable, Optional, Sequence, Tuple, Union
 import jax
 import jax.numpy as jnp
 
-from jaxamp.dropin.grad import Frame, check_fun, check_wrt, frames, jacrev, report, term_of, unscale
-from jaxamp.dropin.primitives import deriv_check, deriv_scale
+from jaxamp.dropin.grad import Frame, check_fun, check_wrt, frames, jacrev, report, term_of
+from jaxamp.marks import deriv_check, deriv_scale, unscale
 
 __all__ = ["jvp", "jacfwd", "hessian"]
 

@@ -21,11 +21,10 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 import jax
 import jax.numpy as jnp
 
-from jaxamp.dropin.primitives import deriv_check, deriv_scale
+from jaxamp.marks import SEP, deriv_check, deriv_scale, unscale
 
-__all__ = ["grad", "jacrev", "SEP", "Frame", "frames", "check_fun", "check_name", "check_wrt", "unscale", "report", "term_of"]
+__all__ = ["grad", "jacrev", "Frame", "frames", "check_fun", "check_name", "check_wrt", "report", "term_of"]
 
-SEP = "__"  # as jaxamp.derivatives: "u__x" is du/dx
 _STATE = threading.local()
 
 
@@ -47,16 +46,6 @@ def frames() -> List[Frame]:
 def check_name(arg: str, value: Any) -> None:
     if not isinstance(value, str) or not value:
         raise TypeError(f"jaxamp.dropin: `{arg}`={value!r} must be a non-empty string (a variable name).")
-
-
-def unscale(g: jax.Array, inv: jax.Array) -> jax.Array:
-    """``g * inv`` in (at least) float32, back in ``g``'s dtype; ``inv`` broadcasts over ``g``'s
-    trailing axes (one factor per value: a Jacobian's rows)."""
-    if not jnp.issubdtype(g.dtype, jnp.inexact):  # float0 gradients of integers (allow_int)
-        return g
-    wide = jnp.promote_types(g.dtype, jnp.float32)
-    inv = jnp.reshape(inv, jnp.shape(inv) + (1,) * (g.ndim - jnp.ndim(inv)))
-    return (g.astype(wide) * inv.astype(wide)).astype(g.dtype)
 
 
 def check_fun(caller: str, fun: Any, of: Any) -> None:
@@ -114,6 +103,9 @@ def _reverse(transform: Callable, caller: str, fun: Callable, argnums, has_aux: 
             out, aux = out if has_aux else (out, None)
             if not hasattr(out, "dtype"):
                 raise TypeError(f"{caller}: `fun`={fun!r} must return one array, got {type(out).__name__}.")
+            if caller == "jaxamp.grad" and jnp.shape(out) != ():
+                raise TypeError(f"jaxamp.grad: `fun`={fun!r} returned shape {jnp.shape(out)}; grad needs a scalar "
+                                "output. For a vector-valued function use jaxamp.jacrev (or jaxamp.jacfwd).")
             found.update(order=frame.max_order + 1, term=term_of(frame, of))
             s = deriv_scale(out, **found)
             wide = jnp.promote_types(jnp.result_type(out), jnp.float32)

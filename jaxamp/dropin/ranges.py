@@ -5,16 +5,22 @@
 every float16/bfloat16 operation promoted to float32, each derivative seed at the scale of its
 key, and reports per scaler key the range of
 
-- ``derivatives[key]``: the scaled derivatives the key's overflow checks look at, and
+- ``derivatives[key]``: the scaled derivatives the key's overflow checks look at, whatever
+  their dtype (informational: often float32, e.g. a length scale divided out in a float32
+  first layer makes the float32 derivative large while the float16 values stay small), and
 - ``hidden[key]``: every float16/bfloat16 value of the derivative passes the key scales: the
   values that depend on the key's seed *and* feed the key's check (the backward pass of that
   ``grad``, inside the user's own network), where float16 overflows first. Call bodies
   (``jit``, ``custom_jvp``/``custom_vjp``) are inlined; a ``scan``/``while``/``cond`` is seen
-  through its outputs, and one with a ``dropin`` derivative inside is an error.
+  through its outputs, and one with a ``dropin`` derivative inside is an error;
 
-:func:`init_scalers` turns the profile into :class:`jaxamp.Scalers` whose every key starts
-at (and is capped by) the scale :func:`jaxamp.profile.recommend` gives it: the port of an
-existing code starts from measured scales instead of hand-tuned ones.
+and ``keys[key]``, what :func:`jaxamp.profile.recommend` fits: only the values the original
+(unpromoted) program holds in float16/bfloat16, ``hidden[key]`` and the derivatives of that
+dtype (a float32 value needs no lower scale, however large).
+
+:func:`init_scalers` turns the profile into :class:`jaxamp.scaler.Scalers` whose every key starts
+at the scale :func:`jaxamp.profile.recommend` gives it (and may grow up to its configured max
+scale): the port of an existing code starts from measured scales instead of hand-tuned ones.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from jaxamp.config import AmpConfig
-from jaxamp.dropin.primitives import deriv_check_p, deriv_scale_p
+from jaxamp.marks import deriv_check_p, deriv_scale_p
 from jaxamp.dropin.scaled import Context, check_amp, marks, scaler_keys, trace
 from jaxamp.interpreter import bind, custom_body, eval_jaxpr, sub_jaxpr, sub_jaxprs
 from jaxamp.profile import Profile, check_margin, is_low_precision, promote_eqn, promote_value, recommend, value_range
@@ -73,9 +79,10 @@ def profile(fun: Callable[..., Any], amp: Optional[AmpConfig] = None) -> Callabl
 
     Returns:
       ``prof(scales, *args, **kwargs) -> Profile`` with ``derivatives`` and ``hidden`` per key
-      (see the module docstring) and ``keys``, their union. ``scales``: ``{key: f32[]}`` or None
-      (every key at 1: what :func:`jaxamp.profile.recommend` expects). Empty when ``amp``'s
-      derivative scalers are inactive.
+      (see the module docstring) and ``keys``: per key, the values ``fun`` holds in float16 or
+      bfloat16 (``hidden`` and the derivatives of that dtype), what float16 can overflow and
+      :func:`jaxamp.profile.recommend` fits. ``scales``: ``{key: f32[]}`` or None (every key at
+      1: what ``recommend`` expects). Empty when ``amp``'s derivative scalers are inactive.
 
     Example:
       >>> prof = profile(losses, amp)(None, params, batch)                  # doctest: +SKIP
@@ -102,7 +109,8 @@ def profile(fun: Callable[..., Any], amp: Optional[AmpConfig] = None) -> Callabl
                 )
         ctx.scales = {k: jnp.float32(1.0) for k in ctx.keys(flat_jaxpr.jaxpr)} | dict(scales or {})
         hidden_of = _key_sets(flat_jaxpr.jaxpr, ctx)
-        found: Dict[str, Dict[str, List[jax.Array]]] = {"derivatives": {}, "hidden": {}}
+        # "low": the derivatives held in float16/bfloat16 that "hidden" does not hold already
+        found: Dict[str, Dict[str, List[jax.Array]]] = {"derivatives": {}, "hidden": {}, "low": {}}
 
         def record(group: str, key: str, value) -> None:
             found[group].setdefault(key, []).append(jnp.ravel(jnp.asarray(value, jnp.float32)))
@@ -111,8 +119,11 @@ def profile(fun: Callable[..., Any], amp: Optional[AmpConfig] = None) -> Callabl
             if eqn.primitive is deriv_scale_p:
                 outs = [ctx.scale(vals[0], **eqn.params)]
             elif eqn.primitive is deriv_check_p:
-                outs = [promote_value(vals[0])]
-                record("derivatives", ctx.key(**eqn.params), outs[0])
+                outs, key, g = [promote_value(vals[0])], ctx.key(**eqn.params), eqn.invars[0]
+                record("derivatives", key, outs[0])
+                held = () if isinstance(g, jcore.Literal) else hidden_of.get(g, ())
+                if is_low_precision(getattr(g.aval, "dtype", None)) and key not in held:
+                    record("low", key, outs[0])
             else:
                 outs = promote_eqn(eqn, vals)
             for var, out in zip(eqn.outvars, outs):
@@ -123,10 +134,11 @@ def profile(fun: Callable[..., Any], amp: Optional[AmpConfig] = None) -> Callabl
 
         consts = [promote_value(c) for c in flat_jaxpr.consts]
         eval_jaxpr(flat_jaxpr.jaxpr, consts, [promote_value(a) for a in flat], rule, literal=promote_value)
-        ranges = {g: {k: value_range(jnp.concatenate(v)) for k, v in d.items()} for g, d in found.items()}
-        union = {k: value_range(jnp.concatenate(found["derivatives"].get(k, []) + found["hidden"].get(k, [])))
-                 for k in dict.fromkeys([*found["derivatives"], *found["hidden"]])}
-        return Profile(derivatives=ranges["derivatives"], hidden=ranges["hidden"], keys=union)
+        ranges = {g: {k: value_range(jnp.concatenate(v)) for k, v in found[g].items()}
+                  for g in ("derivatives", "hidden")}
+        low = {k: value_range(jnp.concatenate(found["hidden"].get(k, []) + found["low"].get(k, [])))
+               for k in dict.fromkeys([*found["hidden"], *found["low"]])}
+        return Profile(derivatives=ranges["derivatives"], hidden=ranges["hidden"], keys=low)
 
     return prof
 
@@ -138,14 +150,18 @@ def init_scalers(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *, fr
     Args:
       fun: as for :func:`profile` (typically the function of the per-point losses).
       amp: the settings (None: ``AmpConfig()``).
-      from_profile: profile ``fun`` at every scale 1 and start (and cap) each key at the scale
-        :func:`jaxamp.profile.recommend` gives it. False: the keys at ``amp``'s rules only
-        (as ``Scalers.create(amp, scaler_keys(fun, amp)(*args))``).
+      from_profile: profile ``fun`` at every scale 1 and start each key at the scale
+        :func:`jaxamp.profile.recommend` gives it (``Recommendation.apply``: the config's
+        ``custom_init_scales_log2``); a key still grows up to its configured max scale while
+        it does not overflow. False: the keys at ``amp``'s rules only (as
+        ``Scalers.create(amp, scaler_keys(fun, amp)(*args))``).
       margin_log2: powers of two kept free below 65504 (as ``recommend``).
 
     Returns:
       ``init(*args, **kwargs) -> Scalers``, evaluated on example arguments (e.g. the initial
-      parameters and a first batch).
+      parameters and a first batch). Its rules (``scalers.rules[key]``) are
+      ``recommend(...).apply(amp).derivative_scaler_for(key)``: the start scale differs from
+      ``amp``'s, every other hyper-parameter (max scale included) is ``amp``'s.
 
     Example:
       >>> scalers = init_scalers(losses, amp)(params, batch)               # doctest: +SKIP

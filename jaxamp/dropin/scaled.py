@@ -23,10 +23,10 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from jaxamp.config import AmpConfig
-from jaxamp.derivatives import NONFINITE_VALUES
 from jaxamp.dropin.control import HANDLERS, call, full_flags
-from jaxamp.dropin.primitives import PRIMITIVES, deriv_check_p, deriv_scale_p
+from jaxamp.marks import NONFINITE_VALUES, PRIMITIVES, deriv_check_p, deriv_scale_p, or_into, scaler_key, step_flags
 from jaxamp.interpreter import CALL_PRIMITIVES, bind, eval_jaxpr, sub_jaxprs
+from jaxamp.state import find
 
 __all__ = ["scaled", "scaler_keys", "Context", "check_amp", "marks", "trace"]
 
@@ -60,20 +60,11 @@ class Context:
     def __init__(self, scales: Mapping[str, Any], amp: Optional[AmpConfig]) -> None:
         self.amp = amp
         self.active = amp is None or amp.scaler_enabled
-        self.scales = scales
+        self.scales = _opaque(scales) if self.active else {}
         self.evaluate = _evaluate  # for the control-flow rules (jaxamp.dropin.control)
 
     def key(self, order: int, term: Optional[str]) -> str:
-        amp = self.amp
-        if amp is not None and (amp.mode == "per_term_scaler" or term in amp.special_terms):
-            if term is None:
-                raise ValueError(
-                    f"jaxamp.scaled: a derivative of order {order} differentiates an unnamed value, "
-                    f"but amp.mode={amp.mode!r} keys scalers by name; name it with "
-                    "jaxamp.grad(fun, argnums, of='u', wrt='x')."
-                )
-            return term
-        return str(order)
+        return scaler_key(self.amp, order, term)
 
     def keys(self, jaxpr: jcore.Jaxpr) -> List[str]:
         """The flag keys ``jaxpr`` produces (static)."""
@@ -84,7 +75,9 @@ class Context:
 
     def scale(self, v, order: int, term: Optional[str]) -> jax.Array:
         if not self.active:
-            return jnp.ones(jnp.shape(v), jnp.float32)
+            if self.amp.loss_scaling_enabled:  # plain fp16: scale 1 through the scaled graph
+                return jnp.broadcast_to(_opaque({"1": 1.0})["1"], jnp.shape(v))
+            return jnp.ones(jnp.shape(v), jnp.float32)  # fp32, bf16, AMP off: nothing multiplies
         key = self.key(order, term)
         if key not in self.scales:
             raise KeyError(
@@ -95,21 +88,24 @@ class Context:
         return jnp.broadcast_to(jnp.asarray(self.scales[key], jnp.float32), jnp.shape(v))
 
 
-def _or(flags: Flags, key: str, hit) -> None:
-    flags[key] = hit if key not in flags else flags[key] | hit
+def _opaque(scales: Mapping[str, Any]) -> Dict[str, jax.Array]:
+    """The scales as float32 through one optimisation barrier: XLA compiles the same graph for
+    any scale values, so a program at scale 1 is bit-identical to it with scaling off."""
+    if not scales:
+        return {}
+    keys = list(scales)
+    stacked = jax.lax.optimization_barrier(jnp.stack([jnp.asarray(scales[k], jnp.float32) for k in keys]))
+    return {k: stacked[i] for i, k in enumerate(keys)}
 
 
 def _check(ctx: Context, flags: Flags, g, v, order: int, term: Optional[str]) -> None:
     if not ctx.active:
         return
     finite_v = jnp.isfinite(v)
-    bad_g = ~jnp.isfinite(g)
-    if bad_g.ndim > finite_v.ndim:  # one flag per point: reduce the gradient's own axes
-        bad_g = jnp.any(bad_g, axis=tuple(range(finite_v.ndim, bad_g.ndim)))
-    _or(flags, ctx.key(order, term), jnp.any(bad_g & finite_v))
+    or_into(flags, ctx.key(order, term), jnp.any(step_flags(g, finite_v)))
     # Bad values: a first derivative's value (a network output) is not finite. Above order 1
     # a non-finite value below was already flagged by the step that produced it.
-    _or(flags, NONFINITE_VALUES, jnp.any(~finite_v) if order == 1 else jnp.zeros((), bool))
+    or_into(flags, NONFINITE_VALUES, jnp.any(~finite_v) if order == 1 else jnp.zeros((), bool))
 
 
 def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: Context) -> Tuple[List, Flags]:
@@ -132,7 +128,7 @@ def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ct
             )
         outs, sub_flags = handler(eqn, invals, ctx)
         for k, v in sub_flags.items():
-            _or(flags, k, v)
+            or_into(flags, k, v)
         return outs
 
     return eval_jaxpr(jaxpr, consts, args, rule), flags
@@ -165,22 +161,33 @@ def scaled(fun: Callable[..., Any], amp: Optional[AmpConfig] = None) -> Callable
         1, nothing is checked, ``found_inf`` is empty.
 
     Returns:
-      ``wrapped(scales, *args, **kwargs) -> (fun(*args, **kwargs), found_inf)``: ``scales``
-      is ``{key: f32[]}`` (e.g. a TrainState's ``scales``), ``found_inf`` is ``{key: bool[]}``
-      for every key in the program plus ``"nonfinite_values"``.
+      ``wrapped(state, *args, **kwargs) -> (fun(*args, **kwargs), found_inf)``: ``state`` is
+      an :class:`~jaxamp.AmpState` (its config and scales are used; ``amp`` is then ignored),
+      an optimizer state holding one (:func:`jaxamp.optimizer`), or ``{key: f32[]}`` scales
+      under ``amp``; ``found_inf`` is ``{key: bool[]}`` for every key in the program plus
+      ``"nonfinite_values"``.
+
+    Outside ``scaled`` (and :func:`jaxamp.value_and_grad`) the derivatives are plain JAX
+    derivatives at scale 1: in float16 they may overflow where the scaled program does not.
+    Evaluate a loss for logging through ``scaled(loss)(state, ...)``.
 
     Example:
-      >>> u_xx = jaxamp.grad(jaxamp.grad(u_net, 2, wrt="x"), 2, wrt="x")   # doctest: +SKIP
-      >>> loss, found_inf = scaled(loss_fn, amp)({"1": s1, "2": s2}, params, batch)  # doctest: +SKIP
+      >>> import jax.numpy as jnp, jaxamp
+      >>> u_xx = jaxamp.grad(jaxamp.grad(lambda x: jnp.sin(x)))
+      >>> value, found_inf = scaled(u_xx)({"1": 0.5, "2": 0.25}, 1.0)
+      >>> round(float(value), 4), sorted(found_inf)
+      (-0.8415, ['1', '2', 'nonfinite_values'])
     """
     if not callable(fun):
         raise TypeError(f"jaxamp.scaled: `fun`={fun!r} must be callable.")
     check_amp(amp)
 
-    def wrapped(scales: Mapping[str, Any], *args, **kwargs):
+    def wrapped(scales: Any, *args, **kwargs):
+        ctx_amp = amp
         if not isinstance(scales, Mapping):
-            raise TypeError(f"jaxamp.scaled: `scales`={scales!r} must be a mapping {{scaler key: f32[]}}.")
-        ctx = Context(scales, amp)
+            state = find(scales, "jaxamp.scaled")  # an AmpState, or an optimizer state holding one
+            ctx_amp, scales = state.amp, state.scales
+        ctx = Context(scales, ctx_amp)
         closed, flat, out_tree = trace(fun, args, kwargs)
         outs, flags = _evaluate(closed.jaxpr, closed.consts, flat, ctx)
         return jax.tree_util.tree_unflatten(out_tree, outs), full_flags(flags, ctx.keys(closed.jaxpr))

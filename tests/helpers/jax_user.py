@@ -10,7 +10,8 @@ from typing import Callable, Sequence, Tuple
 import jax
 import jax.numpy as jnp
 
-from jaxamp import AmpConfig, dropin
+import jaxamp
+from jaxamp import AmpConfig
 from jaxamp.models import FullyConnected
 
 INPUTS = ("t", "x")
@@ -40,7 +41,7 @@ def nested(u_net: Callable, name: str, inputs: Sequence[str] = INPUTS) -> Callab
     parts = name.split("__")
     fn = u_net
     for i, var in enumerate(parts[1:]):
-        fn = dropin.grad(fn, argnums=1 + inputs.index(var), of=parts[0] if i == 0 else None, wrt=var)
+        fn = jaxamp.grad(fn, argnums=1 + inputs.index(var), of=parts[0] if i == 0 else None, wrt=var)
     return fn
 
 
@@ -71,13 +72,13 @@ def physical_fourier_net(amp: AmpConfig, *, c: float = 0.02, seed: int = 0) -> T
     params = model.init(jax.random.PRNGKey(seed), jnp.zeros(2))
 
     def u_net(p, t, x):
-        return dropin.autocast(model.apply, amp)(p, jnp.stack([t, x]))
+        return jaxamp.autocast(model.apply, amp)(p, jnp.stack([t, x]))
 
     return u_net, params
 
 
 def u_xx_under_scaled(u_net: Callable, params, amp: AmpConfig, t, x):
     """``(u_xx f32[N], found_inf)``: nested :func:`jaxamp.dropin.grad` under ``vmap``, every scale 1."""
-    f = jax.vmap(dropin.grad(dropin.grad(u_net, argnums=2), argnums=2), (None, 0, 0))
-    keys = dropin.scaler_keys(f, amp)(params, t, x)
-    return jax.jit(dropin.scaled(f, amp))({k: 1.0 for k in keys}, params, t, x)
+    f = jax.vmap(jaxamp.grad(jaxamp.grad(u_net, argnums=2), argnums=2), (None, 0, 0))
+    keys = jaxamp.dropin.scaled.scaler_keys(f, amp)(params, t, x)
+    return jax.jit(jaxamp.scaled(f, amp))({k: 1.0 for k in keys}, params, t, x)

@@ -24,11 +24,11 @@ def make_problem(amp, *, layer_size=16, nr_layers=2, lr=1e-3, seed=0, n=32):
         residual = d["u__x__x"] + jnp.pi**2 * jnp.sin(jnp.pi * x)
         ub, found_b = engine(params, {"x": jnp.array([0.0, 1.0])}, scales)
         pde, bc = jnp.mean(residual**2), jnp.mean(ub["u"] ** 2)
-        return pde + bc, ({"pde": pde, "bc": bc}, jaxamp.merge_found_inf(found, found_b))
+        return pde + bc, ({"pde": pde, "bc": bc}, jaxamp.marks.merge_found_inf(found, found_b))
 
     optimizer = optax.adam(lr)
-    state = jaxamp.TrainState.create(params=params, optimizer=optimizer, amp=amp, engines=[engine])
-    step = jaxamp.make_train_step(loss_fn, optimizer, amp=amp)
+    state = jaxamp.train.TrainState.create(params=params, optimizer=optimizer, amp=amp, engines=[engine])
+    step = jaxamp.train.make_train_step(loss_fn, optimizer, amp=amp)
     batch = lambda poison=False: {"x": jnp.linspace(0.0, 1.0, n), "poison": jnp.asarray(poison)}
     return state, step, batch, engine
 

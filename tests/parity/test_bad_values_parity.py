@@ -15,7 +15,7 @@ import torch
 
 import jaxamp
 import torch_ref
-from jaxamp.derivatives import NONFINITE_VALUES
+from jaxamp import NONFINITE_VALUES
 from tests.helpers.parity import build_pair, evaluate
 from tests.helpers.poisson_pair import fresh_pair, run_jax, run_torch, trajectory
 
@@ -66,8 +66,8 @@ def test_bad_value_steps_change_no_scaler_in_either_framework():
     assert trajectory(jm) == trajectory(tm)
     for ms in (jm, tm):
         reasons = [int(m["skip_reason"]) for m in ms]
-        assert reasons[3] == reasons[4] == reasons[9] == jaxamp.SKIP_NONFINITE_VALUES
-        assert reasons[7] == jaxamp.SKIP_DERIVATIVE_OVERFLOW and float(ms[7]["scale_log2/2"]) == -1
+        assert reasons[3] == reasons[4] == reasons[9] == jaxamp.SkipReason.NONFINITE_VALUES
+        assert reasons[7] == jaxamp.SkipReason.DERIVATIVE_OVERFLOW and float(ms[7]["scale_log2/2"]) == -1
         for i in range(1, 12):
             m, prev = ms[i], ms[i - 1]
             assert bool(m["found_nonfinite_values"]) == (i in nan)
@@ -77,5 +77,5 @@ def test_bad_value_steps_change_no_scaler_in_either_framework():
                 assert int(m["loss_tracker"]) == int(prev["loss_tracker"])
                 scales = [k for k in m if k.startswith("scale_log2/")]
                 assert [float(m[k]) for k in scales] == [float(prev[k]) for k in scales]
-    assert torch_ref.SKIP_NONFINITE_VALUES == jaxamp.SKIP_NONFINITE_VALUES
+    assert torch_ref.SKIP_NONFINITE_VALUES == jaxamp.SkipReason.NONFINITE_VALUES
     assert torch_ref.NONFINITE_VALUES == NONFINITE_VALUES

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import jaxamp
-from jaxamp.derivatives import NONFINITE_VALUES
+from jaxamp import NONFINITE_VALUES
 from tests.helpers.parity import U16, build_pair, engines, evaluate, rel_err
 
 RNG = np.random.default_rng(0)

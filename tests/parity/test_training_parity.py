@@ -40,7 +40,7 @@ def _fp32_agree(steps: int):
     np.testing.assert_array_equal(np.array([m["skipped"] for m in jm]), skipped)
     injected = sorted(i for i in INJECT if i < steps)
     assert skipped[injected].all() and skipped.sum() == len(injected)  # fp32: non-finite grads skip
-    assert (np.array([m["skip_reason"] for m in tm])[injected] == jaxamp.SKIP_NONFINITE_GRADS).all()
+    assert (np.array([m["skip_reason"] for m in tm])[injected] == jaxamp.SkipReason.NONFINITE_GRADS).all()
     ok = ~skipped  # on injected steps both losses are NaN
     rel = np.abs(jl[ok] - tl[ok]) / np.abs(jl[ok])
     print(f"fp32: max loss rel diff {rel.max():.2e} at step {np.flatnonzero(ok)[rel.argmax()]}; loss {jl[0]:.4g} -> {jl[-1]:.4g}")
@@ -78,7 +78,7 @@ def test_fp16_training_parity_first_steps():
     _, tm = _fp16_runs(FAST_STEPS)
     reasons = np.array([m["skip_reason"] for m in tm])
     assert set(np.flatnonzero(reasons)) == {i for i in INJECT if i < FAST_STEPS}
-    assert (reasons[[i for i in INJECT if i < FAST_STEPS]] == jaxamp.SKIP_DERIVATIVE_OVERFLOW).all()
+    assert (reasons[[i for i in INJECT if i < FAST_STEPS]] == jaxamp.SkipReason.DERIVATIVE_OVERFLOW).all()
     assert min(m["scale_log2/2"] for m in tm) == -8  # the burst backed off 8 times
 
 
@@ -88,7 +88,7 @@ def test_fp16_training_parity():
     skipped = np.array([m["skipped"] for m in tm])
     assert skipped.sum() == len(INJECT) and skipped[sorted(INJECT)].all()
     reasons = np.array([m["skip_reason"] for m in tm])
-    assert (reasons[sorted(INJECT)] == jaxamp.SKIP_DERIVATIVE_OVERFLOW).all()
+    assert (reasons[sorted(INJECT)] == jaxamp.SkipReason.DERIVATIVE_OVERFLOW).all()
     scales2 = np.array([m["scale_log2/2"] for m in tm])
     assert scales2.min() == -8 and scales2[199] == 0 and scales2[200] == -1  # 8 backoffs, recovered, again
     assert scales2[-1] == 0  # recovered to the max

@@ -49,7 +49,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from jaxamp.config import AmpConfig
-from jaxamp.autocast.placement import ACTIVATION_PRIMITIVES, COMPUTE_PRIMITIVES, Placement, Val
+from jaxamp.placement.rules import ACTIVATION_PRIMITIVES, COMPUTE_PRIMITIVES, Placement, Val
 from jaxamp.interpreter import bind, eval_jaxpr
 
 __all__ = ["autocast", "ACTIVATION_PRIMITIVES", "COMPUTE_PRIMITIVES"]

@@ -1,4 +1,4 @@
-"""The per-primitive rule of :func:`jaxamp.autocast.autocast`, for :func:`jaxamp.interpreter.eval_jaxpr`.
+"""The per-primitive rule of :func:`jaxamp.autocast`, for :func:`jaxamp.interpreter.eval_jaxpr`.
 
 Every value of the rewritten program is a :class:`Val`: the array, in the dtype the original
 program gave it, and what it depends on (inputs, parameters, an earlier layer, a compute-dtype

@@ -1,0 +1,210 @@
+"""`Derivatives`: the engine of named, scaled derivatives of a per-point network (see the package docstring)."""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
+
+import jax
+import jax.numpy as jnp
+
+from jaxamp.config import AmpConfig
+from jaxamp.derivatives import forward, reverse
+from jaxamp.derivatives.checks import found_inf
+from jaxamp.derivatives.plan import Plan, make_plan, scaler_key
+from jaxamp.marks import NONFINITE_VALUES
+from jaxamp.scaler import DynamicScaler, ScaleState
+
+PointFn = Callable[..., jax.Array]  # fn(params, x: f32[n_inputs]) -> f32[n_outputs]
+# engine(plan, f, x, scales) -> (values {name: f32[]}, scaled {derivative: f32[]}) at one point
+PointEngine = Callable[[Plan, Callable[[jax.Array], jax.Array], jax.Array, Mapping[str, jax.Array]],
+                       Tuple[Dict[str, jax.Array], Dict[str, jax.Array]]]  # fmt: skip
+ENGINES: Dict[str, PointEngine] = {"forward": forward.point_values, "reverse": reverse.point_values}
+METHODS = tuple(ENGINES)
+
+__all__ = ["Derivatives", "ENGINES", "METHODS", "PointEngine"]
+
+
+class Derivatives:
+    """Engine for named, scaled derivatives of a per-point network function.
+
+    Args:
+      fn: ``fn(params, x) -> y`` for ONE point: ``x`` is ``f32[len(inputs)]``, ``y`` is
+        ``f32[len(outputs)]``. (A Flax model: ``lambda p, x: model.apply(p, x)``.)
+      inputs: names of the entries of ``x`` (e.g. ``("x", "y")``).
+      outputs: names of the entries of ``y`` (e.g. ``("u", "v", "p")``).
+      derivatives: names to compute, e.g. ``("u__x", "u__y__y", "p__x")``; every lower-order
+        derivative they need is computed (and returned) too.
+      amp: mixed-precision settings (scaler mode, special terms, max scales). ``None`` or a
+        config whose derivative scalers are inactive (AMP off, bf16, fp32,
+        ``derivative_scaling=False``) computes plain derivatives: the same graph with every
+        scale 1, no checks and no scaler keys.
+      method: ``"forward"`` (default, :mod:`jaxamp.derivatives.forward`: nested forward mode,
+        one pass per derivative path; pure second orders propagate one tangent, pure orders
+        >= 3 take Taylor mode; per-term paths share a pass) or ``"reverse"``
+        (:mod:`jaxamp.derivatives.reverse`: nested ``jax.grad`` as Modulus' autograd, the
+        reference path). Or a point engine of your own, ``engine(plan, f, x, scales) ->
+        (values, scaled)`` (see :data:`PointEngine` and :func:`forward.point_values`): this
+        class stacks the points, checks the scales, vmaps it with per-point scales and
+        computes the flags.
+      mask_nonfinite_points: when True, points with a non-finite input are evaluated at
+        zeros, every value there is returned as 0 and raises no flag; drop them from residual
+        means with :meth:`point_weights`. Off by default: such a point flags
+        :data:`NONFINITE_VALUES` and the train step skips the step.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxamp
+      >>> eng = jaxamp.Derivatives(lambda p, x: jnp.stack([jnp.sin(x[0])]), inputs=("x",),
+      ...                          outputs=("u",), derivatives=("u__x__x",), amp=jaxamp.AmpConfig())
+      >>> values, found_inf = eng(None, {"x": jnp.zeros(4)}, {"1": 1.0, "2": 1.0})
+      >>> sorted(values), sorted(found_inf)
+      (['u', 'u__x', 'u__x__x'], ['1', '2', 'nonfinite_values'])
+    """
+
+    def __init__(self, fn: PointFn, *, inputs: Sequence[str], outputs: Sequence[str], derivatives: Sequence[str],
+                 amp: Optional[AmpConfig] = None, method: Union[str, PointEngine] = "forward",
+                 mask_nonfinite_points: bool = False) -> None:  # fmt: skip
+        if not (callable(method) or method in ENGINES):
+            raise ValueError(
+                f"Derivatives: `method`={method!r} is not supported: expected one of {list(ENGINES)} "
+                "or a point engine engine(plan, f, x, scales) -> (values, scaled)."
+            )
+        if not callable(fn):
+            raise TypeError(f"Derivatives: `fn`={fn!r} must be callable as fn(params, x).")
+        if not isinstance(mask_nonfinite_points, bool):
+            raise TypeError(f"Derivatives: `mask_nonfinite_points`={mask_nonfinite_points!r} must be True or False.")
+        self.amp = amp if amp is not None else AmpConfig(enabled=False)
+        if not isinstance(self.amp, AmpConfig):
+            raise TypeError(f"Derivatives: `amp`={amp!r} must be an AmpConfig or None.")
+        self.fn, self.method, self.mask_nonfinite_points = fn, method, mask_nonfinite_points
+        self.engine: PointEngine = ENGINES[method] if isinstance(method, str) else method
+        self.plan: Plan = make_plan(inputs, outputs, derivatives, self.amp)
+        self.inputs, self.outputs, self.requested = self.plan.inputs, self.plan.outputs, self.plan.requested
+        self.levels, self.names, self.scaled = self.plan.levels, self.plan.names, self.plan.scaled
+        self.scaler_keys: Tuple[str, ...] = self.plan.scaler_keys
+
+    def scaler_key(self, parent: str) -> str:
+        """The scaler key that guards differentiating ``parent`` (docs/algorithm.md, "Scaler keys")."""
+        return scaler_key(self.amp, parent)
+
+    @property
+    def scalers(self) -> Dict[str, DynamicScaler]:
+        """The scale rule of every scaler key this engine uses (empty when scaling is off)."""
+        return {key: self.amp.derivative_scaler_for(key) for key in self.scaler_keys}
+
+    def init_scaler_states(self) -> Dict[str, ScaleState]:
+        """``{key: ScaleState}``: the initial state of every scaler key (empty when unscaled)."""
+        return {key: rule.init() for key, rule in self.scalers.items()}
+
+    def __call__(self, params, points: Union[Mapping[str, jax.Array], jax.Array],
+                 scales: Optional[Mapping[str, jax.Array]] = None) -> Tuple[Dict[str, jax.Array], Dict[str, jax.Array]]:  # fmt: skip
+        """Values and derivatives at a batch of points.
+
+        Args:
+          params: the network parameters passed to ``fn``.
+          points: ``{input name: f32[N]}`` or an array ``f32[N, n_inputs]``.
+          scales: ``{scaler key: f32[]}`` with at least :attr:`scaler_keys` (e.g. the ``scale``
+            of each state from :meth:`init_scaler_states`). Ignored when scaling is off.
+
+        Returns:
+          ``(values, found_inf)``: ``values[name]`` is ``f32[N]`` (unscaled) for every output
+          and every derivative computed (0 at masked points, see ``mask_nonfinite_points``).
+          With scaling on, ``found_inf[key]`` is ``bool[]``, True when a scaled derivative
+          guarded by ``key`` overflowed at some point whose level below is finite, and
+          ``found_inf[NONFINITE_VALUES]`` is True when an input or a network output is
+          non-finite at some (unmasked) point. With scaling off, ``found_inf`` is ``{}``.
+        """
+        x = self.stack_points(points)
+        step_scales = self.check_scales(scales)
+        if step_scales:  # one opaque vector: XLA sees the same graph for any scale values
+            stacked = jax.lax.optimization_barrier(jnp.stack(list(step_scales.values())))
+            step_scales = {k: stacked[i] for i, k in enumerate(step_scales)}
+        weights = self._weights(x) if self.mask_nonfinite_points else None
+        if weights is not None:
+            x = jnp.where(weights[:, None] > 0, x, jnp.zeros_like(x))  # a finite stand-in
+        # One seed per point, as torch's grad_outputs=ones_like(var)*scale: an unbatched seed
+        # makes the seed's products point-independent, and the weight gradient would then sum
+        # their cotangents over the batch *before* the factor s is applied, in float16.
+        per_point = {k: jnp.broadcast_to(s, x.shape[:1]) for k, s in step_scales.items()}
+        f = self._point_outputs(params)
+        values, scaled = jax.vmap(lambda p, s: self.engine(self.plan, f, p, s))(x, per_point)
+        if weights is not None:
+            values = {k: jnp.where(weights > 0, v, jnp.zeros_like(v)) for k, v in values.items()}
+        if not self.scaled:
+            return values, {}
+        return values, found_inf(self.plan, x, values, scaled, weights)
+
+    def point_weights(self, points: Union[Mapping[str, jax.Array], jax.Array]) -> jax.Array:
+        """``f32[N]``: each point's weight in a residual mean, 0 where the engine masks it
+        (``mask_nonfinite_points`` and a non-finite input), else 1.
+
+        Example:
+          >>> w = eng.point_weights(points)  # doctest: +SKIP
+          >>> loss = jnp.sum(w * residual**2) / jnp.maximum(jnp.sum(w), 1.0)  # doctest: +SKIP
+        """
+        x = self.stack_points(points)
+        return self._weights(x) if self.mask_nonfinite_points else jnp.ones(x.shape[:1], jnp.float32)
+
+    @staticmethod
+    def _weights(x: jax.Array) -> jax.Array:
+        return jnp.all(jnp.isfinite(x), axis=-1).astype(jnp.float32)
+
+    def check_scales(self, scales: Optional[Mapping[str, jax.Array]]) -> Dict[str, jax.Array]:
+        """``{step key: f32[]}`` for the plan's steps, or an error naming what is missing.
+
+        Unscaled engines get scale 1 for every step; :meth:`__call__` passes the scales through
+        one optimisation barrier, so XLA compiles the scaled graph for both: values and weight
+        gradients are bit-identical to a scaled engine's at scale 1.
+        """
+        if not self.scaled:
+            return {k: jnp.float32(1.0) for k in self.plan.step_keys}
+        if scales is None:
+            raise ValueError(
+                f"Derivatives: `scales` is required when float16 derivative scaling is on; pass "
+                f"{{key: scale}} for the keys {list(self.scaler_keys)} (e.g. from a TrainState)."
+            )
+        missing = [k for k in self.scaler_keys if k not in scales]
+        if missing:
+            raise KeyError(
+                f"Derivatives: `scales` lacks the scaler key(s) {missing}; it has {sorted(scales)}. "
+                "Create the states with engine.init_scaler_states() (or TrainState.create(..., engines=...))."
+            )
+        return {k: jnp.asarray(scales[k], jnp.float32) for k in self.scaler_keys}
+
+    def stack_points(self, points: Union[Mapping[str, jax.Array], jax.Array]) -> jax.Array:
+        """``f32[N, n_inputs]`` from ``{input: f32[N]}`` or an array, or an error naming the problem."""
+        if isinstance(points, Mapping):
+            missing = [n for n in self.inputs if n not in points]
+            if missing:
+                raise KeyError(f"Derivatives: `points` lacks input(s) {missing}; it has {sorted(points)}.")
+            cols = [jnp.asarray(points[n]) for n in self.inputs]
+            for n, c in zip(self.inputs, cols):
+                if c.ndim != 1 or c.shape != cols[0].shape:
+                    raise ValueError(
+                        f"Derivatives: points[{n!r}] has shape {c.shape}; every input must be a 1-D array "
+                        f"of the same length N (here {cols[0].shape})."
+                    )
+            x = jnp.stack(cols, axis=-1)
+        else:
+            x = jnp.asarray(points)
+            if x.ndim != 2 or x.shape[-1] != len(self.inputs):
+                raise ValueError(
+                    f"Derivatives: `points` has shape {x.shape}; expected [N, {len(self.inputs)}] "
+                    f"for inputs {list(self.inputs)}."
+                )
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"Derivatives: `points` must be floating point (float32), got dtype {x.dtype}.")
+        return x.astype(jnp.float32)
+
+    def _point_outputs(self, params) -> Callable[[jax.Array], jax.Array]:
+        """``fn(params, .)`` at one point as ``f32[n_outputs]``, its shape checked."""
+
+        def f(x: jax.Array) -> jax.Array:
+            y = jnp.asarray(self.fn(params, x))
+            if y.shape != (len(self.outputs),):
+                raise ValueError(
+                    f"Derivatives: fn(params, x) returned shape {y.shape} for one point; expected "
+                    f"({len(self.outputs)},) for outputs {list(self.outputs)}."
+                )
+            return y.astype(jnp.float32)
+
+        return f

@@ -1,0 +1,227 @@
+"""The user's step: jaxamp.init, value_and_grad, apply_or_skip and the optax wrapper.
+
+Oracles: JAX's own value_and_grad (fp32 means off), the step pieces they replace
+(jaxamp.step.check_step / update_scalers: skip decisions and scale trajectories bit for bit),
+the update rule's arithmetic (a clean run grows every scaler to its configured max).
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+
+import jaxamp
+from jaxamp.step import ScaledGrads, check_step, update_scalers
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, z):
+        h = jnp.concatenate([jnp.sin(z), jnp.cos(z)], -1)
+        for _ in range(2):
+            h = jnp.tanh(nn.Dense(16)(h))
+        return nn.Dense(1)(h)[0]
+
+
+MODEL = MLP()
+PARAMS = MODEL.init(jax.random.PRNGKey(0), jnp.zeros(2))
+T = jnp.linspace(0.0, 1.0, 32)
+X = jnp.linspace(-1.0, 1.0, 32)
+
+
+@jax.custom_jvp
+def inject(v, bad):
+    """``v`` itself, whose derivative is multiplied by ``bad``: an injected overflow of the next
+    derivative step (``bad = inf``) below which every value stays finite."""
+    return v
+
+
+@inject.defjvp
+def _inject_jvp(primals, tangents):
+    (v, bad), (dv, _) = primals, tangents
+    return v, dv * bad
+
+
+def make_loss(amp):
+    """A Burgers-like residual loss by nested jaxamp.grad; ``bad`` (inf) injects an overflow into
+    the step of u_xx (key "2")."""
+
+    def u_net(params, t, x):
+        return jaxamp.autocast(MODEL.apply, amp)(params, jnp.stack([t, x]))
+
+    def r_net(params, t, x, bad):
+        u = u_net(params, t, x)
+        u_t, u_x = jaxamp.grad(u_net, argnums=(1, 2))(params, t, x)
+        u_xx = jaxamp.grad(lambda p, t, x: inject(jaxamp.grad(u_net, 2)(p, t, x), bad), argnums=2)(params, t, x)
+        return u_t + u * u_x - 0.01 * u_xx
+
+    def loss(params, t, x, bad=1.0):
+        return jnp.mean(jax.vmap(r_net, (None, 0, 0, None))(params, t, x, bad) ** 2)
+
+    return loss
+
+
+def test_fp32_means_off_values_and_grads_are_jax_s():
+    amp = jaxamp.AmpConfig(enabled=False)
+    loss = make_loss(amp)
+    state = jaxamp.init(loss, amp)(PARAMS, T, X)
+    assert state.scales == {} and state.loss_rule is None and float(state.loss_scale) == 1.0
+    value, grads = jax.jit(jaxamp.value_and_grad(loss))(state, PARAMS, T, X)
+    ref_value, ref_grads = jax.jit(jax.value_and_grad(loss))(PARAMS, T, X)
+    assert grads.found_inf == {}
+    np.testing.assert_array_equal(value, ref_value)
+    jax.tree.map(np.testing.assert_array_equal, grads.grads, ref_grads)
+    _, state = jaxamp.apply_or_skip(state, grads, PARAMS, PARAMS)
+    assert float(state.loss_scale) == 1.0 and state.scales == {}
+
+
+def test_has_aux_and_argnums_follow_jax():
+    amp = jaxamp.AmpConfig()
+    loss = make_loss(amp)
+    state = jaxamp.init(loss, amp, from_profile=False)(PARAMS, T, X)
+    (value, aux), grads = jaxamp.value_and_grad(lambda p, t, x: (loss(p, t, x), {"n": 1}), has_aux=True)(
+        state, PARAMS, T, X)
+    assert aux == {"n": 1} and sorted(grads.found_inf) == ["1", "2", "nonfinite_values"]
+    _, both = jaxamp.value_and_grad(loss, argnums=(0, 1))(state, PARAMS, T, X)
+    assert isinstance(both.grads, tuple) and both.grads[1].shape == T.shape
+
+
+def test_skip_decisions_and_scale_trajectories_equal_the_step_pieces():
+    amp = jaxamp.AmpConfig(derivative_scaler={"growth_interval": 3, "recover_growth_interval": 2})
+    loss = make_loss(amp)
+    state = jaxamp.init(loss, amp, from_profile=False)(PARAMS, T, X)
+    vg = jax.jit(jaxamp.value_and_grad(loss))
+    step_fn = jax.jit(jaxamp.apply_or_skip)
+    scalers, loss_scale, rule = state.derivative, state.loss, amp.make_loss_scaler()
+    params = PARAMS
+    for i in range(8):
+        bad = jnp.float32(jnp.inf if i in (2, 5) else 1.0)
+        value, grads = vg(state, params, T, X, bad)
+        new = jax.tree.map(lambda p, g: p - 1e-3 * g, params, grads.grads)
+        kept, state = step_fn(state, grads, new, params)
+        check = check_step(grads.found_inf, grads.grads, scalers)
+        scalers, loss_scale = update_scalers(check, scalers, loss_scale, rule)
+        expected = check.select(new, params)
+        jax.tree.map(np.testing.assert_array_equal, kept, expected)
+        assert bool(grads.found_inf["2"]) == (i in (2, 5))
+        for k in scalers:
+            np.testing.assert_array_equal(state.derivative[k].scale, scalers[k].scale)
+            np.testing.assert_array_equal(state.derivative[k].growth_tracker, scalers[k].growth_tracker)
+        np.testing.assert_array_equal(state.loss.scale, loss_scale.scale)
+        params = kept
+    assert float(state.scales["2"]) < 1.0  # two backoffs, fewer clean steps than it takes to regrow
+
+
+def test_optimizer_skips_with_a_zero_update_and_the_inner_state_unchanged():
+    amp = jaxamp.AmpConfig()
+    loss = make_loss(amp)
+    state = jaxamp.init(loss, amp, from_profile=False)(PARAMS, T, X)
+    tx = jaxamp.optimizer(optax.adam(1e-2), state)
+    opt_state = tx.init(PARAMS)
+    _, clean = jaxamp.value_and_grad(loss)(opt_state, PARAMS, T, X)
+    updates, opt_state = tx.update(clean, opt_state, PARAMS)
+    assert int(opt_state.skip_reason) == 0 and int(opt_state.inner[0].count) == 1
+    _, bad = jaxamp.value_and_grad(loss)(opt_state, PARAMS, T, X, jnp.float32(jnp.inf))
+    updates, skipped = tx.update(bad, opt_state, PARAMS)
+    assert all(float(jnp.max(jnp.abs(u))) == 0.0 for u in jax.tree.leaves(updates))
+    jax.tree.map(np.testing.assert_array_equal, skipped.inner, opt_state.inner)
+    assert int(skipped.skip_reason) == int(jaxamp.SkipReason.DERIVATIVE_OVERFLOW)
+    assert float(skipped.amp.scales["2"]) == 0.5 and float(skipped.amp.scales["1"]) == 1.0
+    # plain gradients: skipped when non-finite, as optax.apply_if_finite but without a limit
+    nan_grads = jax.tree.map(lambda g: g * jnp.nan, clean.grads)
+    updates, after = tx.update(nan_grads, opt_state, PARAMS)
+    assert int(after.skip_reason) == int(jaxamp.SkipReason.NONFINITE_GRADS)
+    assert float(after.amp.loss_scale) == float(opt_state.amp.loss_scale) / 2
+
+
+def test_flax_train_state_needs_no_new_field():
+    amp = jaxamp.AmpConfig()
+    loss = make_loss(amp)
+    amp_state = jaxamp.init(loss, amp)(PARAMS, T, X)
+    ts = train_state.TrainState.create(apply_fn=MODEL.apply, params=PARAMS,
+                                       tx=jaxamp.optimizer(optax.adam(1e-3), amp_state))
+
+    @jax.jit
+    def step(ts, bad):
+        value, grads = jaxamp.value_and_grad(loss)(ts.opt_state, ts.params, T, X, bad)
+        return ts.apply_gradients(grads=grads), value
+
+    ts1, v1 = step(ts, jnp.float32(1.0))
+    ts2, v2 = step(ts1, jnp.float32(jnp.inf))
+    assert np.isfinite(float(v1)) and int(ts1.step) == 1
+    jax.tree.map(np.testing.assert_array_equal, ts2.params, ts1.params)
+    assert float(ts2.opt_state.amp.scales["2"]) == float(ts1.opt_state.amp.scales["2"]) / 2
+
+
+def test_a_profile_start_is_not_a_cap():
+    """A key started low by the profile grows back to its configured max when nothing overflows."""
+    amp = jaxamp.AmpConfig(derivative_scaler={"growth_interval": 2, "recover_growth_interval": 1})
+    loss = make_loss(amp)
+    state = jaxamp.init(loss, amp, from_profile=False)(PARAMS, T, X)
+    low = {k: s._replace(scale=jnp.float32(2.0**-5)) for k, s in state.derivative.items()}
+    state = state.replace(derivative=jaxamp.scaler.Scalers(state.derivative.rules, low))
+    clean = ScaledGrads({"w": jnp.ones(2)}, {k: jnp.array(False) for k in state.scales})
+    advance = jax.jit(lambda s: jaxamp.apply_or_skip(s, clean, 0.0, 0.0)[1])
+    for _ in range(40):
+        state = advance(state)
+    assert {k: float(v) for k, v in state.scales.items()} == {"1": 1.0, "2": 1.0}
+
+
+def test_apply_or_skip_decides_alike_on_every_replica():
+    amp = jaxamp.AmpConfig()
+    state = jaxamp.init(None, amp, keys=("2",))()
+    flags = {"2": jnp.array([False, True]), "nonfinite_values": jnp.array([False, False])}
+
+    def per_replica(f2, fv):
+        g = ScaledGrads({"w": jnp.ones(2)}, {"2": f2, "nonfinite_values": fv})
+        return jaxamp.apply_or_skip(state, g, jnp.float32(1.0), jnp.float32(0.0), axis_name="d")
+
+    kept, new = jax.vmap(per_replica, axis_name="d")(flags["2"], flags["nonfinite_values"])
+    np.testing.assert_array_equal(kept, [0.0, 0.0])
+    np.testing.assert_array_equal(new.scales["2"], [0.5, 0.5])
+
+
+def test_drop_in_at_scale_one_is_bit_identical_to_scaling_off():
+    """Every weight gradient of a drop-in loss at scales 1 equals the same code with
+    derivative_scaling=False, bit for bit (XLA compiles one graph for both)."""
+    on, off = jaxamp.AmpConfig(), jaxamp.AmpConfig(derivative_scaling=False)
+    for loss_on, loss_off in ((make_loss(on), make_loss(off)),
+                              (_poisson(on), _poisson(off))):
+        s_on = jaxamp.init(loss_on, on, from_profile=False)(PARAMS, T, X)
+        s_off = jaxamp.init(loss_off, off)(PARAMS, T, X)
+        s_on = s_on.replace(loss=s_off.loss)
+        v1, g1 = jax.jit(jaxamp.value_and_grad(loss_on))(s_on, PARAMS, T, X)
+        v0, g0 = jax.jit(jaxamp.value_and_grad(loss_off))(s_off, PARAMS, T, X)
+        np.testing.assert_array_equal(v1, v0)
+        jax.tree.map(np.testing.assert_array_equal, g1.grads, g0.grads)
+
+
+def _poisson(amp):
+    def u_net(params, t, x):
+        return jaxamp.autocast(MODEL.apply, amp)(params, jnp.stack([t, x]))
+
+    def lap(params, t, x):
+        u_tt = jaxamp.grad(jaxamp.grad(u_net, 1), 1)(params, t, x)
+        return u_tt + jaxamp.grad(jaxamp.grad(u_net, 2), 2)(params, t, x) + jnp.sin(x)
+
+    return lambda params, t, x: jnp.mean(jax.vmap(lap, (None, 0, 0))(params, t, x) ** 2)
+
+
+def test_errors_say_what_to_use():
+    amp = jaxamp.AmpConfig()
+    state = jaxamp.init(None, amp)()
+    with pytest.raises(TypeError, match="jaxamp.jacrev"):
+        jaxamp.grad(lambda x: jnp.stack([x, x]))(1.0)
+    with pytest.raises(TypeError, match="float scalar loss.*jacrev"):
+        jaxamp.value_and_grad(lambda p: p * jnp.ones(3))(state, 1.0)
+    with pytest.raises(TypeError, match="AmpState"):
+        jaxamp.value_and_grad(lambda p: p)({"not": "a state"}, 1.0)
+    with pytest.raises(TypeError, match="`inner`"):
+        jaxamp.optimizer(object(), state)
+    with pytest.raises(TypeError, match="`grads`"):
+        jaxamp.apply_or_skip(state, [1.0], 0.0, 0.0)
+    with pytest.raises(TypeError, match="`keys`"):
+        jaxamp.init(None, amp, keys="2")

@@ -21,6 +21,7 @@ from jaxamp.config import AmpConfig, ConfigError
 from jaxamp.derivatives.engine import Derivatives
 from jaxamp.dropin.forward import hessian, jacfwd, jvp
 from jaxamp.dropin.grad import grad, jacrev
+from jaxamp.dropin.laplacian import laplacian
 from jaxamp.dropin.scaled import scaled
 from jaxamp.marks import NONFINITE_VALUES
 from jaxamp.optim import apply_or_skip, optimizer, value_and_grad
@@ -46,6 +47,7 @@ __all__ = [
     "jacfwd",
     "jvp",
     "hessian",
+    "laplacian",
     "scaled",
     "NONFINITE_VALUES",
     "autocast",

@@ -1,0 +1,147 @@
+"""Collapsed Taylor mode vs the uncollapsed Laplacians: time, XLA FLOPs, compile time.
+
+    python -m benchmarks.laplacian --out benchmarks/results/laplacian.json
+
+A plain tanh MLP (``--layers`` x ``--width``, float32) evaluated at ``--points`` points
+(``vmap``); for each input dimension ``d`` in ``--dims`` and each method of
+:func:`jaxamp.dropin.laplacian` (``reverse``: diagonal of ``jax.hessian``; ``forward``: nested
+``jax.jvp``; ``taylor``: one second-order Taylor propagation per direction; ``collapsed``: one
+summed second-order propagation), three workloads:
+
+- ``value``: the Laplacian at every point, outside :func:`jaxamp.scaled` (every scale 1, what a
+  JAX user's own code compiles to);
+- ``scaled_value``: the same under ``jaxamp.scaled`` with scales ``{"1": 2**-3, "2": 2**-7}``
+  (the seeds differ from 1, and the overflow checks are computed);
+- ``scaled_grad``: ``jax.value_and_grad`` of ``mean(lap**2)`` with respect to the parameters
+  under ``jaxamp.scaled`` (a PINN training step's derivative work).
+
+The methods of one (workload, d) are timed interleaved in one run (:mod:`benchmarks.timing`:
+each round runs every method once in rotating order; the medians and per-round paired ratios
+are reported); FLOPs and bytes are XLA's cost analysis of the compiled program; the compile
+time is that of ``jax.jit(f).lower(...).compile()``. The record names the machine and versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from typing import Any, Callable, Dict, List
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxamp
+from benchmarks import timing
+from jaxamp.dropin.laplacian import laplacian
+
+METHODS = ("reverse", "forward", "taylor", "collapsed")
+UNCOLLAPSED = ("reverse", "forward", "taylor")
+WORKLOADS = ("value", "scaled_value", "scaled_grad")
+SCALES = {"1": 2.0**-3, "2": 2.0**-7}
+
+
+def init_mlp(d: int, width: int, layers: int, seed: int = 0) -> List[Any]:
+    sizes = [d] + [width] * layers + [1]
+    params = []
+    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+        k1, k2 = jax.random.split(jax.random.PRNGKey(seed + i))
+        params.append((jax.random.normal(k1, (a, b)) / np.sqrt(a), 0.1 * jax.random.normal(k2, (b,))))
+    return params
+
+
+def mlp(params: List[Any], x: jax.Array) -> jax.Array:
+    h = x
+    for i, (w, b) in enumerate(params):
+        h = h @ w + b
+        if i < len(params) - 1:
+            h = jnp.tanh(h)
+    return h[0]
+
+
+def workload(name: str, method: str) -> Callable:
+    lap = jax.vmap(laplacian(mlp, 1, method=method), (None, 0))
+    if name == "value":
+        return lap
+    if name == "scaled_value":
+        scaled = jaxamp.scaled(lap)
+        return lambda p, x: scaled(SCALES, p, x)
+    loss = jaxamp.scaled(lambda p, x: jnp.mean(lap(p, x) ** 2))
+    return jax.value_and_grad(lambda p, x: loss(SCALES, p, x), has_aux=True)
+
+
+def bench(name: str, d: int, args: argparse.Namespace) -> Dict[str, Any]:
+    params = init_mlp(d, args.width, args.layers)
+    x = jax.random.uniform(jax.random.PRNGKey(1), (args.points, d), jnp.float32, -1.0, 1.0)
+    runs, out = {}, {}
+    for method in METHODS:
+        start = time.perf_counter()
+        compiled = jax.jit(workload(name, method)).lower(params, x).compile()
+        compile_s = time.perf_counter() - start
+        runs[method] = timing.timer(lambda c=compiled: c(params, x), args.inner)
+        out[method] = {"compile_s": round(compile_s, 3), **timing.cost_of(compiled)}
+    samples = timing.interleaved(runs, args.reps, warmup=1)
+    for method in METHODS:
+        out[method]["time_s"] = timing.stats(samples[method])
+    best = min(UNCOLLAPSED, key=lambda m: out[m]["time_s"]["median"])
+    best_flops = min(UNCOLLAPSED, key=lambda m: out[m]["flops"] or float("inf"))
+    ratios = {
+        "best_uncollapsed_by_time": best,
+        "time_collapsed_over_best": timing.paired_ratio(samples["collapsed"], samples[best]),
+        "time_collapsed_over": {m: round(timing.paired_ratio(samples["collapsed"], samples[m])["median"], 4)
+                                for m in UNCOLLAPSED},  # fmt: skip
+        "best_uncollapsed_by_flops": best_flops,
+    }
+    if out["collapsed"]["flops"] and out[best_flops]["flops"]:
+        ratios["flops_collapsed_over_best"] = round(out["collapsed"]["flops"] / out[best_flops]["flops"], 4)
+        ratios["flops_collapsed_over"] = {m: round(out["collapsed"]["flops"] / out[m]["flops"], 4) for m in UNCOLLAPSED}
+    return {"methods": out, "ratios": ratios}
+
+
+def main(argv=None) -> Dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dims", type=int, nargs="+", default=[2, 3, 8])
+    p.add_argument("--points", type=int, default=2000)
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--reps", type=int, default=15, help="interleaved rounds (medians over them)")
+    p.add_argument("--inner", type=int, default=3, help="calls per timed sample")
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    for name in ("points", "width", "layers", "reps", "inner"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name}={getattr(args, name)} must be >= 1")
+    if any(d < 1 for d in args.dims):
+        p.error(f"--dims={args.dims} must all be >= 1")
+    record: Dict[str, Any] = {
+        "benchmark": "laplacian",
+        "info": timing.device_info(),
+        "config": {"model": f"plain MLP {args.layers}x{args.width} tanh, float32", "points": args.points,
+                   "dims": args.dims, "reps": args.reps, "inner": args.inner, "scales": SCALES,
+                   "methods": list(METHODS), "workloads": args.workloads},  # fmt: skip
+        "results": {},
+    }
+    for name in args.workloads:
+        record["results"][name] = {}
+        for d in args.dims:
+            res = bench(name, d, args)
+            record["results"][name][str(d)] = res
+            r, m = res["ratios"], res["methods"]
+            times = "  ".join(f"{k} {1e3 * m[k]['time_s']['median']:.2f}ms" for k in METHODS)
+            print(f"{name:13s} d={d}: {times}  | collapsed/{r['best_uncollapsed_by_time']} time "
+                  f"{r['time_collapsed_over_best']['median']:.3f}, flops/{r['best_uncollapsed_by_flops']} "
+                  f"{r.get('flops_collapsed_over_best')}", flush=True)  # fmt: skip
+    if hasattr(os, "getloadavg"):  # other work on the host skews CPU timings: record it
+        record["host_load_avg_1min_at_end"] = round(os.getloadavg()[0], 2)
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+    return record
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""``jaxamp.dropin.laplacian``: a scaled Laplacian by collapsed Taylor mode.
+
+``laplacian(fun, argnums)(*args) = sum_{i in indices} d^2 fun / dx_i^2`` for the argument
+``x = args[argnums]`` (shape ``(d,)`` or ``()``), ``fun`` returning one scalar. The default
+``method="collapsed"`` propagates the first-order coefficients along the ``D`` directions
+``e_i`` (batched) and one second-order coefficient, their sum
+(:mod:`jaxamp.taylor.collapsed`; Dangel et al., NeurIPS 2025): a linear layer maps the summed
+coefficient once instead of ``D`` times. ``"taylor"`` (``D`` second-order Taylor propagations,
+one per direction), ``"forward"`` (nested ``jax.jvp``, the
+Hessian's diagonal) and ``"reverse"`` (``jax.jvp`` of ``jax.grad``, the diagonal of
+``jax.hessian``) are the uncollapsed baselines; all give the same value to rounding.
+
+Scaling, as the other drop-in derivatives (docs/algorithm.md, "One derivative step"): with
+``m`` the highest order of the drop-in derivatives ``fun`` calls (0 for a network), the
+first-order tangents carry the scale ``s1`` of order ``m + 1`` and the summed second-order
+coefficient the scale ``s2`` of order ``m + 2``, as the Derivatives engine's pure second order
+(``jaxamp.derivatives.forward._second``): seeds ``s1 e_i``, product terms scaled by the factors
+``(s2 / s1, 1 / s1)`` (nested modes: seed ``(s2 / s1) e_i`` on top of ``s1``), so no float16
+value carries ``s1 * s2`` or ``s1**2``. The scaled first-order tangents are checked under order
+``m + 1``, the scaled sum under order ``m + 2``, both against ``fun``'s value, and the sum is
+multiplied by ``1 / s2`` in float32 inside the differentiable graph.
+
+Keys: per order ``str(m + 1)`` and ``str(m + 2)``; per term (and special terms) the name of
+the differentiated value: ``of`` (or the one name the inner derivatives report) for the first
+step and ``of + "__lap"`` for the second (the first-order derivatives summed over ``indices``;
+the engine would name one of them ``of + "__x"``). The Laplacian reports order ``m + 2`` and no
+name to an enclosing derivative (name its value with ``of=`` there).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxamp import interpreter
+from jaxamp.dropin.grad import Frame, check_fun, frames, report, term_of
+from jaxamp.marks import SEP, deriv_check, deriv_scale
+from jaxamp.taylor.collapsed import propagate_jaxpr
+
+__all__ = ["laplacian", "METHODS", "LAP"]
+
+CALLER = "jaxamp.laplacian"
+LAP = "lap"  # the per-term name of the second step: of + "__lap"
+Step = Tuple[jax.Array, jax.Array]  # (scaled first-order tangents, scaled sum of second orders)
+
+
+def _seed(t: jax.Array, s: jax.Array, dtype) -> jax.Array:
+    wide = jnp.promote_types(dtype, jnp.float32)
+    return (jnp.asarray(t, wide) * jnp.asarray(s).astype(wide)).astype(dtype)
+
+
+def _collapsed(closed, g, x, basis, s1, s2) -> Step:
+    _, first, second = propagate_jaxpr(closed, x, _seed(basis, s1, x.dtype), (s2 / s1, 1.0 / s1))
+    return first, second
+
+
+def _taylor(closed, g, x, basis, s1, s2) -> Step:
+    # one second-order propagation per direction: the collapsed interpreter with D = 1
+    # (jaxamp.taylor.second_order gives the same values, but its float32 factors round float64)
+    def one(t):
+        _, first, second = propagate_jaxpr(closed, x, t[None], (s2 / s1, 1.0 / s1))
+        return first[0], second
+
+    first, second = jax.vmap(one)(_seed(basis, s1, x.dtype))
+    return first, jnp.sum(second, axis=0)
+
+
+def _forward(closed, g, x, basis, s1, s2) -> Step:
+    def one(e):
+        inner = lambda z: jax.jvp(g, (z,), (_seed(e, s1, x.dtype),))[1]  # noqa: E731
+        return jax.jvp(inner, (x,), (_seed(e, s2 / s1, x.dtype),))
+
+    first, second = jax.vmap(one)(basis)
+    return first, jnp.sum(second, axis=0)
+
+
+def _reverse(closed, g, x, basis, s1, s2) -> Step:
+    def scaled_grad(z):  # the seed of the backward pass carries s1
+        wide = jnp.promote_types(closed.out_avals[0].dtype, jnp.float32)
+        return jax.grad(lambda w: g(w).astype(wide) * s1.astype(wide))(z)
+
+    columns = jax.vmap(lambda e: jax.jvp(scaled_grad, (x,), (_seed(e, s2 / s1, x.dtype),))[1])(basis)
+    return scaled_grad(x), jnp.sum(jnp.where(basis != 0, columns, 0))  # the diagonal entries
+
+
+METHODS: Dict[str, Callable[..., Step]] = {"collapsed": _collapsed, "taylor": _taylor, "forward": _forward,
+                                           "reverse": _reverse}  # fmt: skip
+
+
+def _static_indices(indices: Any) -> Optional[Tuple[int, ...]]:
+    if indices is None:
+        return None
+    try:
+        a = np.asarray(indices)
+    except Exception:  # a tracer: the directions must be known when the program is traced
+        a = None
+    if a is None or a.ndim != 1 or a.size == 0 or not (a.dtype.kind in "iu" or a.dtype == object):
+        raise TypeError(f"{CALLER}: `indices`={indices!r} must be None or a non-empty sequence of distinct "
+                        "non-negative Python ints (static), the entries of x to differentiate along.")  # fmt: skip
+    out = tuple(int(i) for i in a) if all(isinstance(i, (int, np.integer)) and not isinstance(i, bool)
+                                          for i in a.tolist()) else None  # fmt: skip
+    if out is None or min(out) < 0 or len(set(out)) != len(out):
+        raise ValueError(f"{CALLER}: `indices`={indices!r} must be distinct non-negative ints.")
+    return out
+
+
+def laplacian(fun: Callable[..., Any], argnums: int = 0, *, of: Optional[str] = None,
+              indices: Optional[Sequence[int]] = None, method: str = "collapsed") -> Callable[..., jax.Array]:
+    """The Laplacian of ``fun`` in its argument ``argnums``, scaled and checked as :func:`grad`.
+
+    Args:
+      fun: a function returning one scalar (shape ``()``), floating point.
+      argnums: the position of ``x``, a floating-point array of shape ``(d,)`` or a scalar.
+      of: the name of ``fun``'s value (``"u"``), for per-term scaler keys and special terms.
+        Default: the one name the drop-in derivatives ``fun`` calls report, if any.
+      indices: the entries of ``x`` to sum over (distinct ints in ``[0, d)``); None: all.
+      method: ``"collapsed"`` (default, collapsed Taylor mode), or the uncollapsed baselines
+        ``"taylor"``, ``"forward"``, ``"reverse"``.
+
+    Returns:
+      A function with ``fun``'s signature returning ``sum_{i in indices} d^2 fun / dx_i^2``
+      (dtype: ``fun``'s value's and ``x``'s promoted). Outside :func:`jaxamp.dropin.scaled`
+      every scale is 1 and this is ``jnp.trace(jax.hessian(fun, argnums)(*args))`` to rounding.
+      Under ``scaled`` the first-order tangents carry the scale of key order ``m + 1``, the
+      summed second order that of order ``m + 2`` (module docstring).
+
+    Example:
+      >>> lap = laplacian(u_net, argnums=1, of="u")                       # doctest: +SKIP
+      >>> res = jax.vmap(lambda x: lap(params, x) - f(x))(points)          # doctest: +SKIP
+      >>> (r, found_inf) = scaled(loss, amp)({"1": s1, "2": s2}, params)   # doctest: +SKIP
+    """
+    check_fun(CALLER, fun, of)
+    if isinstance(argnums, bool) or not isinstance(argnums, int):
+        raise TypeError(f"{CALLER}: `argnums`={argnums!r} must be an int (the position of one argument x).")
+    if method not in METHODS:
+        raise ValueError(f"{CALLER}: `method`={method!r} must be one of {sorted(METHODS)}.")
+    static = _static_indices(indices)
+
+    @functools.wraps(fun)
+    def value(*args, **kwargs):
+        if not -len(args) <= argnums < len(args):
+            raise ValueError(f"{CALLER}: `argnums`={argnums} must index one of the {len(args)} positional "
+                             f"arguments of `fun` (0..{len(args) - 1}).")  # fmt: skip
+        pos = argnums % len(args)
+        x = args[pos]
+        if not hasattr(x, "dtype") and not isinstance(x, float):
+            raise TypeError(f"{CALLER}: argument {pos} (`argnums`) must be a floating-point array x, got "
+                            f"{type(x).__name__}.")  # fmt: skip
+        x = jnp.asarray(x)
+        if not jnp.issubdtype(x.dtype, jnp.floating) or x.ndim > 1:
+            raise TypeError(f"{CALLER}: argument {pos} (`argnums`) must be a floating-point scalar or array of "
+                            f"shape (d,), got {x.dtype}{list(x.shape)}.")  # fmt: skip
+        d = x.size
+        idx = tuple(range(d)) if static is None else static
+        if max(idx) >= d:
+            raise ValueError(f"{CALLER}: `indices`={indices!r} must be entries of x in [0, {d}), x has shape "
+                             f"{tuple(x.shape)}.")  # fmt: skip
+
+        def flat(zv):
+            full = list(args)
+            full[pos] = jnp.reshape(zv, x.shape)
+            return fun(*full, **kwargs)
+
+        xv = jnp.reshape(x, (d,))
+        frame = Frame()
+        frames().append(frame)
+        try:
+            closed = jax.make_jaxpr(flat)(xv)
+        finally:
+            frames().pop()
+        avals = closed.out_avals
+        if len(avals) != 1 or avals[0].shape != () or not jnp.issubdtype(avals[0].dtype, jnp.inexact):
+            got = ", ".join(f"{a.dtype}{list(a.shape)}" for a in avals)
+            raise TypeError(f"{CALLER}: `fun`={fun!r} must return one floating-point scalar (shape ()), got {got}.")
+        m, term = frame.max_order, term_of(frame, of)
+        keys = {"first": dict(order=m + 1, term=term),
+                "second": dict(order=m + 2, term=None if term is None else SEP.join((term, LAP)))}  # fmt: skip
+
+        def g(zv):  # fun as traced: the inner derivatives do not report again
+            return interpreter.eval_jaxpr(closed.jaxpr, closed.consts, [zv], interpreter.bind)[0]
+
+        y = g(xv)
+        s1, s2 = deriv_scale(y, **keys["first"]), deriv_scale(y, **keys["second"])
+        basis = jnp.asarray(np.eye(d)[list(idx)], xv.dtype)
+        first, second = METHODS[method](closed, g, xv, basis, s1, s2)
+        deriv_check(first, y, **keys["first"])  # the first-order tangents: flags only
+        second = deriv_check(second, y, **keys["second"])
+        out = jnp.promote_types(y.dtype, x.dtype)
+        wide = jnp.promote_types(out, jnp.float32)
+        report(m + 2, None, None)
+        return (second.astype(wide) * (jnp.float32(1.0) / s2).astype(wide)).astype(out)
+
+    return value

@@ -1,0 +1,192 @@
+"""Collapsed Taylor mode: ``sum_i d2f[t_i, t_i]`` in one second-order propagation.
+
+Dangel et al., "Collapsing Taylor Mode Automatic Differentiation" (NeurIPS 2025). Second-order
+Taylor mode along ``D`` directions ``t_i`` propagates, for every variable ``z`` of ``f``'s jaxpr,
+the first-order coefficients ``z1_i`` (one per direction) and the second-order ones ``z2_i``.
+The top coefficient's propagation is linear in it (``out2 = g'(z) z2 + g''(z)[z1, z1]``), so
+for a sum over directions only the sum ``z2 = sum_i z2_i`` needs to be propagated:
+
+- linear primitives: ``out2 = A z2`` (one matmul instead of ``D``);
+- elementwise ones: ``out2 = g'(z) z2 + g''(z) * sum_i z1_i**2``;
+- any other (bilinear ``mul``/``dot_general`` with two x-dependent operands, unknown ones):
+  ``out2 = g'(z)[z2] + sum_i g''(z)[z1_i, z1_i]`` by nested ``jax.jvp`` of the primitive
+  vmapped over the directions: correct, uncollapsed in its product term only.
+
+The first-order part is ``jax.jvp`` of the primitive vmapped over the directions. Call-like
+equations (:func:`jaxamp.taylor.rules.body`) and the primal bodies of ``custom_jvp``/``custom_vjp``
+calls are entered; the drop-in marks stay in the program (``deriv_scale_p`` is constant,
+``deriv_check_p`` passes its operand's coefficients through) for :func:`jaxamp.dropin.scaled`.
+
+Scaling as :func:`jaxamp.taylor.second_order`: the first-order seeds carry ``S_1`` and the
+product terms take the ratio ``S_2 / S_1**2`` as factors ``(S_2 / S_1, 1 / S_1)`` -- applied in
+float32 after the product where the primitive computes in float32 or wider, or split into two
+powers of two multiplying the tangents before it in float16/bfloat16 (``Ratio.split``) -- so
+that the summed coefficient carries ``S_2`` and no float16 value carries ``S_1**2``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jcore
+
+from jaxamp import interpreter
+from jaxamp.taylor import rules
+from jaxamp.taylor.faa_di_bruno import SCALE_AFTER_MIN_BITS, Ratio
+from jaxamp.taylor.propagate import inexact, multilinear
+
+__all__ = ["CJet", "ELEMENTWISE", "collapsed_second_order", "propagate_jaxpr"]
+
+# Elementwise in each operand: with one x-dependent operand z of the output's shape,
+# sum_i g''(z)[a_i, a_i] = g''(z)[1, sum_i a_i**2] (one nested jvp for all directions).
+ELEMENTWISE = frozenset(
+    "tanh sin cos tan exp exp2 log log1p expm1 logistic integer_pow pow sqrt rsqrt cbrt square erf erfc "
+    "erf_inv sinh cosh asin acos atan asinh acosh atanh abs sign mul div max min atan2 lgamma digamma".split()
+)
+
+
+class CJet(NamedTuple):
+    """A variable's value, its first-order coefficients (``[D, *shape]``, one per direction)
+    and its summed second-order coefficient (``shape``); None where identically zero."""
+
+    value: Any
+    first: Optional[jax.Array] = None
+    second: Optional[jax.Array] = None
+
+
+def _times(t: jax.Array, factors: Sequence[jax.Array]) -> jax.Array:
+    """``t * factors...`` in at least float32 (float64 stays float64), back in ``t``'s dtype."""
+    wide = jnp.promote_types(t.dtype, jnp.float32)
+    out = t.astype(wide)
+    for r in factors:
+        out = out * jnp.asarray(r).astype(wide)
+    return out.astype(t.dtype)
+
+
+def _degree(eqn: jcore.JaxprEqn, ones: Sequence[int]) -> Optional[int]:
+    if eqn.primitive.name == "div" and tuple(ones) == (0,):  # a / c is linear in a
+        return 1
+    return rules.degree(eqn.primitive.name, len(ones))
+
+
+def _restrict(eqn: jcore.JaxprEqn, values: Sequence[Any], which: Sequence[int], keep: Sequence[int]) -> Callable:
+    """The primitive as a function of operands ``which``, the others held; outputs ``keep``."""
+
+    def fn(*operands):
+        full = list(values)
+        for slot, operand in zip(which, operands):
+            full[slot] = operand
+        outs = interpreter.bind(eqn, full)
+        return [outs[k] for k in keep]
+
+    return fn
+
+
+def _rule(eqn: jcore.JaxprEqn, invals: List[CJet], ratio: Optional[Ratio]) -> List[CJet]:
+    values = [v.value for v in invals]
+    outs = interpreter.bind(eqn, values)
+    keep = [k for k, o in enumerate(outs) if inexact(o.dtype)]
+    if not keep:
+        return [CJet(o) for o in outs]
+    ones = [i for i, v in enumerate(invals) if v.first is not None]
+    twos = [i for i, v in enumerate(invals) if v.second is not None]
+    first = second = None
+    if ones:
+        f1, p1 = _restrict(eqn, values, ones, keep), tuple(values[i] for i in ones)
+        first = jax.vmap(lambda *ts: jax.jvp(f1, p1, ts)[1])(*[invals[i].first for i in ones])
+    if twos:
+        f2 = _restrict(eqn, values, twos, keep)
+        second = jax.jvp(f2, tuple(values[i] for i in twos), tuple(invals[i].second for i in twos))[1]
+    if ones and _degree(eqn, ones) != 1:
+        q = _quadratic(eqn, f1, p1, [invals[i].first for i in ones], [outs[k] for k in keep], ratio)
+        second = q if second is None else [a + b for a, b in zip(second, q)]
+    result = [CJet(o) for o in outs]
+    for n, k in enumerate(keep):
+        result[k] = CJet(outs[k], None if first is None else first[n], None if second is None else second[n])
+    return result
+
+
+def _quadratic(eqn, f1: Callable, p1: Tuple[Any, ...], firsts: List[jax.Array], outs: List[jax.Array],
+               ratio: Optional[Ratio]) -> List[jax.Array]:  # fmt: skip
+    """``(S_2 / S_1**2) * sum_i g''(z)[z1_i, z1_i]`` of one equation."""
+    wide = all(jnp.finfo(v.dtype).bits >= SCALE_AFTER_MIN_BITS for v in (*firsts, *outs))
+    heads: Tuple[Optional[jax.Array], ...] = (None, None)
+    if ratio is not None and not wide:  # float16: bring each tangent to about sqrt(ratio) first
+        heads = tuple(ratio.split(2, (1, 1)))
+
+    def pre(t, h):
+        return t if h is None else _times(t, (h,))
+
+    if eqn.primitive.name in ELEMENTWISE and len(p1) == 1 and all(o.shape == p1[0].shape for o in outs):
+        a = firsts[0]
+        squares = jnp.sum(pre(a, heads[0]) * pre(a, heads[1]), axis=0)
+        q = multilinear(f1, p1, [(jnp.ones_like(p1[0]),), (squares,)])
+    else:
+
+        def per_direction(*ts):
+            return multilinear(f1, p1, [tuple(pre(t, heads[0]) for t in ts), tuple(pre(t, heads[1]) for t in ts)])
+
+        q = [jnp.sum(v, axis=0) for v in jax.vmap(per_direction)(*firsts)]
+    if ratio is not None and wide:
+        q = [_times(v, ratio.factors) for v in q]
+    return q
+
+
+def _run(closed: jcore.ClosedJaxpr, args: Sequence[CJet], ratio: Optional[Ratio]) -> List[CJet]:
+    def step(eqn: jcore.JaxprEqn, invals: List[CJet]) -> List[CJet]:
+        if all(v.first is None and v.second is None for v in invals):
+            return [CJet(o) for o in interpreter.bind(eqn, [v.value for v in invals])]
+        name = eqn.primitive.name
+        if name == "jaxamp_deriv_scale":  # the scale of an inner derivative: constant in x
+            return [CJet(o) for o in interpreter.bind(eqn, [v.value for v in invals])]
+        if name == "jaxamp_deriv_check":  # the identity on its first operand
+            (out,) = interpreter.bind(eqn, [v.value for v in invals])
+            return [CJet(out, invals[0].first, invals[0].second)]
+        body = rules.body(eqn)
+        body = interpreter.custom_body(eqn) if body is None else body
+        if body is not None:
+            return _run(body, invals, ratio)
+        return _rule(eqn, invals, ratio)
+
+    return interpreter.eval_jaxpr(closed.jaxpr, [CJet(c) for c in closed.consts], args, step, literal=CJet)
+
+
+def propagate_jaxpr(closed: jcore.ClosedJaxpr, x: jax.Array, tangents: jax.Array,
+                    ratio: Optional[Sequence[jax.Array]] = None) -> Tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
+    """Collapsed propagation through ``closed``, a jaxpr of one argument ``x`` and one output.
+
+    Args:
+      closed: ``jax.make_jaxpr(f)(x)``.
+      x: the point.
+      tangents: ``[D, *x.shape]``, the directions ``t_i`` (carrying ``S_1``), in ``x``'s dtype.
+      ratio: None, or float32 factors applied one after another to the product terms
+        (``(S_2 / S_1, 1 / S_1)``).
+
+    Returns:
+      ``(f(x), first [D, *out.shape], second)``: ``first[i] = df[t_i]`` and
+      ``second = ratio * sum_i d2f[t_i, t_i]``, in ``f(x)``'s dtype (zeros where identically 0).
+    """
+    scaling = None if ratio is None else Ratio(tuple(ratio) if isinstance(ratio, (tuple, list)) else (ratio,))
+    (out,) = _run(closed, [CJet(x, tangents)], scaling)
+    d = tangents.shape[0]
+    first = jnp.zeros((d,) + jnp.shape(out.value), out.value.dtype) if out.first is None else out.first
+    second = jnp.zeros_like(out.value) if out.second is None else out.second
+    return out.value, first, second
+
+
+def collapsed_second_order(f: Callable[[jax.Array], jax.Array], x: jax.Array, tangents: jax.Array,
+                           ratio: Optional[Sequence[jax.Array]] = None) -> Tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
+    """``f(x)``, ``[df[t_i]]_i`` and ``ratio * sum_i d2f[t_i, t_i]`` in one propagation.
+
+    Equal, up to rounding, to summing :func:`jaxamp.taylor.second_order` over the rows of
+    ``tangents``; the summed second-order coefficient is propagated once instead of ``D`` times.
+
+    Example:
+      >>> f = lambda x: jnp.sin(x).sum()
+      >>> y, d1, lap = collapsed_second_order(f, jnp.array([0.1, 0.2]), jnp.eye(2))
+      >>> bool(jnp.allclose(lap, -jnp.sin(0.1) - jnp.sin(0.2)))
+      True
+    """
+    return propagate_jaxpr(jax.make_jaxpr(f)(x), x, tangents, ratio)

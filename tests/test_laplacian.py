@@ -1,0 +1,245 @@
+"""jaxamp.dropin.laplacian: the scaled Laplacian by collapsed Taylor mode, and its baselines.
+
+Oracles: ``jnp.trace(jax.hessian(f))`` (float32 to rounding, float64 to 1e-12) and the sum of
+:func:`jaxamp.taylor.second_order` over the directions; every method gives the same value. On
+a float32 network, scales ``2**k`` give bit-identical values (binary scaling commutes with
+rounding); on a float16 network a too-large input factor overflows key "2" at scale 1 and not
+at a small scale; the value is differentiable with respect to the parameters through
+:func:`jaxamp.scaled` and composes with ``vmap`` and ``jit``.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import jaxamp
+from jaxamp import taylor
+from jaxamp.dropin.laplacian import METHODS, laplacian
+from jaxamp.dropin.scaled import scaler_keys
+from jaxamp.marks import NONFINITE_VALUES
+from jaxamp.taylor.collapsed import collapsed_second_order
+
+SCALES = {"1": 2.0**-3, "2": 2.0**-7}
+ONES = {"1": 1.0, "2": 1.0}
+
+
+def init(d, width=16, depth=2, seed=0):
+    sizes = [d] + [width] * depth + [1]
+    out = []
+    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+        k1, k2 = jax.random.split(jax.random.PRNGKey(seed + i))
+        out.append((jax.random.normal(k1, (b, a)) / np.sqrt(a), 0.1 * jax.random.normal(k2, (b,))))
+    return out
+
+
+def mlp(params, x, dtype=None):
+    """tanh and sin layers; ``dtype``: the layers compute in it (params cast inside)."""
+    h = x if dtype is None else x.astype(dtype)
+    for i, (w, b) in enumerate(params):
+        w, b = (w, b) if dtype is None else (w.astype(dtype), b.astype(dtype))
+        h = w @ h + b
+        if i < len(params) - 1:
+            h = jnp.tanh(h) if i % 2 == 0 else jnp.sin(h)
+    return h[0].astype(x.dtype)
+
+
+def trace_hessian(f, argnums=1, indices=None):
+    def lap(*args):
+        h = jax.hessian(f, argnums)(*args)
+        return jnp.trace(h) if indices is None else sum(h[i, i] for i in indices)
+
+    return lap
+
+
+def points(d, n=4, seed=1, dtype=jnp.float32):
+    return jax.random.uniform(jax.random.PRNGKey(seed), (n, d), dtype, -1.0, 1.0)
+
+
+def all_methods(f, methods=tuple(METHODS), subset=None):
+    """``{method: Laplacian per point}``, ``"ref"`` (the trace of the Hessian) and, with
+    ``subset``, ``"sub"``/``"sub_ref"`` over those indices: one jitted program."""
+
+    def run(params, x):
+        fns = {m: laplacian(f, 1, method=m) for m in methods}
+        fns["ref"] = trace_hessian(f)
+        if subset is not None:
+            fns.update(sub=laplacian(f, 1, indices=subset), sub_ref=trace_hessian(f, indices=subset))
+        return {m: jax.vmap(fn, (None, 0))(params, x) for m, fn in fns.items()}
+
+    return jax.jit(run)
+
+
+def assert_close(got, ref, rtol, msg=""):
+    assert got.dtype == ref.dtype and got.shape == ref.shape, msg
+    np.testing.assert_allclose(got, ref, rtol=rtol, atol=rtol * float(jnp.max(jnp.abs(ref))), err_msg=msg)
+
+
+def assert_methods_equal(values, rtol):
+    if "sub" in values:
+        assert_close(values.pop("sub"), values.pop("sub_ref"), rtol, "indices")
+    ref = values.pop("ref")
+    for method, got in values.items():
+        assert_close(got, ref, rtol, method)
+
+
+@pytest.mark.parametrize("d", [2, 3, 8])
+def test_every_method_is_the_trace_of_the_hessian_float32(d):
+    params, x = init(d), points(d)
+    assert_methods_equal(all_methods(mlp, subset=(0, d - 1) if d > 2 else None)(params, x), 1e-5)
+
+
+def test_float64_every_method_and_every_d():
+    with jax.enable_x64(True):
+        for d in (2, 3, 8):
+            params = jax.tree_util.tree_map(lambda a: a.astype(jnp.float64), init(d))
+            x = points(d, dtype=jnp.float64)
+            methods = tuple(METHODS) if d == 3 else ("collapsed",)
+            values = all_methods(mlp, methods, subset=[1, 2] if d == 8 else None)(params, x)
+            assert values["collapsed"].dtype == jnp.float64
+            assert_methods_equal(values, 1e-12)
+
+
+def test_collapsed_equals_summed_second_order():
+    params, x = init(3), points(3)[0]
+    f = lambda z: mlp(params, z)  # noqa: E731
+
+    @jax.jit
+    def both(x):
+        ours = collapsed_second_order(f, x, 2.0 * jnp.eye(3), (jnp.float32(0.5), jnp.float32(0.5)))[1:]
+        theirs = jax.vmap(lambda e: taylor.second_order(f, x, 2.0 * e, jnp.float32(0.25))[1:])(jnp.eye(3))
+        return ours, theirs
+
+    (first, lap), (firsts, seconds) = both(x)
+    np.testing.assert_allclose(first, firsts, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(lap, seconds.sum(), rtol=1e-5)
+
+
+@jax.custom_vjp
+def _cube(v):
+    return v**3
+
+
+_cube.defvjp(lambda v: (v**3, v), lambda v, g: (3 * v**2 * g,))
+
+
+def _every_primitive(x):
+    """One scalar through the rule table: elementwise, linear, shape, bilinear, calls, fallback."""
+    a = jnp.concatenate([jnp.sin(x), jnp.cos(x[:2]) - x[1:3] / (2.0 + x[:2] ** 2)])  # [5]
+    b = jnp.reshape(jnp.tanh(a[:4]), (2, 2)).T  # reshape, transpose
+    c = jnp.squeeze(jnp.expand_dims(b, 0), 0) @ b  # dot_general, both operands dependent
+    e = jnp.exp(-jnp.square(c)) + jnp.log(2.0 + c) + (1.5 + c) ** 1.5 + (-c) * c
+    f = jnp.where(x[0] > 0, e, 2.0 * e)  # select_n
+    g = jax.jit(lambda v: jax.nn.softplus(v) * v)(f)  # pjit, custom_jvp
+    h = lax.cumsum(g.reshape(-1)) + jnp.sort(g.reshape(-1))  # no rule: nested jvp
+    k = lax.fori_loop(0, 2, lambda i, v: jnp.sin(v) * 1.1, h)  # a loop: nested jvp
+    return (k * jnp.broadcast_to(x[2], (4,))).sum() + jnp.sum(_cube(x))  # custom_vjp
+
+
+def test_every_rule_against_the_hessian_float64():
+    with jax.enable_x64(True):
+        scalar = lambda t: jnp.sin(t) * t**2  # noqa: E731  a scalar argument
+
+        @jax.jit
+        def both(x, t):
+            return (laplacian(_every_primitive)(x), jnp.trace(jax.hessian(_every_primitive)(x)),
+                    laplacian(scalar)(t), jax.grad(jax.grad(scalar))(t))  # fmt: skip
+
+        ours, ref, ours_t, ref_t = both(jnp.array([0.3, -0.6, 0.45]), 0.7)
+        np.testing.assert_allclose(ours, ref, rtol=1e-12)
+        np.testing.assert_allclose(ours_t, ref_t, rtol=1e-12)
+
+
+def test_keys_and_binary_scaling_on_float32():
+    d = 3
+    params, x = init(d), points(d)
+
+    def every(p, x):
+        return {m: jax.vmap(laplacian(mlp, 1, method=m), (None, 0))(p, x) for m in METHODS}
+
+    assert scaler_keys(every)(params, x) == ("1", "2")
+    run = jax.jit(jaxamp.scaled(every))
+    one, found = run(ONES, params, x)
+    for scales in (SCALES, {"1": 2.0**5, "2": 2.0**-20}):
+        values, found = run(scales, params, x)
+        for m in METHODS:
+            np.testing.assert_array_equal(values[m], one[m], err_msg=m)
+        assert not any(bool(v) for v in found.values())
+    _, found = run({"1": 1.0, "2": 2.0**127}, params, x)  # the summed second order leaves float32
+    assert {k: bool(v) for k, v in found.items()} == {"1": False, "2": True, NONFINITE_VALUES: False}
+    # orders: inside a first derivative the keys are 2 and 3; around one, 3; per term: u, u__lap
+    u = lambda p, t, x: mlp(p, x * (1.0 + t))  # noqa: E731
+    t0 = jnp.float32(0.2)
+    u_t = jaxamp.grad(u, 1, of="u", wrt="t")
+    assert scaler_keys(laplacian(u_t, 2))(params, t0, x[0]) == ("1", "2", "3")
+    assert scaler_keys(jaxamp.grad(laplacian(u, 2), 1))(params, t0, x[0]) == ("1", "2", "3")
+    term = jaxamp.AmpConfig(mode="per_term_scaler")
+    assert scaler_keys(laplacian(u, 2, of="u"), term)(params, t0, x[0]) == ("u", "u__lap")
+    assert scaler_keys(laplacian(u_t, 2), term)(params, t0, x[0]) == ("u", "u__t", "u__t__lap")
+
+
+def test_float16_overflow_flags_key_2_and_not_at_a_small_scale():
+    d, k = 3, 300.0  # second derivatives ~k**2: the summed coefficients leave float16
+    params, x = init(d), points(d, n=16)
+    u16 = lambda p, x: mlp(p, k * x, jnp.float16)  # noqa: E731
+    run = jax.jit(jaxamp.scaled(jax.vmap(laplacian(u16, 1), (None, 0))))
+    _, found = run(ONES, params, x)
+    assert {k: bool(v) for k, v in found.items()} == {"1": False, "2": True, NONFINITE_VALUES: False}
+    values, found = run({"1": 1.0, "2": 2.0**-12}, params, x)
+    assert not any(bool(v) for v in found.values())
+    ref = jax.jit(jax.vmap(trace_hessian(lambda p, x: mlp(p, k * x)), (None, 0)))(params, x)
+    assert_close(values, ref, 0.05)  # float16 rounding of inputs of size k
+    _, found = run({"1": 2.0**16, "2": 2.0**-12}, params, x)  # the first-order tangents overflow
+    assert bool(found["1"]) and not bool(found[NONFINITE_VALUES])
+
+
+def test_grad_wrt_params_through_scaled_vmap_jit():
+    d = 3
+    params, x = init(d), points(d, n=8)
+
+    def loss(p, lap):
+        return jnp.mean((jax.vmap(lap, (None, 0))(p, x) - 1.0) ** 2)
+
+    ref_val, ref_grad = jax.jit(jax.value_and_grad(lambda p: loss(p, trace_hessian(mlp))))(params)
+    scaled = jaxamp.scaled(lambda p: loss(p, laplacian(mlp, 1)))
+    (val, found), grads = jax.jit(jax.value_and_grad(lambda p: scaled(SCALES, p), has_aux=True))(params)
+    np.testing.assert_allclose(val, ref_val, rtol=1e-5)
+    for a, b in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref_grad)):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5 * float(jnp.max(jnp.abs(b))))
+    assert not any(bool(v) for v in found.values())
+    # a jit inside scaled keeps the checks of the (unused) first-order tangents
+    inner = jax.jit(jax.vmap(laplacian(mlp, 1), (None, 0)))
+    _, found = jax.jit(jaxamp.scaled(inner))({"1": 2.0**127, "2": 1.0}, params, x)
+    assert bool(found["1"])
+
+
+def test_bad_inputs_name_the_argument():
+    params, x = init(2), points(2)[0]
+    vec = lambda p, x: jnp.tanh(x)  # noqa: E731
+    with pytest.raises(TypeError, match=r"`fun`=.*one floating-point scalar \(shape \(\)\), got float32\[2\]"):
+        laplacian(vec, 1)(params, x)
+    with pytest.raises(TypeError, match="`fun`=.*must be callable"):
+        laplacian(3)
+    with pytest.raises(TypeError, match="`argnums`=.*must be an int"):
+        laplacian(mlp, (0, 1))
+    with pytest.raises(ValueError, match=r"`argnums`=5 must index one of the 2 positional arguments"):
+        laplacian(mlp, 5)(params, x)
+    with pytest.raises(TypeError, match=r"argument 0 \(`argnums`\) must be a floating-point array"):
+        laplacian(mlp, 0)(params, x)
+    with pytest.raises(TypeError, match=r"floating-point scalar or array of shape \(d,\), got float32\[1, 2\]"):
+        laplacian(mlp, 1)(params, x[None])
+    with pytest.raises(TypeError, match=r"floating-point scalar or array of shape \(d,\), got int32\[2\]"):
+        laplacian(mlp, 1)(params, jnp.array([1, 2]))
+    with pytest.raises(ValueError, match=r"`method`='hvp' must be one of \['collapsed', 'forward', 'reverse', 'taylor'\]"):
+        laplacian(mlp, 1, method="hvp")
+    with pytest.raises(ValueError, match=r"`indices`=\(0, 2\) must be entries of x in \[0, 2\)"):
+        laplacian(mlp, 1, indices=(0, 2))(params, x)
+    for bad in ((0, 0), (-1,)):
+        with pytest.raises(ValueError, match="`indices`=.*distinct non-negative ints"):
+            laplacian(mlp, 1, indices=bad)
+    for bad in ((), (0.5,), "0", [[0]], (True,)):
+        with pytest.raises((TypeError, ValueError), match="`indices`="):
+            laplacian(mlp, 1, indices=bad)
+    with pytest.raises(TypeError, match="`of`="):
+        laplacian(mlp, 1, of="")

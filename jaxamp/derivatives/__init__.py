@@ -8,7 +8,7 @@ engine computes every requested derivative of a per-point function with nested A
    mode the tangent seed, which scales every float16 tangent the same way);
 2. differentiate through the network's mixed-precision graph;
 3. check the *scaled* result: an overflow flags the scaler's key, bad values flag
-   :data:`NONFINITE_VALUES` (:mod:`jaxamp.derivatives.checks`);
+   :data:`jaxamp.NONFINITE_VALUES` (the marks of :mod:`jaxamp.marks`, interpreted by :func:`jaxamp.scaled`);
 4. multiply by ``1/scale`` in float32, inside the differentiable graph.
 
 Modules: :mod:`~jaxamp.derivatives.engine` (:class:`jaxamp.Derivatives`), :mod:`~jaxamp.derivatives.plan` (names, levels, paths, scaler keys: the one plan

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 
 from jaxamp.config import AmpConfig
 from jaxamp.derivatives import forward, reverse
-from jaxamp.derivatives.checks import found_inf
-from jaxamp.derivatives.plan import Plan, make_plan, scaler_key
-from jaxamp.marks import NONFINITE_VALUES
+from jaxamp.derivatives.plan import Plan, make_plan, mark_params, parent_of, scaler_key
+from jaxamp.dropin.scaled import interpreting, scaled
+from jaxamp.marks import NONFINITE_VALUES, deriv_check, deriv_scale, merge_found_inf
 from jaxamp.scaler import DynamicScaler, ScaleState
 
 PointFn = Callable[..., jax.Array]  # fn(params, x: f32[n_inputs]) -> f32[n_outputs]
@@ -114,24 +114,55 @@ class Derivatives:
           non-finite at some (unmasked) point. With scaling off, ``found_inf`` is ``{}``.
         """
         x = self.stack_points(points)
-        step_scales = self.check_scales(scales)
-        if step_scales:  # one opaque vector: XLA sees the same graph for any scale values
-            stacked = jax.lax.optimization_barrier(jnp.stack(list(step_scales.values())))
-            step_scales = {k: stacked[i] for i, k in enumerate(step_scales)}
         weights = self._weights(x) if self.mask_nonfinite_points else None
         if weights is not None:
             x = jnp.where(weights[:, None] > 0, x, jnp.zeros_like(x))  # a finite stand-in
-        # One seed per point, as torch's grad_outputs=ones_like(var)*scale: an unbatched seed
-        # makes the seed's products point-independent, and the weight gradient would then sum
-        # their cotangents over the batch *before* the factor s is applied, in float16.
-        per_point = {k: jnp.broadcast_to(s, x.shape[:1]) for k, s in step_scales.items()}
-        f = self._point_outputs(params)
-        values, scaled = jax.vmap(lambda p, s: self.engine(self.plan, f, p, s))(x, per_point)
+        if scales is None and self.scaled and interpreting():
+            # inside jaxamp.scaled / value_and_grad: the enclosing interpreter gives the marks
+            # their scales and collects their flags
+            values, found = self.marked(params, x)[0], {}
+        else:
+            step_scales = self.check_scales(scales) if self.scaled else {}
+            (values, _), found = scaled(self.marked, self.amp)(step_scales, params, x)
+            if found:  # bad values of every output, derivatives taken of it or not
+                bad = ~jnp.all(jnp.isfinite(jnp.stack([values[o] for o in self.outputs])))
+                found = merge_found_inf(found, {NONFINITE_VALUES: bad})
         if weights is not None:
             values = {k: jnp.where(weights > 0, v, jnp.zeros_like(v)) for k, v in values.items()}
-        if not self.scaled:
-            return values, {}
-        return values, found_inf(self.plan, x, values, scaled, weights)
+        return values, found
+
+    def marked(self, params, x: jax.Array) -> Tuple[Dict[str, jax.Array], Dict[str, jax.Array]]:
+        """The engine's derivative program at the points ``x`` (``f32[N, n_inputs]``), made of
+        jaxamp's marks (:mod:`jaxamp.marks`): every step's scale is a ``deriv_scale_p`` and every
+        derivative's scaled result a ``deriv_check_p`` (checked against the value it
+        differentiates where every value below it is finite), so :func:`jaxamp.scaled` gives it
+        its scales and flags as it does for the drop-in derivatives.
+
+        Returns:
+          ``(values, checked)``: ``{name: f32[N]}`` unscaled; ``{derivative: f32[N]}`` the scaled
+          results (checked).
+        """
+        plan, f = self.plan, self._point_outputs(params)
+        marks_of = {k: mark_params(plan, k) for k in plan.step_keys}
+
+        def point(p):
+            # One seed per point, as torch's grad_outputs=ones_like(var)*scale: an unbatched seed
+            # makes the seed's products point-independent, and the weight gradient would then sum
+            # their cotangents over the batch *before* the factor s is applied, in float16.
+            step_scales = {k: deriv_scale(p[0], **m) for k, m in marks_of.items()}
+            values, scaled_values = self.engine(plan, f, p, step_scales)
+            if not plan.scaled:  # nothing is checked: the graph has no finiteness test
+                return values, scaled_values
+            ok = {o: jnp.all(jnp.isfinite(p)) for o in plan.outputs}
+            checked = {}
+            for name in plan.derivatives:
+                parent = parent_of(name)
+                ok[name] = ok[parent] & jnp.isfinite(values[parent])
+                below = jnp.where(ok[name], values[parent], jnp.nan)  # finite where every value below is
+                checked[name] = deriv_check(scaled_values[name], below, **marks_of[plan.paths[name][-1][0]])
+            return values, checked
+
+        return jax.vmap(point)(x)
 
     def point_weights(self, points: Union[Mapping[str, jax.Array], jax.Array]) -> jax.Array:
         """``f32[N]``: each point's weight in a residual mean, 0 where the engine masks it

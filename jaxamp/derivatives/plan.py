@@ -109,6 +109,13 @@ def scaler_key(amp: Optional[AmpConfig], parent: str) -> str:
     return marks.scaler_key(amp, order_of(parent) + 1, parent)
 
 
+def mark_params(plan: "Plan", key: str) -> Dict[str, object]:
+    """The ``order`` and ``term`` of the marks of a step under ``key`` (:mod:`jaxamp.marks`):
+    :func:`jaxamp.marks.scaler_key` maps them back to ``key`` (a per-order key is its order)."""
+    order = next(i + 1 for i, level in enumerate(plan.levels) if key in level.parent_keys)
+    return {"order": order, "term": None if key == str(order) else key}
+
+
 def make_plan(inputs: Sequence[str], outputs: Sequence[str], derivatives: Sequence[str], amp: AmpConfig) -> Plan:
     """Validate the names and build the :class:`Plan` (every lower order a derivative needs
     is computed too). Raises ``TypeError``/``ValueError`` naming the bad argument."""

@@ -15,6 +15,8 @@ differentiates (a network output) is not finite (bad values, which no scale cure
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import weakref
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -31,6 +33,22 @@ from jaxamp.state import find
 __all__ = ["scaled", "scaler_keys", "Context", "check_amp", "marks", "trace"]
 
 Flags = Dict[str, jax.Array]
+_STATE = threading.local()
+
+
+@contextlib.contextmanager
+def _tracing():
+    """Marks traced in this block are interpreted by the caller (scaled, profile)."""
+    _STATE.depth = getattr(_STATE, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _STATE.depth -= 1
+
+
+def interpreting() -> bool:
+    """True while :func:`scaled` (or the profile) traces a program whose marks it interprets."""
+    return getattr(_STATE, "depth", 0) > 0
 _MARKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -75,8 +93,8 @@ class Context:
 
     def scale(self, v, order: int, term: Optional[str]) -> jax.Array:
         if not self.active:
-            if self.amp.loss_scaling_enabled:  # plain fp16: scale 1 through the scaled graph
-                return jnp.broadcast_to(_opaque({"1": 1.0})["1"], jnp.shape(v))
+            if str(order) in self.scales:  # plain fp16: scale 1 through the scaled graph
+                return jnp.broadcast_to(self.scales[str(order)], jnp.shape(v))
             return jnp.ones(jnp.shape(v), jnp.float32)  # fp32, bf16, AMP off: nothing multiplies
         key = self.key(order, term)
         if key not in self.scales:
@@ -141,7 +159,8 @@ def trace(fun: Callable, args, kwargs):
         a, kw = jax.tree_util.tree_unflatten(in_tree, leaves)
         return fun(*a, **kw)
 
-    closed, shape = jax.make_jaxpr(flat_fun, return_shape=True)(*flat)
+    with _tracing():
+        closed, shape = jax.make_jaxpr(flat_fun, return_shape=True)(*flat)
     return closed, flat, jax.tree_util.tree_structure(shape)
 
 
@@ -189,6 +208,9 @@ def scaled(fun: Callable[..., Any], amp: Optional[AmpConfig] = None) -> Callable
             ctx_amp, scales = state.amp, state.scales
         ctx = Context(scales, ctx_amp)
         closed, flat, out_tree = trace(fun, args, kwargs)
+        if not ctx.active and ctx_amp.loss_scaling_enabled:
+            # plain fp16: every order's scale 1 through one barrier, as the scaled program's scales
+            ctx.scales = _opaque({str(o): 1.0 for o, _ in marks(closed.jaxpr)})
         outs, flags = _evaluate(closed.jaxpr, closed.consts, flat, ctx)
         return jax.tree_util.tree_unflatten(out_tree, outs), full_flags(flags, ctx.keys(closed.jaxpr))
 

@@ -30,10 +30,15 @@ class Checkpointer:
       directory: where checkpoints live (created if missing). Must be a path, not a file.
       max_to_keep: how many of the newest checkpoints to keep (``None``: all).
 
-    Example:
-      >>> with jaxamp.checkpoint.Checkpointer("ckpt") as ckpt:
-      ...     ckpt.save({"train": state, "monitor": mstate})
-      ...     restored = ckpt.restore({"train": fresh_state, "monitor": monitor.init()})
+    Example (a dict has no ``.step``: pass ``step=``; a :class:`~jaxamp.train.TrainState` needs none):
+      >>> import tempfile, jax.numpy as jnp, jaxamp.checkpoint
+      >>> state = {"train": {"w": jnp.arange(3.0)}, "monitor": jnp.int32(7)}
+      >>> with tempfile.TemporaryDirectory() as d, jaxamp.checkpoint.Checkpointer(d) as ckpt:
+      ...     ckpt.save(state, step=7)
+      ...     restored = ckpt.restore({"train": {"w": jnp.zeros(3)}, "monitor": jnp.int32(0)})
+      7
+      >>> restored["train"]["w"], int(restored["monitor"])
+      (Array([0., 1., 2.], dtype=float32), 7)
     """
 
     def __init__(self, directory: Union[str, os.PathLike], *, max_to_keep: Optional[int] = 3) -> None:

@@ -127,6 +127,7 @@ class AmpConfig:
     key, the value and what is allowed.
 
     Example:
+      >>> from jaxamp import AmpConfig
       >>> amp = AmpConfig(dtype="float16", custom_max_scales_log2={2: 3}, custom_init_scales_log2={2: -4})
       >>> rule = amp.derivative_scaler_for("2")
       >>> rule.max_scale, rule.init_scale
@@ -218,6 +219,7 @@ class AmpConfig:
           value is kept: one above the max is an error).
 
         Example:
+          >>> from jaxamp import AmpConfig
           >>> rule = AmpConfig(custom_max_scales_log2={2: -9}).derivative_scaler_for("2")
           >>> rule.init_scale == rule.recover_threshold == rule.max_scale == 2.0**-9
           True
@@ -248,6 +250,7 @@ class AmpConfig:
           The validated config. Unknown keys and bad values raise :class:`ConfigError`.
 
         Example:
+          >>> from jaxamp import AmpConfig
           >>> AmpConfig.from_dict({"amp": {"dtype": "bfloat16"}}).dtype
           'bfloat16'
         """

@@ -44,10 +44,18 @@ def headroom_log2(engine, values: Mapping[str, jax.Array], scales: Mapping[str, 
       scale): ``+inf`` when every value under the key is 0, ``-inf`` when one overflowed
       (it is non-finite), NaN when one is NaN.
 
-    Example:
-      >>> values, found_inf = engine(params, points, scales)  # doctest: +SKIP
-      >>> metrics = jaxamp.headroom.headroom_log2(engine, values, scales)  # doctest: +SKIP
-      >>> return loss, (terms, found_inf, metrics)  # doctest: +SKIP
+    Example (``u = w sin(x)`` with ``w = 2**10`` at ``x = 0``: ``u__x = 2**10``, ``u__x__x = 0``):
+      >>> import jax.numpy as jnp, jaxamp, jaxamp.headroom
+      >>> engine = jaxamp.Derivatives(lambda p, x: p * jnp.sin(x), inputs=("x",), outputs=("u",),
+      ...                             derivatives=("u__x__x",), amp=jaxamp.AmpConfig(dtype="float16"))
+      >>> scales = {"1": jnp.float32(1.0), "2": jnp.float32(1.0)}
+      >>> values, found_inf = engine(jnp.float32(2.0**10), {"x": jnp.zeros(4)}, scales)
+      >>> headroom = jaxamp.headroom.headroom_log2(engine, values, scales)
+      >>> {k: round(float(v), 2) for k, v in headroom.items()}  # 2**6 to spare under key "1"
+      {'1': 6.0, '2': inf}
+
+    In a loss function, return it as extra metrics: ``return loss, (terms, found_inf,
+    jaxamp.headroom.headroom_metrics(headroom))``.
     """
     plan = getattr(engine, "plan", None)
     if plan is None or not hasattr(engine, "scaler_keys"):
@@ -92,8 +100,10 @@ def headroom_metrics(*headrooms: Mapping[str, jax.Array]) -> Dict[str, jax.Array
       ``{"headroom_log2/" + key: f32[]}`` holding every key once.
 
     Example:
-      >>> headroom_metrics({"2": jnp.float32(3.0)}, {"2": jnp.float32(1.5)})  # doctest: +SKIP
-      {'headroom_log2/2': Array(1.5, dtype=float32)}
+      >>> import jax.numpy as jnp
+      >>> from jaxamp.headroom import headroom_metrics
+      >>> headroom_metrics({"2": jnp.float32(3.0)}, {"2": jnp.float32(1.5), "1": jnp.float32(7.0)})
+      {'headroom_log2/2': Array(1.5, dtype=float32), 'headroom_log2/1': Array(7., dtype=float32)}
     """
     out: Dict[str, jax.Array] = {}
     for i, h in enumerate(headrooms):

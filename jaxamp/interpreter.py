@@ -42,8 +42,11 @@ def eval_jaxpr(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], r
 
     Example:
       >>> import jax, jax.numpy as jnp
+      >>> from jaxamp.interpreter import bind, eval_jaxpr
       >>> closed = jax.make_jaxpr(lambda x: jnp.sin(x) * 2.0)(1.0)
-      >>> eval_jaxpr(closed.jaxpr, closed.consts, [1.0], bind)  # doctest: +SKIP
+      >>> [y] = eval_jaxpr(closed.jaxpr, closed.consts, [jnp.float32(1.0)], bind)  # as written: sin(1) * 2
+      >>> round(float(y), 4)
+      1.6829
     """
     if len(consts) != len(jaxpr.constvars) or len(args) != len(jaxpr.invars):
         raise ValueError(

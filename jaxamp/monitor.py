@@ -63,13 +63,24 @@ class StallMonitor:
       max_skip_rate: a skip rate above this over a full window is a stall, in ``(0, 1]``.
       amp: the settings, for each scale's floor (``min_scale``); None: the floor 2**-126.
 
-    Example:
-      >>> monitor = jaxamp.monitor.StallMonitor(max_consecutive_skips=100, amp=amp)
-      >>> mstate = monitor.init()
-      >>> state, metrics = step(state, batch)
+    In a training loop (not run here: needs a train state, a step and a batch)::
+
+        mstate = monitor.init()
+        state, metrics = step(state, batch)
+        mstate = monitor.update(mstate, metrics)
+        if (line := monitor.diagnose(mstate, metrics)):
+            raise SystemExit(line)
+
+    Example (two steps skipped for key ``"2"``, with hand-made metrics):
+      >>> import jaxamp.monitor
+      >>> monitor = jaxamp.monitor.StallMonitor(max_consecutive_skips=2, window=10)
+      >>> metrics = {"skipped": True, "skip_reason": jaxamp.SkipReason.DERIVATIVE_OVERFLOW, "found_inf/2": True}
+      >>> mstate = monitor.update(monitor.init(), metrics)
+      >>> print(monitor.diagnose(mstate, metrics))
+      None
       >>> mstate = monitor.update(mstate, metrics)
-      >>> if (line := monitor.diagnose(mstate, metrics)):
-      ...     raise SystemExit(line)
+      >>> print(monitor.diagnose(mstate, metrics))  # doctest: +ELLIPSIS
+      jaxamp: training stalled at step 2: 2 consecutive skipped steps, the last for overflow in derivative scaler `2`. Try: ...
     """
 
     max_consecutive_skips: int = 100

@@ -176,7 +176,7 @@ def optimizer(inner: optax.GradientTransformation, state: AmpState, *,
       current scales (``opt_state.amp.scales``) and is what :func:`value_and_grad` reads.
 
     Example:
-      >>> import optax, jaxamp
+      >>> import jax.numpy as jnp, optax, jaxamp
       >>> tx = jaxamp.optimizer(optax.adam(1e-3), jaxamp.init(None, jaxamp.AmpConfig())())
       >>> opt_state = tx.init({"w": jnp.zeros(3)})
       >>> float(opt_state.amp.loss_scale)

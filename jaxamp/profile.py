@@ -155,9 +155,21 @@ def profile(engine, params, points, scales: Optional[Mapping[str, jax.Array]] = 
       along every input some derivative starts with, order 2 along every input of a pure
       second derivative (the chains the forward engine propagates).
 
-    Example:
-      >>> prof = jax.jit(profile, static_argnums=0)(engine, params, points, state.scales)  # doctest: +SKIP
-      >>> print(format_profile(prof))  # doctest: +SKIP
+    Example (``u = w sin(x)`` with ``w = 2**18``: both keys overflow float16 at scale 1):
+      >>> import jax, jax.numpy as jnp, jaxamp
+      >>> from jaxamp.profile import profile, format_profile
+      >>> engine = jaxamp.Derivatives(lambda p, x: p["w"] * jnp.sin(x), inputs=("x",), outputs=("u",),
+      ...                             derivatives=("u__x__x",), amp=jaxamp.AmpConfig(dtype="float16"))
+      >>> points = {"x": jnp.linspace(0.0, 1.0, 8)}
+      >>> prof = jax.jit(profile, static_argnums=0)(engine, {"w": jnp.float32(2.0**18)}, points)
+      >>> sorted(prof.keys), sorted(prof.derivatives), float(prof.keys["1"].log2_max)
+      (['1', '2'], ['u__x', 'u__x__x'], 18.0)
+      >>> print(format_profile(prof, legend=False))
+      quantity                     log2 max     p1    p50    p99  <normal   >max    up  down
+      key 1                            18.0   17.1   17.8   18.0    0.000  1.000  -2.0  31.1
+      key 2                            17.8   15.2   17.1   17.7    0.000  0.857  -1.8  29.2
+      derivative u__x                  18.0   17.1   17.8   18.0    0.000  1.000  -2.0  31.1
+      derivative u__x__x               17.8   15.2   17.1   17.7    0.000  0.857  -1.8  29.2
     """
     from jaxamp.derivatives.engine import Derivatives
 
@@ -207,7 +219,12 @@ class Recommendation(NamedTuple):
           if that is lower. Max scales are unchanged: a key grows back up to its max.
 
         Example:
-          >>> amp = recommend(profile(engine, params, points)).apply(amp)  # doctest: +SKIP
+          >>> import jaxamp
+          >>> from jaxamp.profile import Recommendation
+          >>> rec = Recommendation(scales_log2={"1": 0, "2": -6}, custom_init_scales_log2={"2": -6}, margin_log2=2)
+          >>> amp = rec.apply(jaxamp.AmpConfig(dtype="float16", custom_max_scales_log2={"2": -8}))
+          >>> dict(amp.custom_init_scales_log2)  # -6 is above key "2"'s max scale 2**-8
+          {'2': -8}
         """
         starts = dict(amp.custom_init_scales_log2)
         starts.update({k: min(v, amp.max_scale_log2(k)) for k, v in self.custom_init_scales_log2.items()})
@@ -240,9 +257,22 @@ def recommend(prof: Profile, *, margin_log2: int = 2, default_max_scale_log2: in
       A :class:`Recommendation`: a key whose largest value ``m`` (``prof.keys``) needs it
       starts at ``2**floor(log2(65504) - margin_log2 - log2(m))``; an all-zero key at the default.
 
-    Example:
-      >>> rec = recommend(jax.jit(profile, static_argnums=0)(engine, params, points))  # doctest: +SKIP
-      >>> print(rec.to_yaml()); amp = rec.apply(amp)  # doctest: +SKIP
+    Example (``u = w sin(x)``, ``|u__x| <= 2**18``: key ``"1"`` starts at
+    ``2**floor(15.99 - 2 - 18) = 2**-5``):
+      >>> import jax, jax.numpy as jnp, jaxamp
+      >>> from jaxamp.profile import profile, recommend
+      >>> amp = jaxamp.AmpConfig(dtype="float16")
+      >>> engine = jaxamp.Derivatives(lambda p, x: p["w"] * jnp.sin(x), inputs=("x",), outputs=("u",),
+      ...                             derivatives=("u__x__x",), amp=amp)
+      >>> prof = jax.jit(profile, static_argnums=0)(engine, {"w": jnp.float32(2.0**18)}, {"x": jnp.linspace(0.0, 1.0, 8)})
+      >>> rec = recommend(prof)
+      >>> print(rec.to_yaml(), end="")
+      amp:
+        custom_init_scales_log2:
+          "1": -5
+          "2": -4
+      >>> rec.apply(amp).derivative_scaler_for("1").init_scale == 2.0**-5
+      True
     """
     check_margin(margin_log2, "recommend")
     scales, custom = {}, {}
@@ -278,8 +308,27 @@ def format_profile(prof: Profile, *, legend: bool = True) -> str:
     Returns:
       The table as text; a group without nonzero values reads "all zero / no values".
 
-    Example:
-      >>> print(format_profile(jax.jit(profile, static_argnums=0)(engine, params, points)))  # doctest: +SKIP
+    Example (a one-hidden-layer network: its layers' tangents get rows of their own):
+      >>> import jax, jax.numpy as jnp, jaxamp
+      >>> from jaxamp.profile import profile, format_profile
+      >>> net = lambda p, x: jnp.tanh(x @ p["w1"]) @ p["w2"]
+      >>> params = {"w1": jnp.full((1, 4), 2.0), "w2": jnp.full((4, 1), 2.0**12)}
+      >>> engine = jaxamp.Derivatives(net, inputs=("x",), outputs=("u",), derivatives=("u__x__x",),
+      ...                             amp=jaxamp.AmpConfig(dtype="float16"))
+      >>> prof = jax.jit(profile, static_argnums=0)(engine, params, {"x": jnp.linspace(-1.0, 1.0, 16)})
+      >>> print(format_profile(prof))  # doctest: +ELLIPSIS
+      quantity                     log2 max     p1    p50    p99  <normal   >max    up  down
+      key 1                            15.0    1.0    1.0   15.0    0.000  0.000   1.0  15.0
+      key 2                            15.6   13.1   14.7   15.6    0.000  0.000   0.4  27.1
+      derivative u__x                  15.0   11.2   13.6   15.0    0.000  0.000   1.0  25.2
+      derivative u__x__x               15.6   13.1   14.7   15.6    0.000  0.000   0.4  27.1
+      hidden 1/x/layer0                 1.0    1.0    1.0    1.0    0.000  0.000  15.0  15.0
+      hidden 1/x/layer1                15.0   11.2   13.6   15.0    0.000  0.000   1.0  25.2
+      hidden 2/x/layer0              all zero / no values
+      hidden 2/x/layer1                15.6   13.1   14.7   15.6    0.000  0.000   0.4  27.1
+      <BLANKLINE>
+      columns: magnitudes as float16 holds them (times the key's scale); zeros are left out
+      ...
     """
     rows = [f"{'quantity':<28}{'log2 max':>9}" + "".join(f"{'p' + format(q, 'g'):>7}" for q in PERCENTILES)
             + f"{'<normal':>9}{'>max':>7}{'up':>6}{'down':>6}"]

@@ -71,10 +71,14 @@ class DynamicScaler:
       min_scale: optional floor of backoff, in ``(0, init_scale]``.
 
     Example:
-      >>> rule = DynamicScaler(max_scale=4.0, growth_interval=2)
-      >>> state = rule.update(rule.init(), True)
+      >>> from jaxamp import DynamicScaler
+      >>> rule = DynamicScaler(max_scale=4.0, growth_interval=2, recover_growth_interval=2)
+      >>> state = rule.update(rule.init(), True)  # an overflow: back off
       >>> float(state.scale)
       0.5
+      >>> state = rule.update(rule.update(state, False), False)  # two clean steps: grow
+      >>> float(state.scale), int(state.growth_tracker)
+      (1.0, 0)
     """
 
     init_scale: float = 1.0
@@ -155,6 +159,7 @@ def loss_scaler(**overrides: Any) -> DynamicScaler:
     below 2^7) over :class:`DynamicScaler`'s defaults, then ``overrides``.
 
     Example:
+      >>> from jaxamp.scaler import loss_scaler
       >>> loss_scaler(growth_interval=500).init_scale
       65536.0
     """
@@ -175,6 +180,7 @@ class Scalers(Mapping[str, ScaleState]):
 
     Example:
       >>> import jaxamp
+      >>> from jaxamp.scaler import Scalers
       >>> s = Scalers.create(jaxamp.AmpConfig(), ["1", "2"])
       >>> s = s.update({"2": True})
       >>> float(s["2"].scale), float(s["1"].scale)

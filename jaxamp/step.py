@@ -41,6 +41,7 @@ class SkipReason(enum.IntEnum):
     """Why a step was skipped (``metrics["skip_reason"]``; docs/algorithm.md, "Training step").
 
     Example:
+      >>> from jaxamp.step import SkipReason
       >>> SkipReason(1).name
       'DERIVATIVE_OVERFLOW'
     """
@@ -88,7 +89,16 @@ def check_loss_output(out: Any, *, with_metrics: bool = False) -> Tuple:
       Its loss, terms and found_inf (and metrics when ``with_metrics``), checked.
 
     Example:
-      >>> loss, terms, found_inf, metrics = check_loss_output(loss_fn(params, batch, scales), with_metrics=True)  # doctest: +SKIP
+      >>> import jax.numpy as jnp
+      >>> from jaxamp.step import check_loss_output
+      >>> out = (jnp.float32(1.5), ({"pde": jnp.float32(1.5)}, {"2": jnp.array(False)}))
+      >>> loss, terms, found_inf, metrics = check_loss_output(out, with_metrics=True)
+      >>> float(loss), sorted(terms), metrics
+      (1.5, ['pde'], {})
+      >>> check_loss_output(jnp.float32(1.5))  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ...
+      TypeError: loss_fn returned an array of dtype float32 and shape (): loss_fn(params, *args) must return ...
     """
     ok = isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[1], (tuple, list)) and len(out[1]) in (2, 3)
     if ok:
@@ -123,9 +133,13 @@ def scaled_value_and_grad(loss_fn: LossFn) -> Callable[..., Tuple[Tuple[jax.Arra
       ``loss_fn`` gave it (``(terms, found_inf)`` or ``(terms, found_inf, metrics)``),
       ``loss_scale`` an ``f32[]`` (1.0 when loss scaling is off); ``loss`` is unscaled.
 
-    Example:
+    Example (a loss without derivative engines: no terms, no flags):
+      >>> import jax.numpy as jnp, jaxamp.step
+      >>> loss_fn = lambda p, x, scales: (jnp.sum((p * x) ** 2), ({}, {}))
       >>> grad_fn = jaxamp.step.scaled_value_and_grad(loss_fn)
-      >>> (loss, (terms, found_inf)), grads = grad_fn(params, batch, scales, loss_scale=2.0**16)
+      >>> (loss, (terms, found_inf)), grads = grad_fn(jnp.float32(2.0), jnp.float32(3.0), {}, loss_scale=2.0**16)
+      >>> float(loss), float(grads)  # d(p x)^2/dp = 2 p x^2, the loss scale divided out
+      (36.0, 36.0)
     """
     if not callable(loss_fn):
         raise TypeError(f"scaled_value_and_grad: `loss_fn`={loss_fn!r} must be callable: {CONTRACT}.")
@@ -163,7 +177,12 @@ class StepCheck(NamedTuple):
         blend: inf/NaN in the unselected tree never leak.
 
         Example:
-          >>> params, opt_state = check.select((new_params, new_opt_state), (params, opt_state))
+          >>> import jax.numpy as jnp, jaxamp
+          >>> from jaxamp.scaler import Scalers
+          >>> scalers = Scalers.create(jaxamp.AmpConfig(dtype="float16"), ["2"])
+          >>> check = jaxamp.step.check_step({"2": jnp.array(True)}, {"w": jnp.ones(2)}, scalers)
+          >>> check.select({"w": jnp.full(2, jnp.nan)}, {"w": jnp.ones(2)})  # skipped: the old params
+          {'w': Array([1., 1.], dtype=float32)}
         """
         return jmp.select_tree(self.apply, applied, skipped)
 
@@ -193,9 +212,14 @@ def check_step(found_inf: Flags, grads: Any, scalers: Mapping[str, Any], *, axis
     Returns:
       A :class:`StepCheck`.
 
-    Example:
-      >>> check = jaxamp.step.check_step(found_inf, grads, state.deriv_scales)
-      >>> params = check.select(new_params, params)
+    Example (flags as a derivative engine returns them: key ``"2"`` overflowed):
+      >>> import jax.numpy as jnp, jaxamp
+      >>> from jaxamp.scaler import Scalers
+      >>> scalers = Scalers.create(jaxamp.AmpConfig(dtype="float16"), ["1", "2"])
+      >>> found_inf = {"1": jnp.array(False), "2": jnp.array(True), "nonfinite_values": jnp.array(False)}
+      >>> check = jaxamp.step.check_step(found_inf, {"w": jnp.ones(2)}, scalers)
+      >>> bool(check.apply), jaxamp.SkipReason(int(check.skip_reason)).name
+      (False, 'DERIVATIVE_OVERFLOW')
     """
     unknown = sorted(k for k in found_inf if k not in scalers and k != NONFINITE_VALUES)
     if unknown:
@@ -235,8 +259,15 @@ def update_scalers(
     Returns:
       ``(scalers, loss_scale)`` after the step.
 
-    Example:
+    Example (key ``"2"`` overflowed: it backs off, key ``"1"`` and the loss scale stay):
+      >>> import jax.numpy as jnp, jaxamp
+      >>> from jaxamp.scaler import Scalers
+      >>> amp = jaxamp.AmpConfig(dtype="float16")
+      >>> scalers, loss_scale = Scalers.create(amp, ["1", "2"]), amp.make_loss_scaler().init()
+      >>> check = jaxamp.step.check_step({"2": jnp.array(True)}, {"w": jnp.ones(2)}, scalers)
       >>> scalers, loss_scale = jaxamp.step.update_scalers(check, scalers, loss_scale, amp.make_loss_scaler())
+      >>> {k: float(v) for k, v in scalers.scales.items()}, float(loss_scale.scale)
+      ({'1': 1.0, '2': 0.5}, 65536.0)
     """
     if not isinstance(scalers, Scalers):
         raise TypeError(f"update_scalers: `scalers` must be a jaxamp.scaler.Scalers (Scalers.create(amp, keys) pairs each "

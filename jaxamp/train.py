@@ -52,7 +52,14 @@ class TrainState(NamedTuple):
           fixed at 1; with the derivative scalers inactive there are none.
 
         Example:
-          >>> state = jaxamp.train.TrainState.create(params=params, optimizer=optax.adam(1e-3), amp=amp, engines=[engine])
+          >>> import jax.numpy as jnp, optax, jaxamp
+          >>> amp = jaxamp.AmpConfig(dtype="float16")
+          >>> engine = jaxamp.Derivatives(lambda p, x: p["w"] * jnp.sin(x), inputs=("x",), outputs=("u",),
+          ...                             derivatives=("u__x__x",), amp=amp)
+          >>> state = jaxamp.train.TrainState.create(params={"w": jnp.float32(1.0)}, optimizer=optax.adam(1e-3),
+          ...                                        amp=amp, engines=[engine])
+          >>> int(state.step), sorted(state.scales), float(state.loss_scale.scale)
+          (0, ['1', '2'], 65536.0)
         """
         if not isinstance(amp, AmpConfig):
             raise TypeError(f"TrainState.create: `amp`={amp!r} must be an AmpConfig.")
@@ -101,7 +108,17 @@ def step_metrics(loss: jax.Array, terms: Any, check: StepCheck, grad_norm: jax.A
       "scale_log2/loss", "scale_log2/<key>", "found_inf/<key>": array}`` and ``extra``'s names.
 
     Example:
-      >>> metrics = jaxamp.train.step_metrics(loss, terms, check, optax.tree.norm(grads), scalers, loss_scale)  # doctest: +SKIP
+      >>> import jax.numpy as jnp, optax, jaxamp
+      >>> from jaxamp.scaler import Scalers
+      >>> amp = jaxamp.AmpConfig(dtype="float16")
+      >>> scalers, loss_scale = Scalers.create(amp, ["2"]), amp.make_loss_scaler().init()
+      >>> grads = {"w": jnp.ones(2)}
+      >>> check = jaxamp.step.check_step({"2": jnp.array(False)}, grads, scalers)
+      >>> metrics = jaxamp.train.step_metrics(jnp.float32(0.5), {"pde": jnp.float32(0.5)}, check,
+      ...                                     optax.tree.norm(grads), scalers, loss_scale)
+      >>> sorted(metrics)  # doctest: +NORMALIZE_WHITESPACE
+      ['found_inf/2', 'found_nonfinite_values', 'grad_norm', 'loss', 'scale_log2/2', 'scale_log2/loss',
+       'skip_reason', 'skipped', 'terms/pde']
     """
     metrics = {"loss": loss, "skipped": ~check.apply, "skip_reason": check.skip_reason,
                "found_nonfinite_values": check.nonfinite_values, "grad_norm": grad_norm}
@@ -139,9 +156,21 @@ def make_train_step(
       The step: :func:`~jaxamp.step.scaled_value_and_grad`, :func:`~jaxamp.step.check_step`, the update
       applied or skipped (:meth:`~jaxamp.StepCheck.select`), :func:`~jaxamp.step.update_scalers`.
 
-    Example:
+    Example (``u'' + u = 0`` for ``u = w sin(x)``):
+      >>> import jax, jax.numpy as jnp, optax, jaxamp
+      >>> amp = jaxamp.AmpConfig(dtype="float16")
+      >>> engine = jaxamp.Derivatives(lambda p, x: p["w"] * jnp.sin(x), inputs=("x",), outputs=("u",),
+      ...                             derivatives=("u__x__x",), amp=amp)
+      >>> def loss_fn(params, batch, scales):
+      ...     values, found_inf = engine(params, batch, scales)
+      ...     pde = jnp.mean((values["u__x__x"] + values["u"]) ** 2)
+      ...     return pde, ({"pde": pde}, found_inf)
+      >>> state = jaxamp.train.TrainState.create(params={"w": jnp.float32(1.0)}, optimizer=optax.adam(1e-3),
+      ...                                        amp=amp, engines=[engine])
       >>> step = jax.jit(jaxamp.train.make_train_step(loss_fn, optax.adam(1e-3), amp=amp))
-      >>> state, metrics = step(state, batch)
+      >>> state, metrics = step(state, {"x": jnp.linspace(0.0, 1.0, 8)})
+      >>> int(state.step), bool(metrics["skipped"]), float(metrics["scale_log2/loss"])
+      (1, False, 16.0)
     """
     if not isinstance(amp, AmpConfig):
         raise TypeError(f"make_train_step: `amp`={amp!r} must be an AmpConfig.")

@@ -2,10 +2,17 @@
 # The test command (README): sets up .venv on a fresh machine, then runs the fast suite
 # (everything not marked slow; .ci/run also runs the slow end-to-end tests) on one pytest-xdist
 # worker per core, each test file on one worker (module fixtures compile once). It prints the
-# ten slowest tests. Extra pytest arguments are passed through, e.g.
-# `bash scripts/test.sh tests/test_models.py`, `bash scripts/test.sh -n 0` (no workers) or
-# `bash scripts/test.sh -m slow`.
+# ten slowest tests. It also runs every docstring example under jaxamp/ (--doctest-modules;
+# tests/ holds no doctests, and collecting it that way imports each module once, as usual).
+# Extra pytest arguments are passed through, e.g. `bash scripts/test.sh tests/test_models.py`
+# (a path given replaces the default `tests jaxamp`; `jaxamp/step.py` runs that file's
+# doctests), `bash scripts/test.sh -n 0` (no workers) or `bash scripts/test.sh -m slow`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_env.sh
-python -m pytest -m "not slow" -q -n auto --dist loadfile --durations=10 "$@"
+paths=(tests jaxamp)
+for arg in "$@"; do
+  if [[ "$arg" != -* && -e "${arg%%::*}" ]]; then paths=(); break; fi
+done
+python -m pytest -m "not slow" -q -n auto --dist loadfile --durations=10 \
+  --doctest-modules -o doctest_optionflags="NORMALIZE_WHITESPACE ELLIPSIS" ${paths[@]+"${paths[@]}"} "$@"

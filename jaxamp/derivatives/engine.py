@@ -169,8 +169,14 @@ class Derivatives:
         (``mask_nonfinite_points`` and a non-finite input), else 1.
 
         Example:
-          >>> w = eng.point_weights(points)  # doctest: +SKIP
-          >>> loss = jnp.sum(w * residual**2) / jnp.maximum(jnp.sum(w), 1.0)  # doctest: +SKIP
+          >>> import jax.numpy as jnp, jaxamp
+          >>> eng = jaxamp.Derivatives(lambda p, x: x[:1] ** 2, inputs=("x",), outputs=("u",),
+          ...                          derivatives=("u__x",), mask_nonfinite_points=True)
+          >>> points = jnp.array([[1.0], [jnp.nan], [2.0]])
+          >>> w = eng.point_weights(points)
+          >>> values, _ = eng(None, points)
+          >>> w, jnp.sum(w * values["u__x"] ** 2) / jnp.maximum(jnp.sum(w), 1.0)
+          (Array([1., 0., 1.], dtype=float32), Array(10., dtype=float32))
         """
         x = self.stack_points(points)
         return self._weights(x) if self.mask_nonfinite_points else jnp.ones(x.shape[:1], jnp.float32)

@@ -24,6 +24,7 @@ def parse_name(name: str) -> Tuple[str, Tuple[str, ...]]:
     """``"u__x__y"`` -> ``("u", ("x", "y"))``.
 
     Example:
+      >>> from jaxamp.derivatives.plan import parse_name
       >>> parse_name("u__x__y")
       ('u', ('x', 'y'))
     """
@@ -103,6 +104,8 @@ def scaler_key(amp: Optional[AmpConfig], parent: str) -> str:
     """The scaler key that guards differentiating ``parent`` (docs/algorithm.md, "Scaler keys").
 
     Example:
+      >>> from jaxamp import AmpConfig
+      >>> from jaxamp.derivatives.plan import scaler_key
       >>> scaler_key(AmpConfig(), "u__x")
       '2'
     """

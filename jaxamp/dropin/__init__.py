@@ -4,9 +4,14 @@ Write derivatives as usual with :func:`grad` (``jax.grad``'s signature) and wrap
 function that uses them with :func:`scaled`, which supplies the scales and returns the
 overflow flags: no signature of the user's code changes.
 
->>> u_t = grad(u_net, argnums=1, of="u", wrt="t")                          # doctest: +SKIP
->>> u_xx = grad(grad(u_net, argnums=2, of="u", wrt="x"), argnums=2, wrt="x")  # doctest: +SKIP
->>> loss, found_inf = scaled(loss_fn, amp)(scales, params, batch)          # doctest: +SKIP
+>>> import jax.numpy as jnp, jaxamp
+>>> u_net = lambda p, t, x: jnp.sin(p * x) * jnp.exp(-t)
+>>> u_t = jaxamp.grad(u_net, argnums=1, of="u", wrt="t")
+>>> u_xx = jaxamp.grad(jaxamp.grad(u_net, argnums=2, of="u", wrt="x"), argnums=2, wrt="x")
+>>> loss_fn = lambda p, t, x: (u_t(p, t, x) - 0.1 * u_xx(p, t, x)) ** 2
+>>> loss, found_inf = jaxamp.scaled(loss_fn)({"1": 1.0, "2": 0.5}, 2.0, 0.0, 0.3)
+>>> sorted(found_inf)
+['1', '2', 'nonfinite_values']
 
 :func:`jaxamp.autocast` gives the user's own network jaxamp's precision placement.
 

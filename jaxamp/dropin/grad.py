@@ -21,6 +21,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 import jax
 import jax.numpy as jnp
 
+from jaxamp.dropin import chain
 from jaxamp.marks import SEP, deriv_check, deriv_scale, unscale
 
 __all__ = ["grad", "jacrev", "Frame", "frames", "check_fun", "check_name", "check_wrt", "report", "term_of"]
@@ -88,14 +89,40 @@ def report(order: int, term: Optional[str], wrt: Any) -> None:
         parent.names.append(SEP.join((term, wrt)) if term is not None and isinstance(wrt, str) else None)
 
 
+def _by_engine(link: chain.Chain, args) -> jax.Array:
+    """The chain's top derivative by the forward engine; the orders reported as the nest would."""
+    probe = Frame()
+    frames().append(probe)
+    try:
+        jax.make_jaxpr(lambda *a: link.base(*a))(*args)  # its calls' orders (a new function: no trace cache)
+    finally:
+        frames().pop()
+    frames().append(Frame())
+    try:
+        value, order, term = chain.shared(link, args, probe.max_order)
+    finally:
+        frames().pop()
+    report(order, term, link.wrts[-1])
+    return value
+
+
 def _reverse(transform: Callable, caller: str, fun: Callable, argnums, has_aux: bool, of, wrt,
-             **options) -> Callable:  # fmt: skip
+             method: str = "reverse", **options) -> Callable:  # fmt: skip
     """``transform`` (jax.grad or jax.jacrev) of ``fun``, its seed scaled, its result checked."""
     check_fun(caller, fun, of)
     argnums = check_wrt(caller, argnums, wrt)
+    if method not in chain.METHODS:
+        raise ValueError(f"{caller}: `method`={method!r} is not allowed: expected one of {list(chain.METHODS)}.")
+    plain = not has_aux and not any(options.values())
+    link = chain.extend(fun, argnums, of, wrt) if plain and method != "reverse" else None
 
     @functools.wraps(fun)
     def derivative(*args, **kwargs):
+        if chain.eligible(link, args, kwargs):
+            return _by_engine(link, args)
+        if method == "forward":
+            raise ValueError(f"{caller}: method='forward' needs int `argnums` and float32 scalar arguments "
+                             f"there, given by position; got argnums={argnums!r}. Use method='auto'.")
         frame, found = Frame(), {}
 
         def seeded(*a, **kw):
@@ -125,12 +152,14 @@ def _reverse(transform: Callable, caller: str, fun: Callable, argnums, has_aux: 
         report(found["order"], found["term"], wrt)
         return (grads, aux) if has_aux else grads
 
+    if link is not None:
+        derivative._jaxamp_chain = link  # an outer grad along a scalar extends this chain
     return derivative
 
 
 def grad(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_aux: bool = False,
          holomorphic: bool = False, allow_int: bool = False, *, of: Optional[str] = None,
-         wrt: Optional[Union[str, Sequence[str]]] = None) -> Callable[..., Any]:
+         wrt: Optional[Union[str, Sequence[str]]] = None, method: str = "auto") -> Callable[..., Any]:
     """``jax.grad`` with a derivative scale on the seed and an overflow check on the result.
 
     Args:
@@ -139,6 +168,12 @@ def grad(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_au
         terms. Default: the name of the inner ``grad`` ``fun`` calls (``"u__x"``), if any.
       wrt: the name of the differentiated argument (``"x"``), or one name per entry of a
         tuple ``argnums``; names the result (``of + "__" + wrt``) for an outer ``grad``.
+      method: ``"auto"`` (default): a nest of ``grad`` calls whose every step differentiates a
+        float32 scalar argument (an ``int`` ``argnums``, no ``has_aux``) runs as one plan of the
+        Derivatives engine (:mod:`jaxamp.dropin.chain`: nested forward mode, one tangent for a
+        pure second order, Taylor mode for pure orders >= 3); any other call is reverse mode.
+        ``"reverse"``: nested ``jax.grad`` always (and this call starts no chain).
+        ``"forward"``: as ``"auto"``, an error where the chain cannot run.
 
     Returns:
       A function with ``jax.grad``'s outputs. Under :func:`jaxamp.dropin.scaled` its seed is
@@ -146,11 +181,16 @@ def grad(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_au
       ``of``) and its scaled result is checked for inf/NaN under that key.
 
     Example:
-      >>> u_x = grad(u_net, argnums=2, of="u", wrt="x")          # doctest: +SKIP
+      >>> import jax.numpy as jnp, jaxamp
+      >>> u_net = lambda p, t, x: jnp.sin(p * x) * jnp.exp(-t)
+      >>> u_x = grad(u_net, argnums=2, of="u", wrt="x")
       >>> u_xx = grad(u_x, argnums=2, wrt="x")                   # key "2" ("u__x" per term)
-      >>> (r, found_inf) = scaled(residual, amp)(scales, params, t, x)  # doctest: +SKIP
+      >>> residual = lambda p, t, x: u_xx(p, t, x) + p**2 * u_net(p, t, x)
+      >>> r, found_inf = jaxamp.scaled(residual)({"1": 1.0, "2": 2.0**-4}, 3.0, 0.0, 0.2)
+      >>> abs(float(r)) < 1e-5, sorted(found_inf)
+      (True, ['1', '2', 'nonfinite_values'])
     """
-    return _reverse(jax.grad, "jaxamp.grad", fun, argnums, has_aux, of, wrt, holomorphic=holomorphic,
+    return _reverse(jax.grad, "jaxamp.grad", fun, argnums, has_aux, of, wrt, method, holomorphic=holomorphic,
                     allow_int=allow_int)
 
 
@@ -164,7 +204,11 @@ def jacrev(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_
     :func:`grad`.
 
     Example:
-      >>> grad_u = jacrev(u_net, argnums=1, of="u", wrt="x")(params, xy)  # doctest: +SKIP
+      >>> import jax.numpy as jnp
+      >>> u_net = lambda p, xy: jnp.stack([p * xy[0], xy[1] ** 2])
+      >>> jacrev(u_net, argnums=1, of="u", wrt="x")(2.0, jnp.array([1.0, 3.0]))
+      Array([[2., 0.],
+             [0., 6.]], dtype=float32)
     """
     return _reverse(jax.jacrev, "jaxamp.jacrev", fun, argnums, has_aux, of, wrt, holomorphic=holomorphic,
                     allow_int=allow_int)

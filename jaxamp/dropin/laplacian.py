@@ -129,9 +129,14 @@ def laplacian(fun: Callable[..., Any], argnums: int = 0, *, of: Optional[str] = 
       summed second order that of order ``m + 2`` (module docstring).
 
     Example:
-      >>> lap = laplacian(u_net, argnums=1, of="u")                       # doctest: +SKIP
-      >>> res = jax.vmap(lambda x: lap(params, x) - f(x))(points)          # doctest: +SKIP
-      >>> (r, found_inf) = scaled(loss, amp)({"1": s1, "2": s2}, params)   # doctest: +SKIP
+      >>> import jax, jax.numpy as jnp, jaxamp
+      >>> u_net = lambda p, x: p * jnp.sum(jnp.sin(x))
+      >>> lap = laplacian(u_net, argnums=1, of="u")
+      >>> points = jnp.zeros((4, 3))
+      >>> loss = lambda p: jnp.mean(jax.vmap(lambda x: lap(p, x) + u_net(p, x))(points) ** 2)
+      >>> r, found_inf = jaxamp.scaled(loss)({"1": 0.5, "2": 0.25}, 2.0)
+      >>> float(r), sorted(found_inf)
+      (0.0, ['1', '2', 'nonfinite_values'])
     """
     check_fun(CALLER, fun, of)
     if isinstance(argnums, bool) or not isinstance(argnums, int):

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from jaxamp.config import AmpConfig
+from jaxamp.dropin import chain
 from jaxamp.dropin.control import HANDLERS, call, full_flags
 from jaxamp.marks import NONFINITE_VALUES, PRIMITIVES, deriv_check_p, deriv_scale_p, or_into, scaler_key, step_flags
 from jaxamp.interpreter import CALL_PRIMITIVES, bind, eval_jaxpr, sub_jaxprs
@@ -88,7 +89,7 @@ class Context:
         """The flag keys ``jaxpr`` produces (static)."""
         if not self.active:
             return []
-        keys = list(dict.fromkeys(self.key(o, t) for o, t in marks(jaxpr)))
+        keys = _ordered(self.key(o, t) for o, t in marks(jaxpr))
         return keys + [NONFINITE_VALUES] if keys else []
 
     def scale(self, v, order: int, term: Optional[str]) -> jax.Array:
@@ -104,6 +105,12 @@ class Context:
                 f"every key of jaxamp.dropin.scaler_keys(fun, amp)(*args)."
             )
         return jnp.broadcast_to(jnp.asarray(self.scales[key], jnp.float32), jnp.shape(v))
+
+
+def _ordered(keys) -> List[str]:
+    """Keys once each: per-order keys by order, then named keys as they appear."""
+    keys = list(dict.fromkeys(keys))
+    return sorted((k for k in keys if k.isdigit()), key=int) + [k for k in keys if not k.isdigit()]
 
 
 def _opaque(scales: Mapping[str, Any]) -> Dict[str, jax.Array]:
@@ -164,6 +171,22 @@ def trace(fun: Callable, args, kwargs):
     return closed, flat, jax.tree_util.tree_structure(shape)
 
 
+def shared_trace(fun: Callable, args, kwargs):
+    """:func:`trace` with the passes of ``jaxamp.grad`` chains shared (:class:`chain.Session`):
+    a first trace records the chain calls, the second shares their passes. Programs without
+    chains are traced once."""
+    session = chain.Session()
+    chain.sessions().append(session)
+    try:
+        traced = trace(fun, args, kwargs)
+        if not session.calls:
+            return traced
+        session.finish_recording()
+        return trace(fun, args, kwargs)
+    finally:
+        chain.sessions().pop()
+
+
 def check_amp(amp) -> None:
     if amp is not None and not isinstance(amp, AmpConfig):
         raise TypeError(f"jaxamp.scaled: `amp`={amp!r} must be an AmpConfig or None (per-order keys).")
@@ -207,10 +230,10 @@ def scaled(fun: Callable[..., Any], amp: Optional[AmpConfig] = None) -> Callable
             state = find(scales, "jaxamp.scaled")  # an AmpState, or an optimizer state holding one
             ctx_amp, scales = state.amp, state.scales
         ctx = Context(scales, ctx_amp)
-        closed, flat, out_tree = trace(fun, args, kwargs)
+        closed, flat, out_tree = shared_trace(fun, args, kwargs)
         if not ctx.active and ctx_amp.loss_scaling_enabled:
             # plain fp16: every order's scale 1 through one barrier, as the scaled program's scales
-            ctx.scales = _opaque({str(o): 1.0 for o, _ in marks(closed.jaxpr)})
+            ctx.scales = _opaque({k: 1.0 for k in _ordered(str(o) for o, _ in marks(closed.jaxpr))})
         outs, flags = _evaluate(closed.jaxpr, closed.consts, flat, ctx)
         return jax.tree_util.tree_unflatten(out_tree, outs), full_flags(flags, ctx.keys(closed.jaxpr))
 

@@ -103,7 +103,7 @@ def autocast(fn: Callable, amp: Optional[AmpConfig], *, params_argnums: Union[in
 
     Example:
       >>> import flax.linen as nn, jax, jax.numpy as jnp
-      >>> from jaxamp import AmpConfig
+      >>> from jaxamp import AmpConfig, autocast
       >>> model = nn.Sequential([nn.Dense(64), jnp.tanh, nn.Dense(64), jnp.tanh, nn.Dense(1)])
       >>> params = model.init(jax.random.PRNGKey(0), jnp.ones((8, 2)))
       >>> apply = autocast(model.apply, AmpConfig(dtype="float16"))

@@ -53,6 +53,8 @@ def series(f: Callable[[jax.Array], jax.Array], x: jax.Array, direction: jax.Arr
       ``(f(x), [S_1 df[e], S_2 d2f[e, e], ..., S_K dKf[e, ..., e]])``, each in ``f(x)``'s dtype.
 
     Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxamp.taylor import series
       >>> y, (d1, d2, d3) = series(jnp.sin, jnp.float32(0.5), jnp.float32(1.0), 3)
       >>> bool(jnp.allclose(d3, -jnp.cos(0.5)))
       True
@@ -88,6 +90,8 @@ def second_order(f: Callable[[jax.Array], jax.Array], x: jax.Array, tangent: jax
       ``(f(x), df[t], d2f[t, ratio * t])`` in ``f(x)``'s dtype.
 
     Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxamp.taylor import second_order
       >>> y, d1, d2 = second_order(jnp.sin, jnp.float32(0.5), jnp.float32(2.0), jnp.float32(0.25))
       >>> bool(jnp.allclose(d2, -jnp.sin(0.5)))
       True

@@ -184,6 +184,8 @@ def collapsed_second_order(f: Callable[[jax.Array], jax.Array], x: jax.Array, ta
     ``tangents``; the summed second-order coefficient is propagated once instead of ``D`` times.
 
     Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxamp.taylor.collapsed import collapsed_second_order
       >>> f = lambda x: jnp.sin(x).sum()
       >>> y, d1, lap = collapsed_second_order(f, jnp.array([0.1, 0.2]), jnp.eye(2))
       >>> bool(jnp.allclose(lap, -jnp.sin(0.1) - jnp.sin(0.2)))

@@ -94,8 +94,12 @@ def series_rule(scaling: Union[None, Scales, Ratio], order: int) -> Rule:
       ``rule(application) -> (outputs, coefficients)`` by Faa di Bruno's formula.
 
     Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxamp.taylor.faa_di_bruno import series_rule
       >>> from jaxamp.taylor.propagate import propagate
       >>> y, (d1, d2) = propagate(jnp.sin, jnp.float32(0.5), (jnp.float32(1.0), None), series_rule(None, 2))
+      >>> bool(jnp.allclose(d1, jnp.cos(0.5))), bool(jnp.allclose(d2, -jnp.sin(0.5)))
+      (True, True)
     """
 
     def rule(app: Application) -> Tuple[List[jax.Array], List[Optional[Coefficients]]]:
@@ -167,6 +171,7 @@ def partitions(k: int) -> Tuple[Tuple[Tuple[int, ...], int], ...]:
       ``(k,)`` first) with ``c = k! / prod_j (mult_j! (j!)^mult_j)``.
 
     Example:
+      >>> from jaxamp.taylor.faa_di_bruno import partitions
       >>> partitions(3)
       (((3,), 1), ((2, 1), 3), ((1, 1, 1), 1))
     """

@@ -77,7 +77,10 @@ def propagate(f: Callable[[jax.Array], jax.Array], x: jax.Array, seed: Coefficie
     Example:
       >>> import jax.numpy as jnp
       >>> from jaxamp.taylor.faa_di_bruno import series_rule
+      >>> from jaxamp.taylor.propagate import propagate
       >>> y, (d1, d2) = propagate(jnp.sin, jnp.float32(0.5), (jnp.float32(1.0), None), series_rule(None, 2))
+      >>> bool(jnp.allclose(d2, -jnp.sin(0.5)))  # the order-2 seed is 0: d2 = sin''(0.5)
+      True
     """
     closed = jax.make_jaxpr(f)(x)
 
@@ -112,6 +115,8 @@ def inexact(dtype: Any) -> bool:
       True for floating and complex dtypes.
 
     Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxamp.taylor.propagate import inexact
       >>> inexact(jnp.float16), inexact(jnp.int32)
       (True, False)
     """
@@ -131,6 +136,8 @@ def scaled(t: jax.Array, factors: Sequence[jax.Array]) -> jax.Array:
       ``t * factors[0] * factors[1] * ...`` in ``t``'s dtype.
 
     Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxamp.taylor.propagate import scaled
       >>> scaled(jnp.ones(2, jnp.float16), (jnp.float32(2.0**20), jnp.float32(2.0**-16)))
       Array([16., 16.], dtype=float16)
     """
@@ -153,6 +160,8 @@ def multilinear(fn: Callable[..., List[jax.Array]], primals: Tuple[jax.Array, ..
       The ``m``-th derivative of ``fn`` applied to the tangents, one entry per output.
 
     Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxamp.taylor.propagate import multilinear
       >>> multilinear(lambda a: [a**3], (jnp.float32(2.0),), [(jnp.float32(1.0),)] * 2)
       [Array(12., dtype=float32)]
     """

@@ -42,6 +42,7 @@ def degree(name: str, n_dependent: int) -> Optional[int]:
       bilinear one with two, ``None`` when no derivative order is known to vanish.
 
     Example:
+      >>> from jaxamp.taylor.rules import degree
       >>> degree("mul", 1), degree("mul", 2), degree("tanh", 1)
       (1, 2, None)
     """
@@ -64,6 +65,7 @@ def body(eqn: jcore.JaxprEqn) -> Optional[jcore.ClosedJaxpr]:
 
     Example:
       >>> import jax
+      >>> from jaxamp.taylor.rules import body
       >>> eqn = jax.make_jaxpr(jax.jit(lambda x: x + 1))(1.0).jaxpr.eqns[0]
       >>> body(eqn) is not None
       True

@@ -36,18 +36,19 @@ def make_net(amp: AmpConfig, *, layer_size: int = 16, nr_layers: int = 2, seed: 
     return engine_fn, u_net, params
 
 
-def nested(u_net: Callable, name: str, inputs: Sequence[str] = INPUTS) -> Callable:
-    """``u_net``'s derivative ``name`` ("u__x__y") by nested :func:`jaxamp.dropin.grad`."""
+def nested(u_net: Callable, name: str, inputs: Sequence[str] = INPUTS, method: str = "reverse") -> Callable:
+    """``u_net``'s derivative ``name`` ("u__x__y") by nested :func:`jaxamp.grad` (nested reverse
+    mode by default, as a JAX user's nested ``jax.grad``; ``method="auto"``: the engine's plan)."""
     parts = name.split("__")
     fn = u_net
     for i, var in enumerate(parts[1:]):
-        fn = jaxamp.grad(fn, argnums=1 + inputs.index(var), of=parts[0] if i == 0 else None, wrt=var)
+        fn = jaxamp.grad(fn, argnums=1 + inputs.index(var), of=parts[0] if i == 0 else None, wrt=var, method=method)
     return fn
 
 
-def batched(u_net: Callable, names: Sequence[str], inputs: Sequence[str] = INPUTS) -> Callable:
+def batched(u_net: Callable, names: Sequence[str], inputs: Sequence[str] = INPUTS, method: str = "reverse") -> Callable:
     """``fn(params, points {input: f32[N]}) -> {name: f32[N]}`` under ``vmap``."""
-    fns = {n: nested(u_net, n, inputs) for n in names}
+    fns = {n: nested(u_net, n, inputs, method) for n in names}
 
     def fn(params, points):
         cols = [points[i] for i in inputs]
@@ -78,7 +79,10 @@ def physical_fourier_net(amp: AmpConfig, *, c: float = 0.02, seed: int = 0) -> T
 
 
 def u_xx_under_scaled(u_net: Callable, params, amp: AmpConfig, t, x):
-    """``(u_xx f32[N], found_inf)``: nested :func:`jaxamp.dropin.grad` under ``vmap``, every scale 1."""
-    f = jax.vmap(jaxamp.grad(jaxamp.grad(u_net, argnums=2), argnums=2), (None, 0, 0))
+    """``(u_xx f32[N], found_inf)``: nested :func:`jaxamp.grad` under ``vmap``, every scale 1, in
+    reverse mode (``method="reverse"``: the cotangents meet the length scale in the float32
+    first layer last; forward mode carries it through the float16 layers)."""
+    rev = dict(argnums=2, method="reverse")
+    f = jax.vmap(jaxamp.grad(jaxamp.grad(u_net, **rev), **rev), (None, 0, 0))
     keys = jaxamp.dropin.scaled.scaler_keys(f, amp)(params, t, x)
     return jax.jit(jaxamp.scaled(f, amp))({k: 1.0 for k in keys}, params, t, x)

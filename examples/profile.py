@@ -1,9 +1,9 @@
 """Where an example's derivatives sit in float16's window, and the scales that fit them.
 
 ``python -m examples.profile --config burgers [--steps N] [--margin M] [key=value ...]``
-prints :func:`jaxamp.profile.format_profile`'s table for the config's network at
+prints :func:`jaxamp.window.format_profile`'s table for the config's network at
 initialization (and after ``N`` training steps) with its legend, then the recommended
-``amp:`` block of start scales (:func:`jaxamp.profile.recommend`, measured at scale 1;
+``amp:`` block of start scales (:func:`jaxamp.window.recommend`, measured at scale 1;
 ``custom_init_scales_log2``: where each key starts, its max scale unchanged) to paste into
 the config, or a comment saying that nothing needs to change.
 """
@@ -22,7 +22,7 @@ import jaxamp
 from examples.common.config import load_config
 from examples.common.problem import Problem
 from examples.common.train import get_setup
-from jaxamp.profile import LEGEND, format_profile, profile, recommend
+from jaxamp.window import LEGEND, format_profile, recommend
 
 
 def problem_class(name: str) -> Type[Problem]:
@@ -60,7 +60,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parts = setup.problem.sample(jax.random.fold_in(setup.sample_key, state.step)).values()
     points = {n: jnp.concatenate([part[n] for part in parts]) for n in setup.problem.inputs}
     if setup.engines[0].scaler_keys:
-        rec = recommend(profile(setup.engines[0], state.params, points), margin_log2=args.margin,
+        rec = recommend(jax.jit(jaxamp.profile(setup.engines[0]))(state.params, points), margin_log2=args.margin,
                         default_max_scale_log2=setup.amp.default_max_scale_log2)
         print(f"\n# recommended start scales (margin 2^{args.margin} below 65504; max scales unchanged):\n"
               f"{rec.to_yaml()}", end="")

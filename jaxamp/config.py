@@ -113,7 +113,7 @@ class AmpConfig:
       default_max_scale_log2: every derivative scaler's max scale is ``2**this``.
       custom_max_scales_log2: per-key overrides of that exponent, e.g. ``{2: -4, "nu": 20}``.
       custom_init_scales_log2: per-key start scales, e.g. ``{2: -4}``: key ``"2"`` starts at 2^-4
-        instead of ``init_scale`` (what :meth:`jaxamp.profile.Recommendation.apply` sets) and
+        instead of ``init_scale`` (what :meth:`jaxamp.window.Recommendation.apply` sets) and
         still grows up to its max scale. Above the key's max-scale exponent is an error; below
         the recover threshold (2^-6) is allowed (the recover growth then brings it back up).
       special_terms: variables that get their own derivative scaler, keyed by their name,

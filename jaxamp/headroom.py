@@ -10,7 +10,7 @@ abs-max reduction per derivative, no extra pass through the network): a loss fun
 returns it as extra metrics, ``(loss, (terms, found_inf, metrics))``, and
 :func:`jaxamp.train.make_train_step` reports it as ``headroom_log2/<key>``. It covers the
 derivative outputs (the last step of each derivative), not the hidden-layer tangents that
-produce them; :func:`jaxamp.profile.profile` covers those, at the cost of its own passes.
+produce them; :func:`jaxamp.profile` covers those, at the cost of its own passes.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Dict, Mapping
 import jax
 import jax.numpy as jnp
 
-from jaxamp.profile import LOG2_FP16_MAX
+from jaxamp.window import LOG2_FP16_MAX
 
 PREFIX = "headroom_log2/"  # the metric name of a key's headroom: PREFIX + key
 

@@ -85,7 +85,7 @@ def init(fun: Optional[Callable[..., Any]], amp: Optional[AmpConfig] = None, *, 
         scalers but ``keys``'.
       amp: the settings (None: ``AmpConfig()``): every scaler's rule, which scalers act.
       from_profile: start each derivative scaler where a float32 profile of ``fun`` at scale
-        1 puts it (:func:`jaxamp.profile.recommend`); it still grows up to the configured max
+        1 puts it (:func:`jaxamp.window.recommend`); it still grows up to the configured max
         by the growth rule. False: every key starts at the configured ``init_scale``.
       margin_log2: powers of two kept free below 65504 when starting from the profile.
       keys: more scaler keys, started at their configured rule (e.g. the ``scaler_keys`` of a

@@ -20,7 +20,7 @@ import jaxamp
 from jaxamp.dropin import ranges
 from jaxamp.dropin.scaled import scaler_keys
 from jaxamp.models import FullyConnected
-from jaxamp.profile import LOG2_FP16_MAX, promote_to_float32, recommend, value_range
+from jaxamp.window import LOG2_FP16_MAX, promote_to_float32, recommend, value_range
 from tests.helpers.jax_user import INPUTS, batched, make_net, nested, physical_fourier_net, points
 
 NAMES = ("u__t", "u__x__x")
@@ -34,7 +34,8 @@ def net():
 @pytest.fixture(scope="module")
 def profiler(net):
     """``prof(scales {"1", "2"}, params, points)``, jitted once for the module."""
-    return jax.jit(ranges.profile(batched(net[1], NAMES), jaxamp.AmpConfig()))
+    fn, amp = batched(net[1], NAMES), jaxamp.AmpConfig()
+    return jax.jit(lambda scales, params, pts: jaxamp.profile(fn, amp, scales=scales)(params, pts))
 
 
 def _max(r):
@@ -92,8 +93,8 @@ def test_recommended_start_scales_remove_the_overflows_of_scale_one():
     run = jax.jit(jaxamp.scaled(f, amp))
     values, found = run({"1": 1.0, "2": 1.0}, params, pts["t"], pts["x"])
     assert bool(found["2"])
-    prof = jax.jit(ranges.profile(f, amp))(None, params, pts["t"], pts["x"])
-    assert _max(prof.hidden["2"]) > jaxamp.profile.LOG2_FP16_MAX
+    prof = jax.jit(jaxamp.profile(f, amp))(params, pts["t"], pts["x"])
+    assert _max(prof.hidden["2"]) > jaxamp.window.LOG2_FP16_MAX
     rec = recommend(prof)
     assert rec.scales_log2["2"] < 0
     values, found = run({k: 2.0 ** rec.scales_log2[k] for k in ("1", "2")}, params, pts["t"], pts["x"])
@@ -120,7 +121,7 @@ def test_init_scalers_from_the_profile_or_the_config(net):
 def test_inactive_scalers_give_an_empty_profile(net):
     _, u_net, params = net
     for amp in (jaxamp.AmpConfig(enabled=False), jaxamp.AmpConfig(derivative_scaling=False)):
-        prof = ranges.profile(batched(u_net, NAMES), amp)(None, params, points())
+        prof = jaxamp.profile(batched(u_net, NAMES), amp)(params, points())
         assert prof.derivatives == prof.hidden == prof.keys == {}
         assert len(ranges.init_scalers(batched(u_net, NAMES), amp)(params, points())) == 0
 
@@ -129,11 +130,11 @@ def test_errors_name_the_argument(net):
     _, u_net, params = net
     fn = batched(u_net, NAMES)
     with pytest.raises(TypeError, match="`fun`=3 must be callable"):
-        ranges.profile(3)
+        jaxamp.profile(3)
     with pytest.raises(TypeError, match="`amp`"):
-        ranges.profile(fn, {"mode": "per_order_scaler"})
-    with pytest.raises(TypeError, match="`scales`=.* must be None or a mapping"):
-        ranges.profile(fn)([1.0], params, points())
+        jaxamp.profile(fn, {"mode": "per_order_scaler"})
+    with pytest.raises(TypeError, match="`scales`=.* must be None, a mapping"):
+        jaxamp.profile(fn, scales=[1.0])
     with pytest.raises(TypeError, match="`from_profile`='yes'"):
         ranges.init_scalers(fn, from_profile="yes")
     with pytest.raises(ValueError, match=r"`margin_log2`=-1 must be an integer in \[0, 15\]"):
@@ -143,7 +144,7 @@ def test_errors_name_the_argument(net):
         return jax.lax.scan(lambda c, t: (c, nested(u_net, "u__t")(p, t, 0.5)), 0.0, pts["t"])[1]
 
     with pytest.raises(NotImplementedError, match="inside a `scan` body is not profiled"):
-        ranges.profile(looped)(None, params, points())
+        jaxamp.profile(looped)(params, points())
 
 
 def amp_with_start(amp, key, scale):
@@ -174,7 +175,7 @@ def test_a_derivative_large_only_in_float32_lowers_no_start_scale():
     indeed flags nothing. The same network with the 1/L factor in float16 holds the large values
     in float16: there key "2" must start lower."""
     amp, fn, params, pts = _length_scaled_net(in_float16=False)
-    prof = jax.jit(ranges.profile(fn, amp))(None, params, pts)
+    prof = jax.jit(jaxamp.profile(fn, amp))(params, pts)
     assert _max(prof.derivatives["2"]) > LOG2_FP16_MAX  # float32, reported
     assert _max(prof.keys["2"]) == _max(prof.hidden["2"]) < LOG2_FP16_MAX - 2  # float16, fitted
     rec = recommend(prof)
@@ -185,6 +186,6 @@ def test_a_derivative_large_only_in_float32_lowers_no_start_scale():
     assert {k: float(v) for k, v in scalers.scales.items()} == {"1": 1.0, "2": 1.0}
 
     amp, fn, params, pts = _length_scaled_net(in_float16=True)
-    prof = jax.jit(ranges.profile(fn, amp))(None, params, pts)
+    prof = jax.jit(jaxamp.profile(fn, amp))(params, pts)
     assert _max(prof.keys["2"]) > LOG2_FP16_MAX
     assert recommend(prof).scales_log2["2"] < 0

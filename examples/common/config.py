@@ -39,7 +39,7 @@ Check = Tuple[Callable[[Any], bool], str]
 # The examples' own keys of the ``amp:`` section (not AmpConfig's; every config has them, with
 # these defaults). init_scales_from_profile: before training, profile the initial parameters on
 # the first batch and start every derivative scaler at the recommended scale
-# (jaxamp.profile.recommend(...).apply(amp); examples/common/train.py).
+# (jaxamp.window.recommend(...).apply(amp); examples/common/train.py).
 EXAMPLE_AMP_DEFAULTS: Dict[str, Any] = {"init_scales_from_profile": False}
 
 

@@ -159,7 +159,7 @@ PROFILE_COLORS = (("C3", "bar crosses the band: values above 65504 or p1 below 2
 
 
 def profile_color(r: Any) -> str:
-    """The color of one :class:`jaxamp.profile.Range`'s bar in ``profile.png``: ``C3`` (red)
+    """The color of one :class:`jaxamp.window.Range`'s bar in ``profile.png``: ``C3`` (red)
     exactly when the drawn bar leaves the band (its max above 65504 or its 1st percentile
     below 2^-14: ``headroom_up`` or ``headroom_down`` negative), ``C1`` (orange) when the bar
     is inside but a fraction of the values under the 1st percentile lies below 2^-14, else
@@ -172,7 +172,7 @@ def profile_color(r: Any) -> str:
 def plot_profile(workdir: str, prof: Any) -> str:
     """``profile.png``: where each derivative and each scaler key sits in float16's window.
 
-    ``prof`` is a :class:`jaxamp.profile.Profile` of the final parameters and scales. One bar
+    ``prof`` is a :class:`jaxamp.window.Profile` of the final parameters and scales. One bar
     per derivative and per scaler key, from the 1st percentile of its nonzero magnitudes to
     its largest (log2, scaled as float16 holds it), a dot at the median; the shaded band is
     float16's normal range, 2^-14 to 65504. Colors (:data:`PROFILE_COLORS`, :func:`profile_color`):

@@ -6,7 +6,7 @@ names), ``found_inf/<key>``, ``headroom_log2/<key>`` (powers of two between each
 largest scaled derivative and 65504, :func:`jaxamp.headroom.headroom_log2`), ``grad_norm``,
 ``skipped``, ``skip_reason`` and any other field the train step reports. Skip reasons are also counted by name, ``skips/<reason>`` (the
 running number of steps skipped for that reason). At the end of a run with plots, the
-derivative ranges of :func:`jaxamp.profile.profile` are added under ``profile/``, and a
+derivative ranges of :func:`jaxamp.profile` are added under ``profile/``, and a
 histogram of each derivative's log2 magnitudes under ``log2_abs/``. View with
 ``tensorboard --logdir <workdir>/tensorboard``.
 """
@@ -76,7 +76,7 @@ class TensorBoardLog:
         self.writer.flush()
 
     def write_profile(self, step: int, prof: Any, scaled: Mapping[str, Any]) -> None:
-        """A derivative profile at ``step``: the ranges of a :class:`jaxamp.profile.Profile` as
+        """A derivative profile at ``step``: the ranges of a :class:`jaxamp.window.Profile` as
         scalars, ``profile/<derivative or scaler_<key>>/{log2_max,headroom_up,headroom_down}``,
         and a histogram of ``log2 |value|`` per derivative, ``log2_abs/<derivative>``, from its
         values times its key's scale (``scaled``; zeros and non-finite values left out)."""

@@ -83,13 +83,13 @@ class Setup:
         self.mesh = self._make_mesh(cfg["training"]["devices"])
 
     def _recommend_from_profile(self):
-        """:func:`jaxamp.profile.recommend` for the initial parameters on the first batch at
+        """:func:`jaxamp.window.recommend` for the initial parameters on the first batch at
         scale 1 (its ``apply`` starts each key at its scale, never growing past it)."""
-        from jaxamp.profile import profile, recommend
+        from jaxamp.window import recommend
 
         parts = self.problem.sample(jax.random.fold_in(self.sample_key, 0)).values()
         points = {name: jnp.concatenate([part[name] for part in parts]) for name in self.problem.inputs}
-        prof = jax.jit(profile, static_argnums=0)(self.engines[0], self.init_params(), points)
+        prof = jax.jit(jaxamp.profile(self.engines[0]))(self.init_params(), points)
         return recommend(prof, default_max_scale_log2=self.amp.default_max_scale_log2)
 
     def _make_mesh(self, devices: int):
@@ -167,10 +167,8 @@ class Setup:
     def profile(self, state: jaxamp.train.TrainState):
         """``(profile, scaled)`` of the next batch (every part together) with the state's
         parameters and scales: where each derivative sits in float16's window
-        (:func:`jaxamp.profile.profile`), and each derivative's values times its key's scale
+        (:func:`jaxamp.profile`), and each derivative's values times its key's scale
         (``{name: np.ndarray}``), as float16 holds them."""
-        from jaxamp.profile import profile
-
         parts = self.problem.sample(jax.random.fold_in(self.sample_key, state.step)).values()
         points = {name: jnp.concatenate([part[name] for part in parts]) for name in self.problem.inputs}
         scales = {key: s.scale for key, s in state.deriv_scales.items()}
@@ -182,7 +180,8 @@ class Setup:
                 continue
             key = engine.scaler_key(name.rsplit("__", 1)[0]) if engine.scaler_keys else None
             scaled[name] = np.asarray(v) * float(scales[key] if key is not None else 1.0)
-        return profile(engine, state.params, points, scales), scaled
+        prof = jax.jit(lambda p, x, s: jaxamp.profile(engine, scales=s)(p, x))(state.params, points, scales)
+        return prof, scaled
 
     def predict(self, params, points: np.ndarray) -> np.ndarray:
         f = jax.jit(jax.vmap(lambda x: self.net(params, x)))

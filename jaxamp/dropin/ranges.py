@@ -1,6 +1,6 @@
 """Where the derivatives of a ``dropin.grad`` program sit in float16's window, and start scales.
 
-:func:`profile` is :func:`jaxamp.profile.profile` for code written with
+:func:`profile` is :func:`jaxamp.profile` for code written with
 :func:`jaxamp.dropin.grad`: it evaluates the user's function (e.g. the per-point losses) with
 every float16/bfloat16 operation promoted to float32, each derivative seed at the scale of its
 key, and reports per scaler key the range of
@@ -14,12 +14,12 @@ key, and reports per scaler key the range of
   (``jit``, ``custom_jvp``/``custom_vjp``) are inlined; a ``scan``/``while``/``cond`` is seen
   through its outputs, and one with a ``dropin`` derivative inside is an error;
 
-and ``keys[key]``, what :func:`jaxamp.profile.recommend` fits: only the values the original
+and ``keys[key]``, what :func:`jaxamp.window.recommend` fits: only the values the original
 (unpromoted) program holds in float16/bfloat16, ``hidden[key]`` and the derivatives of that
 dtype (a float32 value needs no lower scale, however large).
 
 :func:`init_scalers` turns the profile into :class:`jaxamp.scaler.Scalers` whose every key starts
-at the scale :func:`jaxamp.profile.recommend` gives it (and may grow up to its configured max
+at the scale :func:`jaxamp.window.recommend` gives it (and may grow up to its configured max
 scale): the port of an existing code starts from measured scales instead of hand-tuned ones.
 """
 
@@ -33,9 +33,9 @@ from jax.extend import core as jcore
 
 from jaxamp.config import AmpConfig
 from jaxamp.marks import deriv_check_p, deriv_scale_p
-from jaxamp.dropin.scaled import Context, check_amp, marks, scaler_keys, trace
+from jaxamp.dropin.scaled import Context, check_amp, marks, scaler_keys, shared_trace
 from jaxamp.interpreter import bind, custom_body, eval_jaxpr, sub_jaxpr, sub_jaxprs
-from jaxamp.profile import Profile, check_margin, is_low_precision, promote_eqn, promote_value, recommend, value_range
+from jaxamp.window import Profile, check_margin, is_low_precision, promote_eqn, promote_value, recommend, value_range
 from jaxamp.scaler import Scalers
 
 __all__ = ["profile", "init_scalers"]
@@ -69,36 +69,51 @@ def _key_sets(jaxpr: jcore.Jaxpr, ctx: Context) -> Dict[Any, frozenset]:
     return {v: after[v] & before[v] for v in after if v in before and after[v] & before[v]}
 
 
-def profile(fun: Callable[..., Any], amp: Optional[AmpConfig] = None) -> Callable[..., Profile]:
+def profile(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *,
+            scales: Optional[Mapping[str, Any]] = None) -> Callable[..., Profile]:  # fmt: skip
     """The float16 range of every scaled derivative in ``fun``, per scaler key.
 
     Args:
-      fun: a function whose derivatives are taken with :func:`jaxamp.dropin.grad` (through
-        ``vmap``, ``jit``, ``jacrev``; not inside ``scan``/``while``/``cond`` bodies).
-      amp: as for :func:`jaxamp.dropin.scaled`.
+      fun: a function whose derivatives are taken with :func:`jaxamp.grad` and its siblings
+        (through ``vmap``, ``jit``, ``jacrev``; not inside ``scan``/``while``/``cond`` bodies),
+        or a :class:`jaxamp.Derivatives` engine (then ``prof(params, points)``, its ``amp``).
+      amp: as for :func:`jaxamp.scaled`.
+      scales: ``{key: f32[]}``, or an :class:`~jaxamp.AmpState`: the scales to profile at.
+        None: every key at 1 (what :func:`jaxamp.window.recommend` expects).
 
     Returns:
-      ``prof(scales, *args, **kwargs) -> Profile`` with ``derivatives`` and ``hidden`` per key
-      (see the module docstring) and ``keys``: per key, the values ``fun`` holds in float16 or
-      bfloat16 (``hidden`` and the derivatives of that dtype), what float16 can overflow and
-      :func:`jaxamp.profile.recommend` fits. ``scales``: ``{key: f32[]}`` or None (every key at
-      1: what ``recommend`` expects). Empty when ``amp``'s derivative scalers are inactive.
+      ``prof(*args, **kwargs) -> Profile`` (the call form of :func:`jaxamp.init`) with
+      ``derivatives`` and ``hidden`` per key (see the module docstring) and ``keys``: per key,
+      the values ``fun`` holds in float16 or bfloat16 (``hidden`` and the derivatives of that
+      dtype), what float16 can overflow and ``recommend`` fits. Empty when ``amp``'s
+      derivative scalers are inactive.
 
     Example:
-      >>> prof = profile(losses, amp)(None, params, batch)                  # doctest: +SKIP
-      >>> amp = jaxamp.profile.recommend(prof).apply(amp)                   # doctest: +SKIP
+      >>> import jax, jax.numpy as jnp, jaxamp
+      >>> u = lambda p, x: jnp.tanh((p * x).astype(jnp.float16)).astype(jnp.float32)
+      >>> losses = jax.vmap(jaxamp.grad(jaxamp.grad(u, 1), 1), (None, 0))
+      >>> prof = jaxamp.profile(losses, jaxamp.AmpConfig())(300.0, jnp.linspace(0.0, 0.01, 8))
+      >>> sorted(prof.keys), jaxamp.window.recommend(prof).scales_log2
+      (['1', '2'], {'1': 0, '2': -3})
     """
-    if not callable(fun):
-        raise TypeError(f"jaxamp.dropin.profile: `fun`={fun!r} must be callable.")
-    check_amp(amp)
+    from jaxamp.derivatives.engine import Derivatives
 
-    def prof(scales: Optional[Mapping[str, Any]], *args, **kwargs) -> Profile:
-        if scales is not None and not isinstance(scales, Mapping):
-            raise TypeError(f"jaxamp.dropin.profile: `scales`={scales!r} must be None or a mapping {{key: f32[]}}.")
+    if isinstance(fun, Derivatives):
+        engine, amp = fun, fun.amp
+        fun = lambda params, points: engine.marked(params, engine.stack_points(points))  # noqa: E731
+    if not callable(fun):
+        raise TypeError(f"jaxamp.profile: `fun`={fun!r} must be callable or a jaxamp.Derivatives.")
+    check_amp(amp)
+    if scales is not None and not isinstance(scales, Mapping):
+        if not hasattr(scales, "scales"):
+            raise TypeError(f"jaxamp.profile: `scales`={scales!r} must be None, a mapping {{key: f32[]}} or an AmpState.")
+        scales = scales.scales
+
+    def prof(*args, **kwargs) -> Profile:
         ctx = Context({}, amp)
         if not ctx.active:
             return Profile(derivatives={}, hidden={}, keys={})
-        closed, flat, _ = trace(fun, args, kwargs)
+        closed, flat, _ = shared_trace(fun, args, kwargs)
         flat_jaxpr = jax.make_jaxpr(lambda *a: eval_jaxpr(closed.jaxpr, closed.consts, a, _inline))(*flat)
         for eqn in flat_jaxpr.jaxpr.eqns:
             if any(marks(j) for j in sub_jaxprs(eqn)):
@@ -151,7 +166,7 @@ def init_scalers(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *, fr
       fun: as for :func:`profile` (typically the function of the per-point losses).
       amp: the settings (None: ``AmpConfig()``).
       from_profile: profile ``fun`` at every scale 1 and start each key at the scale
-        :func:`jaxamp.profile.recommend` gives it (``Recommendation.apply``: the config's
+        :func:`jaxamp.window.recommend` gives it (``Recommendation.apply``: the config's
         ``custom_init_scales_log2``); a key still grows up to its configured max scale while
         it does not overflow. False: the keys at ``amp``'s rules only (as
         ``Scalers.create(amp, scaler_keys(fun, amp)(*args))``).
@@ -164,8 +179,12 @@ def init_scalers(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *, fr
       ``amp``'s, every other hyper-parameter (max scale included) is ``amp``'s.
 
     Example:
-      >>> scalers = init_scalers(losses, amp)(params, batch)               # doctest: +SKIP
-      >>> loss, found_inf = scaled(loss_fn, amp)(scalers.scales, params, batch)  # doctest: +SKIP
+      >>> import jax, jax.numpy as jnp, jaxamp
+      >>> u = lambda w, x: (w.astype(jnp.float16) * jnp.sin(x.astype(jnp.float16))).astype(jnp.float32)
+      >>> losses = jax.vmap(jaxamp.grad(jaxamp.grad(u, 1), 1), (None, 0))
+      >>> scalers = init_scalers(losses, jaxamp.AmpConfig())(jnp.float32(2.0**15), jnp.linspace(0.5, 1.0, 8))
+      >>> {k: float(s.scale) for k, s in scalers.items()}, scalers.rules["2"].max_scale
+      ({'1': 0.5, '2': 0.5}, 1.0)
     """
     check_amp(amp)
     if not isinstance(from_profile, bool):
@@ -176,7 +195,7 @@ def init_scalers(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *, fr
     def init(*args, **kwargs) -> Scalers:
         keys = scaler_keys(fun, amp)(*args, **kwargs)
         if from_profile and keys:
-            prof = jax.jit(profile(fun, amp))(None, *args, **kwargs)
+            prof = jax.jit(profile(fun, amp))(*args, **kwargs)
             rec = recommend(prof, margin_log2=margin_log2, default_max_scale_log2=amp.default_max_scale_log2)
             return Scalers.create(rec.apply(amp), keys)
         return Scalers.create(amp, keys)

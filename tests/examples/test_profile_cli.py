@@ -15,7 +15,7 @@ def test_profile_prints_the_table_and_a_recommendation(capsys):
     assert cli.main(args) == 0
     out = capsys.readouterr().out
     assert "# burgers: step 0" in out and "# burgers: step 2" in out
-    for row in ("key 1", "key 2", "derivative u__x__x", "hidden 1/x/layer0", "hidden 2/x/layer1"):
+    for row in ("key 1", "key 2", "derivative 1", "derivative 2", "hidden 1", "hidden 2"):
         assert row in out
     block = out.split("# recommended")[1]
     assert "amp:" in block and '"1": ' in block and '"2": ' in block

@@ -1,14 +1,15 @@
-"""Where every derivative sits in float16's window: a derivative-range profiler.
+"""float16's window: the :class:`Range` and :class:`Profile` types, start scales and the table.
 
 float16 represents magnitudes from its smallest normal, ``2**-14`` (about 6.1e-5), up to
 65504 (just under ``2**16``). Under the DerivScaler a derivative of scaler key ``k`` lives in
-float16 as ``scale_k * value``, and so do the hidden-layer tangents that produce it. The
-profiler evaluates the *same* network graph with every float16/bfloat16 operation promoted
-to float32 (so nothing in the profile itself overflows), multiplies each quantity by the
-scale of its key and reports a :class:`Range` (the columns of :data:`LEGEND`) per derivative,
-hidden-layer tangent and key (:func:`format_profile`: a table). :func:`recommend` turns it into
-per-key *start* scales that fit every key in the window with a margin (:meth:`Recommendation.apply`:
-``custom_init_scales_log2``; max scales unchanged). ``jax.jit(profile, static_argnums=0)``: one compile.
+float16 as ``scale_k * value``, and so do the values of the passes that produce it.
+:func:`jaxamp.profile` (the one range measurement, :mod:`jaxamp.dropin.ranges`) evaluates a
+program of jaxamp's marks (drop-in derivatives or a Derivatives engine) with every
+float16/bfloat16 operation promoted to float32 and reports a :class:`Range` (the columns of
+:data:`LEGEND`) per key (:func:`format_profile`: a table). :func:`recommend` turns it into
+per-key *start* scales that fit every key in the window with a margin
+(:meth:`Recommendation.apply`: ``custom_init_scales_log2``; max scales unchanged). This module
+also holds the float32 promotion rule the measurement uses (:func:`promote_eqn`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import textwrap
-from typing import Callable, Dict, Mapping, NamedTuple, Optional
+from typing import Callable, Dict, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -46,9 +47,11 @@ class Range(NamedTuple):
 
 
 class Profile(NamedTuple):
-    """``derivatives``: one :class:`Range` per derivative name (scaled by its key);
-    ``hidden``: per ``"<key>/<input>/layer<i>"``, the hidden-layer tangents of order ``key``
-    along one input (per-order keys only); ``keys``: per scaler key, the union of both."""
+    """What :func:`jaxamp.profile` measures, per scaler key (one schema for every program):
+    ``derivatives[key]``: the scaled derivatives the key's checks look at, any dtype;
+    ``hidden[key]``: the float16/bfloat16 values of the passes the key's seed scales;
+    ``keys[key]``: the values of both that the program holds in float16/bfloat16 (what
+    :func:`recommend` fits)."""
 
     derivatives: Dict[str, Range]
     hidden: Dict[str, Range]
@@ -121,86 +124,6 @@ def promote_value(x):
     return x.astype(jnp.float32) if dtype is not None and jnp.dtype(dtype) in _LOW else x
 
 
-def layer_outputs(fn: Callable) -> Callable:
-    """``x -> [output of every matmul of fn(x)]``: the hidden layers, in program order."""
-
-    def tapped(x):
-        closed = jax.make_jaxpr(fn)(x)
-        taps = []
-
-        def rule(eqn, vals):
-            body = sub_jaxpr(eqn)
-            outs = eval_jaxpr(body.jaxpr, body.consts, vals, rule) if body is not None else bind(eqn, vals)
-            if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
-                taps.extend(outs)
-            return outs
-
-        eval_jaxpr(closed.jaxpr, closed.consts, [x], rule)
-        return taps
-
-    return tapped
-
-
-def profile(engine, params, points, scales: Optional[Mapping[str, jax.Array]] = None) -> Profile:
-    """The float16 range of every derivative (and hidden-layer tangent) of ``engine``.
-
-    Args:
-      engine: a :class:`jaxamp.Derivatives` (its network, names and scaler keys are used).
-      params: the network parameters.
-      points: collocation points, as ``engine`` takes them.
-      scales: ``{key: f32[]}`` current derivative scales (default: every key at 1).
-
-    Returns:
-      A :class:`Profile`. Hidden-layer tangents are reported for per-order keys: order 1
-      along every input some derivative starts with, order 2 along every input of a pure
-      second derivative (the chains the forward engine propagates).
-
-    Example (``u = w sin(x)`` with ``w = 2**18``: both keys overflow float16 at scale 1):
-      >>> import jax, jax.numpy as jnp, jaxamp
-      >>> from jaxamp.profile import profile, format_profile
-      >>> engine = jaxamp.Derivatives(lambda p, x: p["w"] * jnp.sin(x), inputs=("x",), outputs=("u",),
-      ...                             derivatives=("u__x__x",), amp=jaxamp.AmpConfig(dtype="float16"))
-      >>> points = {"x": jnp.linspace(0.0, 1.0, 8)}
-      >>> prof = jax.jit(profile, static_argnums=0)(engine, {"w": jnp.float32(2.0**18)}, points)
-      >>> sorted(prof.keys), sorted(prof.derivatives), float(prof.keys["1"].log2_max)
-      (['1', '2'], ['u__x', 'u__x__x'], 18.0)
-      >>> print(format_profile(prof, legend=False))
-      quantity                     log2 max     p1    p50    p99  <normal   >max    up  down
-      key 1                            18.0   17.1   17.8   18.0    0.000  1.000  -2.0  31.1
-      key 2                            17.8   15.2   17.1   17.7    0.000  0.857  -1.8  29.2
-      derivative u__x                  18.0   17.1   17.8   18.0    0.000  1.000  -2.0  31.1
-      derivative u__x__x               17.8   15.2   17.1   17.7    0.000  0.857  -1.8  29.2
-    """
-    from jaxamp.derivatives.engine import Derivatives
-
-    keys = tuple(engine.scaler_keys)
-    scales = {k: jnp.float32(1.0) for k in keys} | dict(scales or {})
-    fn32 = promote_to_float32(engine.fn)
-    twin = Derivatives(fn32, inputs=engine.inputs, outputs=engine.outputs, derivatives=engine.requested)
-    values, _ = twin(params, points)
-    derivs, groups = {}, {k: [] for k in keys}
-    for name in (n for n in values if n not in engine.outputs):
-        key = engine.scaler_key(name.rsplit("__", 1)[0]) if keys else ""  # the key of its last step
-        derivs[name] = value_range(values[name], s := scales.get(key, 1.0))
-        groups.get(key, []).append(jnp.ravel(values[name]) * s)
-    hidden, x = {}, engine.stack_points(points)
-    taps = layer_outputs(lambda z: fn32(params, z))
-    paths = [tuple(name.split("__")[1:]) for name in values if name not in engine.outputs]
-    along = {1: {p[0] for p in paths}, 2: {p[0] for p in paths if len(p) >= 2 and p[1] == p[0]}}
-    for order, key in ((1, "1"), (2, "2")):
-        for i, name in enumerate(engine.inputs if key in keys else ()):
-            if name not in along[order]:
-                continue
-            e = jnp.zeros((len(engine.inputs),), jnp.float32).at[i].set(1.0)
-            first = lambda z: jax.jvp(taps, (z,), (e,))[1]  # noqa: E731
-            fn = first if order == 1 else (lambda z: jax.jvp(first, (z,), (e,))[1])
-            for j, t in enumerate(jax.vmap(fn)(x)):
-                hidden[f"{key}/{name}/layer{j}"] = value_range(t, scales[key])
-                groups[key].append(jnp.ravel(t) * scales[key])
-    ranges = {k: value_range(jnp.concatenate(g)) for k, g in groups.items() if g}
-    return Profile(derivatives=derivs, hidden=hidden, keys=ranges)
-
-
 class Recommendation(NamedTuple):
     """Per-key start scales ``2**scales_log2[key]`` that fit each key in float16's window
     with ``margin_log2`` powers of two to spare at the top, and ``custom_init_scales_log2``:
@@ -220,7 +143,7 @@ class Recommendation(NamedTuple):
 
         Example:
           >>> import jaxamp
-          >>> from jaxamp.profile import Recommendation
+          >>> from jaxamp.window import Recommendation
           >>> rec = Recommendation(scales_log2={"1": 0, "2": -6}, custom_init_scales_log2={"2": -6}, margin_log2=2)
           >>> amp = rec.apply(jaxamp.AmpConfig(dtype="float16", custom_max_scales_log2={"2": -8}))
           >>> dict(amp.custom_init_scales_log2)  # -6 is above key "2"'s max scale 2**-8
@@ -257,21 +180,20 @@ def recommend(prof: Profile, *, margin_log2: int = 2, default_max_scale_log2: in
       A :class:`Recommendation`: a key whose largest value ``m`` (``prof.keys``) needs it
       starts at ``2**floor(log2(65504) - margin_log2 - log2(m))``; an all-zero key at the default.
 
-    Example (``u = w sin(x)``, ``|u__x| <= 2**18``: key ``"1"`` starts at
-    ``2**floor(15.99 - 2 - 18) = 2**-5``):
+    Example (``u = w sin(x)`` in float16 with ``w = 2**15``: key ``"1"``'s float16 values reach
+    ``2**14.8``, so it starts at ``2**floor(15.99 - 2 - 14.8) = 2**-1``; key ``"2"`` likewise):
       >>> import jax, jax.numpy as jnp, jaxamp
-      >>> from jaxamp.profile import profile, recommend
+      >>> from jaxamp.window import recommend
       >>> amp = jaxamp.AmpConfig(dtype="float16")
-      >>> engine = jaxamp.Derivatives(lambda p, x: p["w"] * jnp.sin(x), inputs=("x",), outputs=("u",),
-      ...                             derivatives=("u__x__x",), amp=amp)
-      >>> prof = jax.jit(profile, static_argnums=0)(engine, {"w": jnp.float32(2.0**18)}, {"x": jnp.linspace(0.0, 1.0, 8)})
-      >>> rec = recommend(prof)
+      >>> u = lambda w, x: (w.astype(jnp.float16) * jnp.sin(x.astype(jnp.float16))).astype(jnp.float32)
+      >>> u_xx = jax.vmap(jaxamp.grad(jaxamp.grad(u, 1), 1), (None, 0))
+      >>> rec = recommend(jaxamp.profile(u_xx, amp)(jnp.float32(2.0**15), jnp.linspace(0.5, 1.0, 8)))
       >>> print(rec.to_yaml(), end="")
       amp:
         custom_init_scales_log2:
-          "1": -5
-          "2": -4
-      >>> rec.apply(amp).derivative_scaler_for("1").init_scale == 2.0**-5
+          "1": -1
+          "2": -1
+      >>> rec.apply(amp).derivative_scaler_for("1").init_scale == 2.0**-1
       True
     """
     check_margin(margin_log2, "recommend")
@@ -308,26 +230,17 @@ def format_profile(prof: Profile, *, legend: bool = True) -> str:
     Returns:
       The table as text; a group without nonzero values reads "all zero / no values".
 
-    Example (a one-hidden-layer network: its layers' tangents get rows of their own):
+    Example (a float16 network: both keys' float16 values reach ``2**14.8``):
       >>> import jax, jax.numpy as jnp, jaxamp
-      >>> from jaxamp.profile import profile, format_profile
-      >>> net = lambda p, x: jnp.tanh(x @ p["w1"]) @ p["w2"]
-      >>> params = {"w1": jnp.full((1, 4), 2.0), "w2": jnp.full((4, 1), 2.0**12)}
-      >>> engine = jaxamp.Derivatives(net, inputs=("x",), outputs=("u",), derivatives=("u__x__x",),
-      ...                             amp=jaxamp.AmpConfig(dtype="float16"))
-      >>> prof = jax.jit(profile, static_argnums=0)(engine, params, {"x": jnp.linspace(-1.0, 1.0, 16)})
+      >>> from jaxamp.window import format_profile
+      >>> u = lambda w, x: (w.astype(jnp.float16) * jnp.sin(x.astype(jnp.float16))).astype(jnp.float32)
+      >>> u_xx = jax.vmap(jaxamp.grad(jaxamp.grad(u, 1), 1), (None, 0))
+      >>> prof = jaxamp.profile(u_xx, jaxamp.AmpConfig())(jnp.float32(2.0**15), jnp.linspace(0.5, 1.0, 8))
       >>> print(format_profile(prof))  # doctest: +ELLIPSIS
       quantity                     log2 max     p1    p50    p99  <normal   >max    up  down
-      key 1                            15.0    1.0    1.0   15.0    0.000  0.000   1.0  15.0
-      key 2                            15.6   13.1   14.7   15.6    0.000  0.000   0.4  27.1
-      derivative u__x                  15.0   11.2   13.6   15.0    0.000  0.000   1.0  25.2
-      derivative u__x__x               15.6   13.1   14.7   15.6    0.000  0.000   0.4  27.1
-      hidden 1/x/layer0                 1.0    1.0    1.0    1.0    0.000  0.000  15.0  15.0
-      hidden 1/x/layer1                15.0   11.2   13.6   15.0    0.000  0.000   1.0  25.2
-      hidden 2/x/layer0              all zero / no values
-      hidden 2/x/layer1                15.6   13.1   14.7   15.6    0.000  0.000   0.4  27.1
-      <BLANKLINE>
-      columns: magnitudes as float16 holds them (times the key's scale); zeros are left out
+      key 1                            14.8   -0.9    0.0   14.8    0.000  0.000   1.2  13.1
+      key 2                            14.8   -1.1   -0.1   14.7    0.000  0.000   1.2  12.9
+      derivative 1                     14.8   14.1   14.5   14.8    0.000  0.000   1.2  28.1
       ...
     """
     rows = [f"{'quantity':<28}{'log2 max':>9}" + "".join(f"{'p' + format(q, 'g'):>7}" for q in PERCENTILES)

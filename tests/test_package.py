@@ -1,0 +1,153 @@
+"""The package metadata is a promise: pyproject.toml against the repository and the environment.
+
+- the declared license has its file (LICENSE, the Apache License 2.0 text);
+- every dependency floor is a version the tests run on (at most the installed one), and
+  requires-python admits the running Python;
+- every third-party import in tests/ and examples/ is a declared dependency or extra, and the
+  ``test`` extra installs what tests/ imports (torch, for the parity tests, is its own extra);
+- every ``python -m`` command of the README names a module that exists, run from the
+  repository root (``examples`` is not installed with the package).
+"""
+
+import ast
+import re
+import sys
+import tomllib
+from importlib import metadata
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+ROOT = Path(__file__).resolve().parents[1]
+PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+LOCAL = {"jaxamp", "torch_ref", "examples", "tests", "benchmarks"}
+# import name -> distribution, where they differ
+DISTRIBUTION = {"yaml": "pyyaml", "orbax": "orbax-checkpoint", "tensorboardX": "tensorboardx"}
+
+
+def _requirements(extra=None):
+    reqs = PROJECT["dependencies"] if extra is None else PROJECT["optional-dependencies"][extra]
+    return [Requirement(r) for r in reqs]
+
+
+def _all_requirements():
+    reqs = _requirements()
+    for extra in PROJECT["optional-dependencies"]:
+        reqs += _requirements(extra)
+    return reqs
+
+
+def _names(reqs):
+    return {canonicalize_name(r.name) for r in reqs}
+
+
+def _imports(folder):
+    """{top-level module: first file importing it} of every import (and pytest.importorskip) under ``folder``."""
+    found = {}
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                  and node.func.attr == "importorskip" and node.args and isinstance(node.args[0], ast.Constant)):
+                names = [node.args[0].value]
+            else:
+                continue
+            for name in names:
+                found.setdefault(name.split(".")[0], path.relative_to(ROOT))
+    return found
+
+
+def _third_party(imports):
+    return {m: p for m, p in imports.items() if m not in LOCAL and m not in sys.stdlib_module_names}
+
+
+def test_the_declared_license_has_its_file():
+    assert PROJECT["license"] == "Apache-2.0"
+    assert PROJECT["license-files"] == ["LICENSE"]
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    # the full text: its nine sections and the appendix, not a notice pointing to it
+    for heading in ("1. Definitions.", "2. Grant of Copyright License.", "3. Grant of Patent License.",
+                    "4. Redistribution.", "5. Submission of Contributions.", "6. Trademarks.",
+                    "7. Disclaimer of Warranty.", "8. Limitation of Liability.",
+                    "9. Accepting Warranty or Additional Liability.", "END OF TERMS AND CONDITIONS",
+                    "APPENDIX: How to apply the Apache License to your work."):  # fmt: skip
+        assert heading in text, heading
+    assert len(text.split()) > 1500
+
+
+def test_requires_python_admits_the_running_python():
+    spec = SpecifierSet(PROJECT["requires-python"])
+    assert Version("3.11") in spec  # jax 0.10 and flax 0.12 need >= 3.11
+    assert Version(".".join(map(str, sys.version_info[:3]))) in spec
+
+
+@pytest.mark.parametrize("req", _requirements() + _requirements("test") + _requirements("examples"),
+                         ids=str)  # fmt: skip
+def test_every_floor_is_at_most_the_installed_version(req):
+    """The floors are the versions the tests ran on: never above what this environment has."""
+    installed = Version(metadata.version(req.name))
+    floors = [Version(s.version) for s in req.specifier if s.operator in (">=", "==", "~=")]
+    assert floors, f"{req}: no floor (a dependency's floor is the tested version)"
+    for floor in floors:
+        assert floor <= installed, f"{req}: installed {installed}"
+    assert req.specifier.contains(installed, prereleases=True), f"{req}: installed {installed}"
+
+
+def test_the_torch_floor_is_the_tested_build():
+    (req,) = _requirements("torch")
+    assert canonicalize_name(req.name) == "torch" and str(req.specifier) == ">=2.13.0"
+    setup = (ROOT / "scripts" / "setup_env.sh").read_text()
+    assert '"torch==2.13.0"' in setup  # the CPU build, installed before the extra
+    try:
+        installed = Version(metadata.version("torch"))
+    except metadata.PackageNotFoundError:
+        pytest.skip("torch not installed")
+    assert req.specifier.contains(installed)  # 2.13.0+cpu
+
+
+@pytest.mark.parametrize("folder", ["tests", "examples", "benchmarks", "jaxamp", "torch_ref"])
+def test_every_third_party_import_is_declared(folder):
+    declared = _names(_all_requirements())
+    missing = {m: str(p) for m, p in _third_party(_imports(folder)).items()
+               if canonicalize_name(DISTRIBUTION.get(m, m)) not in declared}  # fmt: skip
+    assert not missing, f"imported but not in pyproject.toml's dependencies or extras: {missing}"
+
+
+def test_the_library_imports_only_its_dependencies():
+    core = _names(_requirements())
+    # omegaconf: imported only to convert a DictConfig the caller passes (jaxamp/config.py)
+    used = {canonicalize_name(DISTRIBUTION.get(m, m)) for m in _third_party(_imports("jaxamp"))} - {"omegaconf"}
+    assert used <= core, used - core
+
+
+def test_the_test_extra_installs_what_the_tests_import():
+    """``pip install -e ".[test]"`` (plus ``[torch]`` for tests/parity) is enough for tests/ and
+    the examples they run."""
+    have = _names(_requirements() + _requirements("test"))
+    need = _third_party(_imports("tests")) | _third_party(_imports("examples"))
+    torch_extra = _names(_requirements("torch"))
+    missing = {m: str(p) for m, p in need.items()
+               if canonicalize_name(DISTRIBUTION.get(m, m)) not in have | torch_extra}  # fmt: skip
+    assert not missing, missing
+    assert _names(_requirements("examples")) <= have
+
+
+def test_readme_module_commands_exist_from_the_repository_root():
+    readme = (ROOT / "README.md").read_text()
+    modules = set(re.findall(r"python -m ([A-Za-z_][\w.]*)", readme))
+    assert {"examples.poisson_quickstart", "examples.jax_user.fp16", "examples.flax_user.fp16"} <= modules, modules
+    assert "repository root" in readme  # examples/ is not installed: the commands run from the root
+    for module in sorted(modules - {"pytest", "pip", "venv"}):
+        assert module.split(".")[0] in LOCAL, module
+        assert find_spec(module) is not None, module  # tests run with the root on sys.path
+        assert (ROOT / (module.replace(".", "/") + ".py")).exists() or (
+            ROOT / module.replace(".", "/") / "__main__.py").exists(), module

@@ -25,7 +25,7 @@ def run(fn, xs, **jit_kw):
 def test_partition_coefficients_count_set_partitions(k, bell):
     """Faa di Bruno's coefficients count the set partitions of k things with each block-size
     pattern, so they sum to the Bell number."""
-    parts = taylor.partitions(k)
+    parts = faa_di_bruno.partitions(k)
     assert all(sum(p) == k and list(p) == sorted(p, reverse=True) for p, _ in parts)
     assert parts[0] == ((k,), 1)
     assert sum(c for _, c in parts) == bell

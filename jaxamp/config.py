@@ -1,5 +1,4 @@
-"""`AmpConfig`: the Modulus ``amp:`` keys plus the scaler hyper-parameters, validated up front
-(docs/algorithm.md, "Scaler keys" and "Defaults")."""
+"""`AmpConfig`: Modulus' ``amp:`` keys and the scalers' hyper-parameters, validated up front."""
 
 from __future__ import annotations
 
@@ -7,7 +6,7 @@ import dataclasses
 import os
 import re
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, Tuple, Union
+from typing import Any, Callable, Mapping, Optional, Tuple, Union
 
 import jax.numpy as jnp
 
@@ -178,12 +177,11 @@ class AmpConfig:
             start = f", init_scale = 2**amp.custom_init_scales_log2[{key!r}]" if key in inits else ""
             note = f" (max_scale = 2**amp.{where[key]}{start})"
             _build("derivative_scaler", lambda: self.derivative_scaler_for(key), note)
-        _build("loss_scaler", self.make_loss_scaler, "")
+        _build("loss_scaler", lambda: loss_scaler(**self.loss_scaler), "")
 
     def __hash__(self) -> int:  # hashable (a static jit argument, a cache key) despite its mapping fields
         return hash(repr(self))
 
-    # ---------------------------------------------------------------- derived settings
     @property
     def scaler_enabled(self) -> bool:
         """True when the derivative scalers act: AMP on, dtype float16 and derivative_scaling."""
@@ -204,8 +202,7 @@ class AmpConfig:
         return self.custom_max_scales_log2.get(str(key), self.default_max_scale_log2)
 
     def derivative_scaler_for(self, key: str) -> DynamicScaler:
-        """The derivative scaler rule for one scaler key: the one place a key's rule is built
-        from the config (:class:`~jaxamp.scaler.Scalers` and the engines use it).
+        """The derivative scaler rule of one scaler key: the one place a key's rule is built.
 
         Args:
           key: a scaler key (``"1"``, ``"2"``, a term name).
@@ -229,15 +226,15 @@ class AmpConfig:
         """
         max_scale = 2.0 ** self.max_scale_log2(key)
         capped = {name: min(_DERIVATIVE_DEFAULTS[name], max_scale) for name in ("init_scale", "recover_threshold")}
-        start = self.custom_init_scales_log2.get(str(key))
-        own = {} if start is None else {"init_scale": 2.0**start}
+        starts = self.custom_init_scales_log2
+        own = {"init_scale": 2.0 ** starts[str(key)]} if str(key) in starts else {}
         return DynamicScaler(max_scale=max_scale, **{**capped, **self.derivative_scaler, **own})
 
-    def make_loss_scaler(self) -> DynamicScaler:
-        """The weight-gradient loss scaler rule (its defaults with ``loss_scaler``'s overrides)."""
-        return loss_scaler(**self.loss_scaler)
+    def make_loss_scaler(self) -> Optional[DynamicScaler]:
+        """The weight-gradient loss scaler rule (its defaults with ``loss_scaler``'s overrides),
+        or None when loss scaling is off (AMP off, fp32, bf16: fp32 means no scaler acts)."""
+        return loss_scaler(**self.loss_scaler) if self.loss_scaling_enabled else None
 
-    # ---------------------------------------------------------------- construction
     @classmethod
     def from_dict(cls, values: Any) -> "AmpConfig":
         """Build from a mapping of ``amp:`` keys (or a mapping with an ``amp`` entry).

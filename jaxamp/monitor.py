@@ -126,7 +126,7 @@ class StallMonitor:
         if self.amp is None:
             return math.log2(SMALLEST_NORMAL)
         rule = self.amp.make_loss_scaler() if key == "loss" else self.amp.derivative_scaler_for(key)
-        return math.log2(rule.floor)
+        return math.log2(rule.floor if rule is not None else SMALLEST_NORMAL)
 
     def diagnose(self, state: MonitorState, metrics: Mapping[str, Any]) -> Optional[str]:
         """One line naming why the run stalls and what to try, or None while it does not.

@@ -127,8 +127,8 @@ def init(fun: Optional[Callable[..., Any]], amp: Optional[AmpConfig] = None, *, 
                     rules[k] = amp.derivative_scaler_for(k)
                     states[k] = rules[k].init()
         derivative = Scalers(rules, states)
-        if amp.loss_scaling_enabled:
-            rule = amp.make_loss_scaler()
+        rule = amp.make_loss_scaler()
+        if rule is not None:
             return AmpState(amp, derivative, rule.init(), rule)
         return AmpState(amp, derivative, _fixed_loss(), None)
 

@@ -74,7 +74,8 @@ class TrainState(NamedTuple):
                     f"derivative_scaling={amp.derivative_scaling}); build the engines with the same amp."
                 )
             keys += list(e.scaler_keys)
-        loss_scale = amp.make_loss_scaler().init() if amp.loss_scaling_enabled else ScaleState(
+        rule = amp.make_loss_scaler()
+        loss_scale = rule.init() if rule is not None else ScaleState(
             jnp.asarray(1.0, jnp.float32), jnp.asarray(0, jnp.int32))
         return cls(step=jnp.asarray(0, jnp.int32), params=params, opt_state=optimizer.init(params),
                    loss_scale=loss_scale, deriv_scales=Scalers.create(amp, dict.fromkeys(keys)))
@@ -181,7 +182,7 @@ def make_train_step(
         raise ValueError(f"make_train_step: `grad_clip_max_norm`={grad_clip_max_norm!r} is not allowed: "
                          "expected None or a finite number >= 0 (None or 0: no clipping).")
     grad_fn = scaled_value_and_grad(loss_fn)
-    loss_rule = amp.make_loss_scaler() if amp.loss_scaling_enabled else None
+    loss_rule = amp.make_loss_scaler()
 
     def step(state: TrainState, batch: Any) -> Tuple[TrainState, Dict[str, jax.Array]]:
         scalers = state.deriv_scales

@@ -69,6 +69,7 @@ def test_fp32_means_off_values_and_grads_are_jax_s():
     loss = make_loss(amp)
     state = jaxamp.init(loss, amp)(PARAMS, T, X)
     assert state.scales == {} and state.loss_rule is None and float(state.loss_scale) == 1.0
+    assert amp.make_loss_scaler() is None and jaxamp.AmpConfig(dtype="float32").make_loss_scaler() is None
     value, grads = jax.jit(jaxamp.value_and_grad(loss))(state, PARAMS, T, X)
     ref_value, ref_grads = jax.jit(jax.value_and_grad(loss))(PARAMS, T, X)
     assert grads.found_inf == {}

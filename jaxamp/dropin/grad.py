@@ -180,6 +180,12 @@ def grad(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_au
       the scale of its key (per-order: ``str(order)``; per-term or a special term: the name
       ``of``) and its scaled result is checked for inf/NaN under that key.
 
+    Outside :func:`jaxamp.scaled` / :func:`jaxamp.value_and_grad` (e.g. a loss evaluated for
+    logging) every scale is 1 and nothing is checked: plain JAX derivatives, which in float16
+    may overflow where the scaled program does not; evaluate such a loss with
+    ``jaxamp.scaled(loss)(state, ...)``. Float64 arguments are float32 unless JAX's x64 mode is
+    on (JAX's own rule); the engine plan (``method="auto"``) takes float32 scalars only.
+
     Example:
       >>> import jax.numpy as jnp, jaxamp
       >>> u_net = lambda p, t, x: jnp.sin(p * x) * jnp.exp(-t)

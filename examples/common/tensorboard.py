@@ -18,6 +18,7 @@ import math
 import os
 from typing import Any, Dict, Iterable, Mapping
 
+import jax.numpy as jnp
 import numpy as np
 
 import jaxamp
@@ -76,11 +77,13 @@ class TensorBoardLog:
         self.writer.flush()
 
     def write_profile(self, step: int, prof: Any, scaled: Mapping[str, Any]) -> None:
-        """A derivative profile at ``step``: the ranges of a :class:`jaxamp.window.Profile` as
-        scalars, ``profile/<derivative or scaler_<key>>/{log2_max,headroom_up,headroom_down}``,
-        and a histogram of ``log2 |value|`` per derivative, ``log2_abs/<derivative>``, from its
-        values times its key's scale (``scaled``; zeros and non-finite values left out)."""
-        groups = {**prof.derivatives, **{f"scaler_{k}": r for k, r in prof.keys.items()}}
+        """A derivative profile at ``step``: as scalars
+        ``profile/<derivative or scaler_<key>>/{log2_max,headroom_up,headroom_down}`` the range
+        of each derivative's values times its key's scale (``scaled``) and of each key's float16
+        values (:class:`jaxamp.window.Profile` ``keys``), and a histogram of ``log2 |value|`` per
+        derivative, ``log2_abs/<derivative>`` (zeros and non-finite values left out)."""
+        groups = {name: jaxamp.window.value_range(jnp.asarray(v)) for name, v in scaled.items()}
+        groups.update({f"scaler_{k}": r for k, r in prof.keys.items()})
         for name, r in groups.items():
             for field in ("log2_max", "headroom_up", "headroom_down"):
                 self.writer.add_scalar(f"profile/{name}/{field}", float(getattr(r, field)), step)

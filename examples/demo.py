@@ -130,6 +130,46 @@ def write_table(rows: List[Dict[str, Any]], workdir: str) -> str:
     return text
 
 
+BEGIN, END = "<!-- demo-report:begin -->", "<!-- demo-report:end -->"
+
+
+def provenance() -> str:
+    """Where the numbers come from: commit, CPU model, JAX version, date (fp16 digits differ
+    between CPUs: XLA keeps excess precision in CPU fusions)."""
+    import platform
+    import subprocess
+
+    def run(*cmd):
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, check=False).stdout.strip()
+        except OSError:
+            return ""
+
+    commit = run("git", "rev-parse", "--short", "HEAD") or "unknown"
+    dirty = " (with uncommitted changes)" if run("git", "status", "--porcelain", "--untracked-files=no") else ""
+    cpu = next((line.split(":", 1)[1].strip() for line in run("lscpu").splitlines() if line.startswith("Model name")),
+               platform.processor() or platform.machine())  # fmt: skip
+    import datetime
+
+    import jax
+
+    return (f"Measured at commit {commit}{dirty}, CPU {cpu} ({os.cpu_count()} cores), JAX {jax.__version__}, "
+            f"{datetime.date.today().isoformat()}; fp16 digits differ between CPUs.")  # fmt: skip
+
+
+def write_report(path: str, table: str, command: str, origin: str) -> None:
+    """Put ``table`` with its provenance ``origin`` between the report markers of ``path``
+    (appended with markers when the file has none): numbers on the page come from a run."""
+    block = f"{BEGIN}\n`{command}`\n\n{origin}\n\n{table.rstrip()}\n{END}"
+    text = open(path).read() if os.path.exists(path) else ""
+    if BEGIN in text and END in text:
+        text = text[: text.index(BEGIN)] + block + text[text.index(END) + len(END):]
+    else:
+        text = text.rstrip() + ("\n\n" if text else "") + block + "\n"
+    with open(path, "w") as f:
+        f.write(text)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m examples.demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="ldc_demo")
@@ -138,6 +178,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--workdir", default="runs/demo")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--report", metavar="PATH", help="also write the table, with the commit, CPU and JAX "
+                        "version it came from, between the report markers of PATH (e.g. docs/demonstration.md)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     try:
@@ -146,7 +188,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except jaxamp.ConfigError as e:  # the examples' and AmpConfig's config errors
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    print(open(os.path.join(args.workdir, "results.md")).read())
+    table = open(os.path.join(args.workdir, "results.md")).read()
+    print(table)
+    if args.report:
+        command = "python -m examples.demo " + " ".join(sys.argv[1:] if argv is None else argv)
+        write_report(args.report, table, command, provenance())
     del rows
     return 0
 

@@ -97,3 +97,16 @@ def test_demo_verdict_logic_on_synthetic_rows():
     assert ok[1]["claim_holds"] and ok[1]["plain_failure_step"] == 4000
     too_far = verdicts([row("fp32", 0.2), row("fp16_plain", 0.9, bad=4000), row("fp16_scaler_per_order", 0.25)])
     assert not too_far[1]["claim_holds"] and not too_far[1]["scaler_within_limit"]
+
+
+def test_demo_report_replaces_its_block_and_names_where_it_was_measured(tmp_path):
+    from examples.demo import BEGIN, END, provenance, write_report
+
+    page = tmp_path / "page.md"
+    page.write_text("# Title\n\nprose stays\n")
+    write_report(str(page), "| a |\n|---|\n| 1 |\n", "python -m examples.demo", "origin one")
+    write_report(str(page), "| a |\n|---|\n| 2 |\n", "python -m examples.demo", provenance())
+    text = page.read_text()
+    assert text.startswith("# Title\n\nprose stays\n") and text.count(BEGIN) == text.count(END) == 1
+    assert "| 2 |" in text and "| 1 |" not in text and "origin one" not in text
+    assert "commit" in text and "CPU" in text and "JAX" in text

@@ -226,3 +226,19 @@ def test_errors_say_what_to_use():
         jaxamp.apply_or_skip(state, [1.0], 0.0, 0.0)
     with pytest.raises(TypeError, match="`keys`"):
         jaxamp.init(None, amp, keys="2")
+
+
+def test_a_profile_of_float32_only_large_derivatives_starts_every_key_at_its_max():
+    """examples/jax_user's network in physical units (domain x 0.02), first layer in float32
+    (jaxamp's default placement), nested reverse mode as the user wrote it: u_xx passes 65504 in
+    float32 while its float16 values stay small, so the profile starts key "2" at its max."""
+    from tests.helpers.jax_user import physical_fourier_net
+
+    amp = jaxamp.AmpConfig()
+    u_net, params = physical_fourier_net(amp, c=0.02)
+    rev = dict(argnums=2, method="reverse")
+    u_xx = jax.vmap(jaxamp.grad(jaxamp.grad(u_net, **rev), **rev), (None, 0, 0))
+    t, x = 0.02 * T, 0.02 * X
+    assert float(jnp.max(jnp.abs(u_xx(params, t, x)))) > 65504.0
+    state = jaxamp.init(u_xx, amp)(params, t, x)
+    assert {k: float(s) for k, s in state.scales.items()} == {"1": 1.0, "2": 1.0}

@@ -38,7 +38,8 @@ LossFn = Callable[..., Tuple[jax.Array, Tuple]]
 
 
 class SkipReason(enum.IntEnum):
-    """Why a step was skipped (``metrics["skip_reason"]``; docs/algorithm.md, "Training step").
+    """Why a step was skipped (``metrics["skip_reason"]``, ``AmpOptState.skip_reason``;
+    docs/algorithm.md, "Training step"). An ``int`` enum: compare with the ``i32`` arrays.
 
     Example:
       >>> from jaxamp.step import SkipReason

@@ -138,7 +138,14 @@ def jacfwd(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_
 def hessian(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_aux: bool = False,
             holomorphic: bool = False, *, of: Optional[str] = None,
             wrt: Optional[Union[str, Sequence[str]]] = None) -> Callable[..., Any]:
-    """``jax.hessian``: :func:`jacfwd` of :func:`jaxamp.dropin.jacrev` (keys of orders 1 and 2).
+    """``jax.hessian``: :func:`jacfwd` of :func:`jaxamp.jacrev` (keys of orders 1 and 2).
+
+    Args:
+      fun, argnums, has_aux, holomorphic: as ``jax.hessian`` (``fun`` returns one array).
+      of, wrt: names, as :func:`jaxamp.grad`.
+
+    Returns:
+      A function with ``jax.hessian``'s outputs, each step scaled and checked under ``scaled``.
 
     Example:
       >>> import jax.numpy as jnp

@@ -206,8 +206,14 @@ def jacrev(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_
     """``jax.jacrev`` of a function returning one array, scaled and checked as :func:`grad`.
 
     The seed of every row is the scale of the key; the Jacobian (``out.shape + arg.shape``) is
-    checked row by row against ``fun``'s value and unscaled in float32. ``of``/``wrt``: as
-    :func:`grad`.
+    checked row by row against ``fun``'s value and unscaled in float32.
+
+    Args:
+      fun, argnums, has_aux, holomorphic, allow_int: as ``jax.jacrev`` (``fun`` returns one array).
+      of, wrt: names, as :func:`grad`.
+
+    Returns:
+      A function with ``jax.jacrev``'s outputs, scaled and checked under ``scaled``.
 
     Example:
       >>> import jax.numpy as jnp

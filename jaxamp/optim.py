@@ -26,7 +26,7 @@ import optax
 
 from jaxamp.dropin.scaled import scaled
 from jaxamp.state import AmpState, find
-from jaxamp.step import ScaledGrads, StepCheck, check_step, update_scalers
+from jaxamp.step import ScaledGrads, StepCheck, check_step, loss_scaled_grad, update_scalers
 
 __all__ = ["value_and_grad", "apply_or_skip", "optimizer", "AmpOptState", "advance"]
 
@@ -91,15 +91,12 @@ def value_and_grad(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] =
 
         on = amp_state.loss_rule is not None  # static: with loss scaling off nothing multiplies
 
-        def scaled_loss(*a):
+        def loss_of(*a):
             out, found = marked(amp_state.scales, *a, **kwargs)
             loss, aux = _loss_of(out, has_aux, fun)
-            return (loss.astype(jnp.float32) * loss_scale if on else loss), (loss, aux, found)
+            return loss, (aux, found)
 
-        grads, (loss, aux, found) = jax.grad(scaled_loss, argnums, has_aux=True)(*args)
-        if on:
-            inv = jnp.float32(1.0) / loss_scale
-            grads = jax.tree_util.tree_map(lambda g: g * inv.astype(g.dtype), grads)
+        grads, (loss, (aux, found)) = loss_scaled_grad(loss_of, argnums, loss_scale if on else None)(*args)
         return ((loss, aux) if has_aux else loss), ScaledGrads(grads, found)
 
     return vg

@@ -1,21 +1,11 @@
-"""The pieces of a mixed-precision train step, for :func:`jaxamp.train.make_train_step` and users' own loops.
+"""The pieces of a mixed-precision train step (docs/algorithm.md, "Training step").
 
-docs/algorithm.md, "Training step": (1) the loss and its derivatives with per-key
-overflow flags, gradients of ``loss * loss_scale``, unscaled (:func:`scaled_value_and_grad`);
-(2) the apply-or-skip decision over any pytrees: params, optimizer state, loss weights, EMA
-(:func:`check_step` and :meth:`StepCheck.select`); (3) the scaler updates (:func:`update_scalers`).
-All branches are selects: no host synchronisation, one compilation.
-
-Example (a user's own step, scaler states carried next to the user's own state)::
-
-    grad_fn = jaxamp.step.scaled_value_and_grad(loss_fn)        # loss_fn(params, batch, scales)
-    def step(params, opt_state, scalers, loss_scale, batch):
-        (loss, (terms, found_inf)), grads = grad_fn(params, batch, scalers.scales, loss_scale=loss_scale.scale)
-        check = jaxamp.step.check_step(found_inf, grads, scalers)
-        updates, new_opt_state = optimizer.update(grads, opt_state, params)
-        params, opt_state = check.select((optax.apply_updates(params, updates), new_opt_state), (params, opt_state))
-        scalers, loss_scale = jaxamp.step.update_scalers(check, scalers, loss_scale, amp.make_loss_scaler())
-        return params, opt_state, scalers, loss_scale
+(1) gradients of ``loss * loss_scale``, unscaled (:func:`loss_scaled_grad`; with an engine's
+explicit flags :func:`scaled_value_and_grad`); (2) the apply-or-skip decision over any pytrees
+(:func:`check_step`, :meth:`StepCheck.select`); (3) the scaler updates (:func:`update_scalers`).
+:func:`jaxamp.value_and_grad`, :func:`jaxamp.apply_or_skip`, :func:`jaxamp.optimizer` and
+:func:`jaxamp.train.make_train_step` are built from them. All branches are selects: no host
+synchronisation, one compilation.
 """
 
 from __future__ import annotations
@@ -146,20 +136,45 @@ def scaled_value_and_grad(loss_fn: LossFn) -> Callable[..., Tuple[Tuple[jax.Arra
         raise TypeError(f"scaled_value_and_grad: `loss_fn`={loss_fn!r} must be callable: {CONTRACT}.")
 
     def grad_fn(params: Any, *args: Any, loss_scale: jax.Array) -> Tuple[Tuple[jax.Array, Tuple], Any]:
-        loss_scale = jnp.asarray(loss_scale, jnp.float32)
-
-        def scaled(params: Any) -> Tuple[jax.Array, Tuple[jax.Array, Tuple]]:
+        def checked(params: Any) -> Tuple[jax.Array, Tuple]:
             out = loss_fn(params, *args)
             loss, terms, found_inf, metrics = check_loss_output(out, with_metrics=True)
-            aux = (terms, found_inf, metrics) if len(out[1]) == 3 else (terms, found_inf)
-            return loss.astype(jnp.float32) * loss_scale, (loss, aux)
+            return loss, ((terms, found_inf, metrics) if len(out[1]) == 3 else (terms, found_inf))
 
-        scaled_grads, (loss, aux) = jax.grad(scaled, has_aux=True)(params)
-        inv = jnp.float32(1.0) / loss_scale
-        grads = jax.tree_util.tree_map(lambda g: g * inv.astype(g.dtype), scaled_grads)
+        grads, (loss, aux) = loss_scaled_grad(checked, 0, loss_scale)(params)
         return (loss, aux), grads
 
     return grad_fn
+
+
+def loss_scaled_grad(fun: Callable[..., Tuple[jax.Array, Any]], argnums: Any,
+                     loss_scale: Optional[jax.Array]) -> Callable[..., Tuple[Any, Tuple[jax.Array, Any]]]:  # fmt: skip
+    """The gradients of ``fun``'s loss times ``loss_scale`` (float32), divided by it: the one
+    loss-scaled gradient of :func:`scaled_value_and_grad` and :func:`jaxamp.value_and_grad`.
+
+    Args:
+      fun: ``fun(*args) -> (loss, aux)``.
+      argnums: as ``jax.grad``.
+      loss_scale: ``f32[]``, or None (loss scaling off: nothing multiplies).
+
+    Returns:
+      ``g(*args) -> (grads, (loss, aux))``, ``loss`` unscaled.
+    """
+
+    def g(*args: Any) -> Tuple[Any, Tuple[jax.Array, Any]]:
+        s = None if loss_scale is None else jnp.asarray(loss_scale, jnp.float32)
+
+        def scaled(*a: Any) -> Tuple[jax.Array, Tuple[jax.Array, Any]]:
+            loss, aux = fun(*a)
+            return (loss if s is None else loss.astype(jnp.float32) * s), (loss, aux)
+
+        grads, out = jax.grad(scaled, argnums, has_aux=True)(*args)
+        if s is None:
+            return grads, out
+        inv = jnp.float32(1.0) / s
+        return jax.tree_util.tree_map(lambda x: x * inv.astype(x.dtype), grads), out
+
+    return g
 
 
 class StepCheck(NamedTuple):

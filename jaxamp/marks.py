@@ -18,7 +18,7 @@ the unscale in float32 (:func:`unscale`) and the flag merge (:func:`merge_found_
 
 from __future__ import annotations
 
-from typing import Dict, Mapping, MutableMapping, Optional, Tuple
+from typing import Dict, Mapping, MutableMapping, Optional
 
 import jax
 import jax.numpy as jnp

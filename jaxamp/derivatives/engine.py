@@ -9,9 +9,9 @@ import jax.numpy as jnp
 
 from jaxamp.config import AmpConfig
 from jaxamp.derivatives import forward, reverse
-from jaxamp.derivatives.plan import Plan, make_plan, mark_params, parent_of, scaler_key
+from jaxamp.derivatives.plan import Plan, make_plan, mark_params, run_marked, scaler_key
 from jaxamp.dropin.scaled import interpreting, scaled
-from jaxamp.marks import NONFINITE_VALUES, deriv_check, deriv_scale, merge_found_inf
+from jaxamp.marks import NONFINITE_VALUES, merge_found_inf
 from jaxamp.scaler import DynamicScaler, ScaleState
 
 PointFn = Callable[..., jax.Array]  # fn(params, x: f32[n_inputs]) -> f32[n_outputs]
@@ -144,25 +144,11 @@ class Derivatives:
         """
         plan, f = self.plan, self._point_outputs(params)
         marks_of = {k: mark_params(plan, k) for k in plan.step_keys}
-
-        def point(p):
-            # One seed per point, as torch's grad_outputs=ones_like(var)*scale: an unbatched seed
-            # makes the seed's products point-independent, and the weight gradient would then sum
-            # their cotangents over the batch *before* the factor s is applied, in float16.
-            step_scales = {k: deriv_scale(p[0], **m) for k, m in marks_of.items()}
-            values, scaled_values = self.engine(plan, f, p, step_scales)
-            if not plan.scaled:  # nothing is checked: the graph has no finiteness test
-                return values, scaled_values
-            ok = {o: jnp.all(jnp.isfinite(p)) for o in plan.outputs}
-            checked = {}
-            for name in plan.derivatives:
-                parent = parent_of(name)
-                ok[name] = ok[parent] & jnp.isfinite(values[parent])
-                below = jnp.where(ok[name], values[parent], jnp.nan)  # finite where every value below is
-                checked[name] = deriv_check(scaled_values[name], below, **marks_of[plan.paths[name][-1][0]])
-            return values, checked
-
-        return jax.vmap(point)(x)
+        # One seed per point (the marks are batched with the points), as torch's
+        # grad_outputs=ones_like(var)*scale: an unbatched seed makes the seed's products
+        # point-independent, and the weight gradient would then sum their cotangents over the
+        # batch *before* the factor s is applied, in float16.
+        return jax.vmap(lambda p: run_marked(plan, self.engine, f, p, marks_of))(x)
 
     def point_weights(self, points: Union[Mapping[str, jax.Array], jax.Array]) -> jax.Array:
         """``f32[N]``: each point's weight in a residual mean, 0 where the engine masks it

@@ -10,7 +10,9 @@ the variable below (docs/algorithm.md, "Scaler keys").
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple
+
+import jax.numpy as jnp
 
 from jaxamp import marks
 from jaxamp.config import AmpConfig
@@ -117,6 +119,31 @@ def mark_params(plan: "Plan", key: str) -> Dict[str, object]:
     :func:`jaxamp.marks.scaler_key` maps them back to ``key`` (a per-order key is its order)."""
     order = next(i + 1 for i, level in enumerate(plan.levels) if key in level.parent_keys)
     return {"order": order, "term": None if key == str(order) else key}
+
+
+def run_marked(plan: "Plan", point_engine: Callable, f: Callable, x, marks_of: Mapping[str, Dict[str, object]]):
+    """One point of ``plan`` by ``point_engine``, its steps written with jaxamp's marks.
+
+    Every step key's scale is a ``deriv_scale_p`` of ``marks_of[key]`` (its ``order`` and
+    ``term``), and every derivative's scaled result a ``deriv_check_p`` against the value it
+    differentiates where every value below it (the inputs included) is finite. Unscaled plans
+    get no check (the graph holds no finiteness test).
+
+    Returns:
+      ``(values, checked)``: every value unscaled; each derivative's scaled result, checked.
+    """
+    step_scales = {k: marks.deriv_scale(x[0], **marks_of[k]) for k in plan.step_keys}
+    values, scaled_values = point_engine(plan, f, x, step_scales)
+    if not plan.scaled:
+        return values, scaled_values
+    ok = {o: jnp.all(jnp.isfinite(x)) for o in plan.outputs}
+    checked = {}
+    for name in plan.derivatives:
+        parent = parent_of(name)
+        ok[name] = ok[parent] & jnp.isfinite(values[parent])
+        below = jnp.where(ok[name], values[parent], jnp.nan)  # finite where every value below is
+        checked[name] = marks.deriv_check(scaled_values[name], below, **marks_of[plan.paths[name][-1][0]])
+    return values, checked
 
 
 def make_plan(inputs: Sequence[str], outputs: Sequence[str], derivatives: Sequence[str], amp: AmpConfig) -> Plan:

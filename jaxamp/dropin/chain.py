@@ -23,10 +23,10 @@ import jax.numpy as jnp
 
 from jaxamp.config import AmpConfig
 from jaxamp.derivatives import forward
-from jaxamp.derivatives.plan import make_plan, order_of, parent_of
-from jaxamp.marks import SEP, deriv_check, deriv_scale
+from jaxamp.derivatives.plan import make_plan, order_of, run_marked
+from jaxamp.marks import SEP
 
-__all__ = ["Chain", "METHODS", "Session", "sessions", "extend", "eligible", "evaluate", "shared"]
+__all__ = ["Chain", "METHODS", "Session", "sessions", "check_scalar", "extend", "eligible", "evaluate", "shared"]
 
 METHODS = ("auto", "forward", "reverse")
 # per-term keys (the parents' plan names): the plan's own step keys, each mapped to a mark below
@@ -76,7 +76,17 @@ def _term(chain: Chain, k: int) -> Optional[str]:
     return name
 
 
-def _node(chain: Chain, cols: Tuple[int, ...], k: int) -> str:
+def check_scalar(caller: str, fun: Callable, out: Any) -> Any:
+    """``out`` if it is one scalar array, else a TypeError that names the way out (jacrev)."""
+    if not hasattr(out, "dtype"):
+        raise TypeError(f"{caller}: `fun`={fun!r} must return one array, got {type(out).__name__}.")
+    if jnp.shape(out) != ():
+        raise TypeError(f"{caller}: `fun`={fun!r} returned shape {jnp.shape(out)}; grad needs a scalar output. "
+                        "For a vector-valued function use jaxamp.jacrev (or jaxamp.jacfwd).")
+    return out
+
+
+def _node(chain: Chain, k: int) -> str:
     """The plan name of the value after ``k`` steps of ``chain`` (``u__a2__a2``)."""
     return SEP.join(("u",) + tuple(f"a{i}" for i in chain.argnums[:k]))
 
@@ -150,12 +160,12 @@ def evaluate(chains, args: Tuple[Any, ...], base_order: int):
     """
     cols = tuple(sorted({i for c in chains for i in c.argnums}))
     inputs = tuple(f"a{i}" for i in cols)
-    tops = [_node(c, cols, len(c.argnums)) for c in chains]
+    tops = [_node(c, len(c.argnums)) for c in chains]
     plan = make_plan(inputs, ("u",), tuple(dict.fromkeys(tops)), _PLAN_AMP)
     terms: Dict[str, Optional[str]] = {}  # plan parent name -> the user's name of that value
     for c in chains:
         for k in range(len(c.argnums)):
-            node = _node(c, cols, k)
+            node = _node(c, k)
             terms[node] = terms.get(node) or _term(c, k)
     x = jnp.stack([jnp.asarray(args[i], jnp.float32) for i in cols])
     base = chains[0].base
@@ -164,18 +174,11 @@ def evaluate(chains, args: Tuple[Any, ...], base_order: int):
         full = list(args)
         for j, i in enumerate(cols):
             full[i] = z[j]
-        out = base(*full)
-        if not hasattr(out, "dtype") or jnp.shape(out) != ():
-            raise TypeError(f"jaxamp.grad: `fun`={base!r} returned {getattr(out, 'shape', type(out).__name__)}; "
-                            "grad needs a scalar output. For a vector-valued function use jaxamp.jacrev (or jacfwd).")
-        return jnp.reshape(jnp.asarray(out, jnp.float32), (1,))
+        return jnp.reshape(jnp.asarray(check_scalar("jaxamp.grad", base, base(*full)), jnp.float32), (1,))
 
     # per-term plan keys are the parents' plan names: each becomes the mark of its step
     marks_of = {k: dict(order=base_order + order_of(k) + 1, term=terms.get(k)) for k in plan.step_keys}
-    scales = {k: deriv_scale(x[0], **m) for k, m in marks_of.items()}
-    values, scaled_values = forward.point_values(plan, f, x, scales)
-    for d in plan.derivatives:
-        deriv_check(scaled_values[d], values[parent_of(d)], **marks_of[plan.paths[d][-1][0]])
+    values, _ = run_marked(plan, forward.point_values, f, x, marks_of)
     out = []
     for c, top in zip(chains, tops):
         m = marks_of[plan.paths[top][-1][0]]

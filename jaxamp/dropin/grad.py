@@ -128,11 +128,10 @@ def _reverse(transform: Callable, caller: str, fun: Callable, argnums, has_aux: 
         def seeded(*a, **kw):
             out = fun(*a, **kw)
             out, aux = out if has_aux else (out, None)
-            if not hasattr(out, "dtype"):
+            if caller == "jaxamp.grad":
+                chain.check_scalar(caller, fun, out)
+            elif not hasattr(out, "dtype"):
                 raise TypeError(f"{caller}: `fun`={fun!r} must return one array, got {type(out).__name__}.")
-            if caller == "jaxamp.grad" and jnp.shape(out) != ():
-                raise TypeError(f"jaxamp.grad: `fun`={fun!r} returned shape {jnp.shape(out)}; grad needs a scalar "
-                                "output. For a vector-valued function use jaxamp.jacrev (or jaxamp.jacfwd).")
             found.update(order=frame.max_order + 1, term=term_of(frame, of))
             s = deriv_scale(out, **found)
             wide = jnp.promote_types(jnp.result_type(out), jnp.float32)

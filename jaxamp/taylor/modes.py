@@ -7,7 +7,7 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 import jax
 import jax.numpy as jnp
 
-from jaxamp.taylor.faa_di_bruno import Ratio, Scales, partitions, series_rule
+from jaxamp.taylor.faa_di_bruno import Ratio, Scales, series_rule
 from jaxamp.taylor.propagate import propagate
 
 __all__ = ["second_order", "series"]

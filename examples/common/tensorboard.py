@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from typing import Any, Dict, Iterable, Mapping
 
 import jax.numpy as jnp
@@ -57,7 +58,14 @@ class TensorBoardLog:
         self.counts.update(dict(skip_counts))
         # Non-finite losses are data here (plain fp16 runs have many): no warning per value.
         logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
-        self.writer = SummaryWriter(self.logdir, purge_step=first_step + 1 if first_step else None)
+        # The event file's name holds the wall time in whole seconds: a run resumed within the
+        # same second would overwrite the dead run's file. A nanosecond suffix keeps both files
+        # and sorts the resumed one after it (TensorBoard reads files in name order).
+        self.writer = SummaryWriter(
+            self.logdir,
+            purge_step=first_step + 1 if first_step else None,
+            filename_suffix=f".{time.time_ns()}",
+        )
 
     def write(self, records: Iterable[Mapping[str, Any]]) -> None:
         """Add one scalar per numeric field of each record (non-finite values as NaN/inf)."""

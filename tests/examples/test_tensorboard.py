@@ -77,3 +77,19 @@ def test_tensorboard_off_writes_no_event_files(tmp_path):
     cfg["training"] = {**cfg["training"], "tensorboard": False}
     train_and_evaluate(Burgers, cfg, str(tmp_path), progress=False, plots=False)
     assert not (tmp_path / "tensorboard").exists()
+
+
+def test_a_run_resumed_within_the_same_second_keeps_the_dead_runs_events(tmp_path, monkeypatch):
+    """Event files are named by the wall time in whole seconds; with the clock held still the
+    resumed run's file must neither overwrite the first run's nor sort before it."""
+    from examples.common.tensorboard import TensorBoardLog
+
+    monkeypatch.setattr("time.time", lambda: 1_700_000_000.5)
+    first = TensorBoardLog(str(tmp_path), 0)
+    first.write([{"step": s, "loss": float(s)} for s in (1, 2, 3)])
+    first.close()
+    resumed = TensorBoardLog(str(tmp_path), 2)
+    resumed.write([{"step": s, "loss": 10.0 * s} for s in (3, 4)])
+    resumed.close()
+    assert len(list((tmp_path / "tensorboard").iterdir())) == 2
+    assert scalars(tmp_path / "tensorboard")["loss"] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]

@@ -143,10 +143,14 @@ def step_fn(name: str, variant: str, n: int) -> Callable[[], Any]:
 
         fun = jax.jacrev(losses)
     else:
-        def fun(p, pts):
+        def loss(p, pts):
             return jnp.mean(residuals(p, pts) ** 2)
 
-        fun = jax.value_and_grad(fun)
+        if variant != "fp32":  # the user's step: jaxamp.value_and_grad
+            state = jaxamp.init(loss, amp, from_profile=False)(params, pts)
+            vg = jaxamp.value_and_grad(loss)
+            return jax.jit(lambda p, pts: vg(state, p, pts)), (params, pts)
+        fun = jax.value_and_grad(loss)
     if variant != "fp32":
         state = jaxamp.init(fun, amp, from_profile=False)(params, pts)
         scaled = jaxamp.scaled(fun)

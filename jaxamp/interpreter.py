@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, List, Optional, Sequence
 
+import numpy as np
 from jax.extend import core as jcore
 
 Rule = Callable[[Any, List[Any]], Sequence[Any]]
@@ -99,3 +100,70 @@ def custom_body(eqn) -> Optional[jcore.ClosedJaxpr]:
 def sub_jaxprs(eqn) -> List[jcore.Jaxpr]:
     """Every jaxpr in ``eqn``'s parameters (bodies of calls, loops, branches), open."""
     return [j.jaxpr if isinstance(j, jcore.ClosedJaxpr) else j for j in jcore.jaxprs_in_params(eqn.params)]
+
+
+def _atom(v) -> Any:
+    """A hashable stand-in for an equation operand: the variable itself, or a literal's value."""
+    if isinstance(v, jcore.Literal):
+        val = np.asarray(v.val)  # by its bits: 0.0 and -0.0 differ, as do NaN payloads
+        return ("literal", str(v.aval), val.dtype.str, val.shape, val.tobytes())
+    return v
+
+
+def cse(closed: jcore.ClosedJaxpr, *, held: Sequence[int] = ()) -> jcore.ClosedJaxpr:
+    """``closed`` with every equation that repeats an earlier one removed (common subexpressions).
+
+    Two equations repeat when they apply the same primitive with the same parameters to the
+    same operands and have no effects; the later one's outputs are read from the earlier one.
+    A program that computes one value twice (a user's ``u(params, t, x)`` beside the primal of
+    a derivative pass of the same ``u``) then computes it once *before* it is differentiated,
+    so its gradient needs one backward pass where XLA, which sees the differentiated program,
+    would keep two. Equations with unhashable parameters (array constants) are kept as they are.
+
+    Args:
+      closed: the program.
+      held: positions of inputs whose dependent equations are never merged. jaxamp holds the
+        derivative scales: a merged value's cotangent is the sum of its uses' cotangents, in
+        its dtype, and uses that carry different powers of the scales (a Taylor coefficient in
+        the chains of two orders) would round that sum differently at every scale; values
+        that depend on no scale (the network's primal pass) have scale-free cotangents, so
+        merging them keeps a scale of 2^k from changing a bit of the unscaled result.
+
+    Returns:
+      The program without the repeated equations (``closed`` itself when none repeats).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxamp.interpreter import cse
+      >>> closed = jax.make_jaxpr(lambda x: jnp.sin(x) + jnp.sin(x))(1.0)
+      >>> len(closed.jaxpr.eqns), len(cse(closed).jaxpr.eqns)
+      (3, 2)
+    """
+    jaxpr, env, seen, eqns = closed.jaxpr, {}, {}, []
+    tainted = {jaxpr.invars[i] for i in held}
+
+    def read(v):
+        return v if isinstance(v, jcore.Literal) else env.get(v, v)
+
+    for eqn in jaxpr.eqns:
+        eqn = eqn.replace(invars=[read(v) for v in eqn.invars])
+        if any(not isinstance(v, jcore.Literal) and v in tainted for v in eqn.invars):
+            tainted.update(eqn.outvars)
+            eqns.append(eqn)
+            continue
+        try:
+            key = None if eqn.effects else (eqn.primitive, tuple(map(_atom, eqn.invars)),
+                                            tuple(sorted(eqn.params.items())))  # fmt: skip
+            earlier = None if key is None else seen.get(key)
+        except (TypeError, ValueError):  # unhashable, or compared elementwise
+            key = earlier = None
+        if earlier is not None:
+            env.update(zip(eqn.outvars, earlier))
+            continue
+        if key is not None and not any(isinstance(v, jcore.DropVar) for v in eqn.outvars):
+            seen[key] = eqn.outvars
+        eqns.append(eqn)
+    if len(eqns) == len(jaxpr.eqns):
+        return closed
+    new = jaxpr.replace(eqns=eqns, outvars=[read(v) for v in jaxpr.outvars])
+    return jcore.ClosedJaxpr(new, closed.consts)

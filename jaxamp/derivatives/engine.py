@@ -123,7 +123,8 @@ class Derivatives:
             values, found = self.marked(params, x)[0], {}
         else:
             step_scales = self.check_scales(scales) if self.scaled else {}
-            (values, _), found = scaled(self.marked, self.amp)(step_scales, params, x)
+            # merge=False: the plan already shares the engine's passes; its graph stays as written
+            (values, _), found = scaled(self.marked, self.amp, merge=False)(step_scales, params, x)
             if found:  # bad values of every output, derivatives taken of it or not
                 bad = ~jnp.all(jnp.isfinite(jnp.stack([values[o] for o in self.outputs])))
                 found = merge_found_inf(found, {NONFINITE_VALUES: bad})

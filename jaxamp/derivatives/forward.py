@@ -30,7 +30,7 @@ pure second order. Unscaled engines run this same code with every scale 1.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Dict, List, Mapping, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -53,7 +53,10 @@ def point_values(plan: Plan, f: Callable[[jax.Array], jax.Array], x: jax.Array, 
     Args:
       plan: the engine's plan.
       f: the network at one point, ``x: f32[n_inputs] -> f32[n_outputs]``.
-      x: the point.
+      x: the point, ``f32[n_inputs]``; or a tuple of ``n_inputs`` float32 scalars, ``f`` then
+        taking such a tuple (the drop-in's chains pass the user's own arguments, so the primal
+        of every pass is the very computation of the user's own call, for
+        :func:`jaxamp.interpreter.cse`).
       scales: ``{key: f32[]}`` for every key of ``plan.step_keys``.
       series_min_order: pure derivatives of this order or more take Taylor mode.
 
@@ -61,6 +64,8 @@ def point_values(plan: Plan, f: Callable[[jax.Array], jax.Array], x: jax.Array, 
       ``(values, scaled)``: ``values[name]`` (unscaled, ``f32[]``) for every output and
       derivative; ``scaled[derivative]`` the scaled result of its last step.
     """
+    if not isinstance(x, tuple):  # each step differentiates along one input: the point as scalars
+        f, x = _of_vector(f), tuple(x[i] for i in range(len(plan.inputs)))
     groups: Dict[Tuple[int, ...], List[Path]] = {}
     # Longest first: a path along a prefix of another's inputs joins that pass.
     for path in sorted(plan.maximal_paths(), key=len, reverse=True):
@@ -69,7 +74,7 @@ def point_values(plan: Plan, f: Callable[[jax.Array], jax.Array], x: jax.Array, 
         groups.setdefault(home, []).append(path)
     results: Dict[Path, Levels] = {}
     for cols, paths in groups.items():
-        chain = _chain(f, cols, len(plan.inputs), series_min_order)
+        chain = _chain(f, cols, series_min_order)
         per_path = [[scales[key] for key, _ in path] for path in paths]
         if len(paths) == 1:
             results[paths[0]] = chain(x, per_path[0])[1]
@@ -112,13 +117,19 @@ def as_scaled(value: jax.Array, scale: jax.Array) -> jax.Array:
     return (value * scale).astype(jnp.float16).astype(jnp.float32)
 
 
-def _basis(n: int, col: int, value: jax.Array) -> jax.Array:
-    return jnp.zeros((n,), jnp.float32).at[col].set(value)
+def _of_vector(f: Callable[[jax.Array], jax.Array]) -> Callable[[Tuple[jax.Array, ...]], jax.Array]:
+    return lambda xs: f(jnp.stack(xs))
 
 
-def _chain(f: Callable[[jax.Array], jax.Array], cols: Tuple[int, ...], n_in: int, series_min_order: int) -> Chain:
+def _along(g: Callable, x: Tuple[jax.Array, ...], col: int) -> Callable[[jax.Array], Any]:
+    """``g`` on the line through the point ``x`` along input ``col``: a function of that input."""
+    return lambda xc: g(x[:col] + (xc,) + x[col + 1 :])
+
+
+def _chain(f: Callable, cols: Tuple[int, ...], series_min_order: int) -> Chain:
     """``chain(x, s) -> (scaled top level, (unscaled levels, scaled levels))`` for the steps
-    along the inputs ``cols`` with the step scales ``s`` (one ``f32[]`` per step)."""
+    along the inputs ``cols`` with the step scales ``s`` (one ``f32[]`` per step); ``x`` is a
+    tuple of scalars."""
     one = jnp.float32(1.0)
     if not cols:
 
@@ -129,40 +140,40 @@ def _chain(f: Callable[[jax.Array], jax.Array], cols: Tuple[int, ...], n_in: int
         return outputs
     pure = all(col == cols[0] for col in cols)
     if pure and len(cols) >= series_min_order:
-        return _series(f, cols, n_in)
+        return _series(f, cols)
     if pure and len(cols) == 2:
-        return _second(f, cols, n_in)
-    below = _chain(f, cols[:-1], n_in, series_min_order)
+        return _second(f, cols)
+    below, col = _chain(f, cols[:-1], series_min_order), cols[-1]
 
     def chain(x, s):
         seed = s[-1] / (s[-2] if len(s) > 1 else one)  # s_k / s_{k-1}
-        _, top, (unscaled, scaled) = jax.jvp(lambda z: below(z, s[:-1]), (x,), (_basis(n_in, cols[-1], seed),),
+        _, top, (unscaled, scaled) = jax.jvp(_along(lambda z: below(z, s[:-1]), x, col), (x[col],), (seed,),
                                              has_aux=True)  # fmt: skip
         return top, (unscaled + [top * (one / s[-1])], scaled + [top])
 
     return chain
 
 
-def _second(f: Callable[[jax.Array], jax.Array], cols: Tuple[int, ...], n_in: int) -> Chain:
+def _second(f: Callable, cols: Tuple[int, ...]) -> Chain:
     """The chain of a pure second derivative (``u__x__x``): one propagated tangent."""
     one = jnp.float32(1.0)
 
     def chain(x, s):
         s1, s2 = s
         # outer seed s2/s1 over inner seed s1, as two factors: s1**2 may underflow float32
-        y, first, second = taylor.second_order(f, x, _basis(n_in, cols[0], s1), (s2 / s1, one / s1))
+        y, first, second = taylor.second_order(_along(f, x, cols[0]), x[cols[0]], s1, (s2 / s1, one / s1))
         return second, ([y, first * (one / s1), second * (one / s2)], [first, second])
 
     return chain
 
 
-def _series(f: Callable[[jax.Array], jax.Array], cols: Tuple[int, ...], n_in: int) -> Chain:
+def _series(f: Callable, cols: Tuple[int, ...]) -> Chain:
     """The chain of a pure derivative of order >= 3 (``u__x__x__x``): Taylor mode, one
     propagated chain per order, each carrying its own scale."""
     one = jnp.float32(1.0)
 
     def chain(x, s):
-        y, scaled = taylor.series(f, x, _basis(n_in, cols[0], one), len(cols), list(s))
+        y, scaled = taylor.series(_along(f, x, cols[0]), x[cols[0]], one, len(cols), list(s))
         return scaled[-1], ([y] + [d * (one / sk) for d, sk in zip(scaled, s)], list(scaled))
 
     return chain

@@ -136,7 +136,8 @@ def run_marked(plan: "Plan", point_engine: Callable, f: Callable, x, marks_of: M
     values, scaled_values = point_engine(plan, f, x, step_scales)
     if not plan.scaled:
         return values, scaled_values
-    ok = {o: jnp.all(jnp.isfinite(x)) for o in plan.outputs}
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(v)) for v in (x if isinstance(x, tuple) else (x,))]))
+    ok = {o: finite for o in plan.outputs}
     checked = {}
     for name in plan.derivatives:
         parent = parent_of(name)

@@ -167,7 +167,8 @@ def evaluate(chains, args: Tuple[Any, ...], base_order: int):
         for k in range(len(c.argnums)):
             node = _node(c, k)
             terms[node] = terms.get(node) or _term(c, k)
-    x = jnp.stack([jnp.asarray(args[i], jnp.float32) for i in cols])
+    # the user's own scalars (eligible: float32), not a stack: the passes' primals are the user's calls
+    x = tuple(args[i] if hasattr(args[i], "dtype") else jnp.float32(args[i]) for i in cols)
     base = chains[0].base
 
     def f(z):

@@ -28,7 +28,7 @@ from jaxamp.config import AmpConfig
 from jaxamp.dropin import chain
 from jaxamp.dropin.control import HANDLERS, call, full_flags
 from jaxamp.marks import NONFINITE_VALUES, PRIMITIVES, deriv_check_p, deriv_scale_p, or_into, scaler_key, step_flags
-from jaxamp.interpreter import CALL_PRIMITIVES, bind, eval_jaxpr, sub_jaxprs
+from jaxamp.interpreter import CALL_PRIMITIVES, bind, cse, eval_jaxpr, sub_jaxprs
 from jaxamp.state import find
 
 __all__ = ["scaled", "scaler_keys", "Context", "check_amp", "marks", "trace"]
@@ -192,7 +192,8 @@ def check_amp(amp) -> None:
         raise TypeError(f"jaxamp.scaled: `amp`={amp!r} must be an AmpConfig or None (per-order keys).")
 
 
-def scaled(fun: Callable[..., Any], amp: Optional[AmpConfig] = None) -> Callable[..., Tuple[Any, Flags]]:
+def scaled(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *,
+           merge: bool = True) -> Callable[..., Tuple[Any, Flags]]:  # fmt: skip
     """Give the ``jaxamp.grad`` calls in ``fun`` their scales and collect their flags.
 
     Args:
@@ -201,6 +202,11 @@ def scaled(fun: Callable[..., Any], amp: Optional[AmpConfig] = None) -> Callable
       amp: the scaler mode and special terms. None: per-order keys (``"1"``, ``"2"``, ...).
         A config whose derivative scalers are inactive (fp32, bf16, AMP off): every scale is
         1, nothing is checked, ``found_inf`` is empty.
+      merge: in float16, compute once what the program computes twice and what depends on no
+        scale (:func:`jaxamp.interpreter.cse`: a user's ``u(params, t, x)`` beside the primal
+        pass of ``jaxamp.grad(u)``), before an outer ``jax.grad`` differentiates it, so the
+        backward pass is shared too. Values are unchanged; a weight gradient may differ in its
+        last bits (its cotangents summed in another order). False: the program as written.
 
     Returns:
       ``wrapped(state, *args, **kwargs) -> (fun(*args, **kwargs), found_inf)``: ``state`` is
@@ -223,6 +229,8 @@ def scaled(fun: Callable[..., Any], amp: Optional[AmpConfig] = None) -> Callable
     if not callable(fun):
         raise TypeError(f"jaxamp.scaled: `fun`={fun!r} must be callable.")
     check_amp(amp)
+    if not isinstance(merge, bool):
+        raise TypeError(f"jaxamp.scaled: `merge`={merge!r} must be True or False.")
 
     def wrapped(scales: Any, *args, **kwargs):
         ctx_amp = amp
@@ -234,8 +242,24 @@ def scaled(fun: Callable[..., Any], amp: Optional[AmpConfig] = None) -> Callable
         if not ctx.active and ctx_amp.loss_scaling_enabled:
             # plain fp16: every order's scale 1 through one barrier, as the scaled program's scales
             ctx.scales = _opaque({k: 1.0 for k in _ordered(str(o) for o, _ in marks(closed.jaxpr))})
-        outs, flags = _evaluate(closed.jaxpr, closed.consts, flat, ctx)
-        return jax.tree_util.tree_unflatten(out_tree, outs), full_flags(flags, ctx.keys(closed.jaxpr))
+        keys = ctx.keys(closed.jaxpr)
+        if not (merge and ctx.scales):  # fp32, bf16, AMP off: the program as JAX would run it
+            outs, flags = _evaluate(closed.jaxpr, closed.consts, flat, ctx)
+            return jax.tree_util.tree_unflatten(out_tree, outs), full_flags(flags, keys)
+        names, scale_vals = list(ctx.scales), list(ctx.scales.values())
+
+        def program(vals, *leaves):
+            ctx.scales = dict(zip(names, vals))
+            outs, flags = _evaluate(closed.jaxpr, closed.consts, leaves, ctx)
+            return outs, full_flags(flags, keys)
+
+        # The rewritten program without its repeated scale-free work, before an outer
+        # jax.grad (the train step's) differentiates it: jaxamp.interpreter.cse.
+        rewritten, shape = jax.make_jaxpr(program, return_shape=True)(scale_vals, *flat)
+        rewritten = cse(rewritten, held=range(len(names)))
+        results = eval_jaxpr(rewritten.jaxpr, rewritten.consts, [*scale_vals, *flat], bind)
+        outs, flags = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shape), results)
+        return jax.tree_util.tree_unflatten(out_tree, outs), flags
 
     return wrapped
 

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jaxamp.config import AmpConfig
 from jaxamp.derivatives import forward
 from jaxamp.derivatives.plan import make_plan, order_of, run_marked
+from jaxamp.interpreter import bind, cse, eval_jaxpr
 from jaxamp.marks import SEP
 
 __all__ = ["Chain", "METHODS", "Session", "sessions", "check_scalar", "extend", "eligible", "evaluate", "shared"]
@@ -86,19 +87,21 @@ def check_scalar(caller: str, fun: Callable, out: Any) -> Any:
     return out
 
 
-def _node(chain: Chain, k: int) -> str:
-    """The plan name of the value after ``k`` steps of ``chain`` (``u__a2__a2``)."""
-    return SEP.join(("u",) + tuple(f"a{i}" for i in chain.argnums[:k]))
+def _node(chain: Chain, k: int, output: str) -> str:
+    """The plan name of the value after ``k`` steps of ``chain`` (``u0__a2__a2``), whose base
+    is the plan's ``output``."""
+    return SEP.join((output,) + tuple(f"a{i}" for i in chain.argnums[:k]))
 
 
 class Session:
     """Shared passes across the chain calls of one traced program (:func:`jaxamp.scaled`).
 
     The program is traced twice. The first trace records every chain call: its base, its
-    steps and its arguments; calls of the same base at the very same arguments (the same
-    traced values: one point of one ``vmap``) form a group. In the second trace the first call
-    of a group evaluates one plan holding every derivative of the group, the engine's way
-    (paths along the same inputs share one pass), and every call takes its derivative from it.
+    steps and its arguments; calls at the very same arguments (the same traced values: one
+    point of one ``vmap``) form a group, whatever their bases (``u`` and ``v`` of one network
+    are the outputs of one plan). In the second trace the first call of a group evaluates one
+    plan holding every derivative of the group, the engine's way (paths along the same inputs
+    share one pass, for every output), and every call takes its derivative from it.
     A call that does not match the record (a trace cache skipped a call) computes its own.
     """
 
@@ -109,9 +112,8 @@ class Session:
 
     def finish_recording(self) -> None:
         by_args: Dict[Any, int] = {}
-        for chain, ids, _ in self.calls:
-            key = (id(chain.base), ids)
-            self.groups.append(by_args.setdefault(key, len(by_args)))
+        for _, ids, _, base_order in self.calls:
+            self.groups.append(by_args.setdefault((ids, base_order), len(by_args)))
         self.recording, self.index = False, 0
 
 
@@ -131,7 +133,7 @@ def shared(chain: Chain, args: Tuple[Any, ...], base_order: int) -> Tuple[jax.Ar
         return evaluate([chain], args, base_order)[0]
     ids = tuple(id(a) for a in args)
     if session.recording:
-        session.calls.append((chain, ids, args))  # kept alive: no id is reused while recording
+        session.calls.append((chain, ids, args, base_order))  # kept alive: no id is reused while recording
         return evaluate([chain], args, base_order)[0]
     i, session.index = session.index, session.index + 1
     if i >= len(session.calls) or session.calls[i][0] != chain:
@@ -146,10 +148,10 @@ def shared(chain: Chain, args: Tuple[Any, ...], base_order: int) -> Tuple[jax.Ar
 
 
 def evaluate(chains, args: Tuple[Any, ...], base_order: int):
-    """The top derivatives of ``chains`` (one base, the same arguments) by one engine plan, marked.
+    """The top derivatives of ``chains`` (at the same arguments) by one engine plan, marked.
 
     Args:
-      chains: chains of one base function.
+      chains: chains whose base functions take these arguments (each base an output of the plan).
       args: the positional arguments of the outermost calls.
       base_order: the highest order of derivative calls the base function makes (its marks'
         orders start above it).
@@ -160,23 +162,26 @@ def evaluate(chains, args: Tuple[Any, ...], base_order: int):
     """
     cols = tuple(sorted({i for c in chains for i in c.argnums}))
     inputs = tuple(f"a{i}" for i in cols)
-    tops = [_node(c, len(c.argnums)) for c in chains]
-    plan = make_plan(inputs, ("u",), tuple(dict.fromkeys(tops)), _PLAN_AMP)
+    bases = list(dict.fromkeys(c.base for c in chains))
+    output = {c: f"u{bases.index(c.base)}" for c in chains}
+    tops = [_node(c, len(c.argnums), output[c]) for c in chains]
+    plan = make_plan(inputs, tuple(f"u{b}" for b in range(len(bases))), tuple(dict.fromkeys(tops)), _PLAN_AMP)
     terms: Dict[str, Optional[str]] = {}  # plan parent name -> the user's name of that value
     for c in chains:
         for k in range(len(c.argnums)):
-            node = _node(c, k)
+            node = _node(c, k, output[c])
             terms[node] = terms.get(node) or _term(c, k)
     # the user's own scalars (eligible: float32), not a stack: the passes' primals are the user's calls
     x = tuple(args[i] if hasattr(args[i], "dtype") else jnp.float32(args[i]) for i in cols)
-    base = chains[0].base
 
     def f(z):
         full = list(args)
         for j, i in enumerate(cols):
             full[i] = z[j]
-        return jnp.reshape(jnp.asarray(check_scalar("jaxamp.grad", base, base(*full)), jnp.float32), (1,))
+        return jnp.stack([jnp.asarray(check_scalar("jaxamp.grad", b, b(*full)), jnp.float32) for b in bases])
 
+    if len(bases) > 1:  # u and v of one network: its shared work traced once, before the passes
+        f = _merged(f, x)
     # per-term plan keys are the parents' plan names: each becomes the mark of its step
     marks_of = {k: dict(order=base_order + order_of(k) + 1, term=terms.get(k)) for k in plan.step_keys}
     values, _ = run_marked(plan, forward.point_values, f, x, marks_of)
@@ -185,3 +190,10 @@ def evaluate(chains, args: Tuple[Any, ...], base_order: int):
         m = marks_of[plan.paths[top][-1][0]]
         out.append((values[top], m["order"], m["term"]))
     return out
+
+
+def _merged(f: Callable, x: Tuple[jax.Array, ...]) -> Callable:
+    """``f`` with the work its bases repeat done once (:func:`jaxamp.interpreter.cse`: the
+    bases are functions of the point only, no scale enters them)."""
+    closed = cse(jax.make_jaxpr(f)(x))
+    return lambda z: eval_jaxpr(closed.jaxpr, closed.consts, list(z), bind)[0]

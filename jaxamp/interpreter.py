@@ -9,7 +9,7 @@ A rule is ``rule(eqn, invals) -> outvals``: it receives the equation and whateve
 interpreter holds for each operand (plain arrays, or richer objects such as a primal with
 its Taylor series), and returns one value per output variable. :func:`bind` evaluates an
 equation as written, and :func:`sub_jaxpr` exposes the body of call-like equations so that
-rules can recurse into ``jit``-ed functions.
+rules can recurse into ``jit``-ed functions. :func:`cse` removes a program's repeated work.
 """
 
 from __future__ import annotations

@@ -180,8 +180,7 @@ class Scalers(Mapping[str, ScaleState]):
 
     Example:
       >>> import jaxamp
-      >>> from jaxamp.scaler import Scalers
-      >>> s = Scalers.create(jaxamp.AmpConfig(), ["1", "2"])
+      >>> s = jaxamp.init(None, jaxamp.AmpConfig(), keys=["1", "2"])().derivative  # a Scalers
       >>> s = s.update({"2": True})
       >>> float(s["2"].scale), float(s["1"].scale)
       (0.5, 1.0)
@@ -196,21 +195,6 @@ class Scalers(Mapping[str, ScaleState]):
             raise KeyError(f"Scalers: `states` has keys {sorted(states)}; the rules have {sorted(rules)}.")
         self._rules = dict(rules)
         self._states = {k: states[k] for k in self._rules}
-
-    @classmethod
-    def create(cls, amp: Any, keys: Any) -> "Scalers":
-        """The scalers for ``keys`` with the rules of ``amp`` (an :class:`~jaxamp.AmpConfig`).
-
-        Args:
-          amp: the settings; each key's rule is ``amp.derivative_scaler_for(key)``.
-          keys: scaler keys, e.g. ``engine.scaler_keys``.
-
-        Returns:
-          Scalers at their initial states.
-        """
-        if isinstance(keys, str):
-            raise TypeError(f"Scalers.create: `keys`={keys!r} must be a list of scaler keys, not a string.")
-        return cls({str(k): amp.derivative_scaler_for(str(k)) for k in keys})
 
     @property
     def rules(self) -> Mapping[str, DynamicScaler]:

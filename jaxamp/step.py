@@ -194,8 +194,7 @@ class StepCheck(NamedTuple):
 
         Example:
           >>> import jax.numpy as jnp, jaxamp
-          >>> from jaxamp.scaler import Scalers
-          >>> scalers = Scalers.create(jaxamp.AmpConfig(dtype="float16"), ["2"])
+          >>> scalers = jaxamp.init(None, jaxamp.AmpConfig(dtype="float16"), keys=["2"])().derivative
           >>> check = jaxamp.step.check_step({"2": jnp.array(True)}, {"w": jnp.ones(2)}, scalers)
           >>> check.select({"w": jnp.full(2, jnp.nan)}, {"w": jnp.ones(2)})  # skipped: the old params
           {'w': Array([1., 1.], dtype=float32)}
@@ -230,8 +229,7 @@ def check_step(found_inf: Flags, grads: Any, scalers: Mapping[str, Any], *, axis
 
     Example (flags as a derivative engine returns them: key ``"2"`` overflowed):
       >>> import jax.numpy as jnp, jaxamp
-      >>> from jaxamp.scaler import Scalers
-      >>> scalers = Scalers.create(jaxamp.AmpConfig(dtype="float16"), ["1", "2"])
+      >>> scalers = jaxamp.init(None, jaxamp.AmpConfig(dtype="float16"), keys=["1", "2"])().derivative
       >>> found_inf = {"1": jnp.array(False), "2": jnp.array(True), "nonfinite_values": jnp.array(False)}
       >>> check = jaxamp.step.check_step(found_inf, {"w": jnp.ones(2)}, scalers)
       >>> bool(check.apply), jaxamp.SkipReason(int(check.skip_reason)).name
@@ -277,16 +275,15 @@ def update_scalers(
 
     Example (key ``"2"`` overflowed: it backs off, key ``"1"`` and the loss scale stay):
       >>> import jax.numpy as jnp, jaxamp
-      >>> from jaxamp.scaler import Scalers
       >>> amp = jaxamp.AmpConfig(dtype="float16")
-      >>> scalers, loss_scale = Scalers.create(amp, ["1", "2"]), amp.make_loss_scaler().init()
+      >>> scalers, loss_scale = jaxamp.init(None, amp, keys=["1", "2"])().derivative, amp.make_loss_scaler().init()
       >>> check = jaxamp.step.check_step({"2": jnp.array(True)}, {"w": jnp.ones(2)}, scalers)
       >>> scalers, loss_scale = jaxamp.step.update_scalers(check, scalers, loss_scale, amp.make_loss_scaler())
       >>> {k: float(v) for k, v in scalers.scales.items()}, float(loss_scale.scale)
       ({'1': 1.0, '2': 0.5}, 65536.0)
     """
     if not isinstance(scalers, Scalers):
-        raise TypeError(f"update_scalers: `scalers` must be a jaxamp.scaler.Scalers (Scalers.create(amp, keys) pairs each "
+        raise TypeError(f"update_scalers: `scalers` must be a jaxamp.scaler.Scalers (jaxamp.init pairs each "
                         f"key with its rule), got {type(scalers).__name__}.")
     frozen = check.nonfinite_values
     scalers = jmp.select_tree(frozen, scalers, scalers.update(check.found_inf))

@@ -13,6 +13,7 @@ import optax
 from jaxamp.config import AmpConfig
 from jaxamp.derivatives.engine import Derivatives
 from jaxamp.scaler import Scalers, ScaleState, exact_log2
+from jaxamp.state import init
 from jaxamp.step import LossFn, StepCheck, check_step, scaled_value_and_grad, update_scalers
 
 Step = Callable[["TrainState", Any], Tuple["TrainState", Dict[str, jax.Array]]]
@@ -74,11 +75,9 @@ class TrainState(NamedTuple):
                     f"derivative_scaling={amp.derivative_scaling}); build the engines with the same amp."
                 )
             keys += list(e.scaler_keys)
-        rule = amp.make_loss_scaler()
-        loss_scale = rule.init() if rule is not None else ScaleState(
-            jnp.asarray(1.0, jnp.float32), jnp.asarray(0, jnp.int32))
+        scalers = init(None, amp, keys=tuple(dict.fromkeys(keys)))()  # the one way to create them
         return cls(step=jnp.asarray(0, jnp.int32), params=params, opt_state=optimizer.init(params),
-                   loss_scale=loss_scale, deriv_scales=Scalers.create(amp, dict.fromkeys(keys)))
+                   loss_scale=scalers.loss, deriv_scales=scalers.derivative)
 
     @property
     def scales(self) -> Dict[str, jax.Array]:
@@ -110,9 +109,8 @@ def step_metrics(loss: jax.Array, terms: Any, check: StepCheck, grad_norm: jax.A
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxamp
-      >>> from jaxamp.scaler import Scalers
       >>> amp = jaxamp.AmpConfig(dtype="float16")
-      >>> scalers, loss_scale = Scalers.create(amp, ["2"]), amp.make_loss_scaler().init()
+      >>> scalers, loss_scale = jaxamp.init(None, amp, keys=["2"])().derivative, amp.make_loss_scaler().init()
       >>> grads = {"w": jnp.ones(2)}
       >>> check = jaxamp.step.check_step({"2": jnp.array(False)}, grads, scalers)
       >>> metrics = jaxamp.train.step_metrics(jnp.float32(0.5), {"pde": jnp.float32(0.5)}, check,

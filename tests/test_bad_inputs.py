@@ -149,9 +149,9 @@ CASES = [
      ["`growth_interval`", "10.5", "a positive integer"]),
     ("scaler.recover_slower", lambda: DynamicScaler(recover_growth_interval=20, growth_interval=10), ValueError,
      ["`recover_growth_interval`", "20", "must not exceed `growth_interval`=10"]),
-    ("scalers.keys_string", lambda: jaxamp.scaler.Scalers.create(FP16, "12"), TypeError,
+    ("scalers.keys_string", lambda: jaxamp.init(None, FP16, keys="12")().derivative, TypeError,
      ["`keys`", "'12'", "a list of scaler keys"]),
-    ("scalers.unknown_flag", lambda: jaxamp.scaler.Scalers.create(FP16, ["1"]).update({"7": True}), KeyError,
+    ("scalers.unknown_flag", lambda: jaxamp.init(None, FP16, keys=["1"])().derivative.update({"7": True}), KeyError,
      ["`found_inf`", "['7']", "keys are ['1']"]),
     ("step.update_scalers_dict", lambda: jaxamp.step.update_scalers(
         jaxamp.step.check_step({}, {"w": jnp.ones(2)}, {"1": None}), {"1": DynamicScaler().init()}, DynamicScaler().init(),

@@ -91,7 +91,7 @@ def test_monitor_state_beside_the_train_state_resumes_bit_identical(tmp_path):
 
 
 @pytest.mark.parametrize("change, fragment", [
-    (lambda s: s._replace(deriv_scales=jaxamp.scaler.Scalers.create(jaxamp.AmpConfig(), ["1"])),
+    (lambda s: s._replace(deriv_scales=jaxamp.init(None, jaxamp.AmpConfig(), keys=["1"])().derivative),
      "only in the checkpoint: ['deriv_scales.2.growth_tracker', 'deriv_scales.2.scale']"),
     (lambda s: s._replace(step=jnp.asarray(0.0)), "different shape or dtype: ['step (checkpoint int32[], like float32[])']"),
     (lambda s: s._replace(params={**s.params, "extra": jnp.zeros(2)}), "only in `like`: ['params.extra']"),

@@ -93,7 +93,7 @@ def test_a_negative_max_scale_caps_the_default_init_scale_and_recover_threshold(
     assert two.init_scale == two.recover_threshold == two.max_scale == 2.0**-9
     assert (nu.init_scale, nu.recover_threshold, nu.max_scale) == (2.0**-3, 2.0**-6, 2.0**-3)
     assert (one.init_scale, one.recover_threshold, one.max_scale) == (1.0, 2.0**-6, 1.0)  # untouched
-    scalers = jaxamp.scaler.Scalers.create(c, ["1", "2"])
+    scalers = jaxamp.init(None, c, keys=["1", "2"])().derivative
     assert float(scalers["2"].scale) == 2.0**-9 and float(scalers["1"].scale) == 1.0
     # a clean step at the cap stays there; a backoff halves; recover mode grows back to the cap
     rule = two
@@ -172,7 +172,7 @@ def test_a_custom_init_scale_sets_only_where_a_key_starts():
     assert (two.init_scale, two.max_scale, two.recover_threshold) == (2.0**-9, 16.0, 2.0**-6)
     assert (nu.init_scale, one.init_scale) == (8.0, 0.5)  # the key's start wins over derivative_scaler.init_scale
     assert two.recover_growth_interval == one.recover_growth_interval == 2
-    scalers = jaxamp.scaler.Scalers.create(c, ["1", "2"])
+    scalers = jaxamp.init(None, c, keys=["1", "2"])().derivative
     assert float(scalers["2"].scale) == 2.0**-9 and float(scalers["1"].scale) == 0.5
     state = two.init()
     for _ in range(2 * 3):  # 2^-9 -> 2^-6 in recover mode: one doubling per 2 clean steps

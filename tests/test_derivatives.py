@@ -130,20 +130,20 @@ def test_crafted_fp16_overflow_backs_off_to_fp32_values(method):
     assert float(jnp.abs(ref["u__x__x"]).max()) > 65504 > float(jnp.abs(ref["u__x"]).max())
 
     call = jax.jit(e16.__call__, compiler_options=STRICT_FP16)
-    states = e16.init_scaler_states()
+    scalers = jaxamp.init(None, amp, keys=e16.scaler_keys)().derivative
     backoffs = 0
     while True:
-        vals, found = call(params, pts, {k: s.scale for k, s in states.items()})
+        vals, found = call(params, pts, scalers.scales)
         if backoffs == 0:
             assert bool(found["2"]) and not bool(found["1"]), "only the second-order key overflows"
             assert not bool(found[NONFINITE_VALUES]), "an overflow is not a bad value"
             assert not bool(jnp.all(jnp.isfinite(vals["u__x__x"])))
         if not bool(found["2"]):
             break
-        states = {k: e16.scalers[k].update(s, found[k]) for k, s in states.items()}
+        scalers = scalers.update({k: found[k] for k in scalers})
         backoffs += 1
         assert backoffs < 10
-    assert backoffs >= 1 and float(states["2"].scale) == 0.5**backoffs and float(states["1"].scale) == 1.0
+    assert backoffs >= 1 and float(scalers["2"].scale) == 0.5**backoffs and float(scalers["1"].scale) == 1.0
     assert bool(jnp.all(jnp.isfinite(vals["u__x__x"])))
     # fp16 tolerance: ~10 fp16 roundings (eps 2^-11) along the graph, relative to the field's max.
     scale_of_field = float(jnp.abs(ref["u__x__x"]).max())
@@ -163,7 +163,7 @@ def test_scaler_keys_per_mode_special_terms_and_custom_max_scales():
     )
     assert set(special.scaler_keys) == {"1", "2", "nu"}
     assert special.scaler_key("nu") == "nu" and special.scaler_key("nu__x") == "2"
-    rules = special.scalers
+    rules = jaxamp.init(None, special.amp, keys=special.scaler_keys)().derivative.rules
     assert rules["nu"].max_scale == 2.0**20 and rules["2"].max_scale == 8.0 and rules["1"].max_scale == 1.0
 
 
@@ -174,7 +174,7 @@ def test_inactive_scaling_adds_nothing_to_the_graph(net_and_params, amp):
     fn = lambda p, x: net.apply(p, x)
     kw = dict(inputs=("x", "y"), outputs=("u", "v"), derivatives=("u__x__x", "v__y"))
     eng = jaxamp.Derivatives(fn, **kw, amp=amp)
-    assert eng.scaler_keys == () and eng.init_scaler_states() == {}
+    assert eng.scaler_keys == () and jaxamp.init(None, eng.amp, keys=eng.scaler_keys)().scales == {}
     pts = jnp.ones((4, 2))
     plain = jax.make_jaxpr(jaxamp.Derivatives(fn, **kw).__call__)(params, pts)
     assert str(jax.make_jaxpr(eng.__call__)(params, pts)) == str(plain)

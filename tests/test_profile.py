@@ -145,7 +145,7 @@ def test_recommendation_applied_to_amp_starts_each_key_at_its_scale_and_never_ca
     prof = profile(_engine(_sine(300.0, jnp.float16), jaxamp.AmpConfig()), {"a": jnp.float32(1.0)}, POINTS)
     rec = recommend(prof)
     amp = rec.apply(jaxamp.AmpConfig(derivative_scaler={"growth_interval": 2, "recover_growth_interval": 2}))
-    scalers = jaxamp.scaler.Scalers.create(amp, ["1", "2"])
+    scalers = jaxamp.init(None, amp, keys=["1", "2"])().derivative
     assert float(scalers["2"].scale) == 2.0 ** rec.scales_log2["2"] < 1.0
     assert float(scalers["1"].scale) == 1.0
     assert dict(amp.custom_init_scales_log2) == {"2": rec.scales_log2["2"]} and dict(amp.custom_max_scales_log2) == {}

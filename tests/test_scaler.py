@@ -61,7 +61,7 @@ def test_vector_b_through_a_tanh_mlp(jit):
     amp = VECTOR_B_AMP
     engine, derivs, params = vector_b_engine()  # the jit flag applies to the update rule
     assert engine.scaler_keys == ("1",)
-    scalers = Scalers.create(amp, engine.scaler_keys)
+    scalers = jaxamp.init(None, amp, keys=engine.scaler_keys)().derivative
     update = jax.jit(Scalers.update) if jit else Scalers.update
     assert (float(scalers["1"].scale), int(scalers["1"].growth_tracker)) == (1.0, 0)
     clean, overflowing = jnp.linspace(0.1, 1, 8), jnp.linspace(0.0, 1, 8)
@@ -76,7 +76,7 @@ def test_vector_b_through_a_tanh_mlp(jit):
 
 def test_scalers_pair_each_key_with_its_rule_and_go_through_jit_vmap_and_checkpoint_paths():
     amp = jaxamp.AmpConfig(custom_max_scales_log2={2: 3}, derivative_scaler={"growth_interval": 200})
-    s = Scalers.create(amp, ["1", "2"])
+    s = jaxamp.init(None, amp, keys=["1", "2"])().derivative
     assert s.rules["2"] == amp.derivative_scaler_for("2") and s.rules["2"].max_scale == 8.0
     assert s.rules["1"].max_scale == 1.0 and sorted(s) == ["1", "2"] and len(s) == 2
     out = jax.jit(lambda s: s.update({"2": jnp.bool_(True)}))(s)
@@ -86,13 +86,13 @@ def test_scalers_pair_each_key_with_its_rule_and_go_through_jit_vmap_and_checkpo
     assert paths == ["['1'].scale", "['1'].growth_tracker", "['2'].scale", "['2'].growth_tracker"]
     batched = jax.vmap(lambda f: s.update({"1": f}))(jnp.asarray([True, False]))
     assert batched["1"].scale.tolist() == [0.5, 1.0]
-    assert Scalers.create(amp, []) == {} and s.scales == {"1": s["1"].scale, "2": s["2"].scale}
+    assert jaxamp.init(None, amp)().derivative == {} and s.scales == {"1": s["1"].scale, "2": s["2"].scale}
     with pytest.raises(KeyError, match=r"key\(s\) \['7'\] with no scaler"):
         s.update({"7": True})
     with pytest.raises(KeyError, match="`states` has keys"):
         Scalers(s.rules, {"1": s["1"]})
     with pytest.raises(TypeError, match="must be a list of scaler keys"):
-        Scalers.create(amp, "12")
+        jaxamp.init(None, amp, keys="12")
 
 
 @pytest.mark.parametrize("jit, rule_name", [  # per-call dispatch (jit False) is slow: one rule in the fast run

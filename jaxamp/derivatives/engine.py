@@ -12,7 +12,6 @@ from jaxamp.derivatives import forward, reverse
 from jaxamp.derivatives.plan import Plan, make_plan, mark_params, run_marked, scaler_key
 from jaxamp.dropin.scaled import interpreting, scaled
 from jaxamp.marks import NONFINITE_VALUES, merge_found_inf
-from jaxamp.scaler import DynamicScaler, ScaleState
 
 PointFn = Callable[..., jax.Array]  # fn(params, x: f32[n_inputs]) -> f32[n_outputs]
 # engine(plan, f, x, scales) -> (values {name: f32[]}, scaled {derivative: f32[]}) at one point
@@ -86,15 +85,6 @@ class Derivatives:
         """The scaler key that guards differentiating ``parent`` (docs/algorithm.md, "Scaler keys")."""
         return scaler_key(self.amp, parent)
 
-    @property
-    def scalers(self) -> Dict[str, DynamicScaler]:
-        """The scale rule of every scaler key this engine uses (empty when scaling is off)."""
-        return {key: self.amp.derivative_scaler_for(key) for key in self.scaler_keys}
-
-    def init_scaler_states(self) -> Dict[str, ScaleState]:
-        """``{key: ScaleState}``: the initial state of every scaler key (empty when unscaled)."""
-        return {key: rule.init() for key, rule in self.scalers.items()}
-
     def __call__(self, params, points: Union[Mapping[str, jax.Array], jax.Array],
                  scales: Optional[Mapping[str, jax.Array]] = None) -> Tuple[Dict[str, jax.Array], Dict[str, jax.Array]]:  # fmt: skip
         """Values and derivatives at a batch of points.
@@ -102,8 +92,8 @@ class Derivatives:
         Args:
           params: the network parameters passed to ``fn``.
           points: ``{input name: f32[N]}`` or an array ``f32[N, n_inputs]``.
-          scales: ``{scaler key: f32[]}`` with at least :attr:`scaler_keys` (e.g. the ``scale``
-            of each state from :meth:`init_scaler_states`). Ignored when scaling is off.
+          scales: ``{scaler key: f32[]}`` with at least :attr:`scaler_keys` (the ``scales`` of
+            ``jaxamp.init(None, amp, keys=engine.scaler_keys)()``). Ignored when scaling is off.
 
         Returns:
           ``(values, found_inf)``: ``values[name]`` is ``f32[N]`` (unscaled) for every output
@@ -190,7 +180,8 @@ class Derivatives:
         if missing:
             raise KeyError(
                 f"Derivatives: `scales` lacks the scaler key(s) {missing}; it has {sorted(scales)}. "
-                "Create the states with engine.init_scaler_states() (or TrainState.create(..., engines=...))."
+                "Create the scalers with jaxamp.init(None, amp, keys=engine.scaler_keys)() (or "
+                "TrainState.create(..., engines=...))."
             )
         return {k: jnp.asarray(scales[k], jnp.float32) for k in self.scaler_keys}
 

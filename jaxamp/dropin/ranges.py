@@ -169,7 +169,7 @@ def init_scalers(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *, fr
         :func:`jaxamp.window.recommend` gives it (``Recommendation.apply``: the config's
         ``custom_init_scales_log2``); a key still grows up to its configured max scale while
         it does not overflow. False: the keys at ``amp``'s rules only (as
-        ``Scalers.create(amp, scaler_keys(fun, amp)(*args))``).
+        ``jaxamp.init(None, amp, keys=scaler_keys(fun, amp)(*args))().derivative``).
       margin_log2: powers of two kept free below 65504 (as ``recommend``).
 
     Returns:
@@ -197,7 +197,8 @@ def init_scalers(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *, fr
         if from_profile and keys:
             prof = jax.jit(profile(fun, amp))(*args, **kwargs)
             rec = recommend(prof, margin_log2=margin_log2, default_max_scale_log2=amp.default_max_scale_log2)
-            return Scalers.create(rec.apply(amp), keys)
-        return Scalers.create(amp, keys)
+            amp_at_start = rec.apply(amp)
+            return Scalers({k: amp_at_start.derivative_scaler_for(k) for k in keys})
+        return Scalers({k: amp.derivative_scaler_for(k) for k in keys})
 
     return init

@@ -13,19 +13,19 @@ None). Outside :func:`jaxamp.scaled` they are inert (scale 1, the check the iden
 marked program is plain JAX; :func:`jaxamp.scaled` interprets them. This module also owns
 the rules every path shares: the scaler key of a step (:func:`scaler_key`), the name
 separator (:data:`SEP`), the flag of a step (:func:`step_flags`: overflow vs bad values),
-the unscale in float32 (:func:`unscale`) and the flag merge (:func:`merge_found_inf`).
+the seed's factor and the unscale in float32 (:func:`seed`, :func:`unscale`) and the flag merge (:func:`merge_found_inf`).
 """
 
 from __future__ import annotations
 
-from typing import Dict, Mapping, MutableMapping, Optional
+from typing import Any, Dict, Mapping, MutableMapping, Optional
 
 import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 from jax.interpreters import ad, batching, mlir
 
-__all__ = ["SEP", "NONFINITE_VALUES", "scaler_key", "step_flags", "unscale", "or_into", "merge_found_inf",
+__all__ = ["SEP", "NONFINITE_VALUES", "scaler_key", "step_flags", "seed", "unscale", "or_into", "merge_found_inf",
            "deriv_scale_p", "deriv_check_p", "deriv_scale", "deriv_check", "PRIMITIVES"]
 
 SEP = "__"  # "u__x" is du/dx, "u__x__y" is d/dy(du/dx)
@@ -74,6 +74,14 @@ def step_flags(g: jax.Array, below_ok: jax.Array) -> jax.Array:
     if bad_g.ndim > jnp.ndim(below_ok):
         bad_g = jnp.any(bad_g, axis=tuple(range(jnp.ndim(below_ok), bad_g.ndim)))
     return bad_g & below_ok
+
+
+def seed(t: jax.Array, s: jax.Array, dtype: Optional[Any] = None) -> jax.Array:
+    """``t * s`` computed in (at least) float32 (step 1 of a derivative step: the seed's factor);
+    cast to ``dtype`` when given (a tangent in its primal's dtype), else in that wide dtype."""
+    wide = jnp.promote_types(jnp.result_type(t) if dtype is None else dtype, jnp.float32)
+    out = jnp.asarray(t, wide) * jnp.asarray(s).astype(wide)
+    return out if dtype is None else out.astype(dtype)
 
 
 def unscale(g: jax.Array, inv: jax.Array) -> jax.Array:

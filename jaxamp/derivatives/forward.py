@@ -37,6 +37,7 @@ import jax.numpy as jnp
 
 from jaxamp import taylor
 from jaxamp.derivatives.plan import Path, Plan, parse_name
+from jaxamp.marks import unscale
 
 # Pure derivatives of at least this order take Taylor mode (jaxamp.taylor.series); pure
 # second orders take jaxamp.taylor.second_order.
@@ -149,7 +150,7 @@ def _chain(f: Callable, cols: Tuple[int, ...], series_min_order: int) -> Chain:
         seed = s[-1] / (s[-2] if len(s) > 1 else one)  # s_k / s_{k-1}
         _, top, (unscaled, scaled) = jax.jvp(_along(lambda z: below(z, s[:-1]), x, col), (x[col],), (seed,),
                                              has_aux=True)  # fmt: skip
-        return top, (unscaled + [top * (one / s[-1])], scaled + [top])
+        return top, (unscaled + [unscale(top, one / s[-1])], scaled + [top])
 
     return chain
 
@@ -162,7 +163,7 @@ def _second(f: Callable, cols: Tuple[int, ...]) -> Chain:
         s1, s2 = s
         # outer seed s2/s1 over inner seed s1, as two factors: s1**2 may underflow float32
         y, first, second = taylor.second_order(_along(f, x, cols[0]), x[cols[0]], s1, (s2 / s1, one / s1))
-        return second, ([y, first * (one / s1), second * (one / s2)], [first, second])
+        return second, ([y, unscale(first, one / s1), unscale(second, one / s2)], [first, second])
 
     return chain
 
@@ -174,6 +175,6 @@ def _series(f: Callable, cols: Tuple[int, ...]) -> Chain:
 
     def chain(x, s):
         y, scaled = taylor.series(_along(f, x, cols[0]), x[cols[0]], one, len(cols), list(s))
-        return scaled[-1], ([y] + [d * (one / sk) for d, sk in zip(scaled, s)], list(scaled))
+        return scaled[-1], ([y] + [unscale(d, one / sk) for d, sk in zip(scaled, s)], list(scaled))
 
     return chain

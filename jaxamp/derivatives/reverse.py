@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxamp.derivatives.plan import Plan, parent_of, parse_name
+from jaxamp.marks import seed, unscale
 
 
 def point_values(plan: Plan, f: Callable[[jax.Array], jax.Array], x: jax.Array,
@@ -39,7 +40,7 @@ def point_values(plan: Plan, f: Callable[[jax.Array], jax.Array], x: jax.Array,
             grad = fns.scaled_grad(parent)(x)  # steps 1-2: f32[n_inputs], scaled
             for name, col in children:
                 scaled[name] = grad[col]
-                values[name] = grad[col] * fns.inv_scale(parent)  # step 4: unscale in f32
+                values[name] = unscale(grad[col], fns.inv_scale(parent))  # step 4: unscale in f32
     return values, scaled
 
 
@@ -71,12 +72,12 @@ class _VariableFns:
             else:
                 parent = parent_of(name)
                 col, grad = self.plan.inputs.index(parse_name(name)[1][-1]), self.scaled_grad(parent)
-                fn = lambda x: grad(x)[col] * self.inv_scale(parent)  # noqa: E731
+                fn = lambda x: unscale(grad(x)[col], self.inv_scale(parent))  # noqa: E731
             self._values[name] = fn
         return self._values[name]
 
     def scaled_grad(self, name: str) -> Callable[[jax.Array], jax.Array]:
         if name not in self._grads:
             value = self.value(name)
-            self._grads[name] = jax.grad(lambda x: value(x) * self.scale(name))
+            self._grads[name] = jax.grad(lambda x: seed(value(x), self.scale(name)))
         return self._grads[name]

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxamp.dropin.grad import Frame, check_fun, check_wrt, frames, jacrev, report, term_of
-from jaxamp.marks import deriv_check, deriv_scale, unscale
+from jaxamp.marks import deriv_check, deriv_scale, seed, unscale
 
 __all__ = ["jvp", "jacfwd", "hessian"]
 
@@ -47,8 +47,7 @@ def _finish(d, out, s, found) -> jax.Array:
 
 
 def _seed(t, s):
-    wide = jnp.promote_types(jnp.result_type(t), jnp.float32)
-    return (jnp.asarray(t, wide) * s.astype(wide)).astype(jnp.result_type(t))
+    return seed(t, s, jnp.result_type(t))  # the tangent in its primal's dtype
 
 
 def jvp(fun: Callable[..., Any], primals: Sequence[Any], tangents: Sequence[Any], has_aux: bool = False, *,

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxamp.dropin import chain
-from jaxamp.marks import SEP, deriv_check, deriv_scale, unscale
+from jaxamp.marks import SEP, deriv_check, deriv_scale, seed, unscale
 
 __all__ = ["grad", "jacrev", "Frame", "frames", "check_fun", "check_name", "check_wrt", "report", "term_of"]
 
@@ -134,8 +134,7 @@ def _reverse(transform: Callable, caller: str, fun: Callable, argnums, has_aux: 
                 raise TypeError(f"{caller}: `fun`={fun!r} must return one array, got {type(out).__name__}.")
             found.update(order=frame.max_order + 1, term=term_of(frame, of))
             s = deriv_scale(out, **found)
-            wide = jnp.promote_types(jnp.result_type(out), jnp.float32)
-            return jnp.asarray(out, wide) * s.astype(wide), (out, s, aux)
+            return seed(out, s), (out, s, aux)
 
         frames().append(frame)
         try:

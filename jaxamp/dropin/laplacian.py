@@ -38,7 +38,7 @@ import numpy as np
 
 from jaxamp import interpreter
 from jaxamp.dropin.grad import Frame, check_fun, frames, report, term_of
-from jaxamp.marks import SEP, deriv_check, deriv_scale
+from jaxamp.marks import SEP, deriv_check, deriv_scale, seed
 from jaxamp.taylor.collapsed import propagate_jaxpr
 
 __all__ = ["laplacian", "METHODS", "LAP"]
@@ -48,13 +48,8 @@ LAP = "lap"  # the per-term name of the second step: of + "__lap"
 Step = Tuple[jax.Array, jax.Array]  # (scaled first-order tangents, scaled sum of second orders)
 
 
-def _seed(t: jax.Array, s: jax.Array, dtype) -> jax.Array:
-    wide = jnp.promote_types(dtype, jnp.float32)
-    return (jnp.asarray(t, wide) * jnp.asarray(s).astype(wide)).astype(dtype)
-
-
 def _collapsed(closed, g, x, basis, s1, s2) -> Step:
-    _, first, second = propagate_jaxpr(closed, x, _seed(basis, s1, x.dtype), (s2 / s1, 1.0 / s1))
+    _, first, second = propagate_jaxpr(closed, x, seed(basis, s1, x.dtype), (s2 / s1, 1.0 / s1))
     return first, second
 
 
@@ -65,14 +60,14 @@ def _taylor(closed, g, x, basis, s1, s2) -> Step:
         _, first, second = propagate_jaxpr(closed, x, t[None], (s2 / s1, 1.0 / s1))
         return first[0], second
 
-    first, second = jax.vmap(one)(_seed(basis, s1, x.dtype))
+    first, second = jax.vmap(one)(seed(basis, s1, x.dtype))
     return first, jnp.sum(second, axis=0)
 
 
 def _forward(closed, g, x, basis, s1, s2) -> Step:
     def one(e):
-        inner = lambda z: jax.jvp(g, (z,), (_seed(e, s1, x.dtype),))[1]  # noqa: E731
-        return jax.jvp(inner, (x,), (_seed(e, s2 / s1, x.dtype),))
+        inner = lambda z: jax.jvp(g, (z,), (seed(e, s1, x.dtype),))[1]  # noqa: E731
+        return jax.jvp(inner, (x,), (seed(e, s2 / s1, x.dtype),))
 
     first, second = jax.vmap(one)(basis)
     return first, jnp.sum(second, axis=0)
@@ -83,7 +78,7 @@ def _reverse(closed, g, x, basis, s1, s2) -> Step:
         wide = jnp.promote_types(closed.out_avals[0].dtype, jnp.float32)
         return jax.grad(lambda w: g(w).astype(wide) * s1.astype(wide))(z)
 
-    columns = jax.vmap(lambda e: jax.jvp(scaled_grad, (x,), (_seed(e, s2 / s1, x.dtype),))[1])(basis)
+    columns = jax.vmap(lambda e: jax.jvp(scaled_grad, (x,), (seed(e, s2 / s1, x.dtype),))[1])(basis)
     return scaled_grad(x), jnp.sum(jnp.where(basis != 0, columns, 0))  # the diagonal entries
 
 

@@ -13,7 +13,8 @@ None). Outside :func:`jaxamp.scaled` they are inert (scale 1, the check the iden
 marked program is plain JAX; :func:`jaxamp.scaled` interprets them. This module also owns
 the rules every path shares: the scaler key of a step (:func:`scaler_key`), the name
 separator (:data:`SEP`), the flag of a step (:func:`step_flags`: overflow vs bad values),
-the seed's factor and the unscale in float32 (:func:`seed`, :func:`unscale`) and the flag merge (:func:`merge_found_inf`).
+the seed's factor and the unscale in float32 (:func:`seed`, :func:`unscale`) and the flag
+merge (:func:`merge_found_inf`).
 """
 
 from __future__ import annotations

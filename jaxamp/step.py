@@ -276,7 +276,8 @@ def update_scalers(
     Example (key ``"2"`` overflowed: it backs off, key ``"1"`` and the loss scale stay):
       >>> import jax.numpy as jnp, jaxamp
       >>> amp = jaxamp.AmpConfig(dtype="float16")
-      >>> scalers, loss_scale = jaxamp.init(None, amp, keys=["1", "2"])().derivative, amp.make_loss_scaler().init()
+      >>> state = jaxamp.init(None, amp, keys=["1", "2"])()
+      >>> scalers, loss_scale = state.derivative, state.loss
       >>> check = jaxamp.step.check_step({"2": jnp.array(True)}, {"w": jnp.ones(2)}, scalers)
       >>> scalers, loss_scale = jaxamp.step.update_scalers(check, scalers, loss_scale, amp.make_loss_scaler())
       >>> {k: float(v) for k, v in scalers.scales.items()}, float(loss_scale.scale)

@@ -110,7 +110,8 @@ def step_metrics(loss: jax.Array, terms: Any, check: StepCheck, grad_norm: jax.A
     Example:
       >>> import jax.numpy as jnp, optax, jaxamp
       >>> amp = jaxamp.AmpConfig(dtype="float16")
-      >>> scalers, loss_scale = jaxamp.init(None, amp, keys=["2"])().derivative, amp.make_loss_scaler().init()
+      >>> state = jaxamp.init(None, amp, keys=["2"])()
+      >>> scalers, loss_scale = state.derivative, state.loss
       >>> grads = {"w": jnp.ones(2)}
       >>> check = jaxamp.step.check_step({"2": jnp.array(False)}, grads, scalers)
       >>> metrics = jaxamp.train.step_metrics(jnp.float32(0.5), {"pde": jnp.float32(0.5)}, check,

@@ -46,10 +46,6 @@ def _finish(d, out, s, found) -> jax.Array:
     return unscale(deriv_check(d, out, **found), jnp.float32(1.0) / s)
 
 
-def _seed(t, s):
-    return seed(t, s, jnp.result_type(t))  # the tangent in its primal's dtype
-
-
 def jvp(fun: Callable[..., Any], primals: Sequence[Any], tangents: Sequence[Any], has_aux: bool = False, *,
         of: Optional[str] = None) -> Tuple[Any, ...]:  # fmt: skip
     """``jax.jvp`` with the tangents multiplied by the scale of the derivative's key.
@@ -72,7 +68,7 @@ def jvp(fun: Callable[..., Any], primals: Sequence[Any], tangents: Sequence[Any]
         raise TypeError(f"jaxamp.jvp: `primals` and `tangents` must be tuples of the same length, got "
                         f"{type(primals).__name__} and {type(tangents).__name__}.")  # fmt: skip
     out, f_jvp, aux, s, found = _linearized("jaxamp.jvp", fun, primals, has_aux, of)
-    d = _finish(f_jvp(*[jax.tree_util.tree_map(lambda t: _seed(t, s), t) for t in tangents]), out, s, found)
+    d = _finish(f_jvp(*[jax.tree_util.tree_map(lambda t: seed(t, s, jnp.result_type(t)), t) for t in tangents]), out, s, found)
     report(found["order"], found["term"], None)
     return (out, d, aux) if has_aux else (out, d)
 
@@ -121,7 +117,7 @@ def jacfwd(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_
         jacs = []
         for j, a in enumerate(dyn):
             def column(e, j=j):
-                return f_jvp(*[_seed(e, s) if k == j else jnp.zeros_like(b) for k, b in enumerate(dyn)])
+                return f_jvp(*[seed(e, s, e.dtype) if k == j else jnp.zeros_like(b) for k, b in enumerate(dyn)])
 
             basis = jnp.eye(a.size, dtype=a.dtype).reshape((a.size,) + a.shape)
             cols = jax.vmap(column)(basis)  # [a.size, *out.shape]

@@ -75,8 +75,7 @@ def _forward(closed, g, x, basis, s1, s2) -> Step:
 
 def _reverse(closed, g, x, basis, s1, s2) -> Step:
     def scaled_grad(z):  # the seed of the backward pass carries s1
-        wide = jnp.promote_types(closed.out_avals[0].dtype, jnp.float32)
-        return jax.grad(lambda w: g(w).astype(wide) * s1.astype(wide))(z)
+        return jax.grad(lambda w: seed(g(w), s1))(z)
 
     columns = jax.vmap(lambda e: jax.jvp(scaled_grad, (x,), (seed(e, s2 / s1, x.dtype),))[1])(basis)
     return scaled_grad(x), jnp.sum(jnp.where(basis != 0, columns, 0))  # the diagonal entries

@@ -194,11 +194,11 @@ def init_scalers(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *, fr
 
     def init(*args, **kwargs) -> Scalers:
         keys = scaler_keys(fun, amp)(*args, **kwargs)
+        start = amp  # the config whose rules start the keys
         if from_profile and keys:
             prof = jax.jit(profile(fun, amp))(*args, **kwargs)
             rec = recommend(prof, margin_log2=margin_log2, default_max_scale_log2=amp.default_max_scale_log2)
-            amp_at_start = rec.apply(amp)
-            return Scalers({k: amp_at_start.derivative_scaler_for(k) for k in keys})
-        return Scalers({k: amp.derivative_scaler_for(k) for k in keys})
+            start = rec.apply(amp)
+        return Scalers({k: start.derivative_scaler_for(k) for k in keys})
 
     return init

@@ -12,8 +12,8 @@ engine computes every requested derivative of a per-point function with nested A
 4. multiply by ``1/scale`` in float32, inside the differentiable graph.
 
 Modules: :mod:`~jaxamp.derivatives.engine` (:class:`jaxamp.Derivatives`), :mod:`~jaxamp.derivatives.plan` (names, levels, paths, scaler keys: the one plan
-every engine reads), :mod:`~jaxamp.derivatives.forward` (the default engine),
-:mod:`~jaxamp.derivatives.reverse` (nested ``jax.grad``, the reference path). Everything is
+every engine reads), :mod:`~jaxamp.derivatives.forward` (the default engine);
+``method="reverse"`` is nested :func:`jaxamp.grad` (the reference path). Everything is
 traced: scales come in as arrays, flags come out as arrays, so the engine runs inside one
 ``jax.jit`` with no host synchronisation.
 """

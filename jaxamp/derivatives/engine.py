@@ -8,8 +8,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxamp.config import AmpConfig
-from jaxamp.derivatives import forward, reverse
-from jaxamp.derivatives.plan import Plan, make_plan, mark_params, run_marked, scaler_key
+from jaxamp.derivatives import forward
+from jaxamp.derivatives.plan import Plan, make_plan, mark_params, parent_of, parse_name, run_marked, scaler_key
+from jaxamp.dropin.grad import grad
+from jaxamp.dropin.laplacian import laplacian
 from jaxamp.dropin.scaled import interpreting, scaled
 from jaxamp.marks import NONFINITE_VALUES, merge_found_inf
 
@@ -17,8 +19,8 @@ PointFn = Callable[..., jax.Array]  # fn(params, x: f32[n_inputs]) -> f32[n_outp
 # engine(plan, f, x, scales) -> (values {name: f32[]}, scaled {derivative: f32[]}) at one point
 PointEngine = Callable[[Plan, Callable[[jax.Array], jax.Array], jax.Array, Mapping[str, jax.Array]],
                        Tuple[Dict[str, jax.Array], Dict[str, jax.Array]]]  # fmt: skip
-ENGINES: Dict[str, PointEngine] = {"forward": forward.point_values, "reverse": reverse.point_values}
-METHODS = tuple(ENGINES)
+ENGINES: Dict[str, PointEngine] = {"forward": forward.point_values}
+METHODS = ("forward", "reverse")
 
 __all__ = ["Derivatives", "ENGINES", "METHODS", "PointEngine"]
 
@@ -32,7 +34,11 @@ class Derivatives:
       inputs: names of the entries of ``x`` (e.g. ``("x", "y")``).
       outputs: names of the entries of ``y`` (e.g. ``("u", "v", "p")``).
       derivatives: names to compute, e.g. ``("u__x", "u__y__y", "p__x")``; every lower-order
-        derivative they need is computed (and returned) too.
+        derivative they need is computed (and returned) too. ``"u__lap"`` is the Laplacian of
+        the output ``u`` over ``laplacian_inputs`` (:func:`jaxamp.laplacian`: collapsed Taylor
+        mode, one pass instead of one per input; with ``method="reverse"`` the diagonal of
+        nested reverse mode), under the keys of a second derivative (per order ``"1"``,
+        ``"2"``; per term ``"u"``, ``"u__lap"``).
       amp: mixed-precision settings (scaler mode, special terms, max scales). ``None`` or a
         config whose derivative scalers are inactive (AMP off, bf16, fp32,
         ``derivative_scaling=False``) computes plain derivatives: the same graph with every
@@ -40,11 +46,14 @@ class Derivatives:
       method: ``"forward"`` (default, :mod:`jaxamp.derivatives.forward`: nested forward mode,
         one pass per derivative path; pure second orders propagate one tangent, pure orders
         >= 3 take Taylor mode; per-term paths share a pass) or ``"reverse"``
-        (:mod:`jaxamp.derivatives.reverse`: nested ``jax.grad`` as Modulus' autograd, the
-        reference path). Or a point engine of your own, ``engine(plan, f, x, scales) ->
+        (nested ``jax.grad`` as Modulus' autograd, the
+        reference path: the program is nested :func:`jaxamp.grad` calls, ``method="reverse"``,
+        one per differentiated variable). Or a point engine of your own, ``engine(plan, f, x, scales) ->
         (values, scaled)`` (see :data:`PointEngine` and :func:`forward.point_values`): this
         class stacks the points, checks the scales, vmaps it with per-point scales and
         computes the flags.
+      laplacian_inputs: the inputs a ``"<output>__lap"`` sums over (e.g. ``("x", "y")`` beside
+        ``"t"``); None (default): every input.
       mask_nonfinite_points: when True, points with a non-finite input are evaluated at
         zeros, every value there is returned as 0 and raises no flag; drop them from residual
         means with :meth:`point_weights`. Off by default: such a point flags
@@ -61,10 +70,10 @@ class Derivatives:
 
     def __init__(self, fn: PointFn, *, inputs: Sequence[str], outputs: Sequence[str], derivatives: Sequence[str],
                  amp: Optional[AmpConfig] = None, method: Union[str, PointEngine] = "forward",
-                 mask_nonfinite_points: bool = False) -> None:  # fmt: skip
-        if not (callable(method) or method in ENGINES):
+                 laplacian_inputs: Optional[Sequence[str]] = None, mask_nonfinite_points: bool = False) -> None:  # fmt: skip
+        if not (callable(method) or method in METHODS):
             raise ValueError(
-                f"Derivatives: `method`={method!r} is not supported: expected one of {list(ENGINES)} "
+                f"Derivatives: `method`={method!r} is not supported: expected one of {list(METHODS)} "
                 "or a point engine engine(plan, f, x, scales) -> (values, scaled)."
             )
         if not callable(fn):
@@ -75,8 +84,8 @@ class Derivatives:
         if not isinstance(self.amp, AmpConfig):
             raise TypeError(f"Derivatives: `amp`={amp!r} must be an AmpConfig or None.")
         self.fn, self.method, self.mask_nonfinite_points = fn, method, mask_nonfinite_points
-        self.engine: PointEngine = ENGINES[method] if isinstance(method, str) else method
-        self.plan: Plan = make_plan(inputs, outputs, derivatives, self.amp)
+        self.engine: Optional[PointEngine] = ENGINES.get(method) if isinstance(method, str) else method
+        self.plan: Plan = make_plan(inputs, outputs, derivatives, self.amp, laplacian_inputs=laplacian_inputs)
         self.inputs, self.outputs, self.requested = self.plan.inputs, self.plan.outputs, self.plan.requested
         self.levels, self.names, self.scaled = self.plan.levels, self.plan.names, self.plan.scaled
         self.scaler_keys: Tuple[str, ...] = self.plan.scaler_keys
@@ -139,7 +148,46 @@ class Derivatives:
         # grad_outputs=ones_like(var)*scale: an unbatched seed makes the seed's products
         # point-independent, and the weight gradient would then sum their cotangents over the
         # batch *before* the factor s is applied, in float16.
-        return jax.vmap(lambda p: run_marked(plan, self.engine, f, p, marks_of))(x)
+        how = "reverse" if self.engine is None else "collapsed"
+        laps = {name: laplacian(lambda z, i=self.outputs.index(parse_name(name)[0]): f(z)[i], of=parse_name(name)[0],
+                                indices=plan.laplacian_cols, method=how) for name in plan.laplacians}  # fmt: skip
+
+        def point(p):
+            if self.engine is None:  # method="reverse": nested jaxamp.grad
+                values, checked = self._nested_grads(f, p)
+            else:
+                values, checked = run_marked(plan, self.engine, f, p, marks_of)
+            return {**values, **{name: lap(p) for name, lap in laps.items()}}, checked
+
+        return jax.vmap(point)(x)
+
+    def _nested_grads(self, f: Callable[[jax.Array], jax.Array], x: jax.Array):
+        """One point as nested :func:`jaxamp.grad` (``method="reverse"``): one reverse pass per
+        differentiated variable, its gradient along every input at once (Modulus' autograd),
+        each pass scaled, checked and unscaled by the drop-in's own step."""
+        plan, fns, grads = self.plan, {}, {}
+
+        def value(name: str) -> Callable[[jax.Array], jax.Array]:
+            if name not in fns:
+                if name in plan.outputs:
+                    row, fun = plan.outputs.index(name), f
+                else:  # a column of its parent's gradient
+                    row, fun = plan.inputs.index(parse_name(name)[1][-1]), grad_of(parent_of(name))
+                fns[name] = lambda z: fun(z)[row]
+            return fns[name]
+
+        def grad_of(name: str) -> Callable[[jax.Array], jax.Array]:
+            if name not in grads:
+                grads[name] = grad(value(name), of=name, method="reverse")
+            return grads[name]
+
+        y = f(x)
+        values = {name: y[i] for i, name in enumerate(plan.outputs)}
+        for level in plan.levels:
+            g = {parent: grad_of(parent)(x) for parent in level.parents}
+            for name, p, col in zip(level.names, level.child_parent, level.child_input):
+                values[name] = g[level.parents[p]][col]
+        return values, {}
 
     def point_weights(self, points: Union[Mapping[str, jax.Array], jax.Array]) -> jax.Array:
         """``f32[N]``: each point's weight in a residual mean, 0 where the engine masks it

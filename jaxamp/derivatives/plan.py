@@ -18,6 +18,8 @@ from jaxamp import marks
 from jaxamp.config import AmpConfig
 from jaxamp.marks import SEP
 
+LAP = "lap"  # "u__lap": the Laplacian of u; its second step's per-term key
+
 Step = Tuple[str, int]  # (scaler key, index of the input differentiated by)
 Path = Tuple[Step, ...]
 
@@ -78,7 +80,10 @@ class Plan:
       paths: ``{derivative: path}``; a path is its steps ``((key, input index), ...)``.
       step_keys: every key a step uses. Unscaled engines use the per-order keys ``"1"``,
         ``"2"``, ... internally, each with scale 1, so that they run the scaled graph.
-      scaler_keys: the keys a user keeps scalers for (``step_keys`` when scaled, else empty).
+      scaler_keys: the keys a user keeps scalers for (``step_keys`` and the Laplacians' keys
+        when scaled, else empty).
+      laplacians: the Laplacians asked for (``"u__lap"``), computed by :func:`jaxamp.laplacian`
+        over the inputs ``laplacian_cols`` (their indices).
     """
 
     inputs: Tuple[str, ...]
@@ -90,11 +95,13 @@ class Plan:
     paths: Mapping[str, Path]
     step_keys: Tuple[str, ...]
     scaler_keys: Tuple[str, ...]
+    laplacians: Tuple[str, ...] = ()
+    laplacian_cols: Tuple[int, ...] = ()
 
     @property
     def names(self) -> Tuple[str, ...]:
-        """Every value the engine returns: the outputs, then the derivatives by order."""
-        return self.outputs + self.derivatives
+        """Every value the engine returns: the outputs, the derivatives by order, the Laplacians."""
+        return self.outputs + self.derivatives + self.laplacians
 
     def maximal_paths(self) -> Tuple[Path, ...]:
         """The paths that are no other path's prefix: one evaluation of each yields every value."""
@@ -147,7 +154,8 @@ def run_marked(plan: "Plan", point_engine: Callable, f: Callable, x, marks_of: M
     return values, checked
 
 
-def make_plan(inputs: Sequence[str], outputs: Sequence[str], derivatives: Sequence[str], amp: AmpConfig) -> Plan:
+def make_plan(inputs: Sequence[str], outputs: Sequence[str], derivatives: Sequence[str], amp: AmpConfig, *,
+              laplacian_inputs: Optional[Sequence[str]] = None) -> Plan:  # fmt: skip
     """Validate the names and build the :class:`Plan` (every lower order a derivative needs
     is computed too). Raises ``TypeError``/``ValueError`` naming the bad argument."""
     inputs, outputs = check_names("inputs", inputs), check_names("outputs", outputs)
@@ -159,11 +167,18 @@ def make_plan(inputs: Sequence[str], outputs: Sequence[str], derivatives: Sequen
     if isinstance(derivatives, str):
         raise TypeError(f"Derivatives: `derivatives`={derivatives!r} must be a list of names, not a string.")
     requested = tuple(derivatives)
+    laplacians = tuple(dict.fromkeys(n for n in requested if _is_laplacian(n, inputs, outputs)))
     for name in requested:
-        _check_derivative_name(name, inputs, outputs)
+        if name not in laplacians:
+            _check_derivative_name(name, inputs, outputs)
+    lap_inputs = inputs if laplacian_inputs is None else check_names("laplacian_inputs", laplacian_inputs)
+    if set(lap_inputs) - set(inputs):
+        raise ValueError(f"Derivatives: `laplacian_inputs` names {sorted(set(lap_inputs) - set(inputs))}, which "
+                         f"are not inputs; inputs are {list(inputs)}.")  # fmt: skip
     scaled = amp.scaler_enabled
     key = lambda parent: scaler_key(amp if scaled else None, parent)  # noqa: E731
-    needed = {SEP.join((base, *wrt[:k])) for base, wrt in map(parse_name, requested) for k in range(1, len(wrt) + 1)}
+    needed = {SEP.join((base, *wrt[:k])) for base, wrt in map(parse_name, requested) if SEP.join((base, *wrt))
+              not in laplacians for k in range(1, len(wrt) + 1)}  # fmt: skip
     below, levels = list(outputs), []
     for order in range(1, max((order_of(n) for n in needed), default=0) + 1):
         names = tuple(sorted(n for n in needed if order_of(n) == order))
@@ -183,9 +198,23 @@ def make_plan(inputs: Sequence[str], outputs: Sequence[str], derivatives: Sequen
         parent = parent_of(name)
         paths[name] = paths.get(parent, ()) + ((key(parent), inputs.index(parse_name(name)[1][-1])),)
     step_keys = tuple(dict.fromkeys(k for level in levels for k in level.parent_keys))
+    lap_keys = tuple(marks.scaler_key(amp, o, t) for n in laplacians for o, t in ((1, parent_of(n)), (2, n)))
     return Plan(inputs=inputs, outputs=outputs, requested=requested, scaled=scaled, levels=tuple(levels),
                 derivatives=derivs, paths=paths, step_keys=step_keys,
-                scaler_keys=step_keys if scaled else ())  # fmt: skip
+                scaler_keys=tuple(dict.fromkeys(step_keys + lap_keys)) if scaled else (), laplacians=laplacians,
+                laplacian_cols=tuple(inputs.index(n) for n in lap_inputs))  # fmt: skip
+
+
+def _is_laplacian(name, inputs: Tuple[str, ...], outputs: Tuple[str, ...]) -> bool:
+    """Whether ``name`` is ``"<output>__lap"`` (``lap`` not an input): the Laplacian of that
+    output. A Laplacian of a derivative is an error naming the way out."""
+    parts = name.split(SEP) if isinstance(name, str) else ()
+    if not parts or parts[-1] != LAP or LAP in inputs or parts[0] not in outputs:
+        return False
+    if len(parts) != 2:
+        raise ValueError(f"Derivatives: derivative {name!r} is not allowed: a Laplacian is '<output>{SEP}{LAP}' "
+                         "(of an output, over `laplacian_inputs`); take derivatives of it with jaxamp.laplacian.")
+    return True
 
 
 def _check_derivative_name(name, inputs: Tuple[str, ...], outputs: Tuple[str, ...]) -> None:

@@ -37,14 +37,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxamp import interpreter
+from jaxamp.derivatives.plan import LAP
 from jaxamp.dropin.grad import Frame, check_fun, frames, report, term_of
 from jaxamp.marks import SEP, deriv_check, deriv_scale, seed
 from jaxamp.taylor.collapsed import propagate_jaxpr
 
-__all__ = ["laplacian", "METHODS", "LAP"]
+__all__ = ["laplacian", "METHODS"]
 
 CALLER = "jaxamp.laplacian"
-LAP = "lap"  # the per-term name of the second step: of + "__lap"
 Step = Tuple[jax.Array, jax.Array]  # (scaled first-order tangents, scaled sum of second orders)
 
 

@@ -13,7 +13,11 @@ summed second-order propagation), three workloads:
 - ``scaled_value``: the same under ``jaxamp.scaled`` with scales ``{"1": 2**-3, "2": 2**-7}``
   (the seeds differ from 1, and the overflow checks are computed);
 - ``scaled_grad``: ``jax.value_and_grad`` of ``mean(lap**2)`` with respect to the parameters
-  under ``jaxamp.scaled`` (a PINN training step's derivative work).
+  under ``jaxamp.scaled`` (a PINN training step's derivative work);
+- ``engine_grad``: the same step through :class:`jaxamp.Derivatives` with the scales passed to
+  the engine: ``collapsed`` asks for ``"u__lap"``, ``forward`` (the default engine: one tangent
+  per pure second order) and ``reverse`` (nested reverse mode) for the ``d`` pure second
+  derivatives ``u__xi__xi``, summed (``taylor`` is not an engine method: not run).
 
 The methods of one (workload, d) are timed interleaved in one run (:mod:`benchmarks.timing`:
 each round runs every method once in rotating order; the medians and per-round paired ratios
@@ -39,7 +43,7 @@ from jaxamp.dropin.laplacian import laplacian
 
 METHODS = ("reverse", "forward", "taylor", "collapsed")
 UNCOLLAPSED = ("reverse", "forward", "taylor")
-WORKLOADS = ("value", "scaled_value", "scaled_grad")
+WORKLOADS = ("value", "scaled_value", "scaled_grad", "engine_grad")
 SCALES = {"1": 2.0**-3, "2": 2.0**-7}
 
 
@@ -61,7 +65,24 @@ def mlp(params: List[Any], x: jax.Array) -> jax.Array:
     return h[0]
 
 
-def workload(name: str, method: str) -> Callable:
+def engine_loss(method: str, d: int) -> Callable:
+    inputs = tuple(f"x{i}" for i in range(d))
+    seconds = tuple(f"u__{x}__{x}" for x in inputs)
+    eng = jaxamp.Derivatives(lambda p, x: mlp(p, x)[None], inputs=inputs, outputs=("u",), amp=jaxamp.AmpConfig(),
+                             derivatives=("u__lap",) if method == "collapsed" else seconds,
+                             method="forward" if method == "collapsed" else method)  # fmt: skip
+    names = ("u__lap",) if method == "collapsed" else seconds
+
+    def loss(p, x):
+        values, found = eng(p, x, SCALES)
+        return jnp.mean(sum(values[n] for n in names) ** 2), found
+
+    return jax.value_and_grad(loss, has_aux=True)
+
+
+def workload(name: str, method: str, d: int) -> Callable:
+    if name == "engine_grad":
+        return engine_loss(method, d)
     lap = jax.vmap(laplacian(mlp, 1, method=method), (None, 0))
     if name == "value":
         return lap
@@ -76,27 +97,29 @@ def bench(name: str, d: int, args: argparse.Namespace) -> Dict[str, Any]:
     params = init_mlp(d, args.width, args.layers)
     x = jax.random.uniform(jax.random.PRNGKey(1), (args.points, d), jnp.float32, -1.0, 1.0)
     runs, out = {}, {}
-    for method in METHODS:
+    methods = tuple(m for m in METHODS if name != "engine_grad" or m != "taylor")
+    uncollapsed = tuple(m for m in UNCOLLAPSED if m in methods)
+    for method in methods:
         start = time.perf_counter()
-        compiled = jax.jit(workload(name, method)).lower(params, x).compile()
+        compiled = jax.jit(workload(name, method, d)).lower(params, x).compile()
         compile_s = time.perf_counter() - start
         runs[method] = timing.timer(lambda c=compiled: c(params, x), args.inner)
         out[method] = {"compile_s": round(compile_s, 3), **timing.cost_of(compiled)}
     samples = timing.interleaved(runs, args.reps, warmup=1)
-    for method in METHODS:
+    for method in methods:
         out[method]["time_s"] = timing.stats(samples[method])
-    best = min(UNCOLLAPSED, key=lambda m: out[m]["time_s"]["median"])
-    best_flops = min(UNCOLLAPSED, key=lambda m: out[m]["flops"] or float("inf"))
+    best = min(uncollapsed, key=lambda m: out[m]["time_s"]["median"])
+    best_flops = min(uncollapsed, key=lambda m: out[m]["flops"] or float("inf"))
     ratios = {
         "best_uncollapsed_by_time": best,
         "time_collapsed_over_best": timing.paired_ratio(samples["collapsed"], samples[best]),
         "time_collapsed_over": {m: round(timing.paired_ratio(samples["collapsed"], samples[m])["median"], 4)
-                                for m in UNCOLLAPSED},  # fmt: skip
+                                for m in uncollapsed},  # fmt: skip
         "best_uncollapsed_by_flops": best_flops,
     }
     if out["collapsed"]["flops"] and out[best_flops]["flops"]:
         ratios["flops_collapsed_over_best"] = round(out["collapsed"]["flops"] / out[best_flops]["flops"], 4)
-        ratios["flops_collapsed_over"] = {m: round(out["collapsed"]["flops"] / out[m]["flops"], 4) for m in UNCOLLAPSED}
+        ratios["flops_collapsed_over"] = {m: round(out["collapsed"]["flops"] / out[m]["flops"], 4) for m in uncollapsed}
     return {"methods": out, "ratios": ratios}
 
 
@@ -130,7 +153,7 @@ def main(argv=None) -> Dict[str, Any]:
             res = bench(name, d, args)
             record["results"][name][str(d)] = res
             r, m = res["ratios"], res["methods"]
-            times = "  ".join(f"{k} {1e3 * m[k]['time_s']['median']:.2f}ms" for k in METHODS)
+            times = "  ".join(f"{k} {1e3 * v['time_s']['median']:.2f}ms" for k, v in m.items())
             print(f"{name:13s} d={d}: {times}  | collapsed/{r['best_uncollapsed_by_time']} time "
                   f"{r['time_collapsed_over_best']['median']:.3f}, flops/{r['best_uncollapsed_by_flops']} "
                   f"{r.get('flops_collapsed_over_best')}", flush=True)  # fmt: skip

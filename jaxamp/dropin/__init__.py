@@ -22,9 +22,11 @@ What to use when:
   mode, Taylor mode for high pure orders, shared passes) and takes ``scales`` explicitly.
 - :func:`grad` + :func:`scaled`: existing code written with ``jax.grad`` (scalar
   ``u_net(params, t, x)``, residuals under ``vmap``, ``jacrev`` of the residuals for loss
-  weights). Its values are the engine's ``method="reverse"`` values under the same scaler
-  keys (per order; per term and special terms with ``of=``/``wrt=`` names); the speed is that
-  of the user's nested ``jax.grad``.
+  weights). Nests of ``grad`` along float32 scalar arguments run as the engine's plans
+  (``method="auto"``: nested forward mode, Taylor mode, shared passes); ``method="reverse"``
+  is the engine's ``method="reverse"`` step itself (the engine writes it with this
+  ``grad``), under the same scaler keys (per order; per term and special terms with
+  ``of=``/``wrt=`` names).
 
 Siblings with the JAX signatures, scaled and checked the same way: :func:`jacrev` (any output
 array), :func:`jacfwd` and :func:`jvp` (forward mode: the tangent seed carries the scale) and

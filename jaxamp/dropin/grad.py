@@ -2,9 +2,9 @@
 
 Each call differentiates ``fun(*args) * s`` (``s``: the scale of this derivative's key, a
 ``deriv_scale_p``), marks the scaled gradient for the overflow check (``deriv_check_p``)
-and multiplies it by ``1/s`` in float32, inside the differentiable graph: the derivative
-step of the Derivatives engine's ``method="reverse"`` (docs/algorithm.md, "One derivative
-step"), so nested calls give its values under the same scaler keys. Outside
+and multiplies it by ``1/s`` in float32, inside the differentiable graph (docs/algorithm.md,
+"One derivative step"): the one reverse step, which the Derivatives engine's
+``method="reverse"`` is written with. Outside
 :func:`jaxamp.dropin.scaled` the scale is 1 and the check the identity: this is ``jax.grad``.
 
 The order of a call is 1 + the highest order of the ``grad`` calls made while ``fun`` is

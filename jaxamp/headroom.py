@@ -20,6 +20,7 @@ from typing import Dict, Mapping
 import jax
 import jax.numpy as jnp
 
+from jaxamp.marks import scaler_key
 from jaxamp.window import LOG2_FP16_MAX
 
 PREFIX = "headroom_log2/"  # the metric name of a key's headroom: PREFIX + key
@@ -66,7 +67,7 @@ def headroom_log2(engine, values: Mapping[str, jax.Array], scales: Mapping[str, 
         raise TypeError(f"headroom_log2: `scales` must be a {{key: scale}} dict, got {type(scales).__name__}.")
     if not engine.scaler_keys:
         return {}
-    missing = [n for n in plan.derivatives if n not in values]
+    missing = [n for n in plan.derivatives + plan.laplacians if n not in values]
     if missing:
         raise KeyError(f"headroom_log2: `values` lacks the derivative(s) {missing} of the engine; it has "
                        f"{sorted(values)}. Pass the values dict the engine returned.")
@@ -75,8 +76,9 @@ def headroom_log2(engine, values: Mapping[str, jax.Array], scales: Mapping[str, 
         raise KeyError(f"headroom_log2: `scales` lacks the scaler key(s) {absent}; it has {sorted(scales)}. "
                        "Pass the scales the engine was called with.")
     peaks: Dict[str, list] = {k: [] for k in engine.scaler_keys}
-    for name in plan.derivatives:
-        key = plan.paths[name][-1][0]
+    last_key = {n: plan.paths[n][-1][0] for n in plan.derivatives}
+    last_key.update({n: scaler_key(engine.amp, 2, n) for n in plan.laplacians})  # the summed second order
+    for name, key in last_key.items():
         v = jnp.asarray(values[name], jnp.float32)
         peaks[key].append(jnp.max(jnp.abs(v)) if v.size else jnp.float32(0.0))
     out = {}

@@ -110,3 +110,16 @@ def test_bad_names_are_errors_naming_them():
     # an input named "lap": u__lap is du/dlap, as Modulus names it
     eng = jaxamp.Derivatives(lambda p, x: x[:1] ** 2, inputs=("lap",), outputs=("u",), derivatives=("u__lap",))
     np.testing.assert_allclose(eng(None, jnp.array([[3.0]]))[0]["u__lap"], [6.0])
+
+
+def test_headroom_profile_and_masking_see_the_laplacian():
+    eng, p = engine(jaxamp.AmpConfig(), mask_nonfinite_points=True), params()
+    scales = {"1": 1.0, "2": 2.0**-4}
+    values, _ = eng(p, POINTS, scales)
+    headroom = jaxamp.headroom.headroom_log2(eng, values, scales)
+    peak = float(jnp.max(jnp.abs(values["u__lap"])))  # key "2" guards only the Laplacian here
+    assert float(headroom["2"]) == pytest.approx(np.log2(65504.0) - np.log2(peak * 2.0**-4), abs=1e-5)
+    bad = POINTS.at[2, 1].set(jnp.nan)
+    masked, found = eng(p, bad, scales)
+    assert float(masked["u__lap"][2]) == 0.0 and not any(bool(v) for v in found.values())
+    np.testing.assert_array_equal(masked["u__lap"][3:], values["u__lap"][3:])

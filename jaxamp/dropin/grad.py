@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jaxamp.dropin import chain
 from jaxamp.marks import SEP, deriv_check, deriv_scale, seed, unscale
 
-__all__ = ["grad", "jacrev", "Frame", "frames", "check_fun", "check_name", "check_wrt", "report", "term_of"]
+__all__ = ["grad", "jacrev"]
 
 _STATE = threading.local()
 

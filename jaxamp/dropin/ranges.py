@@ -33,7 +33,7 @@ from jax.extend import core as jcore
 
 from jaxamp.config import AmpConfig
 from jaxamp.marks import deriv_check_p, deriv_scale_p
-from jaxamp.dropin.scaled import Context, check_amp, marks, scaler_keys, shared_trace
+from jaxamp.dropin.scaled import Context, check_amp, marks_in, scaler_keys, shared_trace
 from jaxamp.interpreter import bind, custom_body, eval_jaxpr, sub_jaxpr, sub_jaxprs
 from jaxamp.window import Profile, check_margin, is_low_precision, promote_eqn, promote_value, recommend, value_range
 from jaxamp.scaler import Scalers
@@ -116,7 +116,7 @@ def profile(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *,
         closed, flat, _ = shared_trace(fun, args, kwargs)
         flat_jaxpr = jax.make_jaxpr(lambda *a: eval_jaxpr(closed.jaxpr, closed.consts, a, _inline))(*flat)
         for eqn in flat_jaxpr.jaxpr.eqns:
-            if any(marks(j) for j in sub_jaxprs(eqn)):
+            if any(marks_in(j) for j in sub_jaxprs(eqn)):
                 raise NotImplementedError(
                     f"jaxamp.dropin.profile: a jaxamp.grad inside a `{eqn.primitive.name}` body is not "
                     "profiled; profile the function the loop or branch calls (or start the scalers "

@@ -31,7 +31,7 @@ from jaxamp.marks import NONFINITE_VALUES, PRIMITIVES, deriv_check_p, deriv_scal
 from jaxamp.interpreter import CALL_PRIMITIVES, bind, cse, eval_jaxpr, sub_jaxprs
 from jaxamp.state import find
 
-__all__ = ["scaled", "scaler_keys", "Context", "check_amp", "marks", "trace"]
+__all__ = ["scaled", "scaler_keys"]
 
 Flags = Dict[str, jax.Array]
 _STATE = threading.local()
@@ -53,7 +53,7 @@ def interpreting() -> bool:
 _MARKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def marks(jaxpr: jcore.Jaxpr) -> Tuple[Tuple[int, Optional[str]], ...]:
+def marks_in(jaxpr: jcore.Jaxpr) -> Tuple[Tuple[int, Optional[str]], ...]:
     """The (order, term) of every jaxamp primitive in ``jaxpr`` and its sub-jaxprs (cached)."""
     try:
         return _MARKED[jaxpr]
@@ -64,7 +64,7 @@ def marks(jaxpr: jcore.Jaxpr) -> Tuple[Tuple[int, Optional[str]], ...]:
         if eqn.primitive in PRIMITIVES:
             found.append((eqn.params["order"], eqn.params["term"]))
         for sub in sub_jaxprs(eqn):
-            found.extend(marks(sub))
+            found.extend(marks_in(sub))
     found = tuple(dict.fromkeys(found))
     try:
         _MARKED[jaxpr] = found
@@ -89,7 +89,7 @@ class Context:
         """The flag keys ``jaxpr`` produces (static)."""
         if not self.active:
             return []
-        keys = _ordered(self.key(o, t) for o, t in marks(jaxpr))
+        keys = _ordered(self.key(o, t) for o, t in marks_in(jaxpr))
         return keys + [NONFINITE_VALUES] if keys else []
 
     def scale(self, v, order: int, term: Optional[str]) -> jax.Array:
@@ -143,7 +143,7 @@ def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ct
         if prim is deriv_check_p:
             _check(ctx, flags, *invals, **eqn.params)
             return [invals[0]]
-        if not any(marks(j) for j in sub_jaxprs(eqn)):
+        if not any(marks_in(j) for j in sub_jaxprs(eqn)):
             return bind(eqn, invals)  # fast path: nothing of ours inside
         handler = HANDLERS.get(prim.name, call if prim.name in CALL_PRIMITIVES else None)
         if handler is None:
@@ -241,7 +241,7 @@ def scaled(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *,
         closed, flat, out_tree = shared_trace(fun, args, kwargs)
         if not ctx.active and ctx_amp.loss_scaling_enabled:
             # plain fp16: every order's scale 1 through one barrier, as the scaled program's scales
-            ctx.scales = _opaque({k: 1.0 for k in _ordered(str(o) for o, _ in marks(closed.jaxpr))})
+            ctx.scales = _opaque({k: 1.0 for k in _ordered(str(o) for o, _ in marks_in(closed.jaxpr))})
         keys = ctx.keys(closed.jaxpr)
         if not (merge and ctx.scales):  # fp32, bf16, AMP off: the program as JAX would run it
             outs, flags = _evaluate(closed.jaxpr, closed.consts, flat, ctx)

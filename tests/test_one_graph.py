@@ -24,6 +24,14 @@ What holds (measured; asserted below):
   (float16 subnormals: binary scaling commutes with rounding for normal numbers only); the
   reverse engine's values differ in 1-15 entries at 2^k != 1.
 
+CPU-dependent (weight gradients of the all-float16 4th-order problem, :data:`CPU_DEPENDENT`): on
+the AMD EPYC VMs every case above held; on an Intel Xeon VM (same JAX 0.10.2) the reverse
+engine's weight gradients at every scale 1 differ from the unscaled engine's in 504 of 2305
+entries, and the forward engine's at 2^-1 in 34, with the values bit-identical; the commit
+before the reverse engine became nested ``jaxamp.grad`` (2b2c7d4) fails the same two checks
+there (504 entries for the reverse engine), so it is XLA's code for float16 on that CPU (fusion decides where float16 products and sums
+round), not the engine. For those cases only the values are asserted.
+
 With XLA's default flags (excess precision allowed; :func:`test_what_holds_with_default_xla_flags`,
 ``-m slow``), measured: the same as above, case by case (scale 1: everything bit-identical,
 train step included; 2^k: the same cases identical, the same all-float16 cavity differences).
@@ -48,6 +56,15 @@ def run_worker(xla_flags: str, *args: str) -> dict:
 
 
 STRICT = "--xla_allow_excess_precision=false"
+# Cases whose weight gradients are bit-identical on some CPUs only (module docstring).
+CPU_DEPENDENT = ("reverse/fp16/order4/0", "forward/fp16/order4/-1")
+
+
+def differing(cases):
+    """``{case: (values_diff, grads_diff)}`` of the cases that differ; for :data:`CPU_DEPENDENT`
+    cases the values only."""
+    out = {k: (v["values_diff"], 0 if k in CPU_DEPENDENT else v["grads_diff"]) for k, v in cases.items()}
+    return {k: d for k, d in out.items() if any(d)}
 
 
 # (placement, problem): the fast suite runs the cavity in the default placement; the 4th-order
@@ -97,7 +114,7 @@ def test_reverse_engine_at_scales_one_is_bit_identical_to_unscaled():
     cases = engine_cases(run_worker(STRICT, "reverse", "--no-train"))
     assert len(cases) == 2 * 2 * 4 and all(c["finite"] and not c["flagged"] for c in cases.values())
     at_one = {k: (v["values_diff"], v["grads_diff"]) for k, v in cases.items() if k.endswith("/0")}
-    assert len(at_one) == 4 and {k: d for k, d in at_one.items() if any(d)} == {}
+    assert len(at_one) == 4 and differing({k: v for k, v in cases.items() if k.endswith("/0")}) == {}
 
 
 @pytest.mark.parametrize("log2_scale", [-1, 1, 2])
@@ -106,7 +123,8 @@ def test_binary_scales_are_bit_identical_after_unscaling(strict, log2_scale):
     assert len(cases) == 1
     measured_off = "fp16/cavity"  # float16 subnormals (see the module docstring)
     values = {k: v["values_diff"] for k, v in cases.items() if v["values_diff"] and not (measured_off in k and log2_scale < 0)}
-    grads = {k: v["grads_diff"] for k, v in cases.items() if v["grads_diff"] and measured_off not in k}
+    grads = {k: v["grads_diff"] for k, v in cases.items()
+             if v["grads_diff"] and measured_off not in k and k not in CPU_DEPENDENT}  # fmt: skip
     assert values == {} and grads == {}
 
 
@@ -120,8 +138,7 @@ def test_train_step_with_scales_one_is_bit_identical_to_no_derivative_scaling(st
 @pytest.mark.slow
 def test_what_holds_with_default_xla_flags():
     default = run_worker("")
-    at_one = {k: v for k, v in engine_cases(default).items() if k.endswith("/0") and (v["values_diff"] or v["grads_diff"])}
-    assert at_one == {}
+    assert differing({k: v for k, v in engine_cases(default).items() if k.endswith("/0")}) == {}
     for placement in ("default", "fp16"):
         case = default[f"train/{placement}"]
         assert (case["params_diff"], case["opt_state_diff"], case["loss_diff"]) == (0, 0, 0), case

@@ -20,7 +20,6 @@ from typing import Dict, Mapping
 import jax
 import jax.numpy as jnp
 
-from jaxamp.marks import scaler_key
 from jaxamp.window import LOG2_FP16_MAX
 
 PREFIX = "headroom_log2/"  # the metric name of a key's headroom: PREFIX + key
@@ -77,7 +76,7 @@ def headroom_log2(engine, values: Mapping[str, jax.Array], scales: Mapping[str, 
                        "Pass the scales the engine was called with.")
     peaks: Dict[str, list] = {k: [] for k in engine.scaler_keys}
     last_key = {n: plan.paths[n][-1][0] for n in plan.derivatives}
-    last_key.update({n: scaler_key(engine.amp, 2, n) for n in plan.laplacians})  # the summed second order
+    last_key.update({n: keys[1] for n, keys in plan.laplacian_keys.items()})  # the summed second order
     for name, key in last_key.items():
         v = jnp.asarray(values[name], jnp.float32)
         peaks[key].append(jnp.max(jnp.abs(v)) if v.size else jnp.float32(0.0))

@@ -140,7 +140,8 @@ class Derivatives:
 
         Returns:
           ``(values, checked)``: ``{name: f32[N]}`` unscaled; ``{derivative: f32[N]}`` the scaled
-          results (checked).
+          results (checked); empty for ``method="reverse"``, whose checks sit in its nested
+          :func:`jaxamp.grad` calls, and for the Laplacians (in :func:`jaxamp.laplacian`).
         """
         plan, f = self.plan, self._point_outputs(params)
         marks_of = {k: mark_params(plan, k) for k in plan.step_keys}

@@ -84,6 +84,8 @@ class Plan:
         when scaled, else empty).
       laplacians: the Laplacians asked for (``"u__lap"``), computed by :func:`jaxamp.laplacian`
         over the inputs ``laplacian_cols`` (their indices).
+      laplacian_keys: ``{laplacian: (key of its first-order tangents, key of its summed second
+        order)}``, the keys :func:`jaxamp.laplacian`'s marks take (per order ``("1", "2")``).
     """
 
     inputs: Tuple[str, ...]
@@ -97,6 +99,7 @@ class Plan:
     scaler_keys: Tuple[str, ...]
     laplacians: Tuple[str, ...] = ()
     laplacian_cols: Tuple[int, ...] = ()
+    laplacian_keys: Mapping[str, Tuple[str, str]] = dataclasses.field(default_factory=dict)
 
     @property
     def names(self) -> Tuple[str, ...]:
@@ -198,11 +201,12 @@ def make_plan(inputs: Sequence[str], outputs: Sequence[str], derivatives: Sequen
         parent = parent_of(name)
         paths[name] = paths.get(parent, ()) + ((key(parent), inputs.index(parse_name(name)[1][-1])),)
     step_keys = tuple(dict.fromkeys(k for level in levels for k in level.parent_keys))
-    lap_keys = tuple(marks.scaler_key(amp, o, t) for n in laplacians for o, t in ((1, parent_of(n)), (2, n)))
+    lap_keys = {n: (marks.scaler_key(amp, 1, parent_of(n)), marks.scaler_key(amp, 2, n)) for n in laplacians}
     return Plan(inputs=inputs, outputs=outputs, requested=requested, scaled=scaled, levels=tuple(levels),
                 derivatives=derivs, paths=paths, step_keys=step_keys,
-                scaler_keys=tuple(dict.fromkeys(step_keys + lap_keys)) if scaled else (), laplacians=laplacians,
-                laplacian_cols=tuple(inputs.index(n) for n in lap_inputs))  # fmt: skip
+                scaler_keys=tuple(dict.fromkeys(step_keys + sum(lap_keys.values(), ()))) if scaled else (),
+                laplacians=laplacians, laplacian_cols=tuple(inputs.index(n) for n in lap_inputs),
+                laplacian_keys=lap_keys)  # fmt: skip
 
 
 def _is_laplacian(name, inputs: Tuple[str, ...], outputs: Tuple[str, ...]) -> bool:

@@ -102,20 +102,20 @@ def _engine_problem(name, model, amp, params, pts):
         eng = jaxamp.Derivatives(fn, inputs=("t", "x"), outputs=("u",), derivatives=("u__t", "u__x", top), amp=amp)
 
         def residuals(p, pts, scales):
-            d, found = eng(p, pts, scales)
+            d, found = jaxamp.scaled(eng)(scales, p, pts)
             return d["u"] * d["u__x"] + d["u__t"] - NU * d[top], found
     elif name == "poisson2d":
         eng = jaxamp.Derivatives(fn, inputs=("x", "y"), outputs=("u",), derivatives=("u__x__x", "u__y__y"), amp=amp)
 
         def residuals(p, pts, scales):
-            d, found = eng(p, pts, scales)
+            d, found = jaxamp.scaled(eng)(scales, p, pts)
             return d["u__x__x"] + d["u__y__y"] - jnp.sin(pts[:, 0]) * jnp.sin(pts[:, 1]), found
     else:
         names = [f"{w}__{a}" for w in "uv" for a in ("x", "y", "x__x", "y__y")] + ["p__x", "p__y"]
         eng = jaxamp.Derivatives(fn, inputs=("x", "y"), outputs=("u", "v", "p"), derivatives=names, amp=amp)
 
         def residuals(p, pts, scales):
-            d, found = eng(p, pts, scales)
+            d, found = jaxamp.scaled(eng)(scales, p, pts)
             mom = [d["u"] * d[f"{w}__x"] + d["v"] * d[f"{w}__y"] - NU * (d[f"{w}__x__x"] + d[f"{w}__y__y"]) for w in "uv"]
             return mom[0] + d["p__x"] + mom[1] + d["p__y"], found
 

@@ -14,10 +14,11 @@ summed second-order propagation), three workloads:
   (the seeds differ from 1, and the overflow checks are computed);
 - ``scaled_grad``: ``jax.value_and_grad`` of ``mean(lap**2)`` with respect to the parameters
   under ``jaxamp.scaled`` (a PINN training step's derivative work);
-- ``engine_grad``: the same step through :class:`jaxamp.Derivatives` with the scales passed to
-  the engine: ``collapsed`` asks for ``"u__lap"``, ``forward`` (the default engine: one tangent
-  per pure second order) and ``reverse`` (nested reverse mode) for the ``d`` pure second
-  derivatives ``u__xi__xi``, summed (``taylor`` is not an engine method: not run).
+- ``engine_grad``: the same step through :class:`jaxamp.Derivatives`, the engine under
+  ``jaxamp.scaled`` with the same scales: ``collapsed`` asks for ``"u__lap"``, ``forward``
+  (the default engine: one tangent per pure second order) and ``reverse`` (nested reverse
+  mode) for the ``d`` pure second derivatives ``u__xi__xi``, summed (``taylor`` is not an
+  engine method: not run).
 
 The methods of one (workload, d) are timed interleaved in one run (:mod:`benchmarks.timing`:
 each round runs every method once in rotating order; the medians and per-round paired ratios
@@ -74,7 +75,7 @@ def engine_loss(method: str, d: int) -> Callable:
     names = ("u__lap",) if method == "collapsed" else seconds
 
     def loss(p, x):
-        values, found = eng(p, x, SCALES)
+        values, found = jaxamp.scaled(eng)(SCALES, p, x)
         return jnp.mean(sum(values[n] for n in names) ** 2), found
 
     return jax.value_and_grad(loss, has_aux=True)

@@ -163,15 +163,15 @@ def build_step(mode: str, size: LDCSize, params: Any = None, points: Dict[str, j
         method=method,
     )
 
-    def loss_fn(p, batch, scales):
-        d, found = engine(p, batch["interior"], scales)
+    def loss_fn(p, batch):
+        d = engine(p, batch["interior"])
         res = residuals(d)
         lid = model.apply(p, batch["lid"])
         wall = model.apply(p, batch["noslip"])
         terms = {k: jnp.mean(r**2) for k, r in res.items()}
         terms["lid"] = jnp.mean((lid[:, 0] - 1.0) ** 2 + lid[:, 1] ** 2)
         terms["noslip"] = jnp.mean(wall[:, 0] ** 2 + wall[:, 1] ** 2)
-        return sum(terms.values()), (terms, found)
+        return sum(terms.values()), terms
 
     opt = optax.adam(1e-3)
     state = jaxamp.train.TrainState.create(params=params, optimizer=opt, amp=step_amp, engines=[engine])

@@ -183,7 +183,7 @@ def bench_orders(text: str, max_order: int, reps: int, deadline: float = math.in
                 scales = {k: jnp.float32(1.0) for k in eng.scaler_keys}
 
                 def loss(p, eng=eng, scales=scales):
-                    vals, found = eng(p, x, scales)
+                    vals, found = jaxamp.scaled(eng)(scales, p, x)  # the engine's scales and flags
                     return sum(jnp.mean(v**2) for v in vals.values()), (vals, found)
 
                 f = jax.jit(jax.value_and_grad(loss, has_aux=True))

@@ -7,7 +7,7 @@ could grow 8-fold before it overflowed; a negative value means it did overflow.
 
 :func:`headroom_log2` computes it from the values an engine *already returned* (one
 abs-max reduction per derivative, no extra pass through the network): a loss function
-returns it as extra metrics, ``(loss, (terms, found_inf, metrics))``, and
+returns it as extra metrics, ``(loss, (terms, metrics))``, and
 :func:`jaxamp.train.make_train_step` reports it as ``headroom_log2/<key>``. It covers the
 derivative outputs (the last step of each derivative), not the hidden-layer tangents that
 produce them; :func:`jaxamp.profile` covers those, at the cost of its own passes.
@@ -20,24 +20,27 @@ from typing import Dict, Mapping
 import jax
 import jax.numpy as jnp
 
+from jaxamp.derivatives.plan import mark_params
+from jaxamp.marks import deriv_scale
 from jaxamp.window import LOG2_FP16_MAX
 
 PREFIX = "headroom_log2/"  # the metric name of a key's headroom: PREFIX + key
 
 
-def headroom_log2(engine, values: Mapping[str, jax.Array], scales: Mapping[str, jax.Array]) -> Dict[str, jax.Array]:
+def headroom_log2(engine, values: Mapping[str, jax.Array]) -> Dict[str, jax.Array]:
     """``{key: f32[]}``: log2(65504) minus log2 of the largest scaled derivative under each key.
 
-    The scales are powers of two, so ``value * scale`` is exactly the magnitude of the scaled
-    float16 result the engine checked. Traced: use it inside ``jax.jit``; it costs one
-    reduction per derivative.
+    The scales are those the program runs with: inside :func:`jaxamp.scaled`,
+    :func:`jaxamp.value_and_grad` or :func:`jaxamp.train.make_train_step` the state's (each
+    read by a mark of its key, as the engine's steps read them), outside them 1. They are
+    powers of two, so ``value * scale`` is exactly the magnitude of the scaled float16 result
+    the engine checked. It costs one reduction per derivative.
 
     Args:
       engine: the :class:`jaxamp.Derivatives` that computed ``values`` (its plan maps each
         derivative to the scaler key of its last step).
       values: ``{name: f32[N]}`` as the engine returned them (unscaled); every derivative the
         engine computes must be present (outputs are ignored).
-      scales: ``{key: f32[]}`` the scales the engine was called with, one per scaler key.
 
     Returns:
       ``{key: f32[]}`` for every scaler key of the engine (``{}`` when the engine does not
@@ -48,13 +51,14 @@ def headroom_log2(engine, values: Mapping[str, jax.Array], scales: Mapping[str, 
       >>> import jax.numpy as jnp, jaxamp, jaxamp.headroom
       >>> engine = jaxamp.Derivatives(lambda p, x: p * jnp.sin(x), inputs=("x",), outputs=("u",),
       ...                             derivatives=("u__x__x",), amp=jaxamp.AmpConfig(dtype="float16"))
-      >>> scales = {"1": jnp.float32(1.0), "2": jnp.float32(1.0)}
-      >>> values, found_inf = engine(jnp.float32(2.0**10), {"x": jnp.zeros(4)}, scales)
-      >>> headroom = jaxamp.headroom.headroom_log2(engine, values, scales)
-      >>> {k: round(float(v), 2) for k, v in headroom.items()}  # 2**6 to spare under key "1"
-      {'1': 6.0, '2': inf}
+      >>> def headroom(p, points):
+      ...     return jaxamp.headroom.headroom_log2(engine, engine(p, points))
+      >>> scales = {"1": jnp.float32(2.0), "2": jnp.float32(1.0)}
+      >>> h, found_inf = jaxamp.scaled(headroom, engine.amp)(scales, jnp.float32(2.0**10), {"x": jnp.zeros(4)})
+      >>> {k: round(float(v), 2) for k, v in h.items()}  # 2**5 to spare under key "1" at scale 2
+      {'1': 5.0, '2': inf}
 
-    In a loss function, return it as extra metrics: ``return loss, (terms, found_inf,
+    In a loss function, return it as extra metrics: ``return loss, (terms,
     jaxamp.headroom.headroom_metrics(headroom))``.
     """
     plan = getattr(engine, "plan", None)
@@ -62,18 +66,12 @@ def headroom_log2(engine, values: Mapping[str, jax.Array], scales: Mapping[str, 
         raise TypeError(f"headroom_log2: `engine`={engine!r} is not allowed: expected a jaxamp.Derivatives.")
     if not isinstance(values, Mapping):
         raise TypeError(f"headroom_log2: `values` must be the engine's {{name: array}} dict, got {type(values).__name__}.")
-    if not isinstance(scales, Mapping):
-        raise TypeError(f"headroom_log2: `scales` must be a {{key: scale}} dict, got {type(scales).__name__}.")
     if not engine.scaler_keys:
         return {}
     missing = [n for n in plan.derivatives + plan.laplacians if n not in values]
     if missing:
         raise KeyError(f"headroom_log2: `values` lacks the derivative(s) {missing} of the engine; it has "
                        f"{sorted(values)}. Pass the values dict the engine returned.")
-    absent = [k for k in engine.scaler_keys if k not in scales]
-    if absent:
-        raise KeyError(f"headroom_log2: `scales` lacks the scaler key(s) {absent}; it has {sorted(scales)}. "
-                       "Pass the scales the engine was called with.")
     peaks: Dict[str, list] = {k: [] for k in engine.scaler_keys}
     last_key = {n: plan.paths[n][-1][0] for n in plan.derivatives}
     last_key.update({n: keys[1] for n, keys in plan.laplacian_keys.items()})  # the summed second order
@@ -84,8 +82,8 @@ def headroom_log2(engine, values: Mapping[str, jax.Array], scales: Mapping[str, 
     for key, maxima in peaks.items():
         if not maxima:
             continue
-        peak = jnp.max(jnp.stack(maxima)) * jnp.asarray(scales[key], jnp.float32)
-        out[key] = jnp.float32(LOG2_FP16_MAX) - jnp.log2(peak)
+        peak = jnp.max(jnp.stack(maxima))
+        out[key] = jnp.float32(LOG2_FP16_MAX) - jnp.log2(peak * deriv_scale(peak, **mark_params(key)))
     return out
 
 

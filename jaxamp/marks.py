@@ -39,7 +39,8 @@ def scaler_key(amp, order: int, term: Optional[str]) -> str:
     """The scaler key of a step of ``order`` that differentiates the value named ``term``.
 
     docs/algorithm.md, "Scaler keys": per order, ``str(order)``; per term (``amp.mode ==
-    "per_term_scaler"``) or for a special term, the name of the differentiated value.
+    "per_term_scaler"``) or for a special term, the name of the differentiated value. Order
+    0 marks a value check (a network output checked for bad values): :data:`NONFINITE_VALUES`.
 
     Args:
       amp: an :class:`~jaxamp.AmpConfig`, or None (per-order keys).
@@ -54,6 +55,8 @@ def scaler_key(amp, order: int, term: Optional[str]) -> str:
       >>> scaler_key(jaxamp.AmpConfig(), 2, "u__x"), scaler_key(jaxamp.AmpConfig(special_terms=("nu",)), 1, "nu")
       ('2', 'nu')
     """
+    if order == 0:  # a value check (bad values only): no scaler guards it
+        return NONFINITE_VALUES
     if amp is not None and (amp.mode == "per_term_scaler" or term in amp.special_terms):
         if term is None:
             raise ValueError(
@@ -153,7 +156,8 @@ mlir.register_lowering(deriv_scale_p, mlir.lower_fun(_scale_impl, multiple_resul
 # ---------------------------------------------------------------- deriv_check_p
 # deriv_check_p(g, v) -> g: the identity on the scaled gradient g. v is the value that g
 # differentiates (one scalar per point): a key overflows where v is finite and g is not;
-# where v is not finite the point holds bad values (found_inf["nonfinite_values"]).
+# where v is not finite the point holds bad values (found_inf["nonfinite_values"]). At
+# order 0, g is a value the program holds (v = g): bad values are its only flag.
 # Invariant kept by the batching rule: v.shape == g.shape[:v.ndim] (batch dims lead).
 deriv_check_p = jcore.Primitive("jaxamp_deriv_check")
 

@@ -43,8 +43,9 @@ def advance(check: StepCheck, state: AmpState) -> AmpState:
 def _loss_of(out: Any, has_aux: bool, fun: Callable) -> Tuple[jax.Array, Any]:
     if has_aux:
         if not (isinstance(out, (tuple, list)) and len(out) == 2):
+            what = f"an array of shape {jnp.shape(out)}" if hasattr(out, "shape") else type(out).__name__
             raise TypeError(f"jaxamp.value_and_grad: `fun`={fun!r} with has_aux=True must return (loss, aux), "
-                            f"got {type(out).__name__}.")  # fmt: skip
+                            f"got {what}.")  # fmt: skip
         loss, aux = out
     else:
         loss, aux = out, None

@@ -1,7 +1,6 @@
 """The pieces of a mixed-precision train step (docs/algorithm.md, "Training step").
 
-(1) gradients of ``loss * loss_scale``, unscaled (:func:`loss_scaled_grad`; with an engine's
-explicit flags :func:`scaled_value_and_grad`); (2) the apply-or-skip decision over any pytrees
+(1) gradients of ``loss * loss_scale``, unscaled (:func:`loss_scaled_grad`); (2) the apply-or-skip decision over any pytrees
 (:func:`check_step`, :meth:`StepCheck.select`); (3) the scaler updates (:func:`update_scalers`).
 :func:`jaxamp.value_and_grad`, :func:`jaxamp.apply_or_skip`, :func:`jaxamp.optimizer` and
 :func:`jaxamp.train.make_train_step` are built from them. All branches are selects: no host
@@ -22,10 +21,6 @@ from jaxamp.scaler import DynamicScaler, Scalers, ScaleState
 
 T = TypeVar("T")
 Flags = Mapping[str, jax.Array]
-# loss_fn(params, *args) -> (loss f32[], (terms {name: f32[]}, found_inf {key: bool[]}[, metrics {name: f32[]}]))
-LossFn = Callable[..., Tuple[jax.Array, Tuple]]
-
-
 
 class SkipReason(enum.IntEnum):
     """Why a step was skipped (``metrics["skip_reason"]``, ``AmpOptState.skip_reason``;
@@ -51,106 +46,11 @@ class ScaledGrads(NamedTuple):
     grads: Any
     found_inf: Dict[str, jax.Array]
 
-CONTRACT = (
-    "loss_fn(params, *args) must return (loss, (terms, found_inf)) or (loss, (terms, found_inf, metrics)): "
-    "loss a float scalar, terms a dict {name: scalar} of loss terms to report (may be empty), found_inf the "
-    "derivative engines' flags {key: bool[]} (merge several with jaxamp.marks.merge_found_inf), metrics an optional "
-    "dict {name: scalar} of extra metrics to report (e.g. jaxamp.headroom.headroom_metrics(...)). Example: "
-    'return pde + bc, ({"pde": pde, "bc": bc}, found_inf)'
-)
-
-
-def _describe(x: Any) -> str:
-    if hasattr(x, "shape") and hasattr(x, "dtype"):
-        return f"an array of dtype {x.dtype} and shape {tuple(x.shape)}"
-    if isinstance(x, (tuple, list)):
-        return f"a {type(x).__name__} of length {len(x)} ({', '.join(_describe(v) for v in x)})"
-    return f"a {type(x).__name__}"
-
-
-def check_loss_output(out: Any, *, with_metrics: bool = False) -> Tuple:
-    """``(loss, terms, found_inf)`` from a loss function's output, or a TypeError showing the contract.
-
-    Args:
-      out: what ``loss_fn`` returned: ``(loss, (terms, found_inf))`` or
-        ``(loss, (terms, found_inf, metrics))`` with ``metrics`` a dict ``{name: scalar}``.
-      with_metrics: also return the metrics (``{}`` for a 2-tuple).
-
-    Returns:
-      Its loss, terms and found_inf (and metrics when ``with_metrics``), checked.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> from jaxamp.step import check_loss_output
-      >>> out = (jnp.float32(1.5), ({"pde": jnp.float32(1.5)}, {"2": jnp.array(False)}))
-      >>> loss, terms, found_inf, metrics = check_loss_output(out, with_metrics=True)
-      >>> float(loss), sorted(terms), metrics
-      (1.5, ['pde'], {})
-      >>> check_loss_output(jnp.float32(1.5))  # doctest: +ELLIPSIS
-      Traceback (most recent call last):
-      ...
-      TypeError: loss_fn returned an array of dtype float32 and shape (): loss_fn(params, *args) must return ...
-    """
-    ok = isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[1], (tuple, list)) and len(out[1]) in (2, 3)
-    if ok:
-        loss, (terms, found_inf, *extra) = out
-        ok = (hasattr(loss, "shape") and jnp.shape(loss) == () and jnp.issubdtype(jnp.result_type(loss), jnp.floating)
-              and isinstance(terms, Mapping) and isinstance(found_inf, Mapping)
-              and all(isinstance(m, Mapping) for m in extra))
-    if not ok:
-        raise TypeError(f"loss_fn returned {_describe(out)}: {CONTRACT}.")
-    metrics = dict(extra[0]) if extra else {}
-    for name, v in metrics.items():
-        if not isinstance(name, str) or jnp.shape(v) != ():
-            raise TypeError(f"loss_fn returned the metric {name!r} = {_describe(v)}: metrics must map names "
-                            f"(str) to scalars (shape ()); {CONTRACT}.")
-    return (loss, terms, found_inf, metrics) if with_metrics else (loss, terms, found_inf)
-
-
-def scaled_value_and_grad(loss_fn: LossFn) -> Callable[..., Tuple[Tuple[jax.Array, Tuple], Any]]:
-    """``jax.value_and_grad`` of ``loss_fn`` with the loss scaled up and the gradients unscaled.
-
-    The gradients are those of ``loss * loss_scale`` (float32), divided by ``loss_scale``:
-    in float16 weight gradients that would underflow survive, and a too large scale shows
-    as non-finite gradients (:func:`check_step` tells).
-
-    Args:
-      loss_fn: ``loss_fn(params, *args) -> (loss, (terms, found_inf))``, or
-        ``(loss, (terms, found_inf, metrics))`` with extra scalar metrics; any other output
-        raises a TypeError that shows this contract.
-
-    Returns:
-      ``grad_fn(params, *args, loss_scale) -> ((loss, aux), grads)`` with ``aux`` as
-      ``loss_fn`` gave it (``(terms, found_inf)`` or ``(terms, found_inf, metrics)``),
-      ``loss_scale`` an ``f32[]`` (1.0 when loss scaling is off); ``loss`` is unscaled.
-
-    Example (a loss without derivative engines: no terms, no flags):
-      >>> import jax.numpy as jnp, jaxamp.step
-      >>> loss_fn = lambda p, x, scales: (jnp.sum((p * x) ** 2), ({}, {}))
-      >>> grad_fn = jaxamp.step.scaled_value_and_grad(loss_fn)
-      >>> (loss, (terms, found_inf)), grads = grad_fn(jnp.float32(2.0), jnp.float32(3.0), {}, loss_scale=2.0**16)
-      >>> float(loss), float(grads)  # d(p x)^2/dp = 2 p x^2, the loss scale divided out
-      (36.0, 36.0)
-    """
-    if not callable(loss_fn):
-        raise TypeError(f"scaled_value_and_grad: `loss_fn`={loss_fn!r} must be callable: {CONTRACT}.")
-
-    def grad_fn(params: Any, *args: Any, loss_scale: jax.Array) -> Tuple[Tuple[jax.Array, Tuple], Any]:
-        def checked(params: Any) -> Tuple[jax.Array, Tuple]:
-            out = loss_fn(params, *args)
-            loss, terms, found_inf, metrics = check_loss_output(out, with_metrics=True)
-            return loss, ((terms, found_inf, metrics) if len(out[1]) == 3 else (terms, found_inf))
-
-        grads, (loss, aux) = loss_scaled_grad(checked, 0, loss_scale)(params)
-        return (loss, aux), grads
-
-    return grad_fn
-
-
 def loss_scaled_grad(fun: Callable[..., Tuple[jax.Array, Any]], argnums: Any,
                      loss_scale: Optional[jax.Array]) -> Callable[..., Tuple[Any, Tuple[jax.Array, Any]]]:  # fmt: skip
-    """The gradients of ``fun``'s loss times ``loss_scale`` (float32), divided by it: the one
-    loss-scaled gradient of :func:`scaled_value_and_grad` and :func:`jaxamp.value_and_grad`.
+    """The gradients of ``fun``'s loss times ``loss_scale`` (float32), divided by it: the
+    loss-scaled gradient of :func:`jaxamp.value_and_grad`. In float16 weight gradients that
+    would underflow survive; a too large scale shows as non-finite gradients (:func:`check_step`).
 
     Args:
       fun: ``fun(*args) -> (loss, aux)``.
@@ -239,7 +139,8 @@ def check_step(found_inf: Flags, grads: Any, scalers: Mapping[str, Any], *, axis
     if unknown:
         raise KeyError(
             f"check_step: found_inf has scaler key(s) {unknown} with no scaler (the scalers have "
-            f"{sorted(scalers)}). Create the state with TrainState.create(..., engines=[every engine the loss uses])."
+            f"{sorted(scalers)}). Create the state with jaxamp.init(loss, amp)(*args) or TrainState.create(..., "
+            "engines=[every engine the loss uses])."
         )
     flags = {k: jnp.asarray(found_inf.get(k, False), bool).reshape(()) for k in scalers}
     values = jnp.asarray(found_inf.get(NONFINITE_VALUES, False), bool).reshape(())

@@ -12,9 +12,10 @@ import optax
 
 from jaxamp.config import AmpConfig
 from jaxamp.derivatives.engine import Derivatives
+from jaxamp.optim import advance, value_and_grad
 from jaxamp.scaler import Scalers, ScaleState, exact_log2
-from jaxamp.state import init
-from jaxamp.step import LossFn, StepCheck, check_step, scaled_value_and_grad, update_scalers
+from jaxamp.state import AmpState, init
+from jaxamp.step import StepCheck, check_step
 
 Step = Callable[["TrainState", Any], Tuple["TrainState", Dict[str, jax.Array]]]
 
@@ -99,8 +100,8 @@ def step_metrics(loss: jax.Array, terms: Any, check: StepCheck, grad_norm: jax.A
     Args:
       loss: the unscaled loss. terms: ``{name: f32[]}``. check: the step's :class:`~jaxamp.StepCheck`.
       grad_norm: the global norm of the unscaled gradients. scalers, loss_scale: after the update.
-      extra: ``{name: f32[]}`` the loss function's own metrics (its optional third aux entry,
-        e.g. ``headroom_log2/<key>`` from :func:`jaxamp.headroom.headroom_metrics`), reported under
+      extra: ``{name: f32[]}`` the loss function's own metrics (the ``metrics`` of its
+        ``(loss, (terms, metrics))``, e.g. ``headroom_log2/<key>`` from :func:`jaxamp.headroom.headroom_metrics`), reported under
         their names; a name the step reports itself is an error.
 
     Returns:
@@ -134,18 +135,48 @@ def step_metrics(loss: jax.Array, terms: Any, check: StepCheck, grad_norm: jax.A
     return metrics
 
 
+AUX_CONTRACT = (
+    "loss_fn(params, batch) must return (loss, terms) or (loss, (terms, metrics)): terms a dict {name: scalar} of "
+    "loss terms to report (may be empty), metrics a dict {name: scalar} of extra metrics (e.g. "
+    "jaxamp.headroom.headroom_metrics(...)); the derivative flags are collected by the step. Example: "
+    'return pde + bc, {"pde": pde, "bc": bc}'
+)
+
+
+def _split_aux(aux: Any) -> Tuple[Mapping[str, jax.Array], Mapping[str, jax.Array]]:
+    """``(terms, metrics)`` from a loss function's aux, or a TypeError showing the contract."""
+    if isinstance(aux, Mapping):
+        terms, metrics = aux, {}
+    elif isinstance(aux, (tuple, list)) and len(aux) == 2 and all(isinstance(a, Mapping) for a in aux):
+        terms, metrics = aux
+    else:
+        what = f"a {type(aux).__name__} of length {len(aux)}" if isinstance(aux, (tuple, list)) else repr(aux)
+        raise TypeError(f"make_train_step: loss_fn returned the aux {what}; {AUX_CONTRACT}.")
+    for group, tree in (("term", terms), ("metric", metrics)):
+        for name, v in tree.items():
+            if not isinstance(name, str) or jnp.shape(v) != () or jnp.result_type(v) == jnp.bool_:
+                raise TypeError(
+                    f"make_train_step: loss_fn returned the {group} {name!r} of shape {jnp.shape(v)} and dtype "
+                    f"{jnp.result_type(v)}: terms and metrics must map names (str) to numeric scalars (shape ()); "
+                    f"a dict of flags is the found_inf of an old loss, which the step now collects itself. "
+                    f"{AUX_CONTRACT}."
+                )
+    return terms, metrics
+
+
 def make_train_step(
-    loss_fn: LossFn, optimizer: optax.GradientTransformation, *, amp: AmpConfig,
-    grad_clip_max_norm: Optional[float] = None,
+    loss_fn: Callable[[Any, Any], Tuple[jax.Array, Any]], optimizer: optax.GradientTransformation, *,
+    amp: AmpConfig, grad_clip_max_norm: Optional[float] = None,
 ) -> Step:
     """A pure ``step(state, batch) -> (state, metrics)``; ``jax.jit`` it.
 
     Args:
-      loss_fn: ``loss_fn(params, batch, scales) -> (loss, (terms, found_inf))``: ``scales`` is
-        ``{key: f32[]}`` for the derivative engines, ``terms`` a dict of loss terms to report,
-        ``found_inf`` the engines' merged flags (:func:`~jaxamp.marks.merge_found_inf`). It may
-        return ``(loss, (terms, found_inf, metrics))``: ``metrics`` ``{name: f32[]}`` are
-        reported as they are named, e.g. :func:`~jaxamp.headroom.headroom_metrics`'s ``headroom_log2/<key>``.
+      loss_fn: ``loss_fn(params, batch) -> (loss, terms)``, as the user writes it: its
+        derivatives by :class:`jaxamp.Derivatives` engines (or :func:`jaxamp.grad` and its
+        siblings), which take their scales from the state and report their flags to the step
+        (:func:`jaxamp.value_and_grad`); ``terms`` a dict of loss terms to report. It may return
+        ``(loss, (terms, metrics))``: ``metrics`` ``{name: f32[]}`` are reported as they are
+        named, e.g. :func:`~jaxamp.headroom.headroom_metrics`'s ``headroom_log2/<key>``.
       optimizer: any optax transformation. Its schedule counts *applied* updates only (a
         skipped step leaves the optimizer state untouched), unlike Modulus.
       amp: the settings (each scaler's rule, which scalers act).
@@ -153,18 +184,19 @@ def make_train_step(
         ``clip_grad_norm_``; None or 0 (default): no clipping (Modulus' trainer clips at 0.5).
 
     Returns:
-      The step: :func:`~jaxamp.step.scaled_value_and_grad`, :func:`~jaxamp.step.check_step`, the update
-      applied or skipped (:meth:`~jaxamp.StepCheck.select`), :func:`~jaxamp.step.update_scalers`.
+      The step: :func:`jaxamp.value_and_grad` over the state's :class:`~jaxamp.AmpState`,
+      :func:`~jaxamp.step.check_step`, the update applied or skipped
+      (:meth:`~jaxamp.StepCheck.select`), every scaler advanced (:func:`jaxamp.optim.advance`).
 
     Example (``u'' + u = 0`` for ``u = w sin(x)``):
       >>> import jax, jax.numpy as jnp, optax, jaxamp
       >>> amp = jaxamp.AmpConfig(dtype="float16")
       >>> engine = jaxamp.Derivatives(lambda p, x: p["w"] * jnp.sin(x), inputs=("x",), outputs=("u",),
       ...                             derivatives=("u__x__x",), amp=amp)
-      >>> def loss_fn(params, batch, scales):
-      ...     values, found_inf = engine(params, batch, scales)
+      >>> def loss_fn(params, batch):
+      ...     values = engine(params, batch)
       ...     pde = jnp.mean((values["u__x__x"] + values["u"]) ** 2)
-      ...     return pde, ({"pde": pde}, found_inf)
+      ...     return pde, {"pde": pde}
       >>> state = jaxamp.train.TrainState.create(params={"w": jnp.float32(1.0)}, optimizer=optax.adam(1e-3),
       ...                                        amp=amp, engines=[engine])
       >>> step = jax.jit(jaxamp.train.make_train_step(loss_fn, optax.adam(1e-3), amp=amp))
@@ -172,6 +204,8 @@ def make_train_step(
       >>> int(state.step), bool(metrics["skipped"]), float(metrics["scale_log2/loss"])
       (1, False, 16.0)
     """
+    if not callable(loss_fn):
+        raise TypeError(f"make_train_step: `loss_fn`={loss_fn!r} must be callable as loss_fn(params, batch).")
     if not isinstance(amp, AmpConfig):
         raise TypeError(f"make_train_step: `amp`={amp!r} must be an AmpConfig.")
     if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
@@ -180,25 +214,27 @@ def make_train_step(
     if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not math.isfinite(clip) or clip < 0:
         raise ValueError(f"make_train_step: `grad_clip_max_norm`={grad_clip_max_norm!r} is not allowed: "
                          "expected None or a finite number >= 0 (None or 0: no clipping).")
-    grad_fn = scaled_value_and_grad(loss_fn)
+    grad_fn = value_and_grad(loss_fn, has_aux=True)
     loss_rule = amp.make_loss_scaler()
 
     def step(state: TrainState, batch: Any) -> Tuple[TrainState, Dict[str, jax.Array]]:
         scalers = state.deriv_scales
         if not isinstance(scalers, Scalers):  # a state built by hand with a dict of states
             scalers = Scalers({k: amp.derivative_scaler_for(k) for k in scalers}, scalers)
-        (loss, (terms, found_inf, *extra)), grads = grad_fn(state.params, batch, scalers.scales,
-                                                             loss_scale=state.loss_scale.scale)
-        check = check_step(found_inf, grads, scalers)
+        amp_state = AmpState(amp, scalers, state.loss_scale, loss_rule)
+        (loss, aux), scaled_grads = grad_fn(amp_state, state.params, batch)
+        terms, extra = _split_aux(aux)
+        grads = scaled_grads.grads
+        check = check_step(scaled_grads.found_inf, grads, scalers)
         grad_norm = optax.tree.norm(grads)
         if clip > 0:
             grads = _clip(grads, clip, grad_norm)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params, opt_state = check.select((optax.apply_updates(state.params, updates), opt_state),
                                          (state.params, state.opt_state))
-        scalers, loss_scale = update_scalers(check, scalers, state.loss_scale, loss_rule)
+        after = advance(check, amp_state)
         new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
-                               loss_scale=loss_scale, deriv_scales=scalers)
-        return new_state, step_metrics(loss, terms, check, grad_norm, scalers, loss_scale, extra[0] if extra else None)
+                               loss_scale=after.loss, deriv_scales=after.derivative)
+        return new_state, step_metrics(loss, terms, check, grad_norm, after.derivative, after.loss, extra)
 
     return step

@@ -76,20 +76,28 @@ def shard_indivisible_batch():
     raise AssertionError(f"expected a ValueError, got: {last}")
 
 
-def bare_loss(params, batch, scales):
+def bare_loss(params, batch):
     return jnp.sum(params["w"])
 
 
-def loss_without_flags(params, batch, scales):
-    return jnp.sum(params["w"]), {"sum": jnp.sum(params["w"])}
+def loss_with_none_aux(params, batch):
+    return jnp.sum(params["w"]), None
 
 
-def vector_loss(params, batch, scales):
-    return params["w"], ({}, {})
+def vector_loss(params, batch):
+    return params["w"], {}
 
 
-def loss_with_unknown_key(params, batch, scales):
-    return jnp.sum(params["w"]), ({}, {"u__x": jnp.bool_(False)})
+def loss_with_unknown_engine(params, batch):
+    """Uses an engine (key "2") that the state was not created with (its scalers have ["1"])."""
+    second = engine(fn=lambda p, x: p["w"][0] * x, derivatives=("u__x__x",))
+    return jnp.sum(second(params, batch)["u__x__x"]), {}
+
+
+def loss_with_unknown_key(params, batch):
+    """Raises a flag of key "2" (a check mark of order 2) that no scaler of the state has."""
+    jaxamp.marks.deriv_check(jnp.float32(0.0), jnp.float32(0.0), order=2, term=None)
+    return jnp.sum(params["w"]), {}
 
 
 CASES = [
@@ -156,8 +164,10 @@ CASES = [
     ("step.update_scalers_dict", lambda: jaxamp.step.update_scalers(
         jaxamp.step.check_step({}, {"w": jnp.ones(2)}, {"1": None}), {"1": DynamicScaler().init()}, DynamicScaler().init(),
         None), TypeError, ["`scalers`", "got dict", "must be a jaxamp.scaler.Scalers"]),
-    ("step.scaled_value_and_grad", lambda: jaxamp.step.scaled_value_and_grad("loss"), TypeError,
-     ["`loss_fn`='loss'", "must be callable", "(loss, (terms, found_inf))"]),
+    ("value_and_grad.fun", lambda: jaxamp.value_and_grad("loss"), TypeError,
+     ["jaxamp.value_and_grad", "`fun`='loss'", "must be callable"]),
+    ("value_and_grad.has_aux", lambda: jaxamp.value_and_grad(bare_loss, has_aux=1), TypeError,
+     ["jaxamp.value_and_grad", "`has_aux`=1", "must be True or False"]),
     # ---------------------------------------------------------------- train step and loss_fn contract
     ("train.amp_dict", lambda: jaxamp.train.make_train_step(bare_loss, optax.sgd(0.1), amp={"dtype": "float16"}), TypeError,
      ["`amp`", "{'dtype': 'float16'}", "must be an AmpConfig"]),
@@ -168,14 +178,19 @@ CASES = [
      ValueError, ["`grad_clip_max_norm`", "nan", "None or a finite number >= 0"]),
     ("train.optimizer", lambda: jaxamp.train.make_train_step(bare_loss, "adam", amp=FP16), TypeError,
      ["`optimizer`", "'adam'", "optax GradientTransformation"]),
+    ("train.loss_fn", lambda: jaxamp.train.make_train_step("loss", optax.sgd(0.1), amp=FP16), TypeError,
+     ["`loss_fn`='loss'", "must be callable as loss_fn(params, batch)"]),
     ("loss_fn.bare_loss", lambda: step_with(bare_loss), TypeError,
-     ["loss_fn returned an array of dtype float32 and shape ()", "must return (loss, (terms, found_inf))"]),
-    ("loss_fn.no_flags", lambda: step_with(loss_without_flags), TypeError,
-     ["loss_fn returned a tuple of length 2", "(loss, (terms, found_inf))", "jaxamp.marks.merge_found_inf"]),
+     ["`fun`=<function bare_loss", "with has_aux=True must return (loss, aux)"]),
+    ("loss_fn.none_aux", lambda: step_with(loss_with_none_aux), TypeError,
+     ["make_train_step: loss_fn returned the aux None", "must return (loss, terms) or (loss, (terms, metrics))",
+      "terms a dict {name: scalar}"]),
     ("loss_fn.vector_loss", lambda: step_with(vector_loss), TypeError,
-     ["loss_fn returned a tuple of length 2 (an array of dtype float32 and shape (3,)", "loss a float scalar"]),
+     ["`fun`=<function vector_loss", "got an array of shape (3,)", "must return a float scalar loss"]),
+    ("loss_fn.unknown_engine", lambda: step_with(loss_with_unknown_engine), KeyError,
+     ["scaler key '2'", "`scales` has only the keys ['1']", "pass a scale for every key"]),
     ("loss_fn.unknown_key", lambda: step_with(loss_with_unknown_key), KeyError,
-     ["found_inf has scaler key(s) ['u__x']", "the scalers have ['1']", "engines=[every engine the loss uses]"]),
+     ["found_inf has scaler key(s) ['2']", "the scalers have ['1']", "engines=[every engine the loss uses]"]),
     ("state.amp_dict", lambda: jaxamp.train.TrainState.create(params={}, optimizer=optax.sgd(0.1), amp={}), TypeError,
      ["`amp`={}", "must be an AmpConfig"]),
     ("state.engines", lambda: jaxamp.train.TrainState.create(params={}, optimizer=optax.sgd(0.1), amp=FP16, engines=["e"]),
@@ -204,14 +219,18 @@ CASES = [
      ["'v__x'", "'v', which is not an output", "outputs are ['u']"]),
     ("derivatives.amp", lambda: engine(amp="float16"), TypeError, ["`amp`='float16'", "an AmpConfig or None"]),
     ("derivatives.name", lambda: engine(inputs=("x y",)), ValueError, ["'x y'", "identifiers without '__'"]),
-    ("derivatives.missing_point", lambda: engine()(1.0, {"y": jnp.zeros(3)}, {"1": 1.0}), KeyError,
+    ("derivatives.missing_point", lambda: engine()(1.0, {"y": jnp.zeros(3)}), KeyError,
      ["`points`", "['y']", "lacks input(s) ['x']"]),
-    ("derivatives.points_shape", lambda: engine()(1.0, jnp.zeros((4, 3)), {"1": 1.0}), ValueError,
+    ("derivatives.points_shape", lambda: engine()(1.0, jnp.zeros((4, 3))), ValueError,
      ["`points`", "(4, 3)", "[N, 1]"]),
-    ("derivatives.points_dtype", lambda: engine()(1.0, {"x": jnp.arange(4)}, {"1": 1.0}), TypeError,
+    ("derivatives.points_dtype", lambda: engine()(1.0, {"x": jnp.arange(4)}), TypeError,
      ["`points`", "int32", "floating point"]),
-    ("derivatives.missing_scale", lambda: engine()(1.0, {"x": jnp.zeros(4)}, {}), KeyError,
-     ["`scales`", "[]", "['1']"]),
+    ("derivatives.missing_scale", lambda: jaxamp.scaled(engine())({}, 1.0, {"x": jnp.zeros(4)}), KeyError,
+     ["`scales` has only the keys []", "scaler key '1'", "pass a scale for every key"]),
+    ("derivatives.scales_not_mapping", lambda: jaxamp.scaled(engine())(3.0, 1.0, {"x": jnp.zeros(4)}), TypeError,
+     ["`scales`", "got float", "a jaxamp.AmpState", "a mapping {key: scale}"]),
+    ("scaled.amp", lambda: jaxamp.scaled(engine(), amp="float16"), TypeError,
+     ["`amp`='float16'", "an AmpConfig or None"]),
     # ---------------------------------------------------------------- models and devices
     ("model.layer_size", lambda: FullyConnected(out_features=1, layer_size=0).init(jax.random.PRNGKey(0), jnp.zeros(1)),
      ValueError, ["`layer_size`=0", "a positive integer"]),

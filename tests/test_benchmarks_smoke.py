@@ -88,7 +88,8 @@ def _engines(amp, derivatives, kinds):
     params = model.init(jax.random.PRNGKey(0), jnp.zeros(2))
     fn = lambda p, x: model.apply(p, x)  # noqa: E731
     kw = dict(inputs=("x", "y"), outputs=("u", "v"), derivatives=derivatives, amp=amp)
-    return params, {k: jax.jit(E.make_engine(k, fn, **kw).__call__) for k in kinds}
+    # each engine as jaxamp.scaled runs it: (scales, params, x) -> (values, found_inf)
+    return params, {k: jax.jit(jaxamp.scaled(E.make_engine(k, fn, **kw))) for k in kinds}
 
 
 # The benchmark-only engines are checked against reverse mode in the slow run (each case
@@ -112,15 +113,15 @@ def test_forward_engines_match_reverse_scaled_fp16(mode, kind):
     x = jax.random.uniform(jax.random.PRNGKey(1), (8, 2), minval=-1, maxval=1)
     keys = jaxamp.Derivatives(lambda p, x: x, inputs=("x", "y"), outputs=("u", "v"), derivatives=ders, amp=amp)
     scales = {k: jnp.float32(2.0**-3) for k in keys.scaler_keys}
-    ref, ref_flags = eng["reverse"](params, x, scales)
-    got, flags = eng[kind](params, x, scales)
+    ref, ref_flags = eng["reverse"](scales, params, x)
+    got, flags = eng[kind](scales, params, x)
     assert set(got) == set(ref) and set(flags) == set(ref_flags)
     assert E.max_rel_diff(got, ref) < 5e-3  # float16 rounding differs between the two orders of evaluation
     assert not any(bool(f) for f in flags.values())
     # A NaN point: both engines report bad values (nonfinite_values), not an overflow of a key.
     bad = x.at[3, 0].set(jnp.nan)
-    assert {k: bool(v) for k, v in eng[kind](params, bad, scales)[1].items()} == {
-        k: bool(v) for k, v in eng["reverse"](params, bad, scales)[1].items()
+    assert {k: bool(v) for k, v in eng[kind](scales, params, bad)[1].items()} == {
+        k: bool(v) for k, v in eng["reverse"](scales, params, bad)[1].items()
     }
 
 
@@ -129,9 +130,9 @@ def test_forward_engines_and_jet_match_reverse_fp32():
     ders = E.pure_derivatives(3, outputs=("u", "v"))
     params, eng = _engines(None, ders, E.KINDS)
     x = jax.random.uniform(jax.random.PRNGKey(2), (8, 2), minval=-1, maxval=1)
-    ref, _ = eng["reverse"](params, x)
+    ref, _ = eng["reverse"]({}, params, x)
     for kind in ("forward", "fwd_nested", "fwd_over_rev", "jet"):
-        got, flags = eng[kind](params, x)
+        got, flags = eng[kind]({}, params, x)
         assert set(got) == set(ref) and flags == {}
         np.testing.assert_array_less(E.max_rel_diff(got, ref), 1e-5)
 

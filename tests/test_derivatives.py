@@ -43,7 +43,7 @@ def test_fp32_derivatives_match_jax_hessian_and_nested_jacfwd(net_and_params, me
     eng = engine(method, lambda p, x: net.apply(p, x), inputs=("x", "y"), outputs=("u", "v"), derivatives=names)
     pts = jax.random.uniform(jax.random.PRNGKey(1), (32, 2), minval=-1, maxval=1)
     with jax.default_matmul_precision("highest"):
-        vals, flags = jax.jit(eng.__call__)(params, pts)
+        vals, flags = jax.jit(jaxamp.scaled(eng))({}, params, pts)
         f = lambda x: net.apply(params, x)
         jac = jax.jit(jax.vmap(jax.jacfwd(f)))(pts)  # [N, out, in]
         hess = jax.jit(jax.vmap(jax.hessian(f)))(pts)  # [N, out, in, in]
@@ -62,7 +62,7 @@ def test_derivatives_of_an_analytic_function_to_fourth_order():
     fn = lambda p, x: jnp.stack([jnp.sin(2 * x[0]) * jnp.exp(x[1])])
     eng = jaxamp.Derivatives(fn, inputs=("x", "y"), outputs=("u",), derivatives=("u__x__x__x__x", "u__x__y__y"))
     x, y = jnp.linspace(-1, 1, 7), jnp.linspace(0, 0.5, 7)
-    vals, _ = jax.jit(eng.__call__)(None, {"x": x, "y": y})
+    vals = jax.jit(eng.__call__)(None, {"x": x, "y": y})
     np.testing.assert_allclose(vals["u__x__x__x__x"], 16 * jnp.sin(2 * x) * jnp.exp(y), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(vals["u__x__y__y"], 2 * jnp.cos(2 * x) * jnp.exp(y), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(vals["u__x"], 2 * jnp.cos(2 * x) * jnp.exp(y), rtol=1e-5, atol=1e-6)
@@ -82,10 +82,11 @@ def test_scaled_values_equal_unscaled_values(net_and_params, mode, method):
     scaled = engine(method, fn, inputs=("x", "y"), outputs=("u", "v"), derivatives=names,
                     amp=jaxamp.AmpConfig(dtype="float16", mode=mode))
     pts = jax.random.normal(jax.random.PRNGKey(2), (16, 2))
-    ref, _ = jax.jit(plain.__call__)(params, pts)
+    ref = jax.jit(plain.__call__)(params, pts)
+    run = jax.jit(jaxamp.scaled(scaled))
     for pick in (lambda i: 2.0 ** -(i + 1), lambda i: 0.3 + 0.1 * i):
         scales = {k: pick(i) for i, k in enumerate(scaled.scaler_keys)}
-        vals, flags = jax.jit(scaled.__call__)(params, pts, scales)
+        vals, flags = run(scales, params, pts)
         assert set(flags) == {*scaled.scaler_keys, NONFINITE_VALUES} and not any(bool(f) for f in flags.values())
         for name in ref:
             atol = 1e-6 * float(jnp.abs(ref[name]).max())  # fp32 rounding relative to the field
@@ -101,9 +102,9 @@ def test_scaling_reaches_the_derivative_pass(method):
     net = FullyConnected.from_amp(amp, out_features=1, layer_size=8, nr_layers=2)
     params = net.init(jax.random.PRNGKey(0), jnp.zeros(1))
     eng = engine(method, lambda p, x: net.apply(p, x), inputs=("x",), outputs=("u",), derivatives=("u__x",), amp=amp)
-    call = jax.jit(eng.__call__, compiler_options=STRICT_FP16)
-    _, ok = call(params, {"x": jnp.linspace(0, 1, 4)}, {"1": 1.0})
-    _, bad = call(params, {"x": jnp.linspace(0, 1, 4)}, {"1": 2.0**20})
+    call = jax.jit(jaxamp.scaled(eng), compiler_options=STRICT_FP16)
+    _, ok = call({"1": 1.0}, params, {"x": jnp.linspace(0, 1, 4)})
+    _, bad = call({"1": 2.0**20}, params, {"x": jnp.linspace(0, 1, 4)})
     assert not bool(ok["1"]) and bool(bad["1"])
 
 
@@ -126,14 +127,14 @@ def test_crafted_fp16_overflow_backs_off_to_fp32_values(method):
     e32 = jaxamp.Derivatives(lambda p, x: net32.apply(p, x), inputs=("x",), outputs=("u",), derivatives=names)
     pts = {"x": jnp.linspace(-0.02, 0.02, 64)}
     with jax.default_matmul_precision("highest"):
-        ref, _ = jax.jit(e32.__call__)(params, pts)
+        ref = jax.jit(e32.__call__)(params, pts)
     assert float(jnp.abs(ref["u__x__x"]).max()) > 65504 > float(jnp.abs(ref["u__x"]).max())
 
-    call = jax.jit(e16.__call__, compiler_options=STRICT_FP16)
+    call = jax.jit(jaxamp.scaled(e16), compiler_options=STRICT_FP16)
     scalers = jaxamp.init(None, amp, keys=e16.scaler_keys)().derivative
     backoffs = 0
     while True:
-        vals, found = call(params, pts, scalers.scales)
+        vals, found = call(scalers.scales, params, pts)
         if backoffs == 0:
             assert bool(found["2"]) and not bool(found["1"]), "only the second-order key overflows"
             assert not bool(found[NONFINITE_VALUES]), "an overflow is not a bad value"
@@ -178,6 +179,8 @@ def test_inactive_scaling_adds_nothing_to_the_graph(net_and_params, amp):
     pts = jnp.ones((4, 2))
     plain = jax.make_jaxpr(jaxamp.Derivatives(fn, **kw).__call__)(params, pts)
     assert str(jax.make_jaxpr(eng.__call__)(params, pts)) == str(plain)
+    assert jaxamp.scaled(eng)({}, params, pts)[1] == {}  # and jaxamp.scaled checks nothing
+    assert "is_finite" not in str(jax.make_jaxpr(lambda p, x: jaxamp.scaled(eng)({}, p, x))(params, pts))
     assert "is_finite" not in str(plain)
 
 
@@ -204,17 +207,23 @@ def test_bad_construction_is_rejected(kwargs, exc, fragment):
 def test_bad_calls_are_rejected_at_trace_time():
     eng = jaxamp.Derivatives(lambda p, x: x[:1], inputs=("x", "y"), outputs=("u",), derivatives=("u__x",),
                              amp=jaxamp.AmpConfig())
+    run = jaxamp.scaled(eng)
     good = {"1": jnp.float32(1)}
     with pytest.raises(ValueError, match=r"expected \[N, 2\]"):
-        eng(None, jnp.ones((4, 3)), good)
+        run(good, None, jnp.ones((4, 3)))
     with pytest.raises(KeyError, match="lacks input"):
-        eng(None, {"x": jnp.ones(4)}, good)
+        run(good, None, {"x": jnp.ones(4)})
     with pytest.raises(TypeError, match="floating point"):
-        eng(None, jnp.ones((4, 2), jnp.int32), good)
-    with pytest.raises(KeyError, match=r"lacks the scaler key\(s\) \['1'\]"):
-        eng(None, jnp.ones((4, 2)), {})
-    with pytest.raises(ValueError, match="`scales` is required"):
-        eng(None, jnp.ones((4, 2)))
+        run(good, None, jnp.ones((4, 2), jnp.int32))
+    with pytest.raises(KeyError, match=r"scaler key '1'"):
+        run({}, None, jnp.ones((4, 2)))
+    # Outside jaxamp.scaled a scaled engine is the plain derivative program (scale 1, no flags).
+    plain = jaxamp.Derivatives(lambda p, x: x[:1], inputs=("x", "y"), outputs=("u",), derivatives=("u__x",))
+    pts = jnp.arange(8.0).reshape(4, 2)
+    got, want = eng(None, pts), plain(None, pts)
+    assert set(got) == set(want) == {"u", "u__x"}
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
     wrong_out = jaxamp.Derivatives(lambda p, x: x, inputs=("x", "y"), outputs=("u",), derivatives=("u__x",))
     with pytest.raises(ValueError, match=r"returned shape \(2,\)"):
         wrong_out(None, jnp.ones((4, 2)))
@@ -230,9 +239,11 @@ def _first_overflowing_loss_scale(method, scales):
                  amp=amp)
     x = {"x": jnp.linspace(-1.0, 1.0, 64)}
 
+    run = jaxamp.scaled(eng)
+
     def grads(p, loss_scale):
-        vals, _ = eng(p, x, scales)
-        return jax.grad(lambda p: loss_scale * jnp.mean(eng(p, x, scales)[0]["u__x__x"] ** 2))(p), vals
+        vals, _ = run(scales, p, x)
+        return jax.grad(lambda p: loss_scale * jnp.mean(run(scales, p, x)[0]["u__x__x"] ** 2))(p), vals
 
     f = jax.jit(grads, compiler_options=STRICT_FP16)
     for k in range(41):

@@ -43,12 +43,12 @@ def test_value_is_the_hessian_diagonal_over_the_chosen_inputs(method):
     with jax.default_matmul_precision("highest"):
         p = params()
         ref = jax.vmap(lambda z: sum(jax.hessian(lambda q: net(p, q)[0])(z)[i, i] for i in (1, 2)))(POINTS)
-        values, found = jax.jit(lambda q, x: engine(method=method)(q, x))(p, POINTS)
+        values, found = jax.jit(jaxamp.scaled(engine(method=method)))({}, p, POINTS)
     assert found == {} and sorted(values) == ["u", "u__lap", "v", "v__t"]
     np.testing.assert_allclose(values["u__lap"], ref, rtol=2e-5, atol=2e-5 * float(jnp.max(jnp.abs(ref))))
     every = jaxamp.Derivatives(net, inputs=INPUTS, outputs=OUTPUTS, derivatives=("u__lap",), method=method)
     full = jax.vmap(lambda z: jnp.trace(jax.hessian(lambda q: net(p, q)[0])(z)))(POINTS)
-    np.testing.assert_allclose(every(p, POINTS)[0]["u__lap"], full, rtol=2e-5, atol=1e-5)
+    np.testing.assert_allclose(every(p, POINTS)["u__lap"], full, rtol=2e-5, atol=1e-5)
 
 
 def test_keys_follow_the_scaler_mode():
@@ -62,7 +62,7 @@ def test_keys_follow_the_scaler_mode():
 @pytest.mark.parametrize("method", ["forward", "reverse"])
 def test_binary_scales_leave_every_bit_and_a_huge_scale_flags_key_2(method):
     eng, p = engine(jaxamp.AmpConfig(), method), params()
-    run = jax.jit(lambda s: eng(p, POINTS, s))
+    run = jax.jit(lambda s: jaxamp.scaled(eng)(s, p, POINTS))
     one, _ = run({"1": 1.0, "2": 1.0})
     for scales in ({"1": 2.0**-3, "2": 2.0**-9}, {"1": 2.0**6, "2": 2.0**-20}):
         values, found = run(scales)
@@ -78,7 +78,7 @@ def test_float16_overflow_at_scale_1_and_none_at_a_small_scale():
 
     eng = jaxamp.Derivatives(net16, inputs=INPUTS, outputs=OUTPUTS, derivatives=("u__lap",),
                              laplacian_inputs=("x", "y"), amp=jaxamp.AmpConfig())
-    run = jax.jit(lambda s: eng(params(), POINTS, s), compiler_options=STRICT_FP16)
+    run = jax.jit(lambda s: jaxamp.scaled(eng)(s, params(), POINTS), compiler_options=STRICT_FP16)
     assert bool(run({"1": 1.0, "2": 1.0})[1]["2"])
     values, found = run({"1": 1.0, "2": 2.0**-12})
     assert not any(bool(v) for v in found.values()) and bool(jnp.all(jnp.isfinite(values["u__lap"])))
@@ -90,12 +90,12 @@ def test_scale_1_is_bit_identical_to_derivative_scaling_off(method):
 
     def loss(eng, scales):
         def f(p):
-            values, _ = eng(p, POINTS, scales)
+            values, _ = jaxamp.scaled(eng)(scales, p, POINTS)
             return jnp.mean(values["u__lap"] ** 2 + values["v__t"] ** 2)
 
         return jax.jit(jax.value_and_grad(f))(params())
 
-    a, b = loss(scaled_eng, {"1": 1.0, "2": 1.0}), loss(plain_eng, None)
+    a, b = loss(scaled_eng, {"1": 1.0, "2": 1.0}), loss(plain_eng, {})
     for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
         np.testing.assert_array_equal(x, y)
 
@@ -109,17 +109,17 @@ def test_bad_names_are_errors_naming_them():
         jaxamp.Derivatives(net, inputs=INPUTS, outputs=OUTPUTS, derivatives=("u__lap",), laplacian_inputs=("x", "z"))
     # an input named "lap": u__lap is du/dlap, as Modulus names it
     eng = jaxamp.Derivatives(lambda p, x: x[:1] ** 2, inputs=("lap",), outputs=("u",), derivatives=("u__lap",))
-    np.testing.assert_allclose(eng(None, jnp.array([[3.0]]))[0]["u__lap"], [6.0])
+    np.testing.assert_allclose(eng(None, jnp.array([[3.0]]))["u__lap"], [6.0])
 
 
 def test_headroom_profile_and_masking_see_the_laplacian():
     eng, p = engine(jaxamp.AmpConfig(), mask_nonfinite_points=True), params()
     scales = {"1": 1.0, "2": 2.0**-4}
-    values, _ = eng(p, POINTS, scales)
-    headroom = jaxamp.headroom.headroom_log2(eng, values, scales)
+    values, _ = jaxamp.scaled(eng)(scales, p, POINTS)
+    headroom, _ = jaxamp.scaled(lambda q, x: jaxamp.headroom.headroom_log2(eng, eng(q, x)), eng.amp)(scales, p, POINTS)
     peak = float(jnp.max(jnp.abs(values["u__lap"])))  # key "2" guards only the Laplacian here
     assert float(headroom["2"]) == pytest.approx(np.log2(65504.0) - np.log2(peak * 2.0**-4), abs=1e-5)
     bad = POINTS.at[2, 1].set(jnp.nan)
-    masked, found = eng(p, bad, scales)
+    masked, found = jaxamp.scaled(eng)(scales, p, bad)
     assert float(masked["u__lap"][2]) == 0.0 and not any(bool(v) for v in found.values())
     np.testing.assert_array_equal(masked["u__lap"][3:], values["u__lap"][3:])

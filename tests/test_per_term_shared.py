@@ -38,8 +38,8 @@ def setup():
     exact = jaxamp.Derivatives(lambda p, x: f32.apply(p, x), inputs=INPUTS, outputs=OUTPUTS, derivatives=NAMES)
     x = 3.0 * jax.random.uniform(jax.random.PRNGKey(1), (16, 2), minval=-1.0, maxval=1.0)
     with jax.default_matmul_precision("highest"):
-        ref, _ = jax.jit(exact)(params, x)
-    return engines, params, x, ref, {m: jax.jit(e) for m, e in engines.items()}
+        ref = jax.jit(exact)(params, x)
+    return engines, params, x, ref, {m: jax.jit(jaxamp.scaled(e)) for m, e in engines.items()}
 
 
 def _flags(found):
@@ -54,7 +54,7 @@ def test_per_term_costs_what_per_order_costs(setup):
 
     def flops(eng):
         scales = {k: jnp.float32(1.0) for k in eng.scaler_keys}
-        loss = lambda p: sum(jnp.sum(v) for v in eng(p, x, scales)[0].values())  # noqa: E731
+        loss = lambda p: sum(jnp.sum(v) for v in jaxamp.scaled(eng)(scales, p, x)[0].values())  # noqa: E731
         return jax.jit(jax.grad(loss)).lower(params).compile().cost_analysis()["flops"]
 
     term, per_order = flops(engines["forward"]), flops(order)
@@ -68,8 +68,8 @@ def test_values_equal_the_reverse_engine_with_a_scale_per_key(setup):
     engines, params, x, ref, run = setup
     keys = engines["forward"].scaler_keys
     scales = {k: jnp.float32(2.0 ** -(i % 5)) for i, k in enumerate(keys)}  # different scales per key
-    fwd, fwd_found = run["forward"](params, x, scales)
-    rev, rev_found = run["reverse"](params, x, scales)
+    fwd, fwd_found = run["forward"](scales, params, x)
+    rev, rev_found = run["reverse"](scales, params, x)
     assert _flags(fwd_found) == _flags(rev_found) == set()
     for n in NAMES:
         tol = FP16_ROUNDING * float(jnp.max(jnp.abs(ref[n])))
@@ -84,13 +84,13 @@ def own_passes(setup):
     ``own_passes(scales)`` is ``{derivative: steps flagged in its own pass (1-based)}``."""
     engines, params, x, _, _ = setup
     fwd = engines["forward"]
-    one = {n: jax.jit(jaxamp.Derivatives(fwd.fn, inputs=INPUTS, outputs=OUTPUTS, derivatives=(n,),
-                                         amp=jaxamp.AmpConfig())) for n in NAMES}  # fmt: skip
+    one = {n: jax.jit(jaxamp.scaled(jaxamp.Derivatives(fwd.fn, inputs=INPUTS, outputs=OUTPUTS, derivatives=(n,),
+                                                       amp=jaxamp.AmpConfig()))) for n in NAMES}  # fmt: skip
 
     def flags(scales):
         out = {}
         for n, path in fwd.plan.paths.items():
-            _, found = one[n](params, x, {str(k + 1): scales[key] for k, (key, _) in enumerate(path)})
+            _, found = one[n]({str(k + 1): scales[key] for k, (key, _) in enumerate(path)}, params, x)
             out[n] = {k + 1 for k in range(len(path)) if bool(found[str(k + 1)])}
         return out
 
@@ -107,7 +107,7 @@ def test_one_terms_too_large_scale_flags_that_key_only(setup, own_passes):
     engines, params, x, _, run = setup
     scales = {k: jnp.float32(1.0) for k in engines["forward"].scaler_keys}
     scales["v__x"] = jnp.float32(2.0**20)  # v__x__x's own scaled result leaves float16's range
-    fwd, found = run["forward"](params, x, scales)
+    fwd, found = run["forward"](scales, params, x)
     assert _flags(found) == {"v__x"} == _own_keys(engines["forward"], own_passes(scales))
     assert all(bool(jnp.all(jnp.isfinite(fwd[n]))) for n in NAMES)  # the shared pass did not overflow
 
@@ -117,7 +117,7 @@ def test_equal_scales_flag_what_the_own_passes_flag(setup, own_passes):
     engines, params, x, _, run = setup
     for log2 in (15, 20):
         scales = {k: jnp.float32(2.0**log2) for k in engines["forward"].scaler_keys}
-        _, found = run["forward"](params, x, scales)
+        _, found = run["forward"](scales, params, x)
         assert _flags(found) - {NONFINITE_VALUES} == _own_keys(engines["forward"], own_passes(scales)) != set()
 
 
@@ -131,7 +131,7 @@ def test_flags_are_sound_for_random_scales(setup, own_passes):
     for _ in range(8):
         log2 = rng.integers(-4, 21, size=len(keys))
         scales = {k: jnp.float32(2.0 ** int(e)) for k, e in zip(keys, log2)}
-        fwd, found = run["forward"](params, x, scales)
+        fwd, found = run["forward"](scales, params, x)
         flagged = _flags(found) - {NONFINITE_VALUES}
         # Every flag is real: the key guards a term whose own pass overflows (at this step or,
         # hiding it, at an earlier one), or whose scaled result (float32 reference value

@@ -133,10 +133,10 @@ def test_recommended_scales_remove_a_crafted_overflow():
     eng = _engine(fn, jaxamp.AmpConfig())
     params = {"a": jnp.float32(1.0)}
     x = jnp.linspace(0.0, 1.0, 512)[:, None]
-    run = jax.jit(eng, compiler_options={"xla_allow_excess_precision": False})
-    _, flags = run(params, x, {"1": jnp.float32(1.0), "2": jnp.float32(1.0)})
+    run = jax.jit(jaxamp.scaled(eng), compiler_options={"xla_allow_excess_precision": False})
+    _, flags = run({"1": jnp.float32(1.0), "2": jnp.float32(1.0)}, params, x)
     rec = recommend(profile(eng, params, x))
-    _, flags2 = run(params, x, {k: jnp.float32(2.0**e) for k, e in rec.scales_log2.items()})
+    _, flags2 = run({k: jnp.float32(2.0**e) for k, e in rec.scales_log2.items()}, params, x)
     assert [bool(flags["2"]), bool(flags2["2"])] == [True, False], (flags, flags2)
     assert rec.scales_log2["2"] < 0
 

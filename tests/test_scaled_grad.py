@@ -54,7 +54,7 @@ def test_values_and_flags_equal_reverse_engine_op_by_op(net, mode):
     engine = _engine(fn, PURE_AND_MIXED, amp)
     scales = _scales(engine.scaler_keys)
     names = [n for n in engine.names if "__" in n]
-    values, found = engine(params, points(), scales)
+    values, found = jaxamp.scaled(engine)(scales, params, points())
     ours, our_found = jaxamp.scaled(batched(u_net, names), amp)(scales, params, points())
     assert sorted(jaxamp.dropin.scaled.scaler_keys(batched(u_net, names), amp)(params, points())) == sorted(engine.scaler_keys)
     if mode == "per_term_scaler":
@@ -72,7 +72,7 @@ def test_jit_values_to_rounding_and_forward_engine(net, method):
     run = jax.jit(jaxamp.scaled(batched(u_net, names), amp))
     engine = _engine(fn, names, amp, method)
     scales = _scales(engine.scaler_keys)
-    values, found = jax.jit(engine)(params, points(), scales)
+    values, found = jax.jit(jaxamp.scaled(engine))(scales, params, points())
     ours, our_found = run(scales, params, points())
     for n in names:
         _close(ours[n], values[n])
@@ -95,7 +95,7 @@ def test_overflow_and_bad_values_flag_like_the_engine(net):
     }
     for case, (pts, scales, expected) in cases.items():
         scales = {k: jnp.float32(v) for k, v in scales.items()}
-        _, found = jax.jit(engine)(params, pts, scales)
+        _, found = jax.jit(jaxamp.scaled(engine))(scales, params, pts)
         _, our_found = run(scales, params, pts)
         assert _flags(our_found) == _flags(found) == expected, case
 
@@ -111,7 +111,7 @@ def test_jacobians_inside_and_outside_scaled(net, where):
     scales = _scales(engine.scaler_keys)
     pts = points()
     residual = lambda p, pts: batched(u_net, ["u__x__x"])(p, pts)["u__x__x"]  # noqa: E731
-    expected = jax.jit(jax.jacrev(lambda p: engine(p, pts, scales)[0]["u__x__x"]))(params)
+    expected = jax.jit(jax.jacrev(lambda p: jaxamp.scaled(engine)(scales, p, pts)[0]["u__x__x"]))(params)
     if where == "inside":
         got, found = jax.jit(jaxamp.scaled(lambda p, pts: jax.jacrev(residual)(p, pts), amp))(scales, params, pts)
         assert _flags(found) == {"1": False, "2": False, NONFINITE_VALUES: False}
@@ -128,7 +128,7 @@ def test_weight_gradient_of_a_scaled_loss_equals_the_engine_loss(net):
     scales = _scales(engine.scaler_keys)
     pts = points()
     ours = lambda p: jnp.mean(batched(u_net, ["u__x__x"])(p, pts)["u__x__x"] ** 2)  # noqa: E731
-    theirs = lambda p: jnp.mean(engine(p, pts, scales)[0]["u__x__x"] ** 2)  # noqa: E731
+    theirs = lambda p: jnp.mean(jaxamp.scaled(engine)(scales, p, pts)[0]["u__x__x"] ** 2)  # noqa: E731
     g_ours, found = jax.jit(jax.grad(lambda p: jaxamp.scaled(ours, amp)(scales, p), has_aux=True))(params)
     jax.tree_util.tree_map(_close, g_ours, jax.jit(jax.grad(theirs))(params))
     assert not any(_flags(found).values())

@@ -50,7 +50,7 @@ def vector_b_engine():
     params = model.init(jax.random.PRNGKey(0), jnp.zeros(1))
     engine = jaxamp.Derivatives(lambda p, x: model.apply(p, x) + jnp.sqrt(x), inputs=("x",), outputs=("u",),
                                 derivatives=("u__x",), amp=VECTOR_B_AMP)
-    return engine, jax.jit(engine.__call__), params
+    return engine, jax.jit(jaxamp.scaled(engine)), params
 
 
 @pytest.mark.parametrize("jit", [False, True])
@@ -67,7 +67,7 @@ def test_vector_b_through_a_tanh_mlp(jit):
     clean, overflowing = jnp.linspace(0.1, 1, 8), jnp.linspace(0.0, 1, 8)
     seen = []
     for x in [clean] * 4 + [overflowing] * 3 + [clean] * 3:
-        _, found = derivs(params, {"x": x}, scalers.scales)
+        _, found = derivs(scalers.scales, params, {"x": x})
         assert not bool(found[NONFINITE_VALUES])
         scalers = update(scalers, {"1": found["1"]})
         seen.append((float(scalers["1"].scale), int(scalers["1"].growth_tracker)))

@@ -70,10 +70,10 @@ def test_tiny_scales_stay_finite_under_jit():
     eng = jaxamp.Derivatives(lambda p, x: net.apply(p, x), inputs=("x",), outputs=("u",), derivatives=("u__x__x",),
                              amp=amp)
     params = net.init(jax.random.PRNGKey(0), jnp.zeros(1))
-    run = jax.jit(eng.__call__)  # the scales are arguments: one compiled program for every case
+    run = jax.jit(jaxamp.scaled(eng))  # the scales are arguments: one compiled program for every case
     for e in (-64, -100, -126):
         scales = {"1": jnp.float32(2.0**e), "2": jnp.float32(2.0**e)}
-        vals, found = run(params, {"x": jnp.linspace(0, 1, 8)}, scales)
+        vals, found = run(scales, params, {"x": jnp.linspace(0, 1, 8)})
         assert not bool(found["2"]) and bool(jnp.all(jnp.isfinite(vals["u__x__x"]))), e
 
 

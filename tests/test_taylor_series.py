@@ -109,7 +109,7 @@ def test_bad_arguments_are_rejected():
 def _compiled_step(engine, params, pts, scales, names):
     """The jitted weight gradient through ``names`` (values and flags as aux), compiled."""
     def loss(p):
-        vals, flags = engine(p, pts, scales)
+        vals, flags = jaxamp.scaled(engine)(scales, p, pts)
         return sum(jnp.mean(vals[n] ** 2) for n in names), (vals, flags)
 
     return jax.jit(jax.grad(loss, has_aux=True)).lower(params).compile()

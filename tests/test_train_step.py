@@ -1,8 +1,9 @@
 """The train step and its public pieces (docs/algorithm.md, "Training step").
 
 Most tests drive the step logic with a toy loss (a few weights, no network) whose flags are
-injected through the batch: ``overflow`` (key "2"), ``overflow1`` (key "1"), ``bad``
-(NONFINITE_VALUES) and ``nan_grad`` (an infinite loss, so non-finite weight gradients). One
+injected through the batch, as jaxamp's check marks that the step's interpreter collects:
+``overflow`` (key "2"), ``overflow1`` (key "1"), ``bad`` (NONFINITE_VALUES) and ``nan_grad``
+(an infinite loss, so non-finite weight gradients). One
 test runs a real fp16 network and derivative engine, whose NaN input point is flagged by the
 engine itself. Faults are injected, not provoked by float16 rounding (XLA's excess precision
 on CPU would make a provoked overflow flaky).
@@ -34,12 +35,22 @@ def keys_engine(amp):
     return jaxamp.Derivatives(lambda p, x: x, inputs=("x",), outputs=("u",), derivatives=("u__x__x",), amp=amp)
 
 
-def toy_loss(params, batch, scales):
+def inject(hit, order):
+    """Raise a flag as an engine's step raises it, with jaxamp's check mark: at ``order`` > 0 a
+    scaled result that is inf where ``hit`` over a finite value (an overflow of key ``order``);
+    at order 0 a checked value that is NaN where ``hit`` (bad values)."""
+    if order == 0:
+        v = jnp.where(hit, jnp.nan, 0.0)
+        return jaxamp.marks.deriv_check(v, v, order=0, term=None)
+    return jaxamp.marks.deriv_check(jnp.where(hit, jnp.inf, 0.0), jnp.float32(0.0), order=order, term=None)
+
+
+def toy_loss(params, batch):
     loss = jnp.mean((params["w"] * batch["x"] - 1.0) ** 2) * jnp.where(batch["nan_grad"], jnp.inf, 1.0)
-    found = {NONFINITE_VALUES: batch["bad"]}
-    if scales:
-        found.update({"1": batch["overflow1"], "2": batch["overflow"]})
-    return loss, ({"mse": loss}, found)
+    inject(batch["bad"], 0)  # NONFINITE_VALUES
+    inject(batch["overflow1"], 1)  # key "1"
+    inject(batch["overflow"], 2)  # key "2"
+    return loss, {"mse": loss}
 
 
 def batch(bad=False, overflow=False, overflow1=False, nan_grad=False):
@@ -150,7 +161,7 @@ def test_clipping_is_off_by_default_and_follows_torch_formula_when_asked():
     sgd = optax.sgd(1.0)
     state, plain_step, *_ = problem(fp32, None, sgd)
     _, clip_step, *_ = problem(fp32, 0.05, sgd)
-    grads = jax.grad(lambda p: toy_loss(p, batch(), {})[0])(state.params)
+    grads = jax.grad(lambda p: toy_loss(p, batch())[0])(state.params)
     norm = float(optax.tree.norm(grads))
     assert norm > 0.05
     plain, m = plain_step(state, batch())
@@ -169,11 +180,11 @@ def test_real_network_nan_point_is_bad_values_and_the_step_compiles_once_without
     engine = jaxamp.Derivatives(lambda p, x: model.apply(p, x), inputs=("x",), outputs=("u",),
                                 derivatives=("u__x__x",), amp=FP16)
 
-    def loss_fn(params, b, scales):
+    def loss_fn(params, b):
         x = b["x"].at[0].set(jnp.where(b["bad"], jnp.nan, b["x"][0]))
-        d, found = engine(params, {"x": x}, scales)
+        d = engine(params, {"x": x})
         pde = jnp.mean((d["u__x__x"] + jnp.pi**2 * jnp.sin(jnp.pi * x)) ** 2)
-        return pde, ({"pde": pde}, found)
+        return pde, {"pde": pde}
 
     opt = optax.adam(1e-3)
     state = jaxamp.train.TrainState.create(params=params, optimizer=opt, amp=FP16, engines=[engine])
@@ -219,8 +230,9 @@ def test_unknown_flag_keys_and_bad_arguments_are_rejected():
     state, *_ = problem()
     opt = optax.adam(1e-3)
 
-    def loss_fn(params, b, scales):
-        return jnp.float32(0.0) * sum(jnp.sum(p) for p in jax.tree_util.tree_leaves(params)), ({}, {"7": jnp.bool_(False)})
+    def loss_fn(params, b):
+        inject(jnp.bool_(False), 7)  # a flag of key "7", which no scaler of the state has
+        return jnp.float32(0.0) * sum(jnp.sum(p) for p in jax.tree_util.tree_leaves(params)), {}
 
     with pytest.raises(KeyError, match=r"scaler key\(s\) \['7'\]"):
         jaxamp.train.make_train_step(loss_fn, opt, amp=FP16)(state, batch())
@@ -233,25 +245,56 @@ def test_unknown_flag_keys_and_bad_arguments_are_rejected():
 def test_a_bare_loss_gets_an_error_that_shows_the_contract():
     state, *_ = problem()
 
-    def bare(params, b, scales):
+    def bare(params, b):
         return jnp.sum(jax.tree_util.tree_leaves(params)[0])
 
     with pytest.raises(TypeError) as e:
         jaxamp.train.make_train_step(bare, optax.adam(1e-3), amp=FP16)(state, batch())
-    assert "loss_fn returned an array of dtype float32 and shape ()" in str(e.value)
-    assert "must return (loss, (terms, found_inf))" in str(e.value)
+    assert "jaxamp.value_and_grad: `fun`=" in str(e.value)
+    assert "with has_aux=True must return (loss, aux)" in str(e.value)
+
+
+@pytest.mark.parametrize("aux", ["scalar", "one_tuple", "old_contract", "old_contract_with_metrics", "not_dicts"])
+def test_a_bad_aux_gets_an_error_that_shows_the_contract(aux):
+    state, *_ = problem()
+
+    def loss_fn(params, b):
+        loss = jnp.sum(jax.tree_util.tree_leaves(params)[0])
+        return loss, {"scalar": loss, "one_tuple": ({"mse": loss},), "not_dicts": ({"mse": loss}, [loss]),
+                      "old_contract": ({"mse": loss}, {"2": jnp.bool_(False)}),  # (terms, found_inf)
+                      "old_contract_with_metrics": ({"mse": loss}, {"2": jnp.bool_(False)}, {"m": loss})}[aux]
+
+    with pytest.raises(TypeError) as e:
+        jaxamp.train.make_train_step(loss_fn, optax.adam(1e-3), amp=FP16)(state, batch())
+    assert str(e.value).startswith("make_train_step: loss_fn returned the ")
+    assert "loss_fn(params, batch) must return (loss, terms) or (loss, (terms, metrics))" in str(e.value)
+
+
+def test_a_non_scalar_loss_gets_an_error_that_names_it():
+    state, *_ = problem()
+
+    def loss_fn(params, b):
+        return params["w"] * b["x"], {}
+
+    with pytest.raises(TypeError) as e:
+        jaxamp.train.make_train_step(loss_fn, optax.adam(1e-3), amp=FP16)(state, batch())
+    assert "jaxamp.value_and_grad: `fun`=" in str(e.value)
+    assert f"must return a float scalar loss (or (loss, aux) with has_aux=True), got an array of shape ({N},)" in str(e.value)
+    with pytest.raises(TypeError, match="make_train_step: `loss_fn`=3 must be callable as loss_fn\\(params, batch\\)"):
+        jaxamp.train.make_train_step(3, optax.adam(1e-3), amp=FP16)
 
 
 def test_pieces_in_a_users_own_step_with_extra_state_match_make_train_step():
     """Loss weights and an EMA of the params ride along; a skipped step leaves them as they were."""
     state, step, _, opt = problem()
     rule = FP16.make_loss_scaler()
-    grad_fn = jaxamp.step.scaled_value_and_grad(toy_loss)
+    grad_fn = jaxamp.value_and_grad(toy_loss, has_aux=True)
 
     @jax.jit
     def user_step(params, opt_state, scalers, loss_scale, extra, b):
-        (loss, (terms, found_inf)), grads = grad_fn(params, b, scalers.scales, loss_scale=loss_scale.scale)
-        check = jaxamp.step.check_step(found_inf, grads, scalers)
+        (loss, terms), scaled = grad_fn(jaxamp.AmpState(FP16, scalers, loss_scale, rule), params, b)
+        grads = scaled.grads
+        check = jaxamp.step.check_step(scaled.found_inf, grads, scalers)
         updates, new_opt_state = opt.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
         new_extra = {"weights": extra["weights"] * 0.9 + 0.1,
@@ -274,12 +317,12 @@ def test_pieces_inside_a_named_axis_step_decide_alike_on_every_replica():
     """Two replicas under jax.vmap(axis_name=...): gradients pmean-ed, flags OR-ed by check_step."""
     state, _, _, opt = problem()
     rule = FP16.make_loss_scaler()
-    grad_fn = jaxamp.step.scaled_value_and_grad(toy_loss)
+    grad_fn = jaxamp.value_and_grad(toy_loss, has_aux=True)
 
     def replica(params, opt_state, scalers, loss_scale, b):
-        (_, (_, found_inf)), grads = grad_fn(params, b, scalers.scales, loss_scale=loss_scale.scale)
-        grads = jax.lax.pmean(grads, "devices")
-        check = jaxamp.step.check_step(found_inf, grads, scalers, axis_name="devices")
+        _, scaled = grad_fn(jaxamp.AmpState(FP16, scalers, loss_scale, rule), params, b)
+        grads = jax.lax.pmean(scaled.grads, "devices")
+        check = jaxamp.step.check_step(scaled.found_inf, grads, scalers, axis_name="devices")
         updates, new_opt_state = opt.update(grads, opt_state, params)
         params, opt_state = check.select((optax.apply_updates(params, updates), new_opt_state), (params, opt_state))
         scalers, loss_scale = jaxamp.step.update_scalers(check, scalers, loss_scale, rule)

@@ -110,22 +110,21 @@ class Setup:
                 )
         return jaxamp.parallel.make_mesh(devices)
 
-    def _loss_fn(self, params, batch, scales):
-        flags: List[Dict[str, jax.Array]] = []
+    def _loss_fn(self, params, batch):
+        # The engines take their scales from the train step and report their flags to it.
         headroom: List[Dict[str, jax.Array]] = []
 
         def derive(points, derivatives=True):
             values: Dict[str, jax.Array] = {}
             for engine in self.engines if derivatives else [self.values_engine]:
-                v, found = engine(params, points, scales)
+                v = engine(params, points)
                 values.update(v)
-                flags.append(found)
-                headroom.append(jaxamp.headroom.headroom_log2(engine, v, scales))  # one max per derivative
+                headroom.append(jaxamp.headroom.headroom_log2(engine, v))  # one max per derivative
             return values
 
         loss, terms = self.problem.loss(derive, batch)
         # metrics headroom_log2/<key>: powers of two left below 65504 by each key's largest scaled derivative
-        return loss, (terms, jaxamp.marks.merge_found_inf(*flags), jaxamp.headroom.headroom_metrics(*headroom))
+        return loss, (terms, jaxamp.headroom.headroom_metrics(*headroom))
 
     def init_params(self):
         """The initial parameters (from ``seed``)."""
@@ -173,7 +172,7 @@ class Setup:
         points = {name: jnp.concatenate([part[name] for part in parts]) for name in self.problem.inputs}
         scales = {key: s.scale for key, s in state.deriv_scales.items()}
         engine = self.engines[0]
-        values, _ = engine(state.params, points, scales)
+        values, _ = jaxamp.scaled(engine)(scales, state.params, points)
         scaled = {}
         for name, v in values.items():
             if name in engine.outputs:

@@ -13,7 +13,7 @@ engine computes every requested derivative of a per-point function with nested A
 
 Modules: :mod:`~jaxamp.derivatives.engine` (:class:`jaxamp.Derivatives`), :mod:`~jaxamp.derivatives.plan` (names, levels, paths, scaler keys: the one plan
 every engine reads), :mod:`~jaxamp.derivatives.forward` (the default engine);
-``method="reverse"`` is nested :func:`jaxamp.grad` (the reference path). Everything is
-traced: scales come in as arrays, flags come out as arrays, so the engine runs inside one
-``jax.jit`` with no host synchronisation.
+``method="reverse"`` is nested :func:`jaxamp.grad` (the reference path). The engine writes
+the derivative program; :func:`jaxamp.scaled` (and :func:`jaxamp.value_and_grad`, the train
+step) gives it its scales and collects its flags, as for the drop-in derivatives.
 """

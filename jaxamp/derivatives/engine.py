@@ -12,8 +12,7 @@ from jaxamp.derivatives import forward
 from jaxamp.derivatives.plan import Plan, make_plan, mark_params, parent_of, parse_name, run_marked, scaler_key
 from jaxamp.dropin.grad import grad
 from jaxamp.dropin.laplacian import laplacian
-from jaxamp.dropin.scaled import interpreting, scaled
-from jaxamp.marks import NONFINITE_VALUES, merge_found_inf
+from jaxamp.marks import NONFINITE_VALUES, deriv_check
 
 PointFn = Callable[..., jax.Array]  # fn(params, x: f32[n_inputs]) -> f32[n_outputs]
 # engine(plan, f, x, scales) -> (values {name: f32[]}, scaled {derivative: f32[]}) at one point
@@ -50,8 +49,8 @@ class Derivatives:
         reference path: the program is nested :func:`jaxamp.grad` calls, ``method="reverse"``,
         one per differentiated variable). Or a point engine of your own, ``engine(plan, f, x, scales) ->
         (values, scaled)`` (see :data:`PointEngine` and :func:`forward.point_values`): this
-        class stacks the points, checks the scales, vmaps it with per-point scales and
-        computes the flags.
+        class stacks the points, passes it each step's scale mark (``scales``), vmaps it and
+        marks its scaled results for the checks.
       laplacian_inputs: the inputs a ``"<output>__lap"`` sums over (e.g. ``("x", "y")`` beside
         ``"t"``); None (default): every input.
       mask_nonfinite_points: when True, points with a non-finite input are evaluated at
@@ -59,11 +58,16 @@ class Derivatives:
         means with :meth:`point_weights`. Off by default: such a point flags
         :data:`NONFINITE_VALUES` and the train step skips the step.
 
+    The engine writes a derivative program of jaxamp's marks (:meth:`marked`); the
+    transformations interpret it: ``jaxamp.scaled(engine)(scales, params, points) ->
+    (values, found_inf)``, or the engine called inside a loss under
+    :func:`jaxamp.value_and_grad` / :func:`jaxamp.train.make_train_step`.
+
     Example:
       >>> import jax.numpy as jnp, jaxamp
       >>> eng = jaxamp.Derivatives(lambda p, x: jnp.stack([jnp.sin(x[0])]), inputs=("x",),
       ...                          outputs=("u",), derivatives=("u__x__x",), amp=jaxamp.AmpConfig())
-      >>> values, found_inf = eng(None, {"x": jnp.zeros(4)}, {"1": 1.0, "2": 1.0})
+      >>> values, found_inf = jaxamp.scaled(eng)({"1": 1.0, "2": 1.0}, None, {"x": jnp.zeros(4)})
       >>> sorted(values), sorted(found_inf)
       (['u', 'u__x', 'u__x__x'], ['1', '2', 'nonfinite_values'])
     """
@@ -94,42 +98,41 @@ class Derivatives:
         """The scaler key that guards differentiating ``parent`` (docs/algorithm.md, "Scaler keys")."""
         return scaler_key(self.amp, parent)
 
-    def __call__(self, params, points: Union[Mapping[str, jax.Array], jax.Array],
-                 scales: Optional[Mapping[str, jax.Array]] = None) -> Tuple[Dict[str, jax.Array], Dict[str, jax.Array]]:  # fmt: skip
-        """Values and derivatives at a batch of points.
+    def __call__(self, params, points: Union[Mapping[str, jax.Array], jax.Array], *extra) -> Dict[str, jax.Array]:
+        """Values and derivatives at a batch of points: the engine's derivative program.
+
+        Inside :func:`jaxamp.scaled`, :func:`jaxamp.value_and_grad` and
+        :func:`jaxamp.train.make_train_step` its steps take the scales of the state and report
+        their flags there, as the drop-in derivatives do; outside them they are plain
+        derivatives at scale 1. ``jaxamp.scaled(engine)(scales, params, points)`` returns
+        ``(values, found_inf)``.
 
         Args:
           params: the network parameters passed to ``fn``.
           points: ``{input name: f32[N]}`` or an array ``f32[N, n_inputs]``.
-          scales: ``{scaler key: f32[]}`` with at least :attr:`scaler_keys` (the ``scales`` of
-            ``jaxamp.init(None, amp, keys=engine.scaler_keys)()``). Ignored when scaling is off.
 
         Returns:
-          ``(values, found_inf)``: ``values[name]`` is ``f32[N]`` (unscaled) for every output
-          and every derivative computed (0 at masked points, see ``mask_nonfinite_points``).
-          With scaling on, ``found_inf[key]`` is ``bool[]``, True when a scaled derivative
-          guarded by ``key`` overflowed at some point whose level below is finite, and
-          ``found_inf[NONFINITE_VALUES]`` is True when an input or a network output is
-          non-finite at some (unmasked) point. With scaling off, ``found_inf`` is ``{}``.
+          ``values``: ``values[name]`` is ``f32[N]`` (unscaled) for every output and every
+          derivative computed (0 at masked points, see ``mask_nonfinite_points``). Under
+          :func:`jaxamp.scaled` with scaling on, ``found_inf[key]`` is True when a scaled
+          derivative guarded by ``key`` overflowed at some point whose level below is finite,
+          and ``found_inf[NONFINITE_VALUES]`` when an input or a network output is non-finite
+          at some (unmasked) point.
         """
+        if extra:
+            raise TypeError(
+                f"Derivatives: called with {2 + len(extra)} arguments; an engine takes (params, points) and no "
+                "scales: jaxamp.scaled(engine)(scales, params, points) returns (values, found_inf), and in a "
+                "loss under jaxamp.value_and_grad or make_train_step the state gives the scales."
+            )
         x = self.stack_points(points)
         weights = self._weights(x) if self.mask_nonfinite_points else None
         if weights is not None:
             x = jnp.where(weights[:, None] > 0, x, jnp.zeros_like(x))  # a finite stand-in
-        if scales is None and self.scaled and interpreting():
-            # inside jaxamp.scaled / value_and_grad: the enclosing interpreter gives the marks
-            # their scales and collects their flags
-            values, found = self.marked(params, x)[0], {}
-        else:
-            step_scales = self.check_scales(scales) if self.scaled else {}
-            # merge=False: the plan already shares the engine's passes; its graph stays as written
-            (values, _), found = scaled(self.marked, self.amp, merge=False)(step_scales, params, x)
-            if found:  # bad values of every output, derivatives taken of it or not
-                bad = ~jnp.all(jnp.isfinite(jnp.stack([values[o] for o in self.outputs])))
-                found = merge_found_inf(found, {NONFINITE_VALUES: bad})
+        values = self.marked(params, x)[0]
         if weights is not None:
             values = {k: jnp.where(weights > 0, v, jnp.zeros_like(v)) for k, v in values.items()}
-        return values, found
+        return values
 
     def marked(self, params, x: jax.Array) -> Tuple[Dict[str, jax.Array], Dict[str, jax.Array]]:
         """The engine's derivative program at the points ``x`` (``f32[N, n_inputs]``), made of
@@ -144,7 +147,7 @@ class Derivatives:
           :func:`jaxamp.grad` calls, and for the Laplacians (in :func:`jaxamp.laplacian`).
         """
         plan, f = self.plan, self._point_outputs(params)
-        marks_of = {k: mark_params(plan, k) for k in plan.step_keys}
+        marks_of = {k: mark_params(k) for k in plan.step_keys}
         # One seed per point (the marks are batched with the points), as torch's
         # grad_outputs=ones_like(var)*scale: an unbatched seed makes the seed's products
         # point-independent, and the weight gradient would then sum their cotangents over the
@@ -160,7 +163,11 @@ class Derivatives:
                 values, checked = run_marked(plan, self.engine, f, p, marks_of)
             return {**values, **{name: lap(p) for name, lap in laps.items()}}, checked
 
-        return jax.vmap(point)(x)
+        values, checked = jax.vmap(point)(x)
+        if plan.scaled:  # bad values of every output, derivatives taken of it or not (order 0)
+            # one check per output, no stack: the values' graph stays the unscaled engine's
+            values = {**values, **{o: deriv_check(values[o], values[o], order=0, term=None) for o in self.outputs}}
+        return values, checked
 
     def _nested_grads(self, f: Callable[[jax.Array], jax.Array], x: jax.Array):
         """One point as nested :func:`jaxamp.grad` (``method="reverse"``): one reverse pass per
@@ -200,7 +207,7 @@ class Derivatives:
           ...                          derivatives=("u__x",), mask_nonfinite_points=True)
           >>> points = jnp.array([[1.0], [jnp.nan], [2.0]])
           >>> w = eng.point_weights(points)
-          >>> values, _ = eng(None, points)
+          >>> values = eng(None, points)
           >>> w, jnp.sum(w * values["u__x"] ** 2) / jnp.maximum(jnp.sum(w), 1.0)
           (Array([1., 0., 1.], dtype=float32), Array(10., dtype=float32))
         """
@@ -210,29 +217,6 @@ class Derivatives:
     @staticmethod
     def _weights(x: jax.Array) -> jax.Array:
         return jnp.all(jnp.isfinite(x), axis=-1).astype(jnp.float32)
-
-    def check_scales(self, scales: Optional[Mapping[str, jax.Array]]) -> Dict[str, jax.Array]:
-        """``{step key: f32[]}`` for the plan's steps, or an error naming what is missing.
-
-        Unscaled engines get scale 1 for every step; :meth:`__call__` passes the scales through
-        one optimisation barrier, so XLA compiles the scaled graph for both: values and weight
-        gradients are bit-identical to a scaled engine's at scale 1.
-        """
-        if not self.scaled:
-            return {k: jnp.float32(1.0) for k in self.plan.step_keys}
-        if scales is None:
-            raise ValueError(
-                f"Derivatives: `scales` is required when float16 derivative scaling is on; pass "
-                f"{{key: scale}} for the keys {list(self.scaler_keys)} (e.g. from a TrainState)."
-            )
-        missing = [k for k in self.scaler_keys if k not in scales]
-        if missing:
-            raise KeyError(
-                f"Derivatives: `scales` lacks the scaler key(s) {missing}; it has {sorted(scales)}. "
-                "Create the scalers with jaxamp.init(None, amp, keys=engine.scaler_keys)() (or "
-                "TrainState.create(..., engines=...))."
-            )
-        return {k: jnp.asarray(scales[k], jnp.float32) for k in self.scaler_keys}
 
     def stack_points(self, points: Union[Mapping[str, jax.Array], jax.Array]) -> jax.Array:
         """``f32[N, n_inputs]`` from ``{input: f32[N]}`` or an array, or an error naming the problem."""

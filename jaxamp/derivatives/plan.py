@@ -124,11 +124,11 @@ def scaler_key(amp: Optional[AmpConfig], parent: str) -> str:
     return marks.scaler_key(amp, order_of(parent) + 1, parent)
 
 
-def mark_params(plan: "Plan", key: str) -> Dict[str, object]:
+def mark_params(key: str) -> Dict[str, object]:
     """The ``order`` and ``term`` of the marks of a step under ``key`` (:mod:`jaxamp.marks`):
-    :func:`jaxamp.marks.scaler_key` maps them back to ``key`` (a per-order key is its order)."""
-    order = next(i + 1 for i, level in enumerate(plan.levels) if key in level.parent_keys)
-    return {"order": order, "term": None if key == str(order) else key}
+    :func:`jaxamp.marks.scaler_key` maps them back to ``key`` (a per-order key is its order,
+    a per-term key the name it differentiates)."""
+    return {"order": int(key), "term": None} if key.isdigit() else {"order": order_of(key) + 1, "term": key}
 
 
 def run_marked(plan: "Plan", point_engine: Callable, f: Callable, x, marks_of: Mapping[str, Dict[str, object]]):

@@ -15,8 +15,6 @@ differentiates (a network output) is not finite (bad values, which no scale cure
 
 from __future__ import annotations
 
-import contextlib
-import threading
 import weakref
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -34,22 +32,8 @@ from jaxamp.state import find
 __all__ = ["scaled", "scaler_keys"]
 
 Flags = Dict[str, jax.Array]
-_STATE = threading.local()
 
 
-@contextlib.contextmanager
-def _tracing():
-    """Marks traced in this block are interpreted by the caller (scaled, profile)."""
-    _STATE.depth = getattr(_STATE, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _STATE.depth -= 1
-
-
-def interpreting() -> bool:
-    """True while :func:`scaled` (or the profile) traces a program whose marks it interprets."""
-    return getattr(_STATE, "depth", 0) > 0
 _MARKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -89,8 +73,9 @@ class Context:
         """The flag keys ``jaxpr`` produces (static)."""
         if not self.active:
             return []
-        keys = _ordered(self.key(o, t) for o, t in marks_in(jaxpr))
-        return keys + [NONFINITE_VALUES] if keys else []
+        marked = marks_in(jaxpr)
+        keys = _ordered(self.key(o, t) for o, t in marked if o > 0)
+        return keys + [NONFINITE_VALUES] if marked else []
 
     def scale(self, v, order: int, term: Optional[str]) -> jax.Array:
         if not self.active:
@@ -127,10 +112,11 @@ def _check(ctx: Context, flags: Flags, g, v, order: int, term: Optional[str]) ->
     if not ctx.active:
         return
     finite_v = jnp.isfinite(v)
-    or_into(flags, ctx.key(order, term), jnp.any(step_flags(g, finite_v)))
-    # Bad values: a first derivative's value (a network output) is not finite. Above order 1
-    # a non-finite value below was already flagged by the step that produced it.
-    or_into(flags, NONFINITE_VALUES, jnp.any(~finite_v) if order == 1 else jnp.zeros((), bool))
+    if order > 0:
+        or_into(flags, ctx.key(order, term), jnp.any(step_flags(g, finite_v)))
+    # Bad values: a checked value (order 0) or a first derivative's value (a network output)
+    # is not finite. Above order 1 a non-finite value below was flagged by the step below.
+    or_into(flags, NONFINITE_VALUES, jnp.any(~finite_v) if order <= 1 else jnp.zeros((), bool))
 
 
 def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: Context) -> Tuple[List, Flags]:
@@ -166,8 +152,7 @@ def trace(fun: Callable, args, kwargs):
         a, kw = jax.tree_util.tree_unflatten(in_tree, leaves)
         return fun(*a, **kw)
 
-    with _tracing():
-        closed, shape = jax.make_jaxpr(flat_fun, return_shape=True)(*flat)
+    closed, shape = jax.make_jaxpr(flat_fun, return_shape=True)(*flat)
     return closed, flat, jax.tree_util.tree_structure(shape)
 
 
@@ -199,7 +184,8 @@ def scaled(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *,
     Args:
       fun: any function of arrays whose derivatives are taken with :func:`jaxamp.dropin.grad`
         (directly or through ``vmap``, ``jit``, ``jacrev``, ``scan``, ``cond``, ``while``).
-      amp: the scaler mode and special terms. None: per-order keys (``"1"``, ``"2"``, ...).
+      amp: the scaler mode and special terms. None: per-order keys (``"1"``, ``"2"``, ...),
+        or a :class:`jaxamp.Derivatives` engine's own ``amp`` when ``fun`` is the engine.
         A config whose derivative scalers are inactive (fp32, bf16, AMP off): every scale is
         1, nothing is checked, ``found_inf`` is empty.
       merge: in float16, compute once what the program computes twice and what depends on no
@@ -228,6 +214,8 @@ def scaled(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *,
     """
     if not callable(fun):
         raise TypeError(f"jaxamp.scaled: `fun`={fun!r} must be callable.")
+    if amp is None and isinstance(getattr(fun, "amp", None), AmpConfig):
+        amp = fun.amp  # a jaxamp.Derivatives engine: its own settings
     check_amp(amp)
     if not isinstance(merge, bool):
         raise TypeError(f"jaxamp.scaled: `merge`={merge!r} must be True or False.")
@@ -241,7 +229,7 @@ def scaled(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *,
         closed, flat, out_tree = shared_trace(fun, args, kwargs)
         if not ctx.active and ctx_amp.loss_scaling_enabled:
             # plain fp16: every order's scale 1 through one barrier, as the scaled program's scales
-            ctx.scales = _opaque({k: 1.0 for k in _ordered(str(o) for o, _ in marks_in(closed.jaxpr))})
+            ctx.scales = _opaque({k: 1.0 for k in _ordered(str(o) for o, _ in marks_in(closed.jaxpr) if o > 0)})
         keys = ctx.keys(closed.jaxpr)
         if not (merge and ctx.scales):  # fp32, bf16, AMP off: the program as JAX would run it
             outs, flags = _evaluate(closed.jaxpr, closed.consts, flat, ctx)

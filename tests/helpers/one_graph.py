@@ -63,8 +63,10 @@ def _setup(placement: str, problem: str, method: str, layers: int = 3, width: in
 
 
 def _value_and_grad(engine):
+    """``jax.value_and_grad`` of the loss of the values of ``jaxamp.scaled(engine)`` (the scales
+    are the first argument; ``{}`` for the unscaled engine)."""
     def loss(p, x, scales):
-        values, found = engine(p, x, scales)
+        values, found = jaxamp.scaled(engine)(scales, p, x)
         return LOSS_SCALE * sum(jnp.mean(v**2) for v in values.values()), (values, found)
 
     return jax.jit(jax.value_and_grad(loss, has_aux=True))
@@ -75,7 +77,7 @@ def engine_cases(method: str, placements=tuple(PLACEMENTS), problems=tuple(PROBL
     for placement in placements:
         for problem in problems:
             scaled, plain, params, x = _setup(placement, problem, method)
-            (_, (ref, _)), ref_g = _value_and_grad(plain)(params, x, None)
+            (_, (ref, _)), ref_g = _value_and_grad(plain)(params, x, {})
             f = _value_and_grad(scaled)
             for k in SCALE_LOG2:
                 scales = {key: jnp.float32(2.0**k) for key in scaled.scaler_keys}
@@ -96,12 +98,12 @@ def train_case(placement: str, steps: int = 3) -> dict:
     opt = optax.adam(1e-3)
     results = []
     for engine in (scaled, plain):
-        def loss_fn(p, batch, scales, engine=engine):
-            d, found = engine(p, batch, scales)
+        def loss_fn(p, batch, engine=engine):
+            d = engine(p, batch)
             terms = {"mom": jnp.mean((d["u"] * d["u__x"] + d["v"] * d["u__y"] + d["p__x"]
                                       - 0.01 * (d["u__x__x"] + d["u__y__y"])) ** 2),
                      "cont": jnp.mean((d["u__x"] + d["v__y"]) ** 2)}  # fmt: skip
-            return sum(terms.values()), (terms, found)
+            return sum(terms.values()), terms
 
         state = jaxamp.train.TrainState.create(params=params, optimizer=opt, amp=engine.amp, engines=[engine])
         step = jax.jit(jaxamp.train.make_train_step(loss_fn, opt, amp=engine.amp))

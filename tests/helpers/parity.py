@@ -67,7 +67,7 @@ def evaluate(je, te, params, points: np.ndarray, scales: dict) -> Tuple[dict, di
     """Values and flags from both engines at ``points`` with ``scales`` ({key: float})."""
     f = _JITTED.get(je)
     if f is None:  # one compilation per engine: scales are traced, so new scales do not recompile
-        f = _JITTED[je] = jax.jit(lambda p, x, s: je(p, x, s), compiler_options=NO_EXCESS)
+        f = _JITTED[je] = jax.jit(lambda p, x, s: jaxamp.scaled(je)(s, p, x), compiler_options=NO_EXCESS)
     with jax.default_matmul_precision("highest"):
         dj, fj = f(params, jnp.asarray(points), {k: jnp.float32(v) for k, v in scales.items()})
     dt, ft = te(torch.from_numpy(points), {k: torch.tensor(v, dtype=torch.float32) for k, v in scales.items()})

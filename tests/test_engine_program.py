@@ -1,0 +1,79 @@
+"""A Derivatives engine is a derivative program: it takes no scales, and the transformations
+(`jaxamp.scaled`, `jaxamp.value_and_grad`, the train step) give it its scales and collect its
+flags, as for the drop-in derivatives (docs/algorithm.md, "One derivative step")."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxamp
+from jaxamp import NONFINITE_VALUES
+
+
+def two_outputs(p, x):
+    """``u = p sin(x)`` (differentiated) and ``q``, no derivative taken of it: NaN where ``x > 10``."""
+    return jnp.stack([p * jnp.sin(x[0]), jnp.where(x[0] > 10.0, jnp.nan, x[0])])
+
+
+def engine(**amp):
+    return jaxamp.Derivatives(two_outputs, inputs=("x",), outputs=("u", "q"), derivatives=("u__x__x",),
+                              amp=jaxamp.AmpConfig(**amp))
+
+
+POINTS = jnp.array([[0.1], [0.5], [1.0]], jnp.float32)
+SCALES = {"1": jnp.float32(0.5), "2": jnp.float32(0.25)}
+
+
+@pytest.mark.parametrize("method", jaxamp.derivatives.engine.METHODS)
+def test_an_output_no_derivative_is_taken_of_is_checked_for_bad_values(method):
+    eng = jaxamp.Derivatives(two_outputs, inputs=("x",), outputs=("u", "q"), derivatives=("u__x__x",),
+                             amp=jaxamp.AmpConfig(), method=method)
+    _, clean = jaxamp.scaled(eng)(SCALES, 2.0, POINTS)
+    values, found = jaxamp.scaled(eng)(SCALES, 2.0, jnp.concatenate([POINTS, jnp.array([[20.0]])]))
+    assert {k: bool(v) for k, v in clean.items()} == {"1": False, "2": False, NONFINITE_VALUES: False}
+    assert {k: bool(v) for k, v in found.items()} == {"1": False, "2": False, NONFINITE_VALUES: True}
+    assert bool(jnp.isnan(values["q"][-1])) and bool(jnp.all(jnp.isfinite(values["u__x__x"])))
+
+
+def test_the_engine_takes_no_scales_and_outside_scaled_is_the_program_at_scale_1():
+    eng = engine()
+    plain = eng(2.0, POINTS)
+    at_one, _ = jaxamp.scaled(eng)({"1": 1.0, "2": 1.0}, 2.0, POINTS)
+    scaled_values, _ = jaxamp.scaled(eng)(SCALES, 2.0, POINTS)
+    x = np.asarray(POINTS[:, 0], np.float64)
+    np.testing.assert_allclose(plain["u__x__x"], -2.0 * np.sin(x), rtol=1e-6)
+    for name in eng.names:  # binary scales: float32 values unchanged to the bit
+        np.testing.assert_array_equal(plain[name], at_one[name])
+        np.testing.assert_array_equal(plain[name], scaled_values[name])
+    with pytest.raises(TypeError, match=r"takes \(params, points\) and no scales: jaxamp.scaled\(engine\)"):
+        eng(2.0, POINTS, SCALES)
+
+
+def test_scaled_takes_the_engines_amp_unless_given_one():
+    eng = engine(mode="per_term_scaler")
+    assert eng.scaler_keys == ("u", "u__x")
+    _, found = jaxamp.scaled(eng)({"u": 1.0, "u__x": 1.0}, 2.0, POINTS)
+    assert sorted(found) == ["nonfinite_values", "u", "u__x"]
+    with pytest.raises(KeyError, match="scaler key '1'"):  # per-order keys from the given amp
+        jaxamp.scaled(eng, jaxamp.AmpConfig())({"u": 1.0, "u__x": 1.0}, 2.0, POINTS)
+
+
+def test_a_missing_scale_names_the_key():
+    with pytest.raises(KeyError, match="scaler key '2'"):
+        jaxamp.scaled(engine())({"1": 1.0}, 2.0, POINTS)
+
+
+def test_a_loss_over_two_engine_calls_ors_their_flags():
+    """The interior call overflows key 2 (a float32 overflow: 2**120 * sin at scale 1), the boundary call does not."""
+    eng = engine()
+
+    def loss(p, interior, boundary):
+        return jnp.mean(eng(p, interior)["u__x__x"] ** 2) + jnp.mean(eng(p, boundary)["u"] ** 2)
+
+    big = jnp.array([[1.0]], jnp.float32)
+    _, found = jaxamp.scaled(loss, eng.amp)({"1": 1.0, "2": 2.0**120}, jnp.float32(2.0**10), big, POINTS)
+    assert {k: bool(v) for k, v in found.items()} == {"1": False, "2": True, NONFINITE_VALUES: False}
+    state = jaxamp.init(loss, eng.amp, from_profile=False)(2.0, POINTS, POINTS)
+    value, grads = jax.jit(jaxamp.value_and_grad(loss))(state, jnp.float32(2.0), POINTS, POINTS)
+    assert sorted(grads.found_inf) == ["1", "2", "nonfinite_values"] and bool(jnp.isfinite(value))

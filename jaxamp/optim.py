@@ -56,8 +56,8 @@ def _loss_of(out: Any, has_aux: bool, fun: Callable) -> Tuple[jax.Array, Any]:
     return loss, aux
 
 
-def value_and_grad(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0,
-                   has_aux: bool = False) -> Callable[..., Tuple[Any, ScaledGrads]]:  # fmt: skip
+def value_and_grad(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_aux: bool = False, *,
+                   merge: bool = True) -> Callable[..., Tuple[Any, ScaledGrads]]:  # fmt: skip
     """``jax.value_and_grad`` with the derivative scalers and the loss scaler of an AMP state.
 
     Args:
@@ -65,6 +65,8 @@ def value_and_grad(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] =
         ``(loss, aux)`` with ``has_aux=True``; its derivatives written with :func:`jaxamp.grad`
         and its siblings.
       argnums, has_aux: as ``jax.value_and_grad``.
+      merge: as :func:`jaxamp.scaled`: compute once what the program computes twice and what
+        depends on no scale, before the weight gradient is taken.
 
     Returns:
       ``vg(state, *args, **kwargs) -> (value, grads)``: ``state`` an :class:`~jaxamp.AmpState`
@@ -82,13 +84,14 @@ def value_and_grad(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] =
     """
     if not callable(fun):
         raise TypeError(f"jaxamp.value_and_grad: `fun`={fun!r} must be callable.")
-    if not isinstance(has_aux, bool):
-        raise TypeError(f"jaxamp.value_and_grad: `has_aux`={has_aux!r} must be True or False.")
+    for name, flag in (("has_aux", has_aux), ("merge", merge)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"jaxamp.value_and_grad: `{name}`={flag!r} must be True or False.")
 
     def vg(state: Any, *args: Any, **kwargs: Any) -> Tuple[Any, ScaledGrads]:
         amp_state = find(state, "jaxamp.value_and_grad")
         loss_scale = jnp.asarray(amp_state.loss_scale, jnp.float32)
-        marked = scaled(fun, amp_state.amp)
+        marked = scaled(fun, amp_state.amp, merge=merge)
 
         on = amp_state.loss_rule is not None  # static: with loss scaling off nothing multiplies
 

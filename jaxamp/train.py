@@ -166,7 +166,7 @@ def _split_aux(aux: Any) -> Tuple[Mapping[str, jax.Array], Mapping[str, jax.Arra
 
 def make_train_step(
     loss_fn: Callable[[Any, Any], Tuple[jax.Array, Any]], optimizer: optax.GradientTransformation, *,
-    amp: AmpConfig, grad_clip_max_norm: Optional[float] = None,
+    amp: AmpConfig, grad_clip_max_norm: Optional[float] = None, merge: bool = False,
 ) -> Step:
     """A pure ``step(state, batch) -> (state, metrics)``; ``jax.jit`` it.
 
@@ -182,6 +182,9 @@ def make_train_step(
       amp: the settings (each scaler's rule, which scalers act).
       grad_clip_max_norm: global-norm clipping of the unscaled weight gradients as torch's
         ``clip_grad_norm_``; None or 0 (default): no clipping (Modulus' trainer clips at 0.5).
+      merge: as :func:`jaxamp.scaled`. Off by default: an engine's plan already shares its
+        passes and its program stays as written (merging its repeated primal passes lowers the
+        FLOPs but was measured slower on some problems: docs/benchmarks.md).
 
     Returns:
       The step: :func:`jaxamp.value_and_grad` over the state's :class:`~jaxamp.AmpState`,
@@ -214,7 +217,9 @@ def make_train_step(
     if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not math.isfinite(clip) or clip < 0:
         raise ValueError(f"make_train_step: `grad_clip_max_norm`={grad_clip_max_norm!r} is not allowed: "
                          "expected None or a finite number >= 0 (None or 0: no clipping).")
-    grad_fn = value_and_grad(loss_fn, has_aux=True)
+    if not isinstance(merge, bool):
+        raise TypeError(f"make_train_step: `merge`={merge!r} must be True or False.")
+    grad_fn = value_and_grad(loss_fn, has_aux=True, merge=merge)
     loss_rule = amp.make_loss_scaler()
 
     def step(state: TrainState, batch: Any) -> Tuple[TrainState, Dict[str, jax.Array]]:

@@ -77,3 +77,23 @@ def test_a_loss_over_two_engine_calls_ors_their_flags():
     state = jaxamp.init(loss, eng.amp, from_profile=False)(2.0, POINTS, POINTS)
     value, grads = jax.jit(jaxamp.value_and_grad(loss))(state, jnp.float32(2.0), POINTS, POINTS)
     assert sorted(grads.found_inf) == ["1", "2", "nonfinite_values"] and bool(jnp.isfinite(value))
+
+
+def test_the_train_step_merges_only_when_asked_and_the_loss_is_the_same():
+    import optax
+
+    eng = engine()
+
+    def loss_fn(p, batch):
+        v = eng(p, batch)
+        pde = jnp.mean((v["u__x__x"] + v["u"]) ** 2)
+        return pde, {"pde": pde}
+
+    opt = optax.sgd(1e-2)
+    state = jaxamp.train.TrainState.create(params=jnp.float32(2.0), optimizer=opt, amp=eng.amp, engines=[eng])
+    steps = {m: jax.jit(jaxamp.train.make_train_step(loss_fn, opt, amp=eng.amp, merge=m)) for m in (False, True)}
+    (a, ma), (b, mb) = (steps[m](state, POINTS) for m in (False, True))
+    assert float(ma["loss"]) == float(mb["loss"]) and not bool(ma["skipped"]) and not bool(mb["skipped"])
+    np.testing.assert_allclose(a.params, b.params, rtol=1e-6)
+    with pytest.raises(TypeError, match="`merge`='yes' must be True or False"):
+        jaxamp.train.make_train_step(loss_fn, opt, amp=eng.amp, merge="yes")

@@ -19,7 +19,8 @@ What to use when:
 
 - :class:`jaxamp.Derivatives` (engine with named inputs/outputs): new code, or many
   derivatives of a multi-output network. It chooses the fastest method (nested forward
-  mode, Taylor mode for high pure orders, shared passes) and takes ``scales`` explicitly.
+  mode, Taylor mode for high pure orders, shared passes); :func:`scaled` gives it its
+  scales, as to these derivatives.
 - :func:`grad` + :func:`scaled`: existing code written with ``jax.grad`` (scalar
   ``u_net(params, t, x)``, residuals under ``vmap``, ``jacrev`` of the residuals for loss
   weights). Nests of ``grad`` along float32 scalar arguments run as the engine's plans

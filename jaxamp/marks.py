@@ -62,7 +62,7 @@ def scaler_key(amp, order: int, term: Optional[str]) -> str:
             raise ValueError(
                 f"jaxamp: a derivative of order {order} differentiates an unnamed value, but "
                 f"amp.mode={amp.mode!r} keys scalers by name; name it with jaxamp.grad(fun, argnums, "
-                "of='u', wrt='x')."
+                "of='u', wrt='x'), or build the jaxamp.Derivatives engine with this amp."
             )
         return term
     return str(order)

@@ -39,7 +39,8 @@ class TrainState(NamedTuple):
 
     @classmethod
     def create(
-        cls, *, params: Any, optimizer: optax.GradientTransformation, amp: AmpConfig, engines: Iterable[Derivatives] = ()
+        cls, *, params: Any, optimizer: optax.GradientTransformation, amp: AmpConfig, engines: Iterable[Derivatives] = (),
+        amp_state: Optional[AmpState] = None,
     ) -> "TrainState":
         """The initial state.
 
@@ -48,6 +49,10 @@ class TrainState(NamedTuple):
           optimizer: the optax transformation the step will use.
           amp: the settings; they give each scaler's rule.
           engines: every derivative engine the loss uses: one derivative scaler per key of theirs.
+          amp_state: the scalers, from :func:`jaxamp.init` of the loss (e.g.
+            ``jaxamp.init(loss_fn, amp)(params, batch)``: every key the loss's engines use, each
+            started where a float32 profile of the loss puts it); None: one scaler per key of
+            ``engines``, each at its configured start.
 
         Returns:
           A state at step 0. With the loss scaler inactive (AMP off, bf16, fp32) the loss scale is
@@ -62,6 +67,12 @@ class TrainState(NamedTuple):
           ...                                        amp=amp, engines=[engine])
           >>> int(state.step), sorted(state.scales), float(state.loss_scale.scale)
           (0, ['1', '2'], 65536.0)
+          >>> loss_fn = lambda p, points: jnp.mean(engine(p, points)["u__x__x"] ** 2)
+          >>> started = jaxamp.init(loss_fn, amp)({"w": jnp.float32(1.0)}, {"x": jnp.linspace(0.0, 1.0, 8)})
+          >>> state = jaxamp.train.TrainState.create(params={"w": jnp.float32(1.0)}, optimizer=optax.adam(1e-3),
+          ...                                        amp=amp, amp_state=started)
+          >>> sorted(state.scales)
+          ['1', '2']
         """
         if not isinstance(amp, AmpConfig):
             raise TypeError(f"TrainState.create: `amp`={amp!r} must be an AmpConfig.")
@@ -76,7 +87,17 @@ class TrainState(NamedTuple):
                     f"derivative_scaling={amp.derivative_scaling}); build the engines with the same amp."
                 )
             keys += list(e.scaler_keys)
-        scalers = init(None, amp, keys=tuple(dict.fromkeys(keys)))()  # the one way to create them
+        if amp_state is None:
+            scalers = init(None, amp, keys=tuple(dict.fromkeys(keys)))()  # the one way to create them
+        elif not isinstance(amp_state, AmpState) or amp_state.amp != amp:
+            raise ValueError(f"TrainState.create: `amp_state`={amp_state!r} is not allowed: expected the AmpState "
+                             "of jaxamp.init(loss_fn, amp)(...) with this `amp`.")
+        else:
+            scalers = amp_state
+            missing = [k for k in dict.fromkeys(keys) if k not in scalers.scales]
+            if missing:
+                raise KeyError(f"TrainState.create: `amp_state` has no scaler for the engines' key(s) {missing}; it "
+                               f"has {sorted(scalers.scales)}. Create it with jaxamp.init of the loss that uses them.")
         return cls(step=jnp.asarray(0, jnp.int32), params=params, opt_state=optimizer.init(params),
                    loss_scale=scalers.loss, deriv_scales=scalers.derivative)
 

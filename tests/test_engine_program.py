@@ -97,3 +97,30 @@ def test_the_train_step_merges_only_when_asked_and_the_loss_is_the_same():
     np.testing.assert_allclose(a.params, b.params, rtol=1e-6)
     with pytest.raises(TypeError, match="`merge`='yes' must be True or False"):
         jaxamp.train.make_train_step(loss_fn, opt, amp=eng.amp, merge="yes")
+
+
+def test_a_train_state_starts_from_the_profile_of_an_engine_loss():
+    """u = 2**15 sin(x) in float16 ops: |u_xx| near 2**15 fits float16 without the margin of 2**2 the profile keeps."""
+    import optax
+
+    def big(p, x):
+        h = x.astype(jnp.float16)
+        return jnp.stack([(p.astype(jnp.float16) * jnp.sin(h[0])).astype(jnp.float32), x[0]])
+
+    amp = jaxamp.AmpConfig()
+    eng = jaxamp.Derivatives(big, inputs=("x",), outputs=("u", "q"), derivatives=("u__x__x",), amp=amp)
+    loss_fn = lambda p, x: (jnp.mean(eng(p, x)["u__x__x"] ** 2) * 1e-9, {})  # noqa: E731
+    p, x = jnp.float32(2.0**15), jnp.linspace(1.0, 1.5, 8)[:, None]
+    started = jaxamp.init(lambda p, x: loss_fn(p, x)[0], amp)(p, x)
+    state = jaxamp.train.TrainState.create(params=p, optimizer=optax.sgd(0.0), amp=amp, engines=[eng],
+                                           amp_state=started)
+    assert {k: float(v) for k, v in state.scales.items()} == {k: float(v) for k, v in started.scales.items()}
+    assert float(state.scales["2"]) < 1.0  # the profile put key 2 below its max of 1
+    _, metrics = jax.jit(jaxamp.train.make_train_step(loss_fn, optax.sgd(0.0), amp=amp))(state, x)
+    assert not bool(metrics["found_inf/2"])
+    with pytest.raises(ValueError, match="`amp_state`"):
+        jaxamp.train.TrainState.create(params=p, optimizer=optax.sgd(0.0), amp=jaxamp.AmpConfig(mode="per_term_scaler"),
+                                       amp_state=started)
+    with pytest.raises(KeyError, match=r"no scaler for the engines' key\(s\) \['1', '2'\]"):
+        jaxamp.train.TrainState.create(params=p, optimizer=optax.sgd(0.0), amp=amp, engines=[eng],
+                                       amp_state=jaxamp.init(None, amp)())

@@ -89,9 +89,12 @@ class TrainState(NamedTuple):
             keys += list(e.scaler_keys)
         if amp_state is None:
             scalers = init(None, amp, keys=tuple(dict.fromkeys(keys)))()  # the one way to create them
-        elif not isinstance(amp_state, AmpState) or amp_state.amp != amp:
-            raise ValueError(f"TrainState.create: `amp_state`={amp_state!r} is not allowed: expected the AmpState "
-                             "of jaxamp.init(loss_fn, amp)(...) with this `amp`.")
+        elif not isinstance(amp_state, AmpState):
+            raise TypeError(f"TrainState.create: `amp_state`={amp_state!r} must be None or the AmpState of "
+                            "jaxamp.init(loss_fn, amp)(...).")
+        elif amp_state.amp != amp:
+            raise ValueError(f"TrainState.create: `amp_state` was created with another AmpConfig ({amp_state.amp!r}) "
+                             f"than `amp` ({amp!r}); create it with jaxamp.init(loss_fn, amp)(...).")
         else:
             scalers = amp_state
             missing = [k for k in dict.fromkeys(keys) if k not in scalers.scales]

@@ -118,9 +118,11 @@ def test_a_train_state_starts_from_the_profile_of_an_engine_loss():
     assert float(state.scales["2"]) < 1.0  # the profile put key 2 below its max of 1
     _, metrics = jax.jit(jaxamp.train.make_train_step(loss_fn, optax.sgd(0.0), amp=amp))(state, x)
     assert not bool(metrics["found_inf/2"])
-    with pytest.raises(ValueError, match="`amp_state`"):
+    with pytest.raises(ValueError, match="`amp_state` was created with another AmpConfig"):
         jaxamp.train.TrainState.create(params=p, optimizer=optax.sgd(0.0), amp=jaxamp.AmpConfig(mode="per_term_scaler"),
                                        amp_state=started)
+    with pytest.raises(TypeError, match="`amp_state`=.* must be None or the AmpState"):
+        jaxamp.train.TrainState.create(params=p, optimizer=optax.sgd(0.0), amp=amp, amp_state=started.scales)
     with pytest.raises(KeyError, match=r"no scaler for the engines' key\(s\) \['1', '2'\]"):
         jaxamp.train.TrainState.create(params=p, optimizer=optax.sgd(0.0), amp=amp, engines=[eng],
                                        amp_state=jaxamp.init(None, amp)())

@@ -3,7 +3,7 @@
 ``laplacian(fun, argnums)(*args) = sum_{i in indices} d^2 fun / dx_i^2`` for the argument
 ``x = args[argnums]`` (shape ``(d,)`` or ``()``), ``fun`` returning one scalar. The default
 ``method="collapsed"`` propagates the first-order coefficients along the ``D`` directions
-``e_i`` (batched) and one second-order coefficient, their sum
+``e_i`` (one array per direction) and one second-order coefficient, their sum
 (:mod:`jaxamp.taylor.collapsed`; Dangel et al., NeurIPS 2025): a linear layer maps the summed
 coefficient once instead of ``D`` times. ``"taylor"`` (``D`` second-order Taylor propagations,
 one per direction), ``"forward"`` (nested ``jax.jvp``, the
@@ -53,6 +53,13 @@ def _collapsed(closed, g, x, basis, s1, s2) -> Step:
     return first, second
 
 
+def _each(one: Callable, rows: jax.Array) -> Tuple[jax.Array, ...]:
+    """``one(row)`` for every row, stacked: unrolled, not ``jax.vmap`` (the collapsed method
+    unrolls its directions too, :mod:`jaxamp.taylor.collapsed`; the baselines match it)."""
+    outs = [one(rows[i]) for i in range(rows.shape[0])]
+    return tuple(jnp.stack(o) for o in zip(*outs))
+
+
 def _taylor(closed, g, x, basis, s1, s2) -> Step:
     # one second-order propagation per direction: the collapsed interpreter with D = 1
     # (jaxamp.taylor.second_order gives the same values, but its float32 factors round float64)
@@ -60,7 +67,7 @@ def _taylor(closed, g, x, basis, s1, s2) -> Step:
         _, first, second = propagate_jaxpr(closed, x, t[None], (s2 / s1, 1.0 / s1))
         return first[0], second
 
-    first, second = jax.vmap(one)(seed(basis, s1, x.dtype))
+    first, second = _each(one, seed(basis, s1, x.dtype))
     return first, jnp.sum(second, axis=0)
 
 
@@ -69,7 +76,7 @@ def _forward(closed, g, x, basis, s1, s2) -> Step:
         inner = lambda z: jax.jvp(g, (z,), (seed(e, s1, x.dtype),))[1]  # noqa: E731
         return jax.jvp(inner, (x,), (seed(e, s2 / s1, x.dtype),))
 
-    first, second = jax.vmap(one)(basis)
+    first, second = _each(one, basis)
     return first, jnp.sum(second, axis=0)
 
 
@@ -77,7 +84,7 @@ def _reverse(closed, g, x, basis, s1, s2) -> Step:
     def scaled_grad(z):  # the seed of the backward pass carries s1
         return jax.grad(lambda w: seed(g(w), s1))(z)
 
-    columns = jax.vmap(lambda e: jax.jvp(scaled_grad, (x,), (seed(e, s2 / s1, x.dtype),))[1])(basis)
+    (columns,) = _each(lambda e: (jax.jvp(scaled_grad, (x,), (seed(e, s2 / s1, x.dtype),))[1],), basis)
     return scaled_grad(x), jnp.sum(jnp.where(basis != 0, columns, 0))  # the diagonal entries
 
 

@@ -10,9 +10,13 @@ for a sum over directions only the sum ``z2 = sum_i z2_i`` needs to be propagate
 - elementwise ones: ``out2 = g'(z) z2 + g''(z) * sum_i z1_i**2``;
 - any other (bilinear ``mul``/``dot_general`` with two x-dependent operands, unknown ones):
   ``out2 = g'(z)[z2] + sum_i g''(z)[z1_i, z1_i]`` by nested ``jax.jvp`` of the primitive
-  vmapped over the directions: correct, uncollapsed in its product term only.
+  once per direction: correct, uncollapsed in its product term only.
 
-The first-order part is ``jax.jvp`` of the primitive vmapped over the directions. Call-like
+The first-order part is ``jax.jvp`` of the primitive once per direction. The directions are
+unrolled (a tuple of ``D`` arrays, not one ``[D, ...]`` array under ``jax.vmap``): under a
+parameter gradient a stacked direction axis makes XLA CPU emit reductions over that small axis
+and transposing copies for every weight-gradient matmul, which cost more than the collapse
+saves (docs/benchmarks.md, "The engine's Laplacian name"). Call-like
 equations (:func:`jaxamp.taylor.rules.body`) and the primal bodies of ``custom_jvp``/``custom_vjp``
 calls are entered; the drop-in marks stay in the program (``deriv_scale_p`` is constant,
 ``deriv_check_p`` passes its operand's coefficients through) for :func:`jaxamp.dropin.scaled`.
@@ -48,8 +52,8 @@ ELEMENTWISE = frozenset(
 
 
 class CJet(NamedTuple):
-    """A variable's value, its first-order coefficients (``[D, *shape]``, one per direction)
-    and its summed second-order coefficient (``shape``); None where identically zero."""
+    """A variable's value, its first-order coefficients (a tuple of ``D`` arrays of its shape,
+    one per direction) and its summed second-order coefficient; None where identically zero."""
 
     value: Any
     first: Optional[jax.Array] = None
@@ -95,7 +99,8 @@ def _rule(eqn: jcore.JaxprEqn, invals: List[CJet], ratio: Optional[Ratio]) -> Li
     first = second = None
     if ones:
         f1, p1 = _restrict(eqn, values, ones, keep), tuple(values[i] for i in ones)
-        first = jax.vmap(lambda *ts: jax.jvp(f1, p1, ts)[1])(*[invals[i].first for i in ones])
+        per = [jax.jvp(f1, p1, ts)[1] for ts in zip(*[invals[i].first for i in ones])]
+        first = [tuple(p[n] for p in per) for n in range(len(keep))]
     if twos:
         f2 = _restrict(eqn, values, twos, keep)
         second = jax.jvp(f2, tuple(values[i] for i in twos), tuple(invals[i].second for i in twos))[1]
@@ -111,7 +116,7 @@ def _rule(eqn: jcore.JaxprEqn, invals: List[CJet], ratio: Optional[Ratio]) -> Li
 def _quadratic(eqn, f1: Callable, p1: Tuple[Any, ...], firsts: List[jax.Array], outs: List[jax.Array],
                ratio: Optional[Ratio]) -> List[jax.Array]:  # fmt: skip
     """``(S_2 / S_1**2) * sum_i g''(z)[z1_i, z1_i]`` of one equation."""
-    wide = all(jnp.finfo(v.dtype).bits >= SCALE_AFTER_MIN_BITS for v in (*firsts, *outs))
+    wide = all(jnp.finfo(v.dtype).bits >= SCALE_AFTER_MIN_BITS for v in (*(f[0] for f in firsts), *outs))
     heads: Tuple[Optional[jax.Array], ...] = (None, None)
     if ratio is not None and not wide:  # float16: bring each tangent to about sqrt(ratio) first
         heads = tuple(ratio.split(2, (1, 1)))
@@ -120,15 +125,15 @@ def _quadratic(eqn, f1: Callable, p1: Tuple[Any, ...], firsts: List[jax.Array], 
         return t if h is None else _times(t, (h,))
 
     if eqn.primitive.name in ELEMENTWISE and len(p1) == 1 and all(o.shape == p1[0].shape for o in outs):
-        a = firsts[0]
-        squares = jnp.sum(pre(a, heads[0]) * pre(a, heads[1]), axis=0)
+        squares = sum(pre(a, heads[0]) * pre(a, heads[1]) for a in firsts[0])
         q = multilinear(f1, p1, [(jnp.ones_like(p1[0]),), (squares,)])
     else:
 
         def per_direction(*ts):
             return multilinear(f1, p1, [tuple(pre(t, heads[0]) for t in ts), tuple(pre(t, heads[1]) for t in ts)])
 
-        q = [jnp.sum(v, axis=0) for v in jax.vmap(per_direction)(*firsts)]
+        per = [per_direction(*ts) for ts in zip(*firsts)]
+        q = [sum(p[n] for p in per) for n in range(len(outs))]
     if ratio is not None and wide:
         q = [_times(v, ratio.factors) for v in q]
     return q
@@ -169,9 +174,9 @@ def propagate_jaxpr(closed: jcore.ClosedJaxpr, x: jax.Array, tangents: jax.Array
       ``second = ratio * sum_i d2f[t_i, t_i]``, in ``f(x)``'s dtype (zeros where identically 0).
     """
     scaling = None if ratio is None else Ratio(tuple(ratio) if isinstance(ratio, (tuple, list)) else (ratio,))
-    (out,) = _run(closed, [CJet(x, tangents)], scaling)
     d = tangents.shape[0]
-    first = jnp.zeros((d,) + jnp.shape(out.value), out.value.dtype) if out.first is None else out.first
+    (out,) = _run(closed, [CJet(x, tuple(tangents[i] for i in range(d)))], scaling)
+    first = jnp.zeros((d,) + jnp.shape(out.value), out.value.dtype) if out.first is None else jnp.stack(out.first)
     second = jnp.zeros_like(out.value) if out.second is None else out.second
     return out.value, first, second
 

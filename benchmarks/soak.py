@@ -136,7 +136,7 @@ def make_chunk(step):
             rec = {
                 "skipped": m["skipped"], "reason": m["skip_reason"], "loss": m["loss"],
                 "unchanged": _same((s.params, s.opt_state), (new.params, new.opt_state)),
-                "scalers_unchanged": _same((s.deriv_scales, s.loss_scale), (new.deriv_scales, new.loss_scale)),
+                "scalers_unchanged": _same((s.amp_state.derivative, s.amp_state.loss), (new.amp_state.derivative, new.amp_state.loss)),
                 **{f"scale_log2/{k}": m[f"scale_log2/{k}"] for k in KEYS},
                 **{f"found_inf/{k}": m[f"found_inf/{k}"] for k in KEYS},
                 "finite": jnp.stack([jnp.all(jnp.isfinite(p)) for p in jax.tree_util.tree_leaves(new.params)]).all(),
@@ -196,11 +196,11 @@ def soak(steps: int = 10_000, *, chunk: int = 500, seed: int = 0,
     values_only, _, values_s = run(chunk_fn, state0, plan["x"][keep], plan["inv_length"][keep], chunk)
 
     skipped = rec["skipped"].astype(bool)
-    scales = {k: (float(exact_log2(faulty.deriv_scales[k].scale)),
-                  float(exact_log2(ref.deriv_scales[k].scale))) for k in KEYS}
+    scales = {k: (float(exact_log2(faulty.amp_state.derivative[k].scale)),
+                  float(exact_log2(ref.amp_state.derivative[k].scale))) for k in KEYS}
     loss_faulty, loss_ref = eval_loss(chunk_fn, faulty, chunk), eval_loss(chunk_fn, ref, chunk)
     ratio = loss_faulty / loss_ref
-    pick = lambda s: (s.params, s.opt_state, s.deriv_scales, s.loss_scale)  # noqa: E731
+    pick = lambda s: (s.params, s.opt_state, s.amp_state.derivative, s.amp_state.loss)  # noqa: E731
     figures = {
         "steps": steps, "nan_steps": int(nan.sum()), "overflow_steps": int(overflow.sum()),
         "applied_faulty": int((~skipped).sum()), "applied_fault_free": int((~ref_rec["skipped"].astype(bool)).sum()),

@@ -13,10 +13,10 @@ The public API (docs/algorithm.md describes the algorithm; each name has its doc
 Modules for more: :mod:`jaxamp.models` (FullyConnected, FourierNet), :mod:`jaxamp.train`
 (TrainState, make_train_step for Derivatives engines), :mod:`jaxamp.window` (Range,
 recommend, format_profile), :mod:`jaxamp.parallel`, :mod:`jaxamp.checkpoint`, :mod:`jaxamp.monitor`,
-:mod:`jaxamp.headroom`, :mod:`jaxamp.step` (the step's pieces), :mod:`jaxamp.scaler`.
+:mod:`jaxamp.step` (the step's pieces), :mod:`jaxamp.scaler`.
 """
 
-from jaxamp import checkpoint, headroom, marks, models, monitor, parallel, scaler, step, train, window  # noqa: F401
+from jaxamp import checkpoint, marks, models, monitor, parallel, scaler, step, train, window  # noqa: F401
 from jaxamp.config import AmpConfig, ConfigError
 from jaxamp.derivatives.engine import Derivatives
 from jaxamp.dropin.forward import hessian, jacfwd, jvp

@@ -16,7 +16,7 @@ import orbax.checkpoint as ocp
 
 
 def _name(path: Any) -> str:
-    """orbax's dotted name of a key path (``params.Dense_0.kernel``, ``deriv_scales.2.scale``)."""
+    """orbax's dotted name of a key path (``params.Dense_0.kernel``, ``amp_state.derivative.2.scale``)."""
     return ".".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 

@@ -91,17 +91,17 @@ def value_and_grad(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] =
     def vg(state: Any, *args: Any, **kwargs: Any) -> Tuple[Any, ScaledGrads]:
         amp_state = find(state, "jaxamp.value_and_grad")
         loss_scale = jnp.asarray(amp_state.loss_scale, jnp.float32)
-        marked = scaled(fun, amp_state.amp, merge=merge)
+        marked = scaled(fun, amp_state.amp, merge=merge, headroom=True)
 
         on = amp_state.loss_rule is not None  # static: with loss scaling off nothing multiplies
 
         def loss_of(*a):
-            out, found = marked(amp_state.scales, *a, **kwargs)
+            out, found, room = marked(amp_state.scales, *a, **kwargs)
             loss, aux = _loss_of(out, has_aux, fun)
-            return loss, (aux, found)
+            return loss, (aux, found, room)
 
-        grads, (loss, (aux, found)) = loss_scaled_grad(loss_of, argnums, loss_scale if on else None)(*args)
-        return ((loss, aux) if has_aux else loss), ScaledGrads(grads, found)
+        grads, (loss, (aux, found, room)) = loss_scaled_grad(loss_of, argnums, loss_scale if on else None)(*args)
+        return ((loss, aux) if has_aux else loss), ScaledGrads(grads, found, room)
 
     return vg
 

@@ -40,11 +40,14 @@ class SkipReason(enum.IntEnum):
 
 class ScaledGrads(NamedTuple):
     """What :func:`jaxamp.value_and_grad` returns as gradients: the weight gradients (the loss
-    scale divided out) and the derivative flags of the same evaluation. The optimizer of
-    :func:`jaxamp.optimizer` and :func:`jaxamp.apply_or_skip` take it as it is."""
+    scale divided out), the derivative flags and each key's headroom (``{key: f32[]}``, as
+    :func:`jaxamp.scaled`'s ``headroom=True``; XLA drops it when unused) of the same
+    evaluation. The optimizer of :func:`jaxamp.optimizer` and :func:`jaxamp.apply_or_skip`
+    take it as it is."""
 
     grads: Any
     found_inf: Dict[str, jax.Array]
+    headroom_log2: Dict[str, jax.Array] = {}
 
 def loss_scaled_grad(fun: Callable[..., Tuple[jax.Array, Any]], argnums: Any,
                      loss_scale: Optional[jax.Array]) -> Callable[..., Tuple[Any, Tuple[jax.Array, Any]]]:  # fmt: skip

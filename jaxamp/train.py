@@ -27,15 +27,15 @@ class TrainState(NamedTuple):
       step: ``i32[]``, steps taken, applied or skipped.
       params: the parameters (float32 pytree).
       opt_state: the optax state of the optimizer given to :func:`make_train_step`.
-      loss_scale: the weight-gradient loss scaler's :class:`~jaxamp.scaler.ScaleState`.
-      deriv_scales: the derivative scalers, a :class:`~jaxamp.scaler.Scalers` (``{key: ScaleState}``).
+      amp_state: every scaler of the run, an :class:`~jaxamp.AmpState` (``.derivative``:
+        ``{key: ScaleState}``; ``.loss``: the weight-gradient loss scaler), as
+        :func:`jaxamp.value_and_grad` and :func:`jaxamp.optimizer` hold it.
     """
 
     step: jax.Array
     params: Any
     opt_state: Any
-    loss_scale: ScaleState
-    deriv_scales: Scalers
+    amp_state: AmpState
 
     @classmethod
     def create(
@@ -65,7 +65,7 @@ class TrainState(NamedTuple):
           ...                             derivatives=("u__x__x",), amp=amp)
           >>> state = jaxamp.train.TrainState.create(params={"w": jnp.float32(1.0)}, optimizer=optax.adam(1e-3),
           ...                                        amp=amp, engines=[engine])
-          >>> int(state.step), sorted(state.scales), float(state.loss_scale.scale)
+          >>> int(state.step), sorted(state.scales), float(state.amp_state.loss_scale)
           (0, ['1', '2'], 65536.0)
           >>> loss_fn = lambda p, points: jnp.mean(engine(p, points)["u__x__x"] ** 2)
           >>> started = jaxamp.init(loss_fn, amp)({"w": jnp.float32(1.0)}, {"x": jnp.linspace(0.0, 1.0, 8)})
@@ -101,13 +101,12 @@ class TrainState(NamedTuple):
             if missing:
                 raise KeyError(f"TrainState.create: `amp_state` has no scaler for the engines' key(s) {missing}; it "
                                f"has {sorted(scalers.scales)}. Create it with jaxamp.init of the loss that uses them.")
-        return cls(step=jnp.asarray(0, jnp.int32), params=params, opt_state=optimizer.init(params),
-                   loss_scale=scalers.loss, deriv_scales=scalers.derivative)
+        return cls(step=jnp.asarray(0, jnp.int32), params=params, opt_state=optimizer.init(params), amp_state=scalers)
 
     @property
     def scales(self) -> Dict[str, jax.Array]:
         """``{key: f32[]}``: the current derivative scales, as a loss function takes them."""
-        return {k: s.scale for k, s in self.deriv_scales.items()}
+        return self.amp_state.scales
 
 
 def _clip(grads: Any, max_norm: float, norm: jax.Array) -> Any:
@@ -124,9 +123,9 @@ def step_metrics(loss: jax.Array, terms: Any, check: StepCheck, grad_norm: jax.A
     Args:
       loss: the unscaled loss. terms: ``{name: f32[]}``. check: the step's :class:`~jaxamp.StepCheck`.
       grad_norm: the global norm of the unscaled gradients. scalers, loss_scale: after the update.
-      extra: ``{name: f32[]}`` the loss function's own metrics (the ``metrics`` of its
-        ``(loss, (terms, metrics))``, e.g. ``headroom_log2/<key>`` from :func:`jaxamp.headroom.headroom_metrics`), reported under
-        their names; a name the step reports itself is an error.
+      extra: ``{name: f32[]}`` more metrics (the ``metrics`` of the loss function's
+        ``(loss, (terms, metrics))``, ``headroom_log2/<key>``), reported under their names; a
+        name the step reports itself is an error.
 
     Returns:
       ``{"loss", "skipped", "skip_reason", "found_nonfinite_values", "grad_norm", "terms/<name>",
@@ -161,8 +160,8 @@ def step_metrics(loss: jax.Array, terms: Any, check: StepCheck, grad_norm: jax.A
 
 AUX_CONTRACT = (
     "loss_fn(params, batch) must return (loss, terms) or (loss, (terms, metrics)): terms a dict {name: scalar} of "
-    "loss terms to report (may be empty), metrics a dict {name: scalar} of extra metrics (e.g. "
-    "jaxamp.headroom.headroom_metrics(...)); the derivative flags are collected by the step. Example: "
+    "loss terms to report (may be empty), metrics a dict {name: scalar} of extra metrics; the derivative "
+    "flags (and with headroom=True each key's headroom) are collected by the step. Example: "
     'return pde + bc, {"pde": pde, "bc": bc}'
 )
 
@@ -190,7 +189,7 @@ def _split_aux(aux: Any) -> Tuple[Mapping[str, jax.Array], Mapping[str, jax.Arra
 
 def make_train_step(
     loss_fn: Callable[[Any, Any], Tuple[jax.Array, Any]], optimizer: optax.GradientTransformation, *,
-    amp: AmpConfig, grad_clip_max_norm: Optional[float] = None, merge: bool = False,
+    amp: AmpConfig, grad_clip_max_norm: Optional[float] = None, merge: bool = False, headroom: bool = False,
 ) -> Step:
     """A pure ``step(state, batch) -> (state, metrics)``; ``jax.jit`` it.
 
@@ -200,7 +199,7 @@ def make_train_step(
         siblings), which take their scales from the state and report their flags to the step
         (:func:`jaxamp.value_and_grad`); ``terms`` a dict of loss terms to report. It may return
         ``(loss, (terms, metrics))``: ``metrics`` ``{name: f32[]}`` are reported as they are
-        named, e.g. :func:`~jaxamp.headroom.headroom_metrics`'s ``headroom_log2/<key>``.
+        named.
       optimizer: any optax transformation. Its schedule counts *applied* updates only (a
         skipped step leaves the optimizer state untouched), unlike Modulus.
       amp: the settings (each scaler's rule, which scalers act).
@@ -209,6 +208,9 @@ def make_train_step(
       merge: as :func:`jaxamp.scaled`. Off by default: an engine's plan already shares its
         passes and its program stays as written (merging its repeated primal passes lowers the
         FLOPs but was measured slower on some problems: docs/benchmarks.md).
+      headroom: also report ``headroom_log2/<key>``: powers of two left below 65504 by the
+        largest scaled derivative each key's checks saw in this step (``ScaledGrads.headroom_log2``;
+        one max per check, no extra pass).
 
     Returns:
       The step: :func:`jaxamp.value_and_grad` over the state's :class:`~jaxamp.AmpState`,
@@ -241,16 +243,17 @@ def make_train_step(
     if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not math.isfinite(clip) or clip < 0:
         raise ValueError(f"make_train_step: `grad_clip_max_norm`={grad_clip_max_norm!r} is not allowed: "
                          "expected None or a finite number >= 0 (None or 0: no clipping).")
-    if not isinstance(merge, bool):
-        raise TypeError(f"make_train_step: `merge`={merge!r} must be True or False.")
+    for name, flag in (("merge", merge), ("headroom", headroom)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"make_train_step: `{name}`={flag!r} must be True or False.")
     grad_fn = value_and_grad(loss_fn, has_aux=True, merge=merge)
-    loss_rule = amp.make_loss_scaler()
 
     def step(state: TrainState, batch: Any) -> Tuple[TrainState, Dict[str, jax.Array]]:
-        scalers = state.deriv_scales
-        if not isinstance(scalers, Scalers):  # a state built by hand with a dict of states
-            scalers = Scalers({k: amp.derivative_scaler_for(k) for k in scalers}, scalers)
-        amp_state = AmpState(amp, scalers, state.loss_scale, loss_rule)
+        amp_state = state.amp_state
+        if not isinstance(amp_state, AmpState) or amp_state.amp != amp:
+            raise ValueError(f"make_train_step: the state's `amp_state` ({amp_state!r}) was not created with the "
+                             f"step's `amp` ({amp!r}); create the state with TrainState.create(..., amp=amp).")
+        scalers = amp_state.derivative
         (loss, aux), scaled_grads = grad_fn(amp_state, state.params, batch)
         terms, extra = _split_aux(aux)
         grads = scaled_grads.grads
@@ -262,8 +265,9 @@ def make_train_step(
         params, opt_state = check.select((optax.apply_updates(state.params, updates), opt_state),
                                          (state.params, state.opt_state))
         after = advance(check, amp_state)
-        new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
-                               loss_scale=after.loss, deriv_scales=after.derivative)
+        new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, amp_state=after)
+        if headroom:
+            extra = {**{f"headroom_log2/{k}": v for k, v in scaled_grads.headroom_log2.items()}, **extra}
         return new_state, step_metrics(loss, terms, check, grad_norm, after.derivative, after.loss, extra)
 
     return step

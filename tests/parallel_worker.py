@@ -152,7 +152,7 @@ def inject() -> Dict[str, Any]:
         state, _ = run(state, clean)
     order = list(mesh.devices.flat)
     bad_at = BAD_DEVICE * (GLOBAL_BATCH // 8) + 3
-    scales = lambda s: {k: [float(v.scale), int(v.growth_tracker)] for k, v in s.deriv_scales.items()}  # noqa: E731
+    scales = lambda s: {k: [float(v.scale), int(v.growth_tracker)] for k, v in s.amp_state.derivative.items()}  # noqa: E731
     out: Dict[str, Any] = {}
     for name, batch in (("nan", points(nan_at=bad_at)), ("overflow", points(overflow_at=bad_at))):
         bad = parallel.shard_batch(batch, mesh)
@@ -168,18 +168,18 @@ def inject() -> Dict[str, Any]:
             "found_nonfinite_values": bool(metrics["found_nonfinite_values"]),
             "params_unchanged": same_bits(new.params, state.params),
             "opt_state_unchanged": same_bits(new.opt_state, state.opt_state),
-            "loss_scale_unchanged": same_bits(new.loss_scale, state.loss_scale),
+            "loss_scale_unchanged": same_bits(new.amp_state.loss, state.amp_state.loss),
             "replicas_identical_after_skip": parallel.replicas_identical(new),
             "deriv_scales_before": scales(state),
             "deriv_scales_after": scales(new),
             # what each scaler's own rule gives for a clean step from the state before
             "deriv_scales_clean_update": {
                 k: [float(u.scale), int(u.growth_tracker)]
-                for k, v in state.deriv_scales.items()
+                for k, v in state.amp_state.derivative.items()
                 for u in [amp_config("float16").derivative_scaler_for(k).update(jax.device_get(v), False)]
             },
             "deriv_scale_replicas": {
-                k: [float(np.asarray(s.data)) for s in v.scale.addressable_shards] for k, v in new.deriv_scales.items()
+                k: [float(np.asarray(s.data)) for s in v.scale.addressable_shards] for k, v in new.amp_state.derivative.items()
             },
             "next_step_skipped": bool(metrics2["skipped"]),
             "replicas_identical_after_next": parallel.replicas_identical(after),

@@ -44,7 +44,7 @@ def test_save_kill_restore_continue_is_bit_identical(tmp_path):
     assert all(jax.tree_util.tree_leaves(same))
     # the run skipped steps on both sides of the cut, so the skip logic is part of what matched
     assert any(skipped[:cut]) and any(skipped[cut:]) and not all(skipped)
-    assert isinstance(resumed.deriv_scales, jaxamp.scaler.Scalers)
+    assert isinstance(resumed.amp_state.derivative, jaxamp.scaler.Scalers)
 
 
 def test_restore_errors_and_keeping(tmp_path):
@@ -83,7 +83,7 @@ def test_monitor_state_beside_the_train_state_resumes_bit_identical(tmp_path):
     with jaxamp.checkpoint.Checkpointer(tmp_path / "c") as ckpt:
         ckpt.save(half, step=6)
         resumed = ckpt.restore(start)
-    assert resumed["train"].deriv_scales.rules == fresh.deriv_scales.rules
+    assert resumed["train"].amp_state.derivative.rules == fresh.amp_state.derivative.rules
     a, b = run(resumed, range(6, 12)), run(half, range(6, 12))
     assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
     assert all(jax.tree_util.tree_leaves(jax.tree_util.tree_map(lambda x, y: bool(jnp.array_equal(x, y)), a, b)))
@@ -91,8 +91,9 @@ def test_monitor_state_beside_the_train_state_resumes_bit_identical(tmp_path):
 
 
 @pytest.mark.parametrize("change, fragment", [
-    (lambda s: s._replace(deriv_scales=jaxamp.init(None, jaxamp.AmpConfig(), keys=["1"])().derivative),
-     "only in the checkpoint: ['deriv_scales.2.growth_tracker', 'deriv_scales.2.scale']"),
+    (lambda s: s._replace(amp_state=s.amp_state.replace(
+        derivative=jaxamp.init(None, jaxamp.AmpConfig(), keys=["1"])().derivative)),
+     "only in the checkpoint: ['amp_state.derivative.2.growth_tracker', 'amp_state.derivative.2.scale']"),
     (lambda s: s._replace(step=jnp.asarray(0.0)), "different shape or dtype: ['step (checkpoint int32[], like float32[])']"),
     (lambda s: s._replace(params={**s.params, "extra": jnp.zeros(2)}), "only in `like`: ['params.extra']"),
 ])

@@ -116,7 +116,7 @@ def test_headroom_profile_and_masking_see_the_laplacian():
     eng, p = engine(jaxamp.AmpConfig(), mask_nonfinite_points=True), params()
     scales = {"1": 1.0, "2": 2.0**-4}
     values, _ = jaxamp.scaled(eng)(scales, p, POINTS)
-    headroom, _ = jaxamp.scaled(lambda q, x: jaxamp.headroom.headroom_log2(eng, eng(q, x)), eng.amp)(scales, p, POINTS)
+    _, _, headroom = jaxamp.scaled(eng, headroom=True)(scales, p, POINTS)
     peak = float(jnp.max(jnp.abs(values["u__lap"])))  # key "2" guards only the Laplacian here
     assert float(headroom["2"]) == pytest.approx(np.log2(65504.0) - np.log2(peak * 2.0**-4), abs=1e-5)
     bad = POINTS.at[2, 1].set(jnp.nan)

@@ -79,10 +79,10 @@ def test_derivative_overflow_skips_and_backs_off_only_its_own_scaler():
     state, m = step(before, batch(overflow=True))
     assert bool(m["skipped"]) and int(m["skip_reason"]) == jaxamp.SkipReason.DERIVATIVE_OVERFLOW
     assert bool(m["found_inf/2"]) and not bool(m["found_inf/1"]) and not bool(m["found_nonfinite_values"])
-    assert tree_equal((state.params, state.opt_state, state.loss_scale), (before.params, before.opt_state, before.loss_scale))
-    assert float(state.deriv_scales["2"].scale) == 0.5 * float(before.deriv_scales["2"].scale)
-    assert int(state.deriv_scales["2"].growth_tracker) == 0
-    assert int(state.deriv_scales["1"].growth_tracker) == int(before.deriv_scales["1"].growth_tracker) + 1
+    assert tree_equal((state.params, state.opt_state, state.amp_state.loss), (before.params, before.opt_state, before.amp_state.loss))
+    assert float(state.amp_state.derivative["2"].scale) == 0.5 * float(before.amp_state.derivative["2"].scale)
+    assert int(state.amp_state.derivative["2"].growth_tracker) == 0
+    assert int(state.amp_state.derivative["1"].growth_tracker) == int(before.amp_state.derivative["1"].growth_tracker) + 1
     assert int(state.step) == int(before.step) + 1
     state, m = step(state, batch())
     assert not bool(m["skipped"]) and not tree_equal(state.params, before.params)
@@ -100,16 +100,16 @@ def test_bad_values_skip_and_change_no_scaler_whatever_else_is_flagged(overflow)
 
 def test_nonfinite_weight_gradients_back_off_the_loss_scaler_and_skip():
     before, step = warm()
-    state = before._replace(loss_scale=jaxamp.scaler.ScaleState(jnp.float32(2.0**30), jnp.int32(7)))
+    state = before._replace(amp_state=before.amp_state.replace(loss=jaxamp.scaler.ScaleState(jnp.float32(2.0**30), jnp.int32(7))))
     new, m = step(state, batch(nan_grad=True))
     assert int(m["skip_reason"]) == jaxamp.SkipReason.NONFINITE_GRADS and bool(m["skipped"])
-    assert float(new.loss_scale.scale) == 2.0**29 and int(new.loss_scale.growth_tracker) == 0
+    assert float(new.amp_state.loss.scale) == 2.0**29 and int(new.amp_state.loss.growth_tracker) == 0
     assert tree_equal((new.params, new.opt_state), (state.params, state.opt_state))
-    assert all(int(new.deriv_scales[k].growth_tracker) == int(state.deriv_scales[k].growth_tracker) + 1
+    assert all(int(new.amp_state.derivative[k].growth_tracker) == int(state.amp_state.derivative[k].growth_tracker) + 1
                for k in ("1", "2"))  # a clean step for them
     # with a derivative overflow too, the overflow is the reason and the loss scaler stays
     new, m = step(state, batch(overflow=True, nan_grad=True))
-    assert int(m["skip_reason"]) == jaxamp.SkipReason.DERIVATIVE_OVERFLOW and tree_equal(new.loss_scale, state.loss_scale)
+    assert int(m["skip_reason"]) == jaxamp.SkipReason.DERIVATIVE_OVERFLOW and tree_equal(new.amp_state.loss, state.amp_state.loss)
 
 
 def test_thousand_steps_with_injected_faults_never_produce_nonfinite_params():
@@ -122,7 +122,7 @@ def test_thousand_steps_with_injected_faults_never_produce_nonfinite_params():
         def body(s, f):
             new, m = step(s, dict(batch(), bad=f[0], overflow=f[1]))
             same = tree_equal_traced((s.params, s.opt_state), (new.params, new.opt_state))
-            scales_same = tree_equal_traced(s.deriv_scales, new.deriv_scales)
+            scales_same = tree_equal_traced(s.amp_state.derivative, new.amp_state.derivative)
             return new, (m["skipped"], m["skip_reason"], same, scales_same, jmp_finite(new.params))
         return jax.lax.scan(body, state, (bad, overflow))
 
@@ -133,7 +133,7 @@ def test_thousand_steps_with_injected_faults_never_produce_nonfinite_params():
     assert bool(jnp.all(reason[bad] == jaxamp.SkipReason.NONFINITE_VALUES))
     assert bool(jnp.all(reason[overflow] == jaxamp.SkipReason.DERIVATIVE_OVERFLOW))
     assert bool(jnp.all(scales_same[bad]))  # bad values never move a derivative scaler
-    assert float(final.deriv_scales["2"].scale) == 2.0 ** -int(jnp.sum(overflow))  # one halving per overflow
+    assert float(final.amp_state.derivative["2"].scale) == 2.0 ** -int(jnp.sum(overflow))  # one halving per overflow
 
 
 def tree_equal_traced(a, b):
@@ -149,10 +149,10 @@ def test_clean_steps_count_for_the_loss_scaler():
                                                          "recover_growth_interval": 1, "recover_threshold": 1.0})
     state, step, *_ = problem(amp)
     s1, m1 = step(state, batch())
-    assert float(state.loss_scale.scale) == 16
+    assert float(state.amp_state.loss.scale) == 16
     s2, m2 = step(s1, batch())
-    assert not bool(m1["skipped"]) and int(s1.loss_scale.growth_tracker) == 1 and float(s1.loss_scale.scale) == 16
-    assert float(s2.loss_scale.scale) == 32 and int(s2.loss_scale.growth_tracker) == 0
+    assert not bool(m1["skipped"]) and int(s1.amp_state.loss.growth_tracker) == 1 and float(s1.amp_state.loss.scale) == 16
+    assert float(s2.amp_state.loss.scale) == 32 and int(s2.amp_state.loss.growth_tracker) == 0
     assert float(m1["scale_log2/loss"]) == 4.0 and float(m2["scale_log2/loss"]) == 5.0
 
 
@@ -216,8 +216,8 @@ def test_real_network_nan_point_is_bad_values_and_the_step_compiles_once_without
                          ids=["bf16", "fp32", "plain_fp16"])
 def test_inactive_derivative_scalers_run_the_same_step(amp):
     state, step, *_ = problem(amp)
-    assert state.deriv_scales == {} and keys_engine(amp).scaler_keys == ()
-    assert float(state.loss_scale.scale) == (2.0**16 if amp.loss_scaling_enabled else 1.0)
+    assert state.amp_state.derivative == {} and keys_engine(amp).scaler_keys == ()
+    assert float(state.amp_state.loss.scale) == (2.0**16 if amp.loss_scaling_enabled else 1.0)
     first = None
     for _ in range(10):
         state, m = step(state, batch())
@@ -303,13 +303,13 @@ def test_pieces_in_a_users_own_step_with_extra_state_match_make_train_step():
         scalers, loss_scale = jaxamp.step.update_scalers(check, scalers, loss_scale, rule)
         return params, opt_state, scalers, loss_scale, extra
 
-    carry = (state.params, state.opt_state, state.deriv_scales, state.loss_scale,
+    carry = (state.params, state.opt_state, state.amp_state.derivative, state.amp_state.loss,
              {"weights": jnp.ones(2), "ema": state.params})
     for flags in [{}, {"overflow": True}, {"bad": True}, {"nan_grad": True}, {}]:
         prev_extra = carry[4]
         carry = user_step(*carry, batch(**flags))
         state, _ = step(state, batch(**flags))
-        assert tree_equal(carry[:4], (state.params, state.opt_state, state.deriv_scales, state.loss_scale))
+        assert tree_equal(carry[:4], (state.params, state.opt_state, state.amp_state.derivative, state.amp_state.loss))
         assert tree_equal(carry[4], prev_extra) == bool(flags)
 
 
@@ -332,8 +332,8 @@ def test_pieces_inside_a_named_axis_step_decide_alike_on_every_replica():
     for overflow, expected in [([False, False], jaxamp.SkipReason.APPLIED), ([False, True], jaxamp.SkipReason.DERIVATIVE_OVERFLOW)]:
         b = jax.tree_util.tree_map(lambda v: jnp.stack([v, v]), batch())
         b = dict(b, x=b["x"] * jnp.asarray([[1.0], [2.0]]), overflow=jnp.asarray(overflow))
-        params, opt_state, scalers, loss_scale, reason = run(state.params, state.opt_state, state.deriv_scales,
-                                                             state.loss_scale, b)
+        params, opt_state, scalers, loss_scale, reason = run(state.params, state.opt_state, state.amp_state.derivative,
+                                                             state.amp_state.loss, b)
         assert reason.tolist() == [expected, expected]
         for tree in (params, opt_state, scalers, loss_scale):
             for leaf in jax.tree_util.tree_leaves(tree):
@@ -341,10 +341,10 @@ def test_pieces_inside_a_named_axis_step_decide_alike_on_every_replica():
         assert float(scalers["2"].scale[0]) == (0.5 if expected else 1.0)
 
 
-def test_state_with_a_dict_of_scaler_states_still_steps():
-    state, jitted, step, *_ = problem()
-    as_dict = state._replace(deriv_scales=dict(state.deriv_scales))
-    got, _ = jax.jit(step)(as_dict, batch(overflow=True))
-    want, _ = jitted(state, batch(overflow=True))
-    assert isinstance(got.deriv_scales, jaxamp.scaler.Scalers) and tree_equal(got, want)
-    assert NONFINITE_VALUES not in got.deriv_scales
+def test_a_state_of_another_amp_is_refused_by_the_step():
+    state, _, step, *_ = problem()
+    other = jaxamp.AmpConfig(dtype="float16", mode="per_term_scaler")
+    foreign = state._replace(amp_state=jaxamp.init(None, other, keys=list(state.scales))())
+    with pytest.raises(ValueError, match="make_train_step: the state's `amp_state` .* was not created with the step's `amp`"):
+        step(foreign, batch())
+    assert NONFINITE_VALUES not in state.amp_state.derivative

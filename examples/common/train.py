@@ -77,7 +77,8 @@ class Setup:
         self.optimizer = optax.adam(schedule)
         # The library does not clip by default; the configs pass Modulus' 0.5 (0 turns it off).
         self.step_fn = jaxamp.train.make_train_step(
-            self._loss_fn, self.optimizer, amp=self.amp, grad_clip_max_norm=o["grad_clip_max_norm"] or None
+            self._loss_fn, self.optimizer, amp=self.amp, grad_clip_max_norm=o["grad_clip_max_norm"] or None,
+            headroom=True,  # metrics headroom_log2/<key>: powers of two left below 65504, one max per check
         )
         self._chunks: Dict[Tuple[int, int], Callable] = {}
         self.mesh = self._make_mesh(cfg["training"]["devices"])
@@ -112,19 +113,13 @@ class Setup:
 
     def _loss_fn(self, params, batch):
         # The engines take their scales from the train step and report their flags to it.
-        headroom: List[Dict[str, jax.Array]] = []
-
         def derive(points, derivatives=True):
             values: Dict[str, jax.Array] = {}
             for engine in self.engines if derivatives else [self.values_engine]:
-                v = engine(params, points)
-                values.update(v)
-                headroom.append(jaxamp.headroom.headroom_log2(engine, v))  # one max per derivative
+                values.update(engine(params, points))
             return values
 
-        loss, terms = self.problem.loss(derive, batch)
-        # metrics headroom_log2/<key>: powers of two left below 65504 by each key's largest scaled derivative
-        return loss, (terms, jaxamp.headroom.headroom_metrics(*headroom))
+        return self.problem.loss(derive, batch)
 
     def init_params(self):
         """The initial parameters (from ``seed``)."""
@@ -170,7 +165,7 @@ class Setup:
         (``{name: np.ndarray}``), as float16 holds them."""
         parts = self.problem.sample(jax.random.fold_in(self.sample_key, state.step)).values()
         points = {name: jnp.concatenate([part[name] for part in parts]) for name in self.problem.inputs}
-        scales = {key: s.scale for key, s in state.deriv_scales.items()}
+        scales = {key: s.scale for key, s in state.amp_state.derivative.items()}
         engine = self.engines[0]
         values, _ = jaxamp.scaled(engine)(scales, state.params, points)
         scaled = {}

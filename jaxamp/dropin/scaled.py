@@ -15,6 +15,7 @@ differentiates (a network output) is not finite (bad values, which no scale cure
 
 from __future__ import annotations
 
+import copy
 import weakref
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -28,6 +29,7 @@ from jaxamp.dropin.control import HANDLERS, call, full_flags
 from jaxamp.marks import NONFINITE_VALUES, PRIMITIVES, deriv_check_p, deriv_scale_p, or_into, scaler_key, step_flags
 from jaxamp.interpreter import CALL_PRIMITIVES, bind, cse, eval_jaxpr, sub_jaxprs
 from jaxamp.state import find
+from jaxamp.window import LOG2_FP16_MAX
 
 __all__ = ["scaled", "scaler_keys"]
 
@@ -65,6 +67,15 @@ class Context:
         self.active = amp is None or amp.scaler_enabled
         self.scales = _opaque(scales) if self.active else {}
         self.evaluate = _evaluate  # for the control-flow rules (jaxamp.dropin.control)
+        # {key: f32[]} the largest |scaled derivative| checked under each key (the headroom's
+        # peak); None inside loop, branch, remat and shard_map bodies (their own traces)
+        self.peaks: Optional[Dict[str, jax.Array]] = {}
+
+    def in_body(self) -> "Context":
+        """This context for a body traced on its own (a loop's, a branch's): no peaks."""
+        inner = copy.copy(self)
+        inner.peaks = None
+        return inner
 
     def key(self, order: int, term: Optional[str]) -> str:
         return scaler_key(self.amp, order, term)
@@ -113,7 +124,11 @@ def _check(ctx: Context, flags: Flags, g, v, order: int, term: Optional[str]) ->
         return
     finite_v = jnp.isfinite(v)
     if order > 0:
-        or_into(flags, ctx.key(order, term), jnp.any(step_flags(g, finite_v)))
+        key = ctx.key(order, term)
+        or_into(flags, key, jnp.any(step_flags(g, finite_v)))
+        if ctx.peaks is not None and jnp.size(g):
+            peak = jnp.max(jnp.abs(g)).astype(jnp.float32)
+            ctx.peaks[key] = peak if key not in ctx.peaks else jnp.maximum(ctx.peaks[key], peak)
     # Bad values: a checked value (order 0) or a first derivative's value (a network output)
     # is not finite. Above order 1 a non-finite value below was flagged by the step below.
     or_into(flags, NONFINITE_VALUES, jnp.any(~finite_v) if order <= 1 else jnp.zeros((), bool))
@@ -137,7 +152,8 @@ def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ct
                 f"jaxamp.scaled: jaxamp.grad inside a `{prim.name}` is not supported; supported "
                 f"are {sorted(set(HANDLERS) | CALL_PRIMITIVES)}. Move the jaxamp.grad call out of it."
             )
-        outs, sub_flags = handler(eqn, invals, ctx)
+        inlined = handler is call or prim.name.startswith("custom_")  # evaluated in this trace
+        outs, sub_flags = handler(eqn, invals, ctx if inlined else ctx.in_body())
         for k, v in sub_flags.items():
             or_into(flags, k, v)
         return outs
@@ -177,8 +193,8 @@ def check_amp(amp) -> None:
         raise TypeError(f"jaxamp.scaled: `amp`={amp!r} must be an AmpConfig or None (per-order keys).")
 
 
-def scaled(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *,
-           merge: bool = True) -> Callable[..., Tuple[Any, Flags]]:  # fmt: skip
+def scaled(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *, merge: bool = True,
+           headroom: bool = False) -> Callable[..., Tuple[Any, ...]]:  # fmt: skip
     """Give the ``jaxamp.grad`` calls in ``fun`` their scales and collect their flags.
 
     Args:
@@ -193,13 +209,19 @@ def scaled(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *,
         pass of ``jaxamp.grad(u)``), before an outer ``jax.grad`` differentiates it, so the
         backward pass is shared too. Values are unchanged; a weight gradient may differ in its
         last bits (its cotangents summed in another order). False: the program as written.
+      headroom: also return ``{key: f32[]}``, each key's headroom: ``log2(65504)`` minus log2
+        of the largest scaled derivative its checks saw (the values the program holds, at the
+        scales given; one max per check, no extra pass). 3 means the largest could grow
+        8-fold before it overflowed; ``+inf`` when all were 0, ``-inf`` when one overflowed,
+        NaN when one was NaN. Keys whose derivatives all sit inside loop, branch, remat or
+        ``shard_map`` bodies are not reported (their checks run in their own traces).
 
     Returns:
       ``wrapped(state, *args, **kwargs) -> (fun(*args, **kwargs), found_inf)``: ``state`` is
       an :class:`~jaxamp.AmpState` (its config and scales are used; ``amp`` is then ignored),
       an optimizer state holding one (:func:`jaxamp.optimizer`), or ``{key: f32[]}`` scales
       under ``amp``; ``found_inf`` is ``{key: bool[]}`` for every key in the program plus
-      ``"nonfinite_values"``.
+      ``"nonfinite_values"``; with ``headroom=True``, ``(value, found_inf, headroom)``.
 
     Outside ``scaled`` (and :func:`jaxamp.value_and_grad`) the derivatives are plain JAX
     derivatives at scale 1: in float16 they may overflow where the scaled program does not.
@@ -211,14 +233,23 @@ def scaled(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *,
       >>> value, found_inf = scaled(u_xx)({"1": 0.5, "2": 0.25}, 1.0)
       >>> round(float(value), 4), sorted(found_inf)
       (-0.8415, ['1', '2', 'nonfinite_values'])
+      >>> _, _, room = scaled(u_xx, headroom=True)({"1": 0.5, "2": 0.25}, 1.0)
+      >>> {k: round(float(v), 3) for k, v in room.items()}  # log2(65504 / |0.5 cos 1|) and of 0.25 sin 1
+      {'1': 17.887, '2': 18.248}
     """
     if not callable(fun):
         raise TypeError(f"jaxamp.scaled: `fun`={fun!r} must be callable.")
     if amp is None and isinstance(getattr(fun, "amp", None), AmpConfig):
         amp = fun.amp  # a jaxamp.Derivatives engine: its own settings
     check_amp(amp)
-    if not isinstance(merge, bool):
-        raise TypeError(f"jaxamp.scaled: `merge`={merge!r} must be True or False.")
+    for name, flag in (("merge", merge), ("headroom", headroom)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"jaxamp.scaled: `{name}`={flag!r} must be True or False.")
+
+    def result(out, flags: Flags, peaks: Mapping[str, jax.Array]):
+        if not headroom:
+            return out, flags
+        return out, flags, {k: jnp.float32(LOG2_FP16_MAX) - jnp.log2(v) for k, v in peaks.items()}
 
     def wrapped(scales: Any, *args, **kwargs):
         ctx_amp = amp
@@ -233,21 +264,21 @@ def scaled(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *,
         keys = ctx.keys(closed.jaxpr)
         if not (merge and ctx.scales):  # fp32, bf16, AMP off: the program as JAX would run it
             outs, flags = _evaluate(closed.jaxpr, closed.consts, flat, ctx)
-            return jax.tree_util.tree_unflatten(out_tree, outs), full_flags(flags, keys)
+            return result(jax.tree_util.tree_unflatten(out_tree, outs), full_flags(flags, keys), ctx.peaks)
         names, scale_vals = list(ctx.scales), list(ctx.scales.values())
 
         def program(vals, *leaves):
-            ctx.scales = dict(zip(names, vals))
+            ctx.scales, ctx.peaks = dict(zip(names, vals)), {}
             outs, flags = _evaluate(closed.jaxpr, closed.consts, leaves, ctx)
-            return outs, full_flags(flags, keys)
+            return outs, full_flags(flags, keys), ctx.peaks
 
         # The rewritten program without its repeated scale-free work, before an outer
         # jax.grad (the train step's) differentiates it: jaxamp.interpreter.cse.
         rewritten, shape = jax.make_jaxpr(program, return_shape=True)(scale_vals, *flat)
         rewritten = cse(rewritten, held=range(len(names)))
         results = eval_jaxpr(rewritten.jaxpr, rewritten.consts, [*scale_vals, *flat], bind)
-        outs, flags = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shape), results)
-        return jax.tree_util.tree_unflatten(out_tree, outs), flags
+        outs, flags, peaks = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shape), results)
+        return result(jax.tree_util.tree_unflatten(out_tree, outs), flags, peaks)
 
     return wrapped
 

@@ -39,7 +39,7 @@ def test_the_option_is_off_by_default_and_checked():
 def test_the_option_only_changes_the_scalers():
     on = Setup(Burgers, load_config("burgers", [*PHYSICAL, "amp.init_scales_from_profile=true"], checks=Burgers.checks))
     assert on.start_scales["2"] < 0 and on.amp.max_scale_log2("2") == 0 and on.amp.custom_init_scales_log2["2"] == on.start_scales["2"]
-    assert float(on.init_state().deriv_scales["2"].scale) == 2.0 ** on.start_scales["2"]
+    assert float(on.init_state().amp_state.derivative["2"].scale) == 2.0 ** on.start_scales["2"]
 
 
 @pytest.mark.slow

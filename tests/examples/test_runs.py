@@ -15,11 +15,11 @@ from tests.helpers.examples import COMMON, TINY, read, tiny
 
 def test_plain_fp16_has_loss_scaler_but_no_derivative_scalers():
     plain = Setup(Burgers, tiny(Burgers, "fp16_plain", 2)).init_state()
-    assert plain.deriv_scales == {} and float(plain.loss_scale.scale) == 2.0**16
+    assert plain.amp_state.derivative == {} and float(plain.amp_state.loss.scale) == 2.0**16
     per_order = Setup(Burgers, tiny(Burgers, "fp16_scaler_per_order", 2)).init_state()
-    assert sorted(per_order.deriv_scales) == ["1", "2"]
+    assert sorted(per_order.amp_state.derivative) == ["1", "2"]
     per_term = Setup(Burgers, tiny(Burgers, "fp16_scaler_per_term", 2)).init_state()
-    assert sorted(per_term.deriv_scales) == ["u", "u__x"]
+    assert sorted(per_term.amp_state.derivative) == ["u", "u__x"]
 
 
 @pytest.mark.slow  # an end-to-end run, interrupted and resumed

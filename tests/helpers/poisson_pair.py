@@ -128,8 +128,8 @@ def run_jax(jstate, jstep, steps: range, inject: frozenset, nan: frozenset = fro
     with jax.default_matmul_precision("highest"):
         for i in steps:
             jstate, m = jstep(jstate, jax.tree_util.tree_map(jnp.asarray, batch_at(i, inject, nan)))
-            out.append(dict(m, trackers={k: s.growth_tracker for k, s in jstate.deriv_scales.items()},
-                            loss_tracker=jstate.loss_scale.growth_tracker))
+            out.append(dict(m, trackers={k: s.growth_tracker for k, s in jstate.amp_state.derivative.items()},
+                            loss_tracker=jstate.amp_state.loss.growth_tracker))
     return jstate, jax.device_get(out)
 
 

@@ -164,8 +164,8 @@ def jax_state_into_torch(js: jaxamp.train.TrainState, ts: torch_ref.TrainState) 
                    for i, n in enumerate(names)}
     ts.optimizer.load_state_dict(sd)
     ts.load_scaler_state_dict({"step": int(js.step), "applied": int(sched.count),
-                               "loss_scale": js.loss_scale._asdict(),
-                               "deriv_scales": {k: s._asdict() for k, s in js.deriv_scales.items()}})
+                               "loss_scale": js.amp_state.loss._asdict(),
+                               "deriv_scales": {k: s._asdict() for k, s in js.amp_state.derivative.items()}})
 
 
 def torch_checkpoint_to_jax(ckpt: dict, like: jaxamp.train.TrainState) -> jaxamp.train.TrainState:
@@ -184,9 +184,10 @@ def torch_checkpoint_to_jax(ckpt: dict, like: jaxamp.train.TrainState) -> jaxamp
         opt_state=(adam._replace(count=count, mu=jax.tree_util.tree_map(jnp.asarray, moment("exp_avg")),
                                  nu=jax.tree_util.tree_map(jnp.asarray, moment("exp_avg_sq"))),
                    sched._replace(count=count)),
-        loss_scale=jaxamp.scaler.ScaleState(**torch_ref.scale_states_to_jax({"l": sc["loss_scale"]})["l"]),
-        deriv_scales=Scalers(like.deriv_scales.rules, {
-            k: jaxamp.scaler.ScaleState(**v) for k, v in torch_ref.scale_states_to_jax(sc["deriv_scales"]).items()}),
+        amp_state=like.amp_state.replace(
+            loss=jaxamp.scaler.ScaleState(**torch_ref.scale_states_to_jax({"l": sc["loss_scale"]})["l"]),
+            derivative=Scalers(like.amp_state.derivative.rules, {
+                k: jaxamp.scaler.ScaleState(**v) for k, v in torch_ref.scale_states_to_jax(sc["deriv_scales"]).items()})),
     )
 
 
@@ -210,7 +211,7 @@ def test_training_checkpoint_jaxamp_to_torch_ref(tmp_path):
     with jaxamp.checkpoint.Checkpointer(tmp_path / "ckpt") as ckpt:
         ckpt.save(js)
         restored = _uncommitted(ckpt.restore(js))
-    assert int(restored.step) == CUT and float(restored.deriv_scales["2"].scale) == 2.0**-3
+    assert int(restored.step) == CUT and float(restored.amp_state.derivative["2"].scale) == 2.0**-3
     jax_state_into_torch(restored, ts)
     assert ts.step == CUT and ts.applied == CUT - 3 and int(ts.deriv_scales["2"].growth_tracker) == CUT - 8
     # the Adam state crossed exactly: torch -> jax gives back the restored moments bit for bit
@@ -235,7 +236,7 @@ def test_training_checkpoint_torch_ref_to_jaxamp(tmp_path):
     ts2.optimizer.load_state_dict(ckpt["optimizer"])
     ts2.load_scaler_state_dict(ckpt["scalers"])
     jstate = torch_checkpoint_to_jax(ckpt, js)
-    assert int(jstate.step) == CUT and float(jstate.deriv_scales["2"].scale) == 2.0**-3
+    assert int(jstate.step) == CUT and float(jstate.amp_state.derivative["2"].scale) == 2.0**-3
     _, jm = run_jax(jstate, jstep, range(CUT, END), INJECT)
     tm = run_torch(ts2, tstep2, range(CUT, END), INJECT)
     _check_continuation(jm, tm)

@@ -1,40 +1,109 @@
-"""examples/jax_user's fp16 port: training time with the default jaxamp.grad (engine plans) and
-with nested reverse mode forced (the port's code unchanged; chain plans switched off).
+"""examples/jax_user's ports, step by step: the compiled train step and loss-weight update of
+each variant, timed interleaved in one process (the ports' code unchanged).
 
-    python -m benchmarks.port_speed [--steps 300] [--rounds 2]
+    python -m benchmarks.port_speed [--reps 15] [--out FILE.json]
 
-Each round runs both, alternating (interleaved); one process, so the second run of each
-variant reuses nothing compiled (the steps are rebuilt by main()).
+Variants: ``fp32`` (fp32.py: nested ``jax.grad``, float32, matmul precision "highest"),
+``fp16_plain`` (fp16.py ``--plain-fp16``: no derivative scaling), ``fp16`` (fp16.py: the
+DerivScaler, ``jaxamp.grad`` choosing its method) and ``fp16_reverse`` (fp16.py with every
+``jaxamp.grad`` chain in nested reverse mode: what the drop-in computed before it chose methods).
+Each port runs ``--warm-steps`` steps (tracing, compiling, the profile start); the jitted
+``train_step`` and ``update_weights`` (``jax.jacrev`` of the per-term losses over the params,
+the gradient-norm loss weights) are captured with their last arguments and timed on them.
+The ports' own batch (256 interior points). The record names the machine and versions; median
+ms and paired ratios to ``fp16``.
 """
 
+from __future__ import annotations
+
 import argparse
+import contextlib
 import json
-import time
+import os
+from typing import Any, Dict
 
 import jax
 
+from benchmarks import timing
 from jaxamp.dropin import chain
 
+WANTED = ("train_step", "update_weights")
 
-def main(argv=None):
+
+@contextlib.contextmanager
+def capture(store: Dict[str, Any]):
+    """Inside: ``jax.jit`` of the functions named in WANTED keeps ``(jitted, last args)`` in ``store``."""
+    jit = jax.jit
+
+    def capturing(fun=None, **kw):
+        jitted = jit(fun, **kw)
+        name = getattr(fun, "__name__", "")
+        if name not in WANTED:
+            return jitted
+
+        def call(*args):
+            store[name] = (jitted, args)
+            return jitted(*args)
+
+        return call
+
+    jax.jit = capturing
+    try:
+        yield
+    finally:
+        jax.jit = jit
+
+
+def run_port(variant: str, warm: int) -> Dict[str, Any]:
+    from examples.jax_user import fp16, fp32
+
+    store: Dict[str, Any] = {}
+    argv = ["--steps", str(warm), "--domain-scale", "0.02"]
+    eligible = chain.eligible
+    if variant == "fp16_reverse":
+        chain.eligible = lambda *a: False
+    try:
+        with capture(store):
+            if variant == "fp32":
+                with jax.default_matmul_precision("highest"):
+                    fp32.main(argv)
+            else:
+                fp16.main(argv + (["--plain-fp16"] if variant == "fp16_plain" else []))
+    finally:
+        chain.eligible = eligible
+    return store
+
+
+def main(argv=None) -> Dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--inner", type=int, default=5)
+    ap.add_argument("--warm-steps", type=int, default=3)
+    ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    from examples.jax_user import fp16
-
-    eligible, out = chain.eligible, {"auto": [], "reverse": []}
-    for _ in range(args.rounds):
-        for variant in ("auto", "reverse"):
-            chain.eligible = eligible if variant == "auto" else (lambda *a: False)
-            try:
-                t = time.perf_counter()
-                res = fp16.main(["--steps", str(args.steps), "--domain-scale", "0.02"])
-                out[variant].append({"s": time.perf_counter() - t, "error": res["error"]})
-            finally:
-                chain.eligible = eligible
-    print(json.dumps({"jax": jax.__version__, "steps": args.steps, **out}))
-    return out
+    for name in ("reps", "inner", "warm_steps"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    record: Dict[str, Any] = {"benchmark": "port_speed", "info": timing.device_info(), "config": vars(args),
+                              "results": {}}  # fmt: skip
+    variants = ("fp32", "fp16_plain", "fp16", "fp16_reverse")
+    captured = {v: run_port(v, args.warm_steps) for v in variants}
+    for fn in WANTED:
+        runs = {v: timing.timer(lambda c=captured[v][fn]: c[0](*c[1]), args.inner) for v in variants}
+        samples = timing.interleaved(runs, args.reps, warmup=1)
+        out = {"ms": {v: round(1e3 * timing.stats(samples[v])["median"], 3) for v in variants},
+               "over_fp16": {v: round(timing.paired_ratio(samples[v], samples["fp16"])["median"], 4)
+                             for v in variants if v != "fp16"}}  # fmt: skip
+        record["results"][fn] = out
+        print(f"{fn}: " + "  ".join(f"{v} {ms:.2f}ms" for v, ms in out["ms"].items())
+              + "  | over fp16: " + json.dumps(out["over_fp16"]), flush=True)  # fmt: skip
+    if hasattr(os, "getloadavg"):
+        record["host_load_avg_1min_at_end"] = round(os.getloadavg()[0], 2)
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+    return record
 
 
 if __name__ == "__main__":

@@ -82,8 +82,13 @@ def assert_one_program(net, path, options):
         np.testing.assert_array_equal(a, b, err_msg=f"{net} {path}")
 
 
-@pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("net", ["fourier", "fully_connected"])
+# Every path on one network, three on the other (the fast suite's budget); all of them with -m slow.
+CASES = [("fully_connected", p) for p in PATHS] + [
+    ("fourier", p) if p in ("auto", "reverse", "laplacian") else pytest.param("fourier", p, marks=pytest.mark.slow)
+    for p in PATHS]
+
+
+@pytest.mark.parametrize("net,path", CASES)
 def test_scale_1_is_plain_float16(net, path):
     assert_one_program(net, path, STRICT_FP16)
 

@@ -29,8 +29,6 @@ time is that of ``jax.jit(f).lower(...).compile()``. The record names the machin
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import time
 from typing import Any, Callable, Dict, List
 
@@ -158,12 +156,7 @@ def main(argv=None) -> Dict[str, Any]:
             print(f"{name:13s} d={d}: {times}  | collapsed/{r['best_uncollapsed_by_time']} time "
                   f"{r['time_collapsed_over_best']['median']:.3f}, flops/{r['best_uncollapsed_by_flops']} "
                   f"{r.get('flops_collapsed_over_best')}", flush=True)  # fmt: skip
-    if hasattr(os, "getloadavg"):  # other work on the host skews CPU timings: record it
-        record["host_load_avg_1min_at_end"] = round(os.getloadavg()[0], 2)
-    if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=1)
+    timing.save(record, args.out)
     return record
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 from typing import Any, Dict
 
 import jax
@@ -97,12 +96,7 @@ def main(argv=None) -> Dict[str, Any]:
         record["results"][fn] = out
         print(f"{fn}: " + "  ".join(f"{v} {ms:.2f}ms" for v, ms in out["ms"].items())
               + "  | over fp16: " + json.dumps(out["over_fp16"]), flush=True)  # fmt: skip
-    if hasattr(os, "getloadavg"):
-        record["host_load_avg_1min_at_end"] = round(os.getloadavg()[0], 2)
-    if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=1)
+    timing.save(record, args.out)
     return record
 
 

@@ -7,6 +7,7 @@ ratios are taken *per repetition* (paired) before their median is reported.
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import time
@@ -158,3 +159,14 @@ def device_peak_bytes() -> Optional[int]:
     except Exception:
         return None
     return int(s["peak_bytes_in_use"]) if s and "peak_bytes_in_use" in s else None
+
+
+def save(record: Dict[str, Any], out: Optional[str]) -> None:
+    """Write ``record`` as JSON to ``out`` (None: nowhere), with the host's load average at the
+    end (other work on the host skews CPU timings: it is recorded)."""
+    if hasattr(os, "getloadavg"):
+        record["host_load_avg_1min_at_end"] = round(os.getloadavg()[0], 2)
+    if out:
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(record, f, indent=1)

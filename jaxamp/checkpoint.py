@@ -45,14 +45,13 @@ class Checkpointer:
         directory = os.path.abspath(os.fspath(directory))
         if os.path.exists(directory) and not os.path.isdir(directory):
             raise ValueError(f"Checkpointer: `directory`={directory!r} exists and is not a directory.")
-        if max_to_keep is not None and (isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1):
+        bad = isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1
+        if max_to_keep is not None and bad:
             raise ValueError(f"Checkpointer: `max_to_keep`={max_to_keep!r} must be a positive integer or None.")
         self.directory = directory
-        self._manager = ocp.CheckpointManager(
-            directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
-            item_handlers=ocp.StandardCheckpointHandler(),  # so that a fresh manager reads the metadata
-        )
+        options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
+        # The item handler, so that a fresh manager reads the metadata.
+        self._manager = ocp.CheckpointManager(directory, options=options, item_handlers=ocp.StandardCheckpointHandler())
 
     def save(self, state: Any, *, step: Optional[int] = None) -> int:
         """Write ``state`` (blocking until it is durable).
@@ -93,10 +92,8 @@ class Checkpointer:
             if step is None:
                 raise FileNotFoundError(f"Checkpointer: no checkpoint in {self.directory!r} to restore.")
         elif step not in self.all_steps():
-            raise FileNotFoundError(
-                f"Checkpointer: `step`={step!r} has no checkpoint in {self.directory!r}; "
-                f"available steps: {self.all_steps()}."
-            )
+            raise FileNotFoundError(f"Checkpointer: `step`={step!r} has no checkpoint in {self.directory!r}; "
+                                    f"available steps: {self.all_steps()}.")
         self._check_matches(step, like)
         abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, like)
         restored = self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
@@ -118,20 +115,16 @@ class Checkpointer:
             return
         wanted = {_name(path): (tuple(np.shape(x)), np.dtype(getattr(x, "dtype", np.asarray(x).dtype)))
                   for path, x in jax.tree_util.tree_flatten_with_path(like)[0]}
-        problems = []
-        for what, names in (("only in the checkpoint", saved.keys() - wanted), ("only in `like`", wanted.keys() - saved)):
-            if names:
-                problems.append(f"{what}: {sorted(names)[:6]}{' ...' if len(names) > 6 else ''}")
+        only = (("only in the checkpoint", saved.keys() - wanted), ("only in `like`", wanted.keys() - saved))
+        problems = [f"{what}: {sorted(names)[:6]}{' ...' if len(names) > 6 else ''}" for what, names in only if names]
         differ = [f"{n} (checkpoint {saved[n][1]}{list(saved[n][0])}, like {wanted[n][1]}{list(wanted[n][0])})"
                   for n in sorted(saved.keys() & wanted.keys()) if saved[n] != wanted[n]]
         if differ:
             problems.append(f"different shape or dtype: {differ[:6]}")
         if problems:
-            raise ValueError(
-                f"Checkpointer.restore: the checkpoint at step {step} in {self.directory!r} does not match `like`: "
-                + "; ".join(problems) + ". Pass as `like` a state built as the saved one (same model, optimizer, "
-                "amp and engines)."
-            )
+            raise ValueError(f"Checkpointer.restore: the checkpoint at step {step} in {self.directory!r} does not "
+                             f"match `like`: {'; '.join(problems)}. Pass as `like` a state built as the saved one "
+                             "(same model, optimizer, amp and engines).")
 
     def close(self) -> None:
         """Release orbax's resources (also on leaving a ``with`` block)."""

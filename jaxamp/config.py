@@ -14,12 +14,10 @@ from jaxamp.scaler import DynamicScaler, loss_scaler
 
 MODES = ("per_order_scaler", "per_term_scaler")
 DTYPES = ("float16", "bfloat16", "float32")
-# Scaler hyper-parameters a config may override. The derivative scalers' max scale comes
-# from `default_max_scale_log2` / `custom_max_scales_log2`, so it is not listed for them.
+# Scaler hyper-parameters a config may override (the derivative scalers' max scale comes from the *_log2 keys).
 DERIVATIVE_SCALER_KEYS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "recover_threshold",
                           "recover_growth_interval", "min_scale")
 LOSS_SCALER_KEYS = DERIVATIVE_SCALER_KEYS + ("max_scale",)
-# DynamicScaler's field defaults (the derivative scalers' defaults).
 _DERIVATIVE_DEFAULTS = MappingProxyType({f.name: f.default for f in dataclasses.fields(DynamicScaler)})
 # float32's exponent range: a max scale of 2**k must be a normal, finite float32.
 _LOG2_RANGE = (-126, 127)
@@ -46,23 +44,21 @@ def _fail(key: str, value: Any, allowed: str) -> None:
     raise ConfigError(f"amp.{key}={value!r} is not allowed: expected {allowed}.")
 
 
-def _check_bool(key: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        _fail(key, value, "true or false")
-
-
 def _check_log2(key: str, value: Any, what: str = "max scale") -> None:
     lo, hi = _LOG2_RANGE
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         _fail(key, value, f"an integer exponent in [{lo}, {hi}] ({what} = 2**value)")
 
 
-def _check_scaler_overrides(key: str, value: Any, allowed_keys: Tuple[str, ...]) -> None:
+def _scaler_overrides(amp: Any, key: str, allowed_keys: Tuple[str, ...]) -> None:
+    """Validate ``amp.<key>`` {hyper-parameter: value}, store it read-only."""
+    value = getattr(amp, key)
     if not isinstance(value, Mapping):
         _fail(key, value, f"a mapping with keys among {list(allowed_keys)}")
     for name in value:
         if name not in allowed_keys:
             _fail(f"{key}.{name}", value[name], f"one of the keys {list(allowed_keys)} (unknown key)")
+    object.__setattr__(amp, key, MappingProxyType(dict(value)))
 
 
 def _build(section: str, make: Callable[[], DynamicScaler], note: str) -> None:
@@ -75,23 +71,20 @@ def _build(section: str, make: Callable[[], DynamicScaler], note: str) -> None:
         raise ConfigError(msg.rstrip(".") + (note if involved else "") + ".") from None
 
 
-def _scaler_key(key: Any, field: str = "custom_max_scales_log2") -> str:
-    """Scaler keys are strings: per-order keys are the order ("1", "2"), others term names."""
-    if isinstance(key, bool) or not isinstance(key, (int, str)) or str(key) == "":
-        _fail(field, key, "keys that are an order (int >= 1) or a term name (str)")
-    if isinstance(key, int) and key < 1:
-        _fail(field, key, "an order >= 1")
-    return str(key)
-
-
 def _per_key(amp: Any, field: str, what: str) -> Mapping[str, int]:
-    """Validate ``amp.<field>`` ``{scaler key: int exponent}``, store it with normalised keys."""
+    """Validate ``amp.<field>`` ``{scaler key: int exponent}``, store it with string keys: per-order
+    keys are the order ("1", "2"), others term names."""
     value = getattr(amp, field)
     if not isinstance(value, Mapping):
         _fail(field, value, "a mapping {key: int}")
     for key, exp in value.items():
         _check_log2(f"{field}[{key!r}]", exp, what)
-    object.__setattr__(amp, field, MappingProxyType({_scaler_key(k, field): v for k, v in value.items()}))
+    for key in value:
+        if isinstance(key, bool) or not isinstance(key, (int, str)) or str(key) == "":
+            _fail(field, key, "keys that are an order (int >= 1) or a term name (str)")
+        if isinstance(key, int) and key < 1:
+            _fail(field, key, "an order >= 1")
+    object.__setattr__(amp, field, MappingProxyType({str(k): v for k, v in value.items()}))
     return getattr(amp, field)
 
 
@@ -147,14 +140,13 @@ class AmpConfig:
     derivative_scaling: bool = True
 
     def __post_init__(self) -> None:
-        _check_bool("enabled", self.enabled)
-        _check_bool("derivative_scaling", self.derivative_scaling)
-        if self.mode not in MODES:
-            _fail("mode", self.mode, f"one of {list(MODES)}")
-        if self.dtype not in DTYPES:
-            _fail("dtype", self.dtype, f"one of {list(DTYPES)}")
-        _check_bool("autocast_activation", self.autocast_activation)
-        _check_bool("autocast_firstlayer", self.autocast_firstlayer)
+        choices = {"mode": MODES, "dtype": DTYPES}  # the others are flags
+        for key in ("enabled", "derivative_scaling", "mode", "dtype", "autocast_activation", "autocast_firstlayer"):
+            value = getattr(self, key)
+            if key in choices and value not in choices[key]:
+                _fail(key, value, f"one of {list(choices[key])}")
+            if key not in choices and not isinstance(value, bool):
+                _fail(key, value, "true or false")
         _check_log2("default_max_scale_log2", self.default_max_scale_log2)
         custom = _per_key(self, "custom_max_scales_log2", "max scale")
         inits = _per_key(self, "custom_init_scales_log2", "init scale")
@@ -168,10 +160,8 @@ class AmpConfig:
         if isinstance(terms, str) or not all(isinstance(t, str) and t for t in terms):
             _fail("special_terms", terms, "a list of non-empty variable names (str)")
         object.__setattr__(self, "special_terms", tuple(terms))
-        _check_scaler_overrides("derivative_scaler", self.derivative_scaler, DERIVATIVE_SCALER_KEYS)
-        _check_scaler_overrides("loss_scaler", self.loss_scaler, LOSS_SCALER_KEYS)
-        object.__setattr__(self, "derivative_scaler", MappingProxyType(dict(self.derivative_scaler)))
-        object.__setattr__(self, "loss_scaler", MappingProxyType(dict(self.loss_scaler)))
+        _scaler_overrides(self, "derivative_scaler", DERIVATIVE_SCALER_KEYS)
+        _scaler_overrides(self, "loss_scaler", LOSS_SCALER_KEYS)
         # Build every scaler once so that a bad hyper-parameter fails here, not mid-run.
         for key in where:
             start = f", init_scale = 2**amp.custom_init_scales_log2[{key!r}]" if key in inits else ""
@@ -262,8 +252,6 @@ class AmpConfig:
         unknown = [k for k in values if k not in allowed]
         if unknown:
             raise ConfigError(f"amp config has unknown key(s) {unknown}: allowed keys are {allowed}.")
-        if isinstance(values.get("special_terms"), list):
-            values["special_terms"] = tuple(values["special_terms"])
         return cls(**values)
 
     @classmethod
@@ -293,8 +281,4 @@ class AmpConfig:
 
     def to_dict(self) -> dict:
         """Plain ``{key: value}`` that :meth:`from_dict` takes back."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        for key in ("custom_max_scales_log2", "custom_init_scales_log2", "derivative_scaler", "loss_scaler"):
-            out[key] = dict(getattr(self, key))
-        out["special_terms"] = list(self.special_terms)
-        return out
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}  # mappings, lists

@@ -1,11 +1,9 @@
 """A stall detector any training loop can call on the step metrics (docs/algorithm.md, "Training step").
 
-A run is *stalled* when it keeps skipping: ``max_consecutive_skips`` skipped steps in a row,
-a skip rate above ``max_skip_rate`` over the last ``window`` steps, or a scale at its floor.
-:meth:`StallMonitor.update` is pure (use it inside or outside ``jit``); its state is a
-NamedTuple of arrays, to checkpoint beside the train state so that a resumed run behaves as
-an uninterrupted one. :meth:`StallMonitor.diagnose` (on the host) gives one line naming the
-reason and what to try, or None.
+A run is *stalled* when it keeps skipping (``max_consecutive_skips`` in a row, a skip rate above
+``max_skip_rate`` over ``window`` steps) or a scale sits at its floor. :meth:`StallMonitor.update` is pure
+(inside or outside ``jit``); checkpoint its state (arrays) beside the train state so that a resumed run
+behaves as an uninterrupted one. :meth:`StallMonitor.diagnose` (on the host) says why and what to try.
 """
 
 from __future__ import annotations
@@ -99,8 +97,8 @@ class StallMonitor:
 
     def init(self) -> MonitorState:
         """The state before the first step."""
-        zero = jnp.asarray(0, jnp.int32)
-        return MonitorState(zero, zero, jnp.zeros((self.window,), jnp.int32), jnp.asarray(SkipReason.APPLIED, jnp.int32))
+        zero = jnp.asarray(0, jnp.int32)  # also SkipReason.APPLIED, the last reason before any skip
+        return MonitorState(zero, zero, jnp.zeros((self.window,), jnp.int32), zero)
 
     def update(self, state: MonitorState, metrics: Mapping[str, Any]) -> MonitorState:
         """Count one step. Pure: works inside ``jit``/``lax.scan`` or outside.

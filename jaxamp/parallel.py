@@ -1,18 +1,12 @@
 """Data-parallel training over a device mesh, with one global skip decision.
 
 The batch (collocation points) is split along a ``"batch"`` mesh axis; parameters, optimizer
-state and every scaler state are replicated. The train step from
-:func:`jaxamp.train.make_train_step` is jitted unchanged with those shardings, and XLA's SPMD
-partitioner (GSPMD) turns every reduction over the batch into a global one: the
-derivative engine's ``jnp.any`` over points becomes an all-reduce of the overflow flags,
-``jnp.mean`` of the residuals an all-reduce of the loss, and the parameter gradients are
-all-reduced before the finiteness check. So every device sees the same flags, makes the
-same skip decision and updates the same scaler states: an overflow on any one shard skips
-the step everywhere. (Verified, not assumed: ``tests/test_parallel.py`` injects a NaN
-point into a single shard and checks that every replica skips and stays bit-identical,
-and that the compiled HLO holds all-reduces.) This is exact for any loss, including
-losses that are not means over points, which an explicit ``shard_map`` with ``pmean``
-would not be.
+state and every scaler state are replicated. The step of :func:`jaxamp.train.make_train_step` is
+jitted unchanged with those shardings, and GSPMD turns every reduction over the batch (the
+overflow flags' ``jnp.any``, the loss's ``jnp.mean``, the gradients) into an all-reduce, so an
+overflow on any one shard skips the step on every device alike (``tests/test_parallel.py``
+checks it). This is exact for any loss, also one that is not a mean over points, which a
+``shard_map`` with ``pmean`` would not be.
 
 One API for one device and many::
 
@@ -50,9 +44,7 @@ BATCH_AXIS = "batch"
 T = TypeVar("T")
 
 
-def make_mesh(
-    devices: Union[None, int, Sequence[jax.Device]] = None, *, axis_name: str = BATCH_AXIS
-) -> Mesh:
+def make_mesh(devices: Union[None, int, Sequence[jax.Device]] = None, *, axis_name: str = BATCH_AXIS) -> Mesh:
     """A one-axis mesh for data parallelism.
 
     Args:
@@ -67,26 +59,20 @@ def make_mesh(
         chosen = list(available)
     elif isinstance(devices, (int, np.integer)) and not isinstance(devices, bool):
         if not 1 <= int(devices) <= len(available):
-            raise ValueError(
-                f"make_mesh: `devices`={int(devices)} must be between 1 and the {len(available)} "
-                f"available device(s) ({available[0].platform}). On CPU, fake more with "
-                "XLA_FLAGS=--xla_force_host_platform_device_count=N set before JAX starts."
-            )
+            raise ValueError(f"make_mesh: `devices`={int(devices)} must be between 1 and the {len(available)} "
+                             f"available device(s) ({available[0].platform}). On CPU, fake more with "
+                             "XLA_FLAGS=--xla_force_host_platform_device_count=N set before JAX starts.")
         chosen = list(available[: int(devices)])
     elif isinstance(devices, Sequence) and not isinstance(devices, str):
         chosen = list(devices)
         bad = [d for d in chosen if not isinstance(d, jax.Device)]
         if not chosen or bad:
-            raise ValueError(
-                f"make_mesh: `devices`={devices!r} must be None, a positive int or a non-empty "
-                "sequence of jax.Device."
-            )
+            raise ValueError(f"make_mesh: `devices`={devices!r} must be None, a positive int or a non-empty "
+                             "sequence of jax.Device.")
         if len(set(chosen)) != len(chosen):
             raise ValueError(f"make_mesh: `devices`={devices!r} lists a device more than once.")
     else:
-        raise TypeError(
-            f"make_mesh: `devices`={devices!r} must be None, a positive int or a sequence of jax.Device."
-        )
+        raise TypeError(f"make_mesh: `devices`={devices!r} must be None, a positive int or a sequence of jax.Device.")
     return Mesh(np.array(chosen, dtype=object), (axis_name,))
 
 
@@ -95,10 +81,8 @@ def _check_mesh(fn: str, mesh: Any) -> str:
     if not isinstance(mesh, Mesh):
         raise TypeError(f"{fn}: `mesh`={mesh!r} must be a jax.sharding.Mesh (see make_mesh).")
     if len(mesh.axis_names) != 1:
-        raise ValueError(
-            f"{fn}: `mesh` has axes {mesh.axis_names}; data parallelism here needs a one-axis mesh "
-            "(make_mesh builds one)."
-        )
+        raise ValueError(f"{fn}: `mesh` has axes {mesh.axis_names}; data parallelism here needs a one-axis mesh "
+                         "(make_mesh builds one).")
     return mesh.axis_names[0]
 
 
@@ -118,16 +102,11 @@ def _check_divisible(fn: str, batch: Any, n_parts: int, what: str) -> None:
         shape = np.shape(leaf)
         name = jax.tree_util.keystr(path) or "<root>"
         if len(shape) == 0:
-            raise ValueError(
-                f"{fn}: batch leaf {name} is a scalar; every leaf of a sharded batch needs a "
-                "leading batch dimension (put constants in the loss function or replicate them)."
-            )
+            raise ValueError(f"{fn}: batch leaf {name} is a scalar; every leaf of a sharded batch needs a leading "
+                             "batch dimension (put constants in the loss function or replicate them).")
         if shape[0] % n_parts:
-            raise ValueError(
-                f"{fn}: batch leaf {name} has {what} batch size {shape[0]} (shape {shape}), which is "
-                f"not divisible by the {n_parts} device(s) of the batch axis; use a multiple of "
-                f"{n_parts}."
-            )
+            raise ValueError(f"{fn}: batch leaf {name} has {what} batch size {shape[0]} (shape {shape}), which is not "
+                             f"divisible by the {n_parts} device(s) of the batch axis; use a multiple of {n_parts}.")
 
 
 def shard_batch(batch: T, mesh: Mesh) -> T:
@@ -154,13 +133,8 @@ def replicate(tree: T, mesh: Mesh) -> T:
     return jax.tree_util.tree_map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), tree)
 
 
-def data_parallel_step(
-    step: Callable[[Any, Any], Tuple[Any, Any]],
-    mesh: Mesh,
-    *,
-    batch_spec: Any = None,
-    **jit_kwargs: Any,
-) -> Callable[[Any, Any], Tuple[Any, Any]]:
+def data_parallel_step(step: Callable[[Any, Any], Tuple[Any, Any]], mesh: Mesh, *, batch_spec: Any = None,
+                       **jit_kwargs: Any) -> Callable[[Any, Any], Tuple[Any, Any]]:
     """Jit ``step(state, batch) -> (state, metrics)`` to run data-parallel over ``mesh``.
 
     Args:
@@ -186,15 +160,12 @@ def data_parallel_step(
     is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
     for spec in jax.tree_util.tree_leaves(batch_spec, is_leaf=is_spec):
         if not is_spec(spec) or any(a not in (None, axis) for a in spec):
-            raise ValueError(
-                f"data_parallel_step: `batch_spec` leaf {spec!r} must be a PartitionSpec using only "
-                f"the mesh axis {axis!r} (e.g. P({axis!r}) or P())."
-            )
+            raise ValueError(f"data_parallel_step: `batch_spec` leaf {spec!r} must be a PartitionSpec using only "
+                             f"the mesh axis {axis!r} (e.g. P({axis!r}) or P()).")
     batch_shardings = jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), batch_spec, is_leaf=is_spec)
     replicated = replicated_sharding(mesh)
-    jitted = jax.jit(
-        step, in_shardings=(replicated, batch_shardings), out_shardings=(replicated, replicated), **jit_kwargs
-    )
+    jitted = jax.jit(step, in_shardings=(replicated, batch_shardings), out_shardings=(replicated, replicated),
+                     **jit_kwargs)
     n_parts = mesh.shape[axis]
 
     def check(spec: PartitionSpec, sub: Any) -> None:
@@ -224,13 +195,5 @@ def replicas_identical(tree: Any) -> bool:
     return True
 
 
-__all__ = [
-    "BATCH_AXIS",
-    "make_mesh",
-    "batch_sharding",
-    "replicated_sharding",
-    "shard_batch",
-    "replicate",
-    "data_parallel_step",
-    "replicas_identical",
-]
+__all__ = ["BATCH_AXIS", "make_mesh", "batch_sharding", "replicated_sharding", "shard_batch", "replicate",
+           "data_parallel_step", "replicas_identical"]

@@ -1,15 +1,10 @@
 """float16's window: the :class:`Range` and :class:`Profile` types, start scales and the table.
 
-float16 represents magnitudes from its smallest normal, ``2**-14`` (about 6.1e-5), up to
-65504 (just under ``2**16``). Under the DerivScaler a derivative of scaler key ``k`` lives in
-float16 as ``scale_k * value``, and so do the values of the passes that produce it.
-:func:`jaxamp.profile` (the one range measurement, :mod:`jaxamp.dropin.ranges`) evaluates a
-program of jaxamp's marks (drop-in derivatives or a Derivatives engine) with every
-float16/bfloat16 operation promoted to float32 and reports a :class:`Range` (the columns of
-:data:`LEGEND`) per key (:func:`format_profile`: a table). :func:`recommend` turns it into
-per-key *start* scales that fit every key in the window with a margin
-(:meth:`Recommendation.apply`: ``custom_init_scales_log2``; max scales unchanged). This module
-also holds the float32 promotion rule the measurement uses (:func:`promote_eqn`).
+float16 holds magnitudes from ``2**-14`` (its smallest normal) up to 65504; under the DerivScaler a
+derivative of scaler key ``k`` and the passes producing it live in float16 times ``scale_k``.
+:func:`jaxamp.profile` (:mod:`jaxamp.dropin.ranges`) measures a :class:`Range` per key with every
+float16/bfloat16 operation promoted to float32 (:func:`promote_eqn`); :func:`recommend` turns it
+into per-key *start* scales (:meth:`Recommendation.apply`), :func:`format_profile` into a table.
 """
 
 from __future__ import annotations
@@ -120,8 +115,7 @@ def is_low_precision(dtype) -> bool:
 
 def promote_value(x):
     """``x`` in float32 if it is a float16/bfloat16 array, else ``x``."""
-    dtype = getattr(x, "dtype", None)
-    return x.astype(jnp.float32) if dtype is not None and jnp.dtype(dtype) in _LOW else x
+    return x.astype(jnp.float32) if is_low_precision(getattr(x, "dtype", None)) else x
 
 
 class Recommendation(NamedTuple):

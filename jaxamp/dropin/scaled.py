@@ -119,30 +119,35 @@ def _opaque(scales: Mapping[str, Any]) -> Dict[str, jax.Array]:
     return {k: stacked[i] for i, k in enumerate(keys)}
 
 
-def _check(ctx: Context, flags: Flags, g, v, order: int, term: Optional[str]) -> None:
+def _check(ctx: Context, flags: Dict[str, List[jax.Array]], g, v, order: int, term: Optional[str]) -> None:
+    """Appends this check's per-point flags to ``flags[key]`` (reduced once per key, in _evaluate)."""
     if not ctx.active:
         return
     finite_v = jnp.isfinite(v)
     if order > 0:
         key = ctx.key(order, term)
-        or_into(flags, key, jnp.any(step_flags(g, finite_v)))
+        flags.setdefault(key, []).append(step_flags(g, finite_v))
         if ctx.peaks is not None and jnp.size(g):
             peak = jnp.max(jnp.abs(g)).astype(jnp.float32)
             ctx.peaks[key] = peak if key not in ctx.peaks else jnp.maximum(ctx.peaks[key], peak)
     # Bad values: a checked value (order 0) or a first derivative's value (a network output)
     # is not finite. Above order 1 a non-finite value below was flagged by the step below.
-    or_into(flags, NONFINITE_VALUES, jnp.any(~finite_v) if order <= 1 else jnp.zeros((), bool))
+    if order <= 1:
+        flags.setdefault(NONFINITE_VALUES, []).append(~finite_v)
+    else:
+        flags.setdefault(NONFINITE_VALUES, [])
 
 
 def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: Context) -> Tuple[List, Flags]:
     flags: Flags = {}
+    pending: Dict[str, List[jax.Array]] = {}  # per key, the checks' unreduced flags
 
     def rule(eqn, invals):
         prim = eqn.primitive
         if prim is deriv_scale_p:
             return [ctx.scale(invals[0], **eqn.params)]
         if prim is deriv_check_p:
-            _check(ctx, flags, *invals, **eqn.params)
+            _check(ctx, pending, *invals, **eqn.params)
             return [invals[0]]
         if not any(marks_in(j) for j in sub_jaxprs(eqn)):
             return bind(eqn, invals)  # fast path: nothing of ours inside
@@ -158,7 +163,10 @@ def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ct
             or_into(flags, k, v)
         return outs
 
-    return eval_jaxpr(jaxpr, consts, args, rule), flags
+    outs = eval_jaxpr(jaxpr, consts, args, rule)
+    for k, hits in pending.items():  # one reduction per key, not one per check
+        or_into(flags, k, jnp.any(jnp.concatenate([jnp.ravel(h) for h in hits])) if hits else jnp.zeros((), bool))
+    return outs, flags
 
 
 def trace(fun: Callable, args, kwargs):

@@ -4,13 +4,10 @@
 and evaluates it with :func:`jaxamp.interpreter.eval_jaxpr` (checkify-style): every
 ``deriv_scale_p`` becomes the current scale of its key, every ``deriv_check_p`` ORs its
 flags into ``found_inf``. The result is an ordinary JAX function of ``(scales, *args)``: it
-composes with ``jax.grad`` (a train step differentiates ``scaled(loss)`` with respect to the
-parameters), ``vmap``, ``jit``, ``jacrev``/``jacfwd`` and ``lax.scan``; no host callbacks.
+composes with ``jax.grad``, ``vmap``, ``jit``, ``jacrev``/``jacfwd`` and ``lax.scan``.
 
-``found_inf`` has the Derivatives engine's meaning: ``found_inf[key]`` is True when at some
-point the value a derivative of that key differentiates is finite and its scaled result is
-not (a true overflow); ``found_inf["nonfinite_values"]`` when a value a first derivative
-differentiates (a network output) is not finite (bad values, which no scale cures).
+``found_inf[key]`` is a true overflow of that key (the value below finite, the scaled result
+not); ``found_inf["nonfinite_values"]``, bad values (:func:`jaxamp.marks.step_flags`).
 """
 
 from __future__ import annotations
@@ -34,7 +31,6 @@ from jaxamp.window import LOG2_FP16_MAX
 __all__ = ["scaled", "scaler_keys"]
 
 Flags = Dict[str, jax.Array]
-
 
 _MARKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -119,23 +115,21 @@ def _opaque(scales: Mapping[str, Any]) -> Dict[str, jax.Array]:
     return {k: stacked[i] for i, k in enumerate(keys)}
 
 
-def _check(ctx: Context, flags: Dict[str, List[jax.Array]], g, v, order: int, term: Optional[str]) -> None:
-    """Appends this check's per-point flags to ``flags[key]`` (reduced once per key, in _evaluate)."""
+def _check(ctx: Context, pending: Dict[str, List[jax.Array]], g, v, order: int, term: Optional[str]) -> None:
+    """Appends this check's per-point flags to ``pending[key]`` (_evaluate reduces each key once)."""
     if not ctx.active:
         return
     finite_v = jnp.isfinite(v)
     if order > 0:
         key = ctx.key(order, term)
-        flags.setdefault(key, []).append(step_flags(g, finite_v))
+        pending.setdefault(key, []).append(step_flags(g, finite_v))
         if ctx.peaks is not None and jnp.size(g):
             peak = jnp.max(jnp.abs(g)).astype(jnp.float32)
             ctx.peaks[key] = peak if key not in ctx.peaks else jnp.maximum(ctx.peaks[key], peak)
     # Bad values: a checked value (order 0) or a first derivative's value (a network output)
     # is not finite. Above order 1 a non-finite value below was flagged by the step below.
     if order <= 1:
-        flags.setdefault(NONFINITE_VALUES, []).append(~finite_v)
-    else:
-        flags.setdefault(NONFINITE_VALUES, [])
+        pending.setdefault(NONFINITE_VALUES, []).append(~finite_v)
 
 
 def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: Context) -> Tuple[List, Flags]:
@@ -165,7 +159,7 @@ def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ct
 
     outs = eval_jaxpr(jaxpr, consts, args, rule)
     for k, hits in pending.items():  # one reduction per key, not one per check
-        or_into(flags, k, jnp.any(jnp.concatenate([jnp.ravel(h) for h in hits])) if hits else jnp.zeros((), bool))
+        or_into(flags, k, jnp.any(jnp.concatenate([jnp.ravel(h) for h in hits])))
     return outs, flags
 
 

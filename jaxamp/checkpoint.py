@@ -1,7 +1,5 @@
-"""Atomic checkpoints of a whole :class:`~jaxamp.train.TrainState` with orbax-checkpoint.
-
-Orbax writes each checkpoint into a temporary directory and renames it into place only
-once it is complete, so an interrupted save never replaces or corrupts an earlier one.
+"""Atomic checkpoints of a whole :class:`~jaxamp.train.TrainState` with orbax-checkpoint
+(written to a temporary directory, renamed when complete: an interrupted save harms nothing).
 """
 
 from __future__ import annotations
@@ -21,10 +19,7 @@ def _name(path: Any) -> str:
 
 
 class Checkpointer:
-    """Save and restore training states under ``directory/<step>``.
-
-    Any pytree of arrays can be saved: a :class:`~jaxamp.train.TrainState`, or a dict holding it
-    beside a :class:`~jaxamp.monitor.StallMonitor` state or the user's own state.
+    """Save and restore training states (any pytree of arrays) under ``directory/<step>``.
 
     Args:
       directory: where checkpoints live (created if missing). Must be a path, not a file.
@@ -97,15 +92,13 @@ class Checkpointer:
         self._check_matches(step, like)
         abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, like)
         restored = self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
-        # Orbax hands back containers of its own choosing for some nodes; rebuild ``like``'s.
-        # Its arrays come committed to a device, which would make a step jitted before the
-        # restore compile again: hand back plain (uncommitted) arrays, as a fresh state has.
+        # Rebuild ``like``'s containers, with uncommitted arrays as a fresh state has (orbax's
+        # committed ones would make a step jitted before the restore compile again).
         leaves = [jnp.asarray(x) for x in jax.device_get(jax.tree_util.tree_leaves(restored))]
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), leaves)
 
     def _check_matches(self, step: int, like: Any) -> None:
-        """Raise a ValueError naming every leaf where the checkpoint and ``like`` differ (orbax
-        would cast a dtype silently and report structure mismatches in its own terms)."""
+        """Raise a ValueError naming every leaf where the checkpoint and ``like`` differ."""
         meta = self._manager.item_metadata(step)
         if meta is None:  # no metadata to compare with: orbax's own checks apply
             return

@@ -14,7 +14,7 @@ from jaxamp.scaler import DynamicScaler, loss_scaler
 
 MODES = ("per_order_scaler", "per_term_scaler")
 DTYPES = ("float16", "bfloat16", "float32")
-# Scaler hyper-parameters a config may override (the derivative scalers' max scale comes from the *_log2 keys).
+# Scaler hyper-parameters a config may override (derivative max scales come from the *_log2 keys).
 DERIVATIVE_SCALER_KEYS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "recover_threshold",
                           "recover_growth_interval", "min_scale")
 LOSS_SCALER_KEYS = DERIVATIVE_SCALER_KEYS + ("max_scale",)
@@ -62,7 +62,7 @@ def _scaler_overrides(amp: Any, key: str, allowed_keys: Tuple[str, ...]) -> None
 
 
 def _build(section: str, make: Callable[[], DynamicScaler], note: str) -> None:
-    """Build a scaler rule; its error is re-worded with the config keys (amp.<section>.<name>, ``note``)."""
+    """Build a scaler rule; its error is re-worded with the config keys and ``note``."""
     try:
         make()
     except (TypeError, ValueError) as e:
@@ -72,8 +72,7 @@ def _build(section: str, make: Callable[[], DynamicScaler], note: str) -> None:
 
 
 def _per_key(amp: Any, field: str, what: str) -> Mapping[str, int]:
-    """Validate ``amp.<field>`` ``{scaler key: int exponent}``, store it with string keys: per-order
-    keys are the order ("1", "2"), others term names."""
+    """Validate ``amp.<field>`` ``{order or term name: int exponent}``, store it with str keys."""
     value = getattr(amp, field)
     if not isinstance(value, Mapping):
         _fail(field, value, "a mapping {key: int}")
@@ -93,30 +92,22 @@ class AmpConfig:
     """Mixed-precision settings, with Modulus Sym's ``amp:`` keys and defaults.
 
     Attributes:
-      enabled: mixed precision on. When False everything runs in float32, unscaled.
-      mode: ``"per_order_scaler"`` (one derivative scaler per derivative order) or
-        ``"per_term_scaler"`` (one per differentiated variable).
-      dtype: compute dtype, ``"float16"``, ``"bfloat16"`` or ``"float32"``. The derivative
-        and loss scalers are active only for float16 (bf16 has float32's range).
-      autocast_activation: evaluate activations in the compute dtype. False (default):
-        activations are evaluated in float32 (upcast, activate, downcast).
-      autocast_firstlayer: run the first layer in the compute dtype. False (default): the
-        first layer and its activation run in float32.
+      enabled: mixed precision on; False: everything runs in float32, unscaled.
+      mode: ``"per_order_scaler"`` (one derivative scaler per order) or ``"per_term_scaler"``
+        (one per differentiated variable).
+      dtype: ``"float16"``, ``"bfloat16"`` or ``"float32"``; the scalers act only for float16.
+      autocast_activation: evaluate activations in the compute dtype (default: in float32).
+      autocast_firstlayer: run the first layer in the compute dtype (default: in float32).
       default_max_scale_log2: every derivative scaler's max scale is ``2**this``.
       custom_max_scales_log2: per-key overrides of that exponent, e.g. ``{2: -4, "nu": 20}``.
       custom_init_scales_log2: per-key start scales, e.g. ``{2: -4}``: key ``"2"`` starts at 2^-4
-        instead of ``init_scale`` (what :meth:`jaxamp.window.Recommendation.apply` sets) and
-        still grows up to its max scale. Above the key's max-scale exponent is an error; below
-        the recover threshold (2^-6) is allowed (the recover growth then brings it back up).
-      special_terms: variables that get their own derivative scaler, keyed by their name,
-        even in per-order mode (e.g. a turbulence model's ``nu``).
+        (as :meth:`jaxamp.window.Recommendation.apply` sets) and grows up to its max scale.
+      special_terms: variables with their own derivative scaler even in per-order mode.
       derivative_scaler: overrides of the derivative scalers' hyper-parameters.
       loss_scaler: overrides of the weight-gradient loss scaler's hyper-parameters.
-      derivative_scaling: scale the input derivatives (the DerivScaler). False with
-        float16: plain fp16, the loss scaler only.
+      derivative_scaling: scale the input derivatives; False with float16: the loss scaler only.
 
-    Every value is checked at construction; a bad one raises :class:`ConfigError` naming the
-    key, the value and what is allowed.
+    A bad value raises :class:`ConfigError` naming the key, the value and what is allowed.
 
     Example:
       >>> from jaxamp import AmpConfig
@@ -195,15 +186,12 @@ class AmpConfig:
         """The derivative scaler rule of one scaler key: the one place a key's rule is built.
 
         Args:
-          key: a scaler key (``"1"``, ``"2"``, a term name).
+          key: a scaler key (an order ``"1"``, ``"2"``, or a term name).
 
         Returns:
-          :class:`~jaxamp.DynamicScaler` with the ``derivative_scaler`` overrides and the key's
-          max scale ``2**max_scale_log2(key)``; ``init_scale = 2**custom_init_scales_log2[key]``
-          where the key has one (over ``derivative_scaler.init_scale``). Else a max scale below
-          the default ``init_scale`` (1) or ``recover_threshold`` (2^-6), e.g.
-          ``custom_max_scales_log2={2: -9}``, caps them (an explicit ``derivative_scaler``
-          value is kept: one above the max is an error).
+          :class:`~jaxamp.DynamicScaler` with the ``derivative_scaler`` overrides, max scale
+          ``2**max_scale_log2(key)`` and the key's ``custom_init_scales_log2`` start; a max scale
+          below the default ``init_scale`` or ``recover_threshold`` caps them.
 
         Example:
           >>> from jaxamp import AmpConfig
@@ -221,8 +209,7 @@ class AmpConfig:
         return DynamicScaler(max_scale=max_scale, **{**capped, **self.derivative_scaler, **own})
 
     def make_loss_scaler(self) -> Optional[DynamicScaler]:
-        """The weight-gradient loss scaler rule (its defaults with ``loss_scaler``'s overrides),
-        or None when loss scaling is off (AMP off, fp32, bf16: fp32 means no scaler acts)."""
+        """The weight-gradient loss scaler rule (``loss_scaler``'s overrides), or None when off."""
         return loss_scaler(**self.loss_scaler) if self.loss_scaling_enabled else None
 
     @classmethod
@@ -230,11 +217,10 @@ class AmpConfig:
         """Build from a mapping of ``amp:`` keys (or a mapping with an ``amp`` entry).
 
         Args:
-          values: a ``dict``, any mapping-like config (an object with ``keys()`` and item
-            access: ``ml_collections.ConfigDict``, omegaconf ``DictConfig``), or None (defaults).
+          values: a ``dict``, any mapping-like config (``ConfigDict``, ``DictConfig``) or None.
 
         Returns:
-          The validated config. Unknown keys and bad values raise :class:`ConfigError`.
+          The validated config; unknown keys and bad values raise :class:`ConfigError`.
 
         Example:
           >>> from jaxamp import AmpConfig
@@ -262,7 +248,7 @@ class AmpConfig:
           path: the YAML file.
 
         Returns:
-          The validated config. Malformed YAML raises :class:`ConfigError` naming the file and line.
+          The validated config; malformed YAML raises :class:`ConfigError` naming the file and line.
         """
         import yaml
 

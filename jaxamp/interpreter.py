@@ -1,15 +1,8 @@
 """One jaxpr interpreter for every program rewrite in jaxamp.
 
-jaxamp rewrites traced programs in three ways: Taylor propagation (:mod:`jaxamp.taylor`),
-precision placement (:mod:`jaxamp.placement`) and scale/flag plumbing for scaled
-``jaxamp.grad``. Each is :func:`eval_jaxpr` with its own per-equation *rule*, as
-``jax.experimental.jet`` and checkify each pair one interpreter with a rule table.
-
-A rule is ``rule(eqn, invals) -> outvals``: it receives the equation and whatever the
-interpreter holds for each operand (plain arrays, or richer objects such as a primal with
-its Taylor series), and returns one value per output variable. :func:`bind` evaluates an
-equation as written, and :func:`sub_jaxpr` exposes the body of call-like equations so that
-rules can recurse into ``jit``-ed functions. :func:`cse` removes a program's repeated work.
+Taylor propagation, precision placement and the scale/flag plumbing are each :func:`eval_jaxpr`
+with its own *rule* ``rule(eqn, invals) -> outvals``; :func:`bind` evaluates an equation as
+written, :func:`sub_jaxpr` exposes call bodies, :func:`cse` removes repeated work.
 """
 
 from __future__ import annotations
@@ -32,11 +25,8 @@ def eval_jaxpr(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], r
     """Evaluate ``jaxpr`` on ``args`` equation by equation through ``rule``.
 
     Args:
-      jaxpr: an open jaxpr (``closed.jaxpr`` of a ``ClosedJaxpr``).
-      consts: values for ``jaxpr.constvars`` (already in the rule's value representation).
-      args: values for ``jaxpr.invars`` (idem).
-      rule: ``rule(eqn, invals) -> outvals``, one value per ``eqn.outvars``.
-      literal: maps a literal's constant into the rule's value representation.
+      jaxpr, consts, args: an open jaxpr and the values of its constvars and invars.
+      rule: ``rule(eqn, invals) -> outvals``; literal: maps a literal's constant to a value.
 
     Returns:
       The values of ``jaxpr.outvars``.
@@ -50,17 +40,13 @@ def eval_jaxpr(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], r
       1.6829
     """
     if len(consts) != len(jaxpr.constvars) or len(args) != len(jaxpr.invars):
-        raise ValueError(
-            f"eval_jaxpr: got {len(consts)} consts and {len(args)} args for a jaxpr with "
-            f"{len(jaxpr.constvars)} constvars and {len(jaxpr.invars)} invars."
-        )
-    env = {}
+        raise ValueError(f"eval_jaxpr: got {len(consts)} consts and {len(args)} args for a jaxpr "
+                         f"with {len(jaxpr.constvars)} constvars and {len(jaxpr.invars)} invars.")  # fmt: skip
+    env = dict(zip([*jaxpr.constvars, *jaxpr.invars], [*consts, *args]))
 
     def read(v):
         return literal(v.val) if isinstance(v, jcore.Literal) else env[v]
 
-    env.update(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
     for eqn in jaxpr.eqns:
         outs = rule(eqn, [read(v) for v in eqn.invars])
         for v, out in zip(eqn.outvars, outs):
@@ -79,14 +65,10 @@ def bind(eqn, vals: Sequence[Any]) -> List[Any]:
 
 def sub_jaxpr(eqn) -> Optional[jcore.ClosedJaxpr]:
     """The body of a call-like equation (``jit``, ``closed_call``, ``remat``), else None."""
-    if eqn.primitive.name not in CALL_PRIMITIVES:
-        return None
-    body = eqn.params.get("jaxpr")
-    if isinstance(body, jcore.ClosedJaxpr):
-        return body
+    body = eqn.params.get("jaxpr") if eqn.primitive.name in CALL_PRIMITIVES else None
     if isinstance(body, jcore.Jaxpr):
         return jcore.ClosedJaxpr(body, ())
-    return None
+    return body if isinstance(body, jcore.ClosedJaxpr) else None
 
 
 def custom_body(eqn) -> Optional[jcore.ClosedJaxpr]:
@@ -114,20 +96,12 @@ def cse(closed: jcore.ClosedJaxpr, *, held: Sequence[int] = ()) -> jcore.ClosedJ
     """``closed`` with every equation that repeats an earlier one removed (common subexpressions).
 
     Two equations repeat when they apply the same primitive with the same parameters to the
-    same operands and have no effects; the later one's outputs are read from the earlier one.
-    A program that computes one value twice (a user's ``u(params, t, x)`` beside the primal of
-    a derivative pass of the same ``u``) then computes it once *before* it is differentiated,
-    so its gradient needs one backward pass where XLA, which sees the differentiated program,
-    would keep two. Equations with unhashable parameters (array constants) are kept as they are.
+    same operands and have no effects (a user's ``u`` beside a derivative pass's primal of ``u``).
 
     Args:
       closed: the program.
-      held: positions of inputs whose dependent equations are never merged. jaxamp holds the
-        derivative scales: a merged value's cotangent is the sum of its uses' cotangents, in
-        its dtype, and uses that carry different powers of the scales (a Taylor coefficient in
-        the chains of two orders) would round that sum differently at every scale; values
-        that depend on no scale (the network's primal pass) have scale-free cotangents, so
-        merging them keeps a scale of 2^k from changing a bit of the unscaled result.
+      held: positions of inputs whose dependent equations are never merged (the derivative
+        scales: merged uses at different powers of them would round differently).
 
     Returns:
       The program without the repeated equations (``closed`` itself when none repeats).

@@ -1,25 +1,14 @@
 """The one home of a scaled derivative step: its marks, its key rule, its check and its unscale.
 
-A scaled derivative step (docs/algorithm.md, "One derivative step") is written with two
-primitives that every jaxamp path emits, the drop-in derivatives and the Derivatives engine
-alike:
-
-- ``deriv_scale_p(v)`` stands for the scale of the derivative of ``v`` (the seed's factor);
-- ``deriv_check_p(g, v)`` marks ``g``, the scaled derivative of ``v``, for the overflow check.
-
-Both carry the static parameters ``order`` (the order the step produces, 1 for a first
-derivative) and ``term`` (the name of the differentiated value, ``"u"`` or ``"u__x"``, or
-None). Outside :func:`jaxamp.scaled` they are inert (scale 1, the check the identity), so a
-marked program is plain JAX; :func:`jaxamp.scaled` interprets them. This module also owns
-the rules every path shares: the scaler key of a step (:func:`scaler_key`), the name
-separator (:data:`SEP`), the flag of a step (:func:`step_flags`: overflow vs bad values),
-the seed's factor and the unscale in float32 (:func:`seed`, :func:`unscale`) and the flag
-merge (:func:`merge_found_inf`).
+Every jaxamp path writes a scaled step (docs/algorithm.md, "One derivative step") with
+``deriv_scale_p(v)``, the scale of the derivative of ``v``, and ``deriv_check_p(g, v)``, which
+marks ``g``, the scaled derivative of ``v``, for the overflow check; both carry a static
+``order`` and ``term``. Outside :func:`jaxamp.scaled`, which interprets them, they are inert.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, MutableMapping, Optional
+from typing import Any, Dict, List, Mapping, MutableMapping, Optional
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +16,7 @@ from jax.extend import core as jcore
 from jax.interpreters import ad, batching, mlir
 
 __all__ = ["SEP", "NONFINITE_VALUES", "scaler_key", "step_flags", "seed", "unscale", "or_into", "merge_found_inf",
-           "deriv_scale_p", "deriv_check_p", "deriv_scale", "deriv_check", "PRIMITIVES"]
+           "reduce_flags", "deriv_scale_p", "deriv_check_p", "deriv_scale", "deriv_check", "PRIMITIVES"]
 
 SEP = "__"  # "u__x" is du/dx, "u__x__y" is d/dy(du/dx)
 # Reserved key of found_inf: True when an input, a network output or a value below a
@@ -38,17 +27,13 @@ NONFINITE_VALUES = "nonfinite_values"
 def scaler_key(amp, order: int, term: Optional[str]) -> str:
     """The scaler key of a step of ``order`` that differentiates the value named ``term``.
 
-    docs/algorithm.md, "Scaler keys": per order, ``str(order)``; per term (``amp.mode ==
-    "per_term_scaler"``) or for a special term, the name of the differentiated value. Order
-    0 marks a value check (a network output checked for bad values): :data:`NONFINITE_VALUES`.
-
     Args:
       amp: an :class:`~jaxamp.AmpConfig`, or None (per-order keys).
-      order: the derivative order the step produces (1 for a first derivative).
+      order: the derivative order the step produces (1 for a first derivative; 0: a value check).
       term: the name of the differentiated value, or None when it is unnamed.
 
     Returns:
-      The key, a string.
+      ``str(order)``; per term or for a special term ``term``; at order 0 :data:`NONFINITE_VALUES`.
 
     Example:
       >>> import jaxamp
@@ -59,21 +44,17 @@ def scaler_key(amp, order: int, term: Optional[str]) -> str:
         return NONFINITE_VALUES
     if amp is not None and (amp.mode == "per_term_scaler" or term in amp.special_terms):
         if term is None:
-            raise ValueError(
-                f"jaxamp: a derivative of order {order} differentiates an unnamed value, but "
-                f"amp.mode={amp.mode!r} keys scalers by name; name it with jaxamp.grad(fun, argnums, "
-                "of='u', wrt='x'), or build the jaxamp.Derivatives engine with this amp."
-            )
+            raise ValueError(f"jaxamp: a derivative of order {order} differentiates an unnamed "
+                             f"value, but amp.mode={amp.mode!r} keys scalers by name; name it with "
+                             "jaxamp.grad(fun, argnums, of='u', wrt='x'), or build the "
+                             "jaxamp.Derivatives engine with this amp.")  # fmt: skip
         return term
     return str(order)
 
 
 def step_flags(g: jax.Array, below_ok: jax.Array) -> jax.Array:
-    """Per point: the scaled result ``g`` of a step is non-finite while the values below it
-    are finite (``below_ok``): a true overflow, which backing the key's scale off can cure.
-
-    ``g``'s axes beyond ``below_ok``'s (a gradient's own axes) are reduced.
-    """
+    """Per point: the scaled result ``g`` of a step is non-finite while the values below it are
+    finite (``below_ok``), a true overflow; ``g``'s axes beyond ``below_ok``'s are reduced."""
     bad_g = ~jnp.isfinite(g)
     if bad_g.ndim > jnp.ndim(below_ok):
         bad_g = jnp.any(bad_g, axis=tuple(range(jnp.ndim(below_ok), bad_g.ndim)))
@@ -118,65 +99,69 @@ def merge_found_inf(*flags: Mapping[str, jax.Array]) -> Dict[str, jax.Array]:
     return out
 
 
+def reduce_flags(pending: Mapping[str, List[jax.Array]]) -> Dict[str, jax.Array]:
+    """``{key: bool[]}``, any of each key's per-point flags, in one reduction per flag shape
+    for up to 32 keys: the i-th key's flags set bit i of a uint32, ORed elementwise, then over
+    the points (a reduction per check costs a kernel each).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> out = reduce_flags({"1": [jnp.array([False, True])], "2": [jnp.zeros(3, bool)]})
+      >>> {k: bool(v) for k, v in out.items()}
+      {'1': True, '2': False}
+    """
+    keys, flags = list(pending), {}
+    for start in range(0, len(keys), 32):
+        group, words = keys[start : start + 32], {}
+        for i, k in enumerate(group):
+            for h in pending[k]:
+                bits = jnp.ravel(h).astype(jnp.uint32) << i
+                words[bits.size] = bits if bits.size not in words else words[bits.size] | bits
+        word = jax.lax.reduce(jnp.concatenate(list(words.values())), jnp.uint32(0), jax.lax.bitwise_or, (0,))
+        flags.update({k: (word >> i) & 1 == 1 for i, k in enumerate(group)})
+    return flags
+
+
 # ---------------------------------------------------------------- deriv_scale_p
-# deriv_scale_p(v) -> f32 array of v's shape, every entry the scale of the key. Taking the
-# differentiated value as operand makes the scale batched wherever the value is: under vmap
-# every point gets its own copy of the seed, as the Derivatives engine does (one seed per
-# point, so the weight gradient's batch sum happens after the seed's factor is applied).
+# deriv_scale_p(v) -> f32 array of v's shape, every entry the key's scale. With v as operand
+# the scale is batched wherever v is: one seed per point under vmap, as the Derivatives engine.
 deriv_scale_p = jcore.Primitive("jaxamp_deriv_scale")
 
 
-def _scale_impl(v, *, order, term):
-    del order, term
+def _scale_impl(v, **_):
     return jnp.ones(jnp.shape(v), jnp.float32)
 
 
-def _scale_abstract(v, *, order, term):
-    del order, term
-    return jax.core.ShapedArray(v.shape, jnp.float32)
-
-
 def _scale_jvp(primals, tangents, *, order, term):
-    (v,) = primals
-    out = deriv_scale_p.bind(v, order=order, term=term)
+    out = deriv_scale_p.bind(*primals, order=order, term=term)
     return out, ad.Zero(jax.core.ShapedArray(jnp.shape(out), jnp.float32))
 
 
 def _scale_batch(args, dims, *, order, term):
-    (v,), (d,) = args, dims
-    return deriv_scale_p.bind(v, order=order, term=term), d
+    return deriv_scale_p.bind(*args, order=order, term=term), dims[0]
 
 
 deriv_scale_p.def_impl(_scale_impl)
-deriv_scale_p.def_abstract_eval(_scale_abstract)
+deriv_scale_p.def_abstract_eval(lambda v, **_: jax.core.ShapedArray(v.shape, jnp.float32))
 ad.primitive_jvps[deriv_scale_p] = _scale_jvp
 batching.primitive_batchers[deriv_scale_p] = _scale_batch
 mlir.register_lowering(deriv_scale_p, mlir.lower_fun(_scale_impl, multiple_results=False))
 
 # ---------------------------------------------------------------- deriv_check_p
-# deriv_check_p(g, v) -> g: the identity on the scaled gradient g. v is the value that g
-# differentiates (one scalar per point): a key overflows where v is finite and g is not;
-# where v is not finite the point holds bad values (found_inf["nonfinite_values"]). At
-# order 0, g is a value the program holds (v = g): bad values are its only flag.
-# Invariant kept by the batching rule: v.shape == g.shape[:v.ndim] (batch dims lead).
+# deriv_check_p(g, v) -> g, the scaled gradient of v (one scalar per point): a key overflows
+# where v is finite and g is not; a non-finite v is a bad value. At order 0, v = g is a value
+# the program holds. The batching rule keeps v.shape == g.shape[:v.ndim] (batch dims lead).
 deriv_check_p = jcore.Primitive("jaxamp_deriv_check")
 
 
-def _check_impl(g, v, *, order, term):
-    del v, order, term
+def _check_impl(g, v, **_):
     return g
-
-
-def _check_abstract(g, v, *, order, term):
-    del v, order, term
-    return jax.core.ShapedArray(g.shape, g.dtype)
 
 
 def _check_jvp(primals, tangents, *, order, term):
     # The primal is checked; the tangent passes through unchecked (a derivative of this
     # derivative is checked by its own deriv_check_p), so no transpose rule is needed.
-    g, v = primals
-    g_dot, _ = tangents
+    (g, v), (g_dot, _) = primals, tangents
     out = deriv_check_p.bind(g, v, order=order, term=term)
     if type(g_dot) is ad.Zero:
         return out, ad.Zero(jax.core.ShapedArray(g.shape, g_dot.aval.dtype))
@@ -184,16 +169,14 @@ def _check_jvp(primals, tangents, *, order, term):
 
 
 def _check_batch(args, dims, *, order, term):
-    g, v = args
-    dg, dv = dims
+    (g, v), (dg, dv) = args, dims
     size = g.shape[dg] if dg is not None else v.shape[dv]  # None: not batched
-    g = batching.bdim_at_front(g, dg, size)
-    v = batching.bdim_at_front(v, dv, size)
+    g, v = batching.bdim_at_front(g, dg, size), batching.bdim_at_front(v, dv, size)
     return deriv_check_p.bind(g, v, order=order, term=term), 0
 
 
 deriv_check_p.def_impl(_check_impl)
-deriv_check_p.def_abstract_eval(_check_abstract)
+deriv_check_p.def_abstract_eval(lambda g, v, **_: jax.core.ShapedArray(g.shape, g.dtype))
 ad.primitive_jvps[deriv_check_p] = _check_jvp
 batching.primitive_batchers[deriv_check_p] = _check_batch
 mlir.register_lowering(deriv_check_p, mlir.lower_fun(_check_impl, multiple_results=False))

@@ -1,9 +1,8 @@
 """A stall detector any training loop can call on the step metrics (docs/algorithm.md, "Training step").
 
 A run is *stalled* when it keeps skipping (``max_consecutive_skips`` in a row, a skip rate above
-``max_skip_rate`` over ``window`` steps) or a scale sits at its floor. :meth:`StallMonitor.update` is pure
-(inside or outside ``jit``); checkpoint its state (arrays) beside the train state so that a resumed run
-behaves as an uninterrupted one. :meth:`StallMonitor.diagnose` (on the host) says why and what to try.
+``max_skip_rate`` over ``window`` steps) or a scale sits at its floor. Checkpoint the monitor's
+state beside the train state so that a resumed run behaves as an uninterrupted one.
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """A user's train step in three lines: :func:`value_and_grad`, :func:`apply_or_skip`, :func:`optimizer`.
 
-docs/algorithm.md, "Training step", over one :class:`~jaxamp.AmpState`:
-
-1. :func:`value_and_grad` is ``jax.value_and_grad`` of the user's loss, written as the user
-   wrote it (a scalar, or ``(loss, aux)`` with ``has_aux=True``), with every :func:`jaxamp.grad`
-   in it scaled (:func:`jaxamp.scaled`) and the loss multiplied by the loss scale; it returns
-   the weight gradients with the loss scale divided out and the derivative flags, together, as
-   :class:`~jaxamp.step.ScaledGrads`.
-2. :func:`apply_or_skip` applies or skips an update of any pytrees and advances every scaler;
-   :func:`optimizer` does the same inside an optax transformation, so a code base built on
-   ``optimizer.update`` or ``flax.training.train_state.TrainState.apply_gradients`` needs no
-   new state: the AMP state lives in the optimizer's state.
-
-Every decision is a select (no host synchronisation); with ``axis_name`` the flags are OR-ed
-over a ``pmap``/``shard_map`` axis, so every replica decides alike.
+docs/algorithm.md, "Training step", over one :class:`~jaxamp.AmpState`: :func:`value_and_grad`
+scales every :func:`jaxamp.grad` in the loss and the loss itself; :func:`apply_or_skip` applies or
+skips an update and advances every scaler; :func:`optimizer` does that inside an optax
+transformation (the AMP state lives in its state). Every decision is a select.
 """
 
 from __future__ import annotations
@@ -34,21 +24,17 @@ T = TypeVar("T")
 
 
 def advance(check: StepCheck, state: AmpState) -> AmpState:
-    """Every scaler of ``state`` after a step with the decision ``check`` (update rule and
-    precedence: docs/algorithm.md, "Training step")."""
+    """Every scaler of ``state`` advanced after the step ``check`` decided (``update_scalers``)."""
     derivative, loss = update_scalers(check, state.derivative, state.loss, state.loss_rule)
     return state.replace(derivative=derivative, loss=loss)
 
 
 def _loss_of(out: Any, has_aux: bool, fun: Callable) -> Tuple[jax.Array, Any]:
-    if has_aux:
-        if not (isinstance(out, (tuple, list)) and len(out) == 2):
-            what = f"an array of shape {jnp.shape(out)}" if hasattr(out, "shape") else type(out).__name__
-            raise TypeError(f"jaxamp.value_and_grad: `fun`={fun!r} with has_aux=True must return (loss, aux), "
-                            f"got {what}.")  # fmt: skip
-        loss, aux = out
-    else:
-        loss, aux = out, None
+    if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
+        what = f"an array of shape {jnp.shape(out)}" if hasattr(out, "shape") else type(out).__name__
+        raise TypeError(f"jaxamp.value_and_grad: `fun`={fun!r} with has_aux=True must return (loss, aux), "
+                        f"got {what}.")  # fmt: skip
+    loss, aux = out if has_aux else (out, None)
     if not (hasattr(loss, "shape") and jnp.shape(loss) == () and jnp.issubdtype(jnp.result_type(loss), jnp.floating)):
         what = f"an array of shape {jnp.shape(loss)}" if hasattr(loss, "shape") else type(loss).__name__
         raise TypeError(f"jaxamp.value_and_grad: `fun`={fun!r} must return a float scalar loss (or (loss, aux) with "
@@ -61,18 +47,15 @@ def value_and_grad(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] =
     """``jax.value_and_grad`` with the derivative scalers and the loss scaler of an AMP state.
 
     Args:
-      fun: the loss, as the user wrote it: ``fun(params, *args) -> loss`` (a float scalar), or
-        ``(loss, aux)`` with ``has_aux=True``; its derivatives written with :func:`jaxamp.grad`
-        and its siblings.
+      fun: ``fun(params, *args) -> loss`` (a float scalar), or ``(loss, aux)`` with
+        ``has_aux=True``; its derivatives written with :func:`jaxamp.grad` and its siblings.
       argnums, has_aux: as ``jax.value_and_grad``.
-      merge: as :func:`jaxamp.scaled`: compute once what the program computes twice and what
-        depends on no scale, before the weight gradient is taken.
+      merge: as :func:`jaxamp.scaled`.
 
     Returns:
       ``vg(state, *args, **kwargs) -> (value, grads)``: ``state`` an :class:`~jaxamp.AmpState`
-      or an optimizer state holding one (:func:`optimizer`); ``value`` as ``fun`` returned it
-      (unscaled); ``grads`` a :class:`~jaxamp.step.ScaledGrads` of the weight gradients (loss
-      scale divided out) and the derivative flags, for :func:`apply_or_skip` or :func:`optimizer`.
+      or an optimizer state holding one; ``value`` unscaled; ``grads`` a
+      :class:`~jaxamp.step.ScaledGrads`, for :func:`apply_or_skip` or :func:`optimizer`.
 
     Example:
       >>> import jax.numpy as jnp, jaxamp
@@ -90,17 +73,16 @@ def value_and_grad(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] =
 
     def vg(state: Any, *args: Any, **kwargs: Any) -> Tuple[Any, ScaledGrads]:
         amp_state = find(state, "jaxamp.value_and_grad")
-        loss_scale = jnp.asarray(amp_state.loss_scale, jnp.float32)
         marked = scaled(fun, amp_state.amp, merge=merge, headroom=True)
-
-        on = amp_state.loss_rule is not None  # static: with loss scaling off nothing multiplies
+        # static: with loss scaling off nothing multiplies
+        loss_scale = None if amp_state.loss_rule is None else amp_state.loss_scale
 
         def loss_of(*a):
             out, found, room = marked(amp_state.scales, *a, **kwargs)
             loss, aux = _loss_of(out, has_aux, fun)
             return loss, (aux, found, room)
 
-        grads, (loss, (aux, found, room)) = loss_scaled_grad(loss_of, argnums, loss_scale if on else None)(*args)
+        grads, (loss, (aux, found, room)) = loss_scaled_grad(loss_of, argnums, loss_scale)(*args)
         return ((loss, aux) if has_aux else loss), ScaledGrads(grads, found, room)
 
     return vg
@@ -121,16 +103,13 @@ def apply_or_skip(state: Any, grads: Union[ScaledGrads, Mapping[str, jax.Array]]
 
     Args:
       state: the :class:`~jaxamp.AmpState` the step ran with (or an optimizer state holding one).
-      grads: the :class:`~jaxamp.step.ScaledGrads` of :func:`value_and_grad` (the flags and the
-        weight gradients decide), or the ``found_inf`` flags of :func:`jaxamp.scaled` (the
-        flags decide; the loss scaler does not move).
-      applied, skipped: pytrees of the same structure: the new values (params, optimizer
-        state, loss weights, EMA, ...) and the values to keep when the step is skipped.
+      grads: the :class:`~jaxamp.step.ScaledGrads` of :func:`value_and_grad`, or the
+        ``found_inf`` flags of :func:`jaxamp.scaled` (then the loss scaler does not move).
+      applied, skipped: pytrees of the same structure: the new values and those kept on a skip.
       axis_name: inside ``pmap``/``shard_map``: OR the flags over this axis.
 
     Returns:
-      ``(applied or skipped, new state)``. A select, not a blend: inf/NaN of the unselected
-      tree never leak.
+      ``(applied or skipped, new state)``, a select: inf/NaN of the unselected tree never leak.
 
     Example:
       >>> import jax.numpy as jnp, jaxamp
@@ -161,9 +140,7 @@ def optimizer(inner: optax.GradientTransformation, state: AmpState, *,
               axis_name: Optional[Any] = None) -> optax.GradientTransformationExtraArgs:  # fmt: skip
     """Wrap any optax optimizer: skip the update on overflow and advance every scaler.
 
-    Unlike ``optax.apply_if_finite``, a skipped step is a zero update with the inner state
-    unchanged, however many steps are skipped, and the scalers back off (docs/algorithm.md,
-    "Training step").
+    Unlike ``optax.apply_if_finite``, a skipped step is always a zero update, inner state unchanged.
 
     Args:
       inner: any optax ``GradientTransformation``.
@@ -171,10 +148,9 @@ def optimizer(inner: optax.GradientTransformation, state: AmpState, *,
       axis_name: inside ``pmap``/``shard_map``: OR the flags over this axis.
 
     Returns:
-      A ``GradientTransformationExtraArgs`` whose ``update`` takes the
-      :class:`~jaxamp.step.ScaledGrads` of :func:`value_and_grad` (plain gradients: skipped
-      when non-finite) and whose state is an :class:`AmpOptState`; its ``amp`` holds the
-      current scales (``opt_state.amp.scales``) and is what :func:`value_and_grad` reads.
+      A ``GradientTransformationExtraArgs`` whose ``update`` takes the ``ScaledGrads`` of
+      :func:`value_and_grad` (or plain gradients) and whose state is an :class:`AmpOptState`
+      (its ``amp`` is what :func:`value_and_grad` reads).
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxamp

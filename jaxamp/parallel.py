@@ -1,35 +1,23 @@
 """Data-parallel training over a device mesh, with one global skip decision.
 
-The batch (collocation points) is split along a ``"batch"`` mesh axis; parameters, optimizer
-state and every scaler state are replicated. The step of :func:`jaxamp.train.make_train_step` is
-jitted unchanged with those shardings, and GSPMD turns every reduction over the batch (the
-overflow flags' ``jnp.any``, the loss's ``jnp.mean``, the gradients) into an all-reduce, so an
-overflow on any one shard skips the step on every device alike (``tests/test_parallel.py``
-checks it). This is exact for any loss, also one that is not a mean over points, which a
-``shard_map`` with ``pmean`` would not be.
+The batch is split along a ``"batch"`` mesh axis; parameters, optimizer state and scaler states
+are replicated. The step of :func:`jaxamp.train.make_train_step` is jitted unchanged with those
+shardings, and GSPMD turns every reduction over the batch (overflow flags, loss, gradients) into
+an all-reduce, so an overflow on any shard skips the step on every device alike. This is exact
+for any loss, also one that is not a mean over points (unlike ``shard_map`` with ``pmean``).
 
-One API for one device and many::
+One API for one device (``make_mesh(1)``) and many::
 
     mesh = jaxamp.parallel.make_mesh()            # all devices; make_mesh(2): the first two
     state = jaxamp.parallel.replicate(state, mesh)
     step = jaxamp.parallel.data_parallel_step(jaxamp.train.make_train_step(loss_fn, opt, amp=amp), mesh)
     state, metrics = step(state, jaxamp.parallel.shard_batch({"x": x}, mesh))
 
-``make_mesh(1)`` gives the single-device case with the same code path. The global batch
-size must be divisible by the number of devices on the batch axis.
-
-Multi-host (several processes, e.g. one per node or per GPU): call
-``jax.distributed.initialize()`` (with ``coordinator_address``, ``num_processes`` and
-``process_id`` where the cluster is not auto-detected, as it is under SLURM/Open MPI)
-*before any other JAX call* in every process, then run the same program everywhere.
-``make_mesh()`` then spans the devices of all processes; each process passes *its own
-part* of the global batch to :func:`shard_batch` (the global batch is the concatenation of
-the processes' parts in process order) and the same initial state to :func:`replicate`
-(use the same PRNG key everywhere). Metrics come back replicated, readable on every
-process. On CPU-only clusters, first set
-``jax.config.update("jax_cpu_collectives_implementation", "gloo")``. The tests run 8 fake
-devices in one CPU process (``XLA_FLAGS=--xla_force_host_platform_device_count=8``) and
-a 2-process x 2-device run over localhost with gloo; real multi-node GPU runs are untested.
+The global batch size must be divisible by the number of devices on the batch axis. Multi-host:
+call ``jax.distributed.initialize()`` *before any other JAX call* in every process (on CPU, with
+``jax_cpu_collectives_implementation="gloo"``) and run the same program everywhere: each process
+passes *its own part* of the global batch to :func:`shard_batch` and the same state to
+:func:`replicate`. Tested on fake CPU devices and 2 local processes, not on multi-node GPUs.
 """
 
 from __future__ import annotations
@@ -65,8 +53,7 @@ def make_mesh(devices: Union[None, int, Sequence[jax.Device]] = None, *, axis_na
         chosen = list(available[: int(devices)])
     elif isinstance(devices, Sequence) and not isinstance(devices, str):
         chosen = list(devices)
-        bad = [d for d in chosen if not isinstance(d, jax.Device)]
-        if not chosen or bad:
+        if not chosen or not all(isinstance(d, jax.Device) for d in chosen):
             raise ValueError(f"make_mesh: `devices`={devices!r} must be None, a positive int or a non-empty "
                              "sequence of jax.Device.")
         if len(set(chosen)) != len(chosen):
@@ -112,9 +99,8 @@ def _check_divisible(fn: str, batch: Any, n_parts: int, what: str) -> None:
 def shard_batch(batch: T, mesh: Mesh) -> T:
     """Split every leaf of ``batch`` along its leading dimension over the mesh's batch axis.
 
-    With one process, ``batch`` is the global batch. With several (multi-host), each process
-    passes its own part and the global batch is their concatenation in process order. Every
-    leaf's leading size must be divisible by the number of (local) devices on the axis.
+    Multi-host, each process passes its own part (concatenated in process order). Every leaf's
+    leading size must be divisible by the number of (local) devices on the axis.
     """
     sharding = batch_sharding(mesh)
     local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
@@ -123,10 +109,8 @@ def shard_batch(batch: T, mesh: Mesh) -> T:
 
 
 def replicate(tree: T, mesh: Mesh) -> T:
-    """A full copy of every leaf of ``tree`` (params, TrainState, ...) on every device of ``mesh``.
-
-    With several processes, every process must pass the same values.
-    """
+    """A full copy of every leaf of ``tree`` on every device of ``mesh`` (every process must
+    pass the same values)."""
     sharding = replicated_sharding(mesh)
     if jax.process_count() == 1:
         return jax.device_put(tree, sharding)
@@ -145,9 +129,8 @@ def data_parallel_step(step: Callable[[Any, Any], Tuple[Any, Any]], mesh: Mesh, 
         that every device needs whole, e.g. ``{"interior": P("batch"), "boundary": P()}``.
       **jit_kwargs: passed to ``jax.jit`` (e.g. ``compiler_options``, ``donate_argnums``).
 
-    Returns ``run(state, batch)``: the state and metrics come back replicated. Inputs
-    are moved to their shardings as needed (already placed arrays are not copied), and
-    batch sizes are checked against the mesh before anything is compiled.
+    Returns ``run(state, batch)``, whose state and metrics come back replicated; inputs are moved
+    to their shardings as needed and batch sizes are checked before anything is compiled.
     """
     if not callable(step):
         raise TypeError(f"data_parallel_step: `step`={step!r} must be callable.")
@@ -182,11 +165,8 @@ def data_parallel_step(step: Callable[[Any, Any], Tuple[Any, Any]], mesh: Mesh, 
 
 
 def replicas_identical(tree: Any) -> bool:
-    """True when every addressable shard of every leaf holds bit-identical data.
-
-    Meant for replicated arrays (params, scaler states): it compares each device's copy
-    with the first one's, bit for bit (NaNs compare equal to themselves).
-    """
+    """True when every addressable shard of every (replicated) leaf holds bit-identical data
+    (NaNs compare equal to themselves)."""
     for leaf in jax.tree_util.tree_leaves(tree):
         shards = [np.asarray(s.data) for s in leaf.addressable_shards]
         ref = (shards[0].shape, shards[0].dtype, shards[0].tobytes())

@@ -1,10 +1,6 @@
-"""The dynamic scale rule shared by the derivative scalers and the loss scaler.
-
-One rule (docs/algorithm.md, "Scale update") serves both families; only the defaults
-differ: the derivative scalers (the field defaults of :class:`DynamicScaler`) scale
-derivative seeds *down* (max 1), the loss scaler (:func:`loss_scaler`) scales the loss *up*
-against weight-gradient underflow. :class:`Scalers` pairs each derivative scaler key with
-its rule and its state.
+"""The dynamic scale rule (docs/algorithm.md, "Scale update") of the derivative scalers, which
+scale seeds *down* (max 1), and of the loss scaler (:func:`loss_scaler`), which scales losses *up*.
+:class:`Scalers` pairs each derivative scaler key with its rule and its state.
 """
 
 from __future__ import annotations
@@ -47,27 +43,19 @@ def _order(small: str, a: float, large: str, b: float, why: str = "") -> None:
 class DynamicScaler:
     """Growth/backoff scale rule with a max scale and a faster "recover" growth.
 
-    The field defaults are the derivative scalers' (docs/algorithm.md, "Defaults"); the loss
-    scaler's are :func:`loss_scaler`'s. After each step, ``update(state, found_inf)``:
-
-    - ``found_inf``: ``scale *= backoff_factor``, tracker reset;
-    - otherwise the tracker counts the clean step; when it *equals* the growth interval
-      (``recover_growth_interval`` while ``scale <= recover_threshold``, else
-      ``growth_interval``) the scale grows by ``growth_factor``, capped at ``max_scale``,
-      and the tracker resets.
-
-    The scale never backs off below :attr:`floor`: ``min_scale`` when given (default None:
-    no floor, as Modulus) and in any case float32's smallest normal 2**-126, since XLA
-    flushes subnormals to zero and a zero scale could never grow back.
+    The field defaults are the derivative scalers' (the loss scaler's: :func:`loss_scaler`).
+    ``update(state, found_inf)``: on ``found_inf`` ``scale *= backoff_factor`` and the tracker
+    resets; otherwise the tracker counts the clean step, and when it *equals* the growth interval
+    (``recover_growth_interval`` while ``scale <= recover_threshold``) the scale grows by
+    ``growth_factor``, capped at ``max_scale``, and the tracker resets. Backoff stops at
+    :attr:`floor` (XLA flushes subnormals to zero, and a zero scale could never grow back).
 
     Args:
-      init_scale: the first scale, in ``(0, max_scale]``.
-      growth_factor: finite, ``> 1``.
-      backoff_factor: in ``(0, 1)``.
+      init_scale: the first scale, in ``(0, max_scale]``. max_scale: the cap of growth, ``> 0``.
+      growth_factor: finite, ``> 1``. backoff_factor: in ``(0, 1)``.
       growth_interval: clean steps between two growths, a positive integer.
-      max_scale: the cap of growth, finite and positive.
-      recover_threshold: below or at this scale, growth uses ``recover_growth_interval``.
-      recover_growth_interval: a positive integer ``<= growth_interval``.
+      recover_threshold: at or below this scale, growth uses ``recover_growth_interval``
+        (a positive integer ``<= growth_interval``).
       min_scale: optional floor of backoff, in ``(0, init_scale]``.
 
     Example:
@@ -120,34 +108,24 @@ class DynamicScaler:
         return SMALLEST_NORMAL if self.min_scale is None else max(self.min_scale, SMALLEST_NORMAL)
 
     def init(self) -> ScaleState:
-        """The initial state ``(init_scale, 0)``.
-
-        Returns:
-          A :class:`ScaleState` of a float32 scale and an int32 tracker.
-        """
+        """The initial :class:`ScaleState` ``(init_scale, 0)`` (float32 scale, int32 tracker)."""
         return ScaleState(scale=jnp.asarray(self.init_scale, jnp.float32), growth_tracker=jnp.asarray(0, jnp.int32))
 
     def update(self, state: ScaleState, found_inf: jax.Array) -> ScaleState:
         """One step of the rule. Pure and branch-free: works under ``jit`` and ``vmap``.
 
         Args:
-          state: the current state.
-          found_inf: ``bool[]``, True when the step this scale guarded overflowed.
+          state: the current state. found_inf: ``bool[]``, the step this scale guarded overflowed.
 
         Returns:
           The next state.
         """
         found_inf = jnp.asarray(found_inf, bool)
         scale = jnp.asarray(state.scale, jnp.float32)
-        tracker = jnp.asarray(state.growth_tracker, jnp.int32)
         backed_off = jnp.maximum(scale * jnp.float32(self.backoff_factor), jnp.float32(self.floor))
-        n = tracker + 1
-        interval = jnp.where(
-            scale <= jnp.float32(self.recover_threshold),
-            jnp.int32(self.recover_growth_interval),
-            jnp.int32(self.growth_interval),
-        )
-        grow = n == interval
+        n = jnp.asarray(state.growth_tracker, jnp.int32) + 1
+        recover = scale <= jnp.float32(self.recover_threshold)
+        grow = n == jnp.where(recover, self.recover_growth_interval, self.growth_interval)
         grown = jnp.minimum(scale * jnp.float32(self.growth_factor), jnp.float32(self.max_scale))
         new_scale = jnp.where(found_inf, backed_off, jnp.where(grow, grown, scale))
         new_tracker = jnp.where(found_inf | grow, jnp.int32(0), n)
@@ -155,8 +133,8 @@ class DynamicScaler:
 
 
 def loss_scaler(**overrides: Any) -> DynamicScaler:
-    """The weight-gradient loss scaler: :data:`LOSS_SCALER_DEFAULTS` (init 2^16, max 2^30, recover
-    below 2^7) over :class:`DynamicScaler`'s defaults, then ``overrides``.
+    """The weight-gradient loss scaler: :data:`LOSS_SCALER_DEFAULTS` over :class:`DynamicScaler`'s
+    defaults, then ``overrides``.
 
     Example:
       >>> from jaxamp.scaler import loss_scaler
@@ -170,9 +148,8 @@ def loss_scaler(**overrides: Any) -> DynamicScaler:
 class Scalers(Mapping[str, ScaleState]):
     """The derivative scalers of a run: each scaler key paired with its rule and its state.
 
-    A read-only mapping ``{key: ScaleState}`` and a pytree whose leaves are the states (the
-    rules are static), so it goes through ``jit``, ``vmap``, ``lax.scan`` and checkpoints
-    like a dict of states, with the same key paths.
+    A read-only mapping ``{key: ScaleState}``, and a pytree like a dict of states (same key
+    paths) whose rules are static.
 
     Args:
       rules: ``{key: DynamicScaler}``.
@@ -213,7 +190,7 @@ class Scalers(Mapping[str, ScaleState]):
           found_inf: ``{key: bool[]}``; every key must be one of these scalers'.
 
         Returns:
-          The updated scalers.
+          The updated :class:`Scalers`.
         """
         unknown = sorted(k for k in found_inf if k not in self._rules)
         if unknown:
@@ -238,10 +215,8 @@ class Scalers(Mapping[str, ScaleState]):
 
     @classmethod
     def tree_unflatten(cls, aux: Tuple[Tuple[str, DynamicScaler], ...], children: list) -> "Scalers":
-        out = object.__new__(cls)
-        out._rules = dict(aux)
-        out._states = dict(zip(out._rules, children))
-        return out
+        rules = dict(aux)
+        return cls(rules, dict(zip(rules, children)))
 
 
 def exact_log2(x: jax.Array) -> jax.Array:
@@ -251,7 +226,7 @@ def exact_log2(x: jax.Array) -> jax.Array:
       x: positive float32 values.
 
     Returns:
-      ``log2(x)`` as float32, an integer for every power of two.
+      ``log2(x)`` as float32.
     """
     mantissa, exponent = jnp.frexp(jnp.asarray(x, jnp.float32))
     return (exponent - 1).astype(jnp.float32) + jnp.log2(2 * mantissa)

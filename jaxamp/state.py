@@ -1,11 +1,6 @@
-"""`AmpState`: every scaler of a run in one pytree, and :func:`init`, the one way to create it.
-
-An :class:`AmpState` holds the derivative scalers (one per scaler key of the program) and the
-weight-gradient loss scaler, their rules as static fields, so it goes through ``jit``,
-``pmap``, ``lax.scan`` and checkpoints as an ordinary pytree of arrays. With float16
-derivative scaling off (fp32, bf16, ``enabled=False``, ``derivative_scaling=False``) it has no
-derivative scalers; with loss scaling off (fp32, bf16, ``enabled=False``) its loss scale is 1
-and never moves: fp32 means off, whatever path the program takes.
+"""`AmpState`: every scaler of a run in one pytree (rules static), and :func:`init`, the one way
+to create it. Without derivative scaling it has no derivative scalers; without loss scaling its
+loss scale stays 1.
 """
 
 from __future__ import annotations
@@ -25,12 +20,9 @@ __all__ = ["AmpState", "init", "find"]
 class AmpState:
     """The scalers of a run: derivative scalers per key and the loss scaler, with their rules.
 
-    Create it with :func:`init`. Attributes:
-
-    - ``amp``: the :class:`~jaxamp.AmpConfig` (static);
-    - ``derivative``: a :class:`~jaxamp.scaler.Scalers`, ``{key: ScaleState}``;
-    - ``loss``: the loss scaler's :class:`~jaxamp.ScaleState` (scale 1 when loss scaling is off);
-    - ``loss_rule``: its :class:`~jaxamp.DynamicScaler`, or None when loss scaling is off (static).
+    Create it with :func:`init`. Attributes: ``amp``, the :class:`~jaxamp.AmpConfig` (static);
+    ``derivative``, a :class:`~jaxamp.scaler.Scalers`; ``loss``, the loss scaler's ``ScaleState``
+    (scale 1 when loss scaling is off); ``loss_rule``, its ``DynamicScaler`` or None (static).
 
     Example:
       >>> import jaxamp
@@ -71,29 +63,21 @@ class AmpState:
         return cls(aux[0], children[0], children[1], aux[1])
 
 
-def _fixed_loss() -> ScaleState:
-    return ScaleState(jnp.asarray(1.0, jnp.float32), jnp.asarray(0, jnp.int32))
-
-
 def init(fun: Optional[Callable[..., Any]], amp: Optional[AmpConfig] = None, *, keys: Sequence[str] = (),
          from_profile: bool = True, margin_log2: int = 2) -> Callable[..., AmpState]:  # fmt: skip
     """The :class:`AmpState` of a program written with :func:`jaxamp.grad` and its siblings.
 
     Args:
-      fun: the function whose derivatives the scalers guard (the loss, or the per-point
-        losses), called on example arguments to find its scaler keys; None: no derivative
-        scalers but ``keys``'.
-      amp: the settings (None: ``AmpConfig()``): every scaler's rule, which scalers act.
-      from_profile: start each derivative scaler where a float32 profile of ``fun`` at scale
-        1 puts it (:func:`jaxamp.window.recommend`); it still grows up to the configured max
-        by the growth rule. False: every key starts at the configured ``init_scale``.
+      fun: the function whose derivatives the scalers guard, called on example arguments to find
+        its scaler keys; None: no derivative scalers but ``keys``'.
+      amp: the settings (None: ``AmpConfig()``).
+      from_profile: start each derivative scaler where a float32 profile of ``fun`` at scale 1
+        puts it (:func:`jaxamp.window.recommend`); False: at the configured ``init_scale``.
       margin_log2: powers of two kept free below 65504 when starting from the profile.
-      keys: more scaler keys, started at their configured rule (e.g. the ``scaler_keys`` of a
-        :class:`jaxamp.Derivatives` engine whose loss takes ``state.scales`` explicitly).
+      keys: more scaler keys, started at their configured rule (e.g. an engine's ``scaler_keys``).
 
     Returns:
-      ``init_state(*args, **kwargs) -> AmpState``, evaluated on example arguments (e.g. the
-      initial parameters and a first batch), as ``fun`` takes them.
+      ``init_state(*args, **kwargs) -> AmpState``, called on example arguments as for ``fun``.
 
     Example:
       >>> import jax.numpy as jnp, jaxamp
@@ -122,15 +106,11 @@ def init(fun: Optional[Callable[..., Any]], amp: Optional[AmpConfig] = None, *, 
             found = init_scalers(fun, amp, from_profile=from_profile, margin_log2=margin_log2)(*args, **kwargs)
             rules, states = dict(found.rules), dict(found)
         if amp.scaler_enabled:
-            for k in keys:
-                if k not in rules:
-                    rules[k] = amp.derivative_scaler_for(k)
-                    states[k] = rules[k].init()
-        derivative = Scalers(rules, states)
+            rules.update({k: amp.derivative_scaler_for(k) for k in keys if k not in rules})
+            states.update({k: rules[k].init() for k in keys if k not in states})
         rule = amp.make_loss_scaler()
-        if rule is not None:
-            return AmpState(amp, derivative, rule.init(), rule)
-        return AmpState(amp, derivative, _fixed_loss(), None)
+        off = ScaleState(jnp.asarray(1.0, jnp.float32), jnp.asarray(0, jnp.int32))
+        return AmpState(amp, Scalers(rules, states), off if rule is None else rule.init(), rule)
 
     return init_state
 

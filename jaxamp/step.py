@@ -1,10 +1,6 @@
-"""The pieces of a mixed-precision train step (docs/algorithm.md, "Training step").
-
-(1) gradients of ``loss * loss_scale``, unscaled (:func:`loss_scaled_grad`); (2) the apply-or-skip decision over any pytrees
-(:func:`check_step`, :meth:`StepCheck.select`); (3) the scaler updates (:func:`update_scalers`).
-:func:`jaxamp.value_and_grad`, :func:`jaxamp.apply_or_skip`, :func:`jaxamp.optimizer` and
-:func:`jaxamp.train.make_train_step` are built from them. All branches are selects: no host
-synchronisation, one compilation.
+"""The pieces of a mixed-precision train step (docs/algorithm.md, "Training step"): gradients
+(:func:`loss_scaled_grad`), the apply-or-skip decision (:func:`check_step`) and the scaler updates
+(:func:`update_scalers`). All branches are selects: no host synchronisation, one compilation.
 """
 
 from __future__ import annotations
@@ -23,8 +19,8 @@ T = TypeVar("T")
 Flags = Mapping[str, jax.Array]
 
 class SkipReason(enum.IntEnum):
-    """Why a step was skipped (``metrics["skip_reason"]``, ``AmpOptState.skip_reason``;
-    docs/algorithm.md, "Training step"). An ``int`` enum: compare with the ``i32`` arrays.
+    """Why a step was skipped (``metrics["skip_reason"]``, ``AmpOptState.skip_reason``), an ``int``
+    enum to compare with the ``i32`` arrays.
 
     Example:
       >>> from jaxamp.step import SkipReason
@@ -39,11 +35,9 @@ class SkipReason(enum.IntEnum):
 
 
 class ScaledGrads(NamedTuple):
-    """What :func:`jaxamp.value_and_grad` returns as gradients: the weight gradients (the loss
-    scale divided out), the derivative flags and each key's headroom (``{key: f32[]}``, as
-    :func:`jaxamp.scaled`'s ``headroom=True``; XLA drops it when unused) of the same
-    evaluation. The optimizer of :func:`jaxamp.optimizer` and :func:`jaxamp.apply_or_skip`
-    take it as it is."""
+    """What :func:`jaxamp.value_and_grad` returns as gradients: the weight gradients (loss scale
+    divided out), the derivative flags and each key's headroom (``{key: f32[]}``), for
+    :func:`jaxamp.optimizer` and :func:`jaxamp.apply_or_skip`."""
 
     grads: Any
     found_inf: Dict[str, jax.Array]
@@ -51,9 +45,8 @@ class ScaledGrads(NamedTuple):
 
 def loss_scaled_grad(fun: Callable[..., Tuple[jax.Array, Any]], argnums: Any,
                      loss_scale: Optional[jax.Array]) -> Callable[..., Tuple[Any, Tuple[jax.Array, Any]]]:  # fmt: skip
-    """The gradients of ``fun``'s loss times ``loss_scale`` (float32), divided by it: the
-    loss-scaled gradient of :func:`jaxamp.value_and_grad`. In float16 weight gradients that
-    would underflow survive; a too large scale shows as non-finite gradients (:func:`check_step`).
+    """The gradients of ``fun``'s loss times ``loss_scale`` (float32), divided by it, as in
+    :func:`jaxamp.value_and_grad`: float16 weight gradients that would underflow survive.
 
     Args:
       fun: ``fun(*args) -> (loss, aux)``.
@@ -92,8 +85,7 @@ class StepCheck(NamedTuple):
 
     def select(self, applied: T, skipped: T) -> T:
         """``applied`` where the step applies, else ``skipped``, leaf by leaf, for any pytrees of
-        the same structure (params, optimizer state, loss weights, EMA, ...). A select, not a
-        blend: inf/NaN in the unselected tree never leak.
+        the same structure. A select, not a blend: inf/NaN in the unselected tree never leak.
 
         Example:
           >>> import jax.numpy as jnp, jaxamp
@@ -105,27 +97,19 @@ class StepCheck(NamedTuple):
         return jmp.select_tree(self.apply, applied, skipped)
 
 
-def _any(flags: Any) -> jax.Array:
-    leaves = [jnp.asarray(x, bool).reshape(()) for x in jax.tree_util.tree_leaves(flags)]
-    return jnp.stack(leaves).any() if leaves else jnp.asarray(False)
-
-
 def check_step(found_inf: Flags, grads: Any, scalers: Mapping[str, Any], *, axis_name: Optional[Any] = None) -> StepCheck:
     """Decide whether a step applies, and why not.
 
-    Precedence (docs/algorithm.md, "Training step"): bad values (``found_inf[NONFINITE_VALUES]``)
-    over a derivative overflow over non-finite weight gradients. Bad values make every later
-    quantity non-finite and no scale can cure them, so they must not be blamed on a scaler; a
-    derivative overflow makes the loss and gradients non-finite, so it must not be blamed on the
-    loss scaler.
+    Precedence (docs/algorithm.md, "Training step"): bad values (``found_inf[NONFINITE_VALUES]``,
+    which no scale cures) over a derivative overflow (which makes the gradients non-finite) over
+    non-finite weight gradients.
 
     Args:
       found_inf: ``{key: bool[]}`` from the derivative engines, ``NONFINITE_VALUES`` included.
       grads: the unscaled weight gradients (any pytree).
-      scalers: the derivative scalers (or any mapping with the same keys); a flag whose key is
-        neither one of them nor ``NONFINITE_VALUES`` is an error.
-      axis_name: inside ``pmap``/``shard_map``/``vmap`` with a named axis: the flags are OR-ed
-        over it, so every replica takes the same decision.
+      scalers: the derivative scalers (or any mapping with the same keys); a flag under any
+        other key but ``NONFINITE_VALUES`` is an error.
+      axis_name: inside ``pmap``/``shard_map``/``vmap``: OR the flags over this named axis.
 
     Returns:
       A :class:`StepCheck`.
@@ -151,7 +135,7 @@ def check_step(found_inf: Flags, grads: Any, scalers: Mapping[str, Any], *, axis
     if axis_name is not None:
         reduce = lambda b: jax.lax.pmax(b.astype(jnp.int32), axis_name) > 0  # noqa: E731
         flags, values, finite = {k: reduce(v) for k, v in flags.items()}, reduce(values), ~reduce(~finite)
-    overflow = _any(flags)
+    overflow = jnp.stack(list(flags.values())).any() if flags else jnp.asarray(False)
     reason = jnp.where(values, int(SkipReason.NONFINITE_VALUES), jnp.where(overflow, int(SkipReason.DERIVATIVE_OVERFLOW),
                        jnp.where(finite, int(SkipReason.APPLIED), int(SkipReason.NONFINITE_GRADS))))
     return StepCheck(apply=reason == int(SkipReason.APPLIED), skip_reason=reason.astype(jnp.int32), found_inf=flags,
@@ -161,18 +145,13 @@ def check_step(found_inf: Flags, grads: Any, scalers: Mapping[str, Any], *, axis
 def update_scalers(
     check: StepCheck, scalers: Scalers, loss_scale: ScaleState, loss_rule: Optional[DynamicScaler]
 ) -> Tuple[Scalers, ScaleState]:
-    """The scaler updates after a step (docs/algorithm.md, "Training step").
-
-    - bad values: no scaler changes, not even a tracker;
-    - otherwise every derivative scaler steps with its own flag, skipped step or not;
-    - the loss scaler steps with "gradients non-finite" unless a derivative overflowed.
+    """The scaler updates after a step (docs/algorithm.md, "Training step"): on bad values none
+    moves; else every derivative scaler steps with its own flag, and unless a derivative
+    overflowed the loss scaler steps with "gradients non-finite".
 
     Args:
-      check: this step's :class:`StepCheck`.
-      scalers: the derivative scalers.
-      loss_scale: the loss scaler's state.
-      loss_rule: the loss scaler's rule (``amp.make_loss_scaler()``), or None when loss
-        scaling is off (the state stays as it is).
+      check: this step's :class:`StepCheck`. scalers: the derivative scalers.
+      loss_scale, loss_rule: the loss scaler's state and rule (None: loss scaling off, no change).
 
     Returns:
       ``(scalers, loss_scale)`` after the step.

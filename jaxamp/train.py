@@ -1,5 +1,4 @@
-"""`TrainState` and `make_train_step`: the pieces of :mod:`jaxamp.step` composed into one
-skip-on-overflow step (docs/algorithm.md, "Training step")."""
+"""`TrainState` and `make_train_step`: :mod:`jaxamp.step`'s pieces as one skip-on-overflow step."""
 
 from __future__ import annotations
 
@@ -24,12 +23,8 @@ class TrainState(NamedTuple):
     """Everything a training run carries from step to step. A pytree of arrays only.
 
     Attributes:
-      step: ``i32[]``, steps taken, applied or skipped.
-      params: the parameters (float32 pytree).
-      opt_state: the optax state of the optimizer given to :func:`make_train_step`.
-      amp_state: every scaler of the run, an :class:`~jaxamp.AmpState` (``.derivative``:
-        ``{key: ScaleState}``; ``.loss``: the weight-gradient loss scaler), as
-        :func:`jaxamp.value_and_grad` and :func:`jaxamp.optimizer` hold it.
+      step: ``i32[]``, steps taken, applied or skipped. params: the parameters (float32 pytree).
+      opt_state: the optimizer's state. amp_state: every scaler, an :class:`~jaxamp.AmpState`.
     """
 
     step: jax.Array
@@ -45,38 +40,32 @@ class TrainState(NamedTuple):
         """The initial state.
 
         Args:
-          params: the parameters.
-          optimizer: the optax transformation the step will use.
-          amp: the settings; they give each scaler's rule.
+          params, optimizer, amp: the parameters, the step's optax transformation, the settings.
           engines: every derivative engine the loss uses: one derivative scaler per key of theirs.
-          amp_state: the scalers, from :func:`jaxamp.init` of the loss (e.g.
-            ``jaxamp.init(loss_fn, amp)(params, batch)``: every key the loss's engines use, each
-            started where a float32 profile of the loss puts it); None: one scaler per key of
-            ``engines``, each at its configured start.
+          amp_state: the scalers, from ``jaxamp.init(loss_fn, amp)(params, batch)``; None: one
+            scaler per key of ``engines``, at its configured start.
 
         Returns:
-          A state at step 0. With the loss scaler inactive (AMP off, bf16, fp32) the loss scale is
-          fixed at 1; with the derivative scalers inactive there are none.
+          A state at step 0 (loss scale 1 and no derivative scalers where those are inactive).
 
         Example:
           >>> import jax.numpy as jnp, optax, jaxamp
-          >>> amp = jaxamp.AmpConfig(dtype="float16")
+          >>> from jaxamp.train import TrainState
+          >>> amp, params = jaxamp.AmpConfig(dtype="float16"), {"w": jnp.float32(1.0)}
           >>> engine = jaxamp.Derivatives(lambda p, x: p["w"] * jnp.sin(x), inputs=("x",), outputs=("u",),
           ...                             derivatives=("u__x__x",), amp=amp)
-          >>> state = jaxamp.train.TrainState.create(params={"w": jnp.float32(1.0)}, optimizer=optax.adam(1e-3),
-          ...                                        amp=amp, engines=[engine])
+          >>> state = TrainState.create(params=params, optimizer=optax.adam(1e-3), amp=amp, engines=[engine])
           >>> int(state.step), sorted(state.scales), float(state.amp_state.loss_scale)
           (0, ['1', '2'], 65536.0)
           >>> loss_fn = lambda p, points: jnp.mean(engine(p, points)["u__x__x"] ** 2)
-          >>> started = jaxamp.init(loss_fn, amp)({"w": jnp.float32(1.0)}, {"x": jnp.linspace(0.0, 1.0, 8)})
-          >>> state = jaxamp.train.TrainState.create(params={"w": jnp.float32(1.0)}, optimizer=optax.adam(1e-3),
-          ...                                        amp=amp, amp_state=started)
+          >>> started = jaxamp.init(loss_fn, amp)(params, {"x": jnp.linspace(0.0, 1.0, 8)})
+          >>> state = TrainState.create(params=params, optimizer=optax.adam(1e-3), amp=amp, amp_state=started)
           >>> sorted(state.scales)
           ['1', '2']
         """
         if not isinstance(amp, AmpConfig):
             raise TypeError(f"TrainState.create: `amp`={amp!r} must be an AmpConfig.")
-        keys = []
+        keys = {}
         for e in engines:
             if not isinstance(e, Derivatives):
                 raise TypeError(f"TrainState.create: `engines` must hold jaxamp.Derivatives engines, got {e!r}.")
@@ -86,9 +75,9 @@ class TrainState(NamedTuple):
                     f"`amp` has no derivative scalers (enabled={amp.enabled}, dtype={amp.dtype!r}, "
                     f"derivative_scaling={amp.derivative_scaling}); build the engines with the same amp."
                 )
-            keys += list(e.scaler_keys)
+            keys.update(dict.fromkeys(e.scaler_keys))
         if amp_state is None:
-            scalers = init(None, amp, keys=tuple(dict.fromkeys(keys)))()  # the one way to create them
+            scalers = init(None, amp, keys=tuple(keys))()
         elif not isinstance(amp_state, AmpState):
             raise TypeError(f"TrainState.create: `amp_state`={amp_state!r} must be None or the AmpState of "
                             "jaxamp.init(loss_fn, amp)(...).")
@@ -97,7 +86,7 @@ class TrainState(NamedTuple):
                              f"than `amp` ({amp!r}); create it with jaxamp.init(loss_fn, amp)(...).")
         else:
             scalers = amp_state
-            missing = [k for k in dict.fromkeys(keys) if k not in scalers.scales]
+            missing = [k for k in keys if k not in scalers.scales]
             if missing:
                 raise KeyError(f"TrainState.create: `amp_state` has no scaler for the engines' key(s) {missing}; it "
                                f"has {sorted(scalers.scales)}. Create it with jaxamp.init of the loss that uses them.")
@@ -109,12 +98,6 @@ class TrainState(NamedTuple):
         return self.amp_state.scales
 
 
-def _clip(grads: Any, max_norm: float, norm: jax.Array) -> Any:
-    """torch's ``clip_grad_norm_``: scale by ``min(1, max_norm / (norm + 1e-6))``."""
-    coef = jnp.minimum(jnp.float32(max_norm) / (norm + jnp.float32(1e-6)), jnp.float32(1.0))
-    return jax.tree_util.tree_map(lambda g: g * coef.astype(g.dtype), grads)
-
-
 def step_metrics(loss: jax.Array, terms: Any, check: StepCheck, grad_norm: jax.Array,
                  scalers: Scalers, loss_scale: ScaleState, extra: Optional[Mapping[str, jax.Array]] = None,
                  ) -> Dict[str, jax.Array]:
@@ -123,9 +106,7 @@ def step_metrics(loss: jax.Array, terms: Any, check: StepCheck, grad_norm: jax.A
     Args:
       loss: the unscaled loss. terms: ``{name: f32[]}``. check: the step's :class:`~jaxamp.StepCheck`.
       grad_norm: the global norm of the unscaled gradients. scalers, loss_scale: after the update.
-      extra: ``{name: f32[]}`` more metrics (the ``metrics`` of the loss function's
-        ``(loss, (terms, metrics))``, ``headroom_log2/<key>``), reported under their names; a
-        name the step reports itself is an error.
+      extra: ``{name: f32[]}`` more metrics, reported under their names (not the step's own).
 
     Returns:
       ``{"loss", "skipped", "skip_reason", "found_nonfinite_values", "grad_norm", "terms/<name>",
@@ -133,29 +114,26 @@ def step_metrics(loss: jax.Array, terms: Any, check: StepCheck, grad_norm: jax.A
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxamp
-      >>> amp = jaxamp.AmpConfig(dtype="float16")
-      >>> state = jaxamp.init(None, amp, keys=["2"])()
-      >>> scalers, loss_scale = state.derivative, state.loss
+      >>> state = jaxamp.init(None, jaxamp.AmpConfig(dtype="float16"), keys=["2"])()
       >>> grads = {"w": jnp.ones(2)}
-      >>> check = jaxamp.step.check_step({"2": jnp.array(False)}, grads, scalers)
+      >>> check = jaxamp.step.check_step({"2": jnp.array(False)}, grads, state.derivative)
       >>> metrics = jaxamp.train.step_metrics(jnp.float32(0.5), {"pde": jnp.float32(0.5)}, check,
-      ...                                     optax.tree.norm(grads), scalers, loss_scale)
+      ...                                     optax.tree.norm(grads), state.derivative, state.loss)
       >>> sorted(metrics)  # doctest: +NORMALIZE_WHITESPACE
       ['found_inf/2', 'found_nonfinite_values', 'grad_norm', 'loss', 'scale_log2/2', 'scale_log2/loss',
        'skip_reason', 'skipped', 'terms/pde']
     """
     metrics = {"loss": loss, "skipped": ~check.apply, "skip_reason": check.skip_reason,
-               "found_nonfinite_values": check.nonfinite_values, "grad_norm": grad_norm}
-    metrics.update({f"terms/{k}": v for k, v in terms.items()})
-    metrics["scale_log2/loss"] = exact_log2(loss_scale.scale)
-    metrics.update({f"scale_log2/{k}": exact_log2(s.scale) for k, s in scalers.items()})
-    metrics.update({f"found_inf/{k}": v for k, v in check.found_inf.items()})
+               "found_nonfinite_values": check.nonfinite_values, "grad_norm": grad_norm,
+               **{f"terms/{k}": v for k, v in terms.items()},
+               "scale_log2/loss": exact_log2(loss_scale.scale),
+               **{f"scale_log2/{k}": exact_log2(s.scale) for k, s in scalers.items()},
+               **{f"found_inf/{k}": v for k, v in check.found_inf.items()}}
     clash = sorted(k for k in (extra or {}) if k in metrics)
     if clash:
         raise ValueError(f"step_metrics: the loss function's metric name(s) {clash} are not allowed: the step "
                          f"reports them itself ({sorted(metrics)}); rename them (e.g. 'my/{clash[0]}').")
-    metrics.update(dict(extra or {}))
-    return metrics
+    return {**metrics, **(extra or {})}
 
 
 AUX_CONTRACT = (
@@ -194,28 +172,17 @@ def make_train_step(
     """A pure ``step(state, batch) -> (state, metrics)``; ``jax.jit`` it.
 
     Args:
-      loss_fn: ``loss_fn(params, batch) -> (loss, terms)``, as the user writes it: its
+      loss_fn: ``loss_fn(params, batch) -> (loss, terms)`` or ``(loss, (terms, metrics))``, its
         derivatives by :class:`jaxamp.Derivatives` engines (or :func:`jaxamp.grad` and its
-        siblings), which take their scales from the state and report their flags to the step
-        (:func:`jaxamp.value_and_grad`); ``terms`` a dict of loss terms to report. It may return
-        ``(loss, (terms, metrics))``: ``metrics`` ``{name: f32[]}`` are reported as they are
-        named.
-      optimizer: any optax transformation. Its schedule counts *applied* updates only (a
-        skipped step leaves the optimizer state untouched), unlike Modulus.
+        siblings); ``terms`` and ``metrics`` ``{name: f32[]}`` are reported.
+      optimizer: any optax transformation; its schedule counts *applied* updates only.
       amp: the settings (each scaler's rule, which scalers act).
-      grad_clip_max_norm: global-norm clipping of the unscaled weight gradients as torch's
-        ``clip_grad_norm_``; None or 0 (default): no clipping (Modulus' trainer clips at 0.5).
-      merge: as :func:`jaxamp.scaled`. Off by default: an engine's plan already shares its
-        passes and its program stays as written (merging its repeated primal passes lowers the
-        FLOPs but was measured slower on some problems: docs/benchmarks.md).
-      headroom: also report ``headroom_log2/<key>``: powers of two left below 65504 by the
-        largest scaled derivative each key's checks saw in this step (``ScaledGrads.headroom_log2``;
-        one max per check, no extra pass).
+      grad_clip_max_norm: torch's ``clip_grad_norm_`` of the unscaled gradients; None or 0: none.
+      merge: as :func:`jaxamp.scaled`; off by default (slower on some problems: docs/benchmarks.md).
+      headroom: also report ``headroom_log2/<key>`` (``ScaledGrads.headroom_log2``).
 
     Returns:
-      The step: :func:`jaxamp.value_and_grad` over the state's :class:`~jaxamp.AmpState`,
-      :func:`~jaxamp.step.check_step`, the update applied or skipped
-      (:meth:`~jaxamp.StepCheck.select`), every scaler advanced (:func:`jaxamp.optim.advance`).
+      The step: :func:`jaxamp.value_and_grad`, the update applied or skipped, every scaler advanced.
 
     Example (``u'' + u = 0`` for ``u = w sin(x)``):
       >>> import jax, jax.numpy as jnp, optax, jaxamp
@@ -253,14 +220,14 @@ def make_train_step(
         if not isinstance(amp_state, AmpState) or amp_state.amp != amp:
             raise ValueError(f"make_train_step: the state's `amp_state` ({amp_state!r}) was not created with the "
                              f"step's `amp` ({amp!r}); create the state with TrainState.create(..., amp=amp).")
-        scalers = amp_state.derivative
         (loss, aux), scaled_grads = grad_fn(amp_state, state.params, batch)
         terms, extra = _split_aux(aux)
         grads = scaled_grads.grads
-        check = check_step(scaled_grads.found_inf, grads, scalers)
+        check = check_step(scaled_grads.found_inf, grads, amp_state.derivative)
         grad_norm = optax.tree.norm(grads)
-        if clip > 0:
-            grads = _clip(grads, clip, grad_norm)
+        if clip > 0:  # torch's clip_grad_norm_
+            coef = jnp.minimum(jnp.float32(clip) / (grad_norm + jnp.float32(1e-6)), 1.0)
+            grads = jax.tree_util.tree_map(lambda g: g * coef.astype(g.dtype), grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params, opt_state = check.select((optax.apply_updates(state.params, updates), opt_state),
                                          (state.params, state.opt_state))

@@ -1,10 +1,5 @@
-"""float16's window: the :class:`Range` and :class:`Profile` types, start scales and the table.
-
-float16 holds magnitudes from ``2**-14`` (its smallest normal) up to 65504; under the DerivScaler a
-derivative of scaler key ``k`` and the passes producing it live in float16 times ``scale_k``.
-:func:`jaxamp.profile` (:mod:`jaxamp.dropin.ranges`) measures a :class:`Range` per key with every
-float16/bfloat16 operation promoted to float32 (:func:`promote_eqn`); :func:`recommend` turns it
-into per-key *start* scales (:meth:`Recommendation.apply`), :func:`format_profile` into a table.
+"""float16's window (``2**-14`` to 65504): :class:`Range` and :class:`Profile` (what
+:func:`jaxamp.profile` measures), start scales (:func:`recommend`) and :func:`format_profile`.
 """
 
 from __future__ import annotations
@@ -30,8 +25,8 @@ NOTHING_TO_CHANGE = "# nothing to change: every key fits at its configured start
 
 
 class Range(NamedTuple):
-    """The range of one group of values, as float16 holds them (scaled). All ``f32``; the
-    fields are the columns of :data:`LEGEND` (``-inf`` max and percentiles: no nonzero value)."""
+    """The range of one group of values, as float16 holds them (scaled): the ``f32`` columns of
+    :data:`LEGEND` (``-inf`` max and percentiles: no nonzero value)."""
 
     log2_max: jax.Array
     log2_percentiles: jax.Array  # [len(PERCENTILES)]
@@ -42,11 +37,9 @@ class Range(NamedTuple):
 
 
 class Profile(NamedTuple):
-    """What :func:`jaxamp.profile` measures, per scaler key (one schema for every program):
-    ``derivatives[key]``: the scaled derivatives the key's checks look at, any dtype;
-    ``hidden[key]``: the float16/bfloat16 values of the passes the key's seed scales;
-    ``keys[key]``: the values of both that the program holds in float16/bfloat16 (what
-    :func:`recommend` fits)."""
+    """What :func:`jaxamp.profile` measures, per scaler key: ``derivatives``: the scaled
+    derivatives the key's checks look at; ``hidden``: the float16/bfloat16 values of the passes
+    the key's seed scales; ``keys``: those values of both (what :func:`recommend` fits)."""
 
     derivatives: Dict[str, Range]
     hidden: Dict[str, Range]
@@ -69,8 +62,7 @@ def value_range(values: jax.Array, scale=1.0) -> Range:
 
 
 def _percentiles(values: jax.Array, count: jax.Array) -> jax.Array:
-    """:data:`PERCENTILES` of the ``count`` smallest entries of ``values`` (the rest are +inf),
-    interpolated linearly as ``numpy.percentile``; one sort (``jnp.nanpercentile`` compiles slower)."""
+    """:data:`PERCENTILES` of the ``count`` smallest ``values`` (the rest +inf), as numpy's."""
     ordered = jnp.sort(values)
     pos = jnp.asarray(PERCENTILES, jnp.float32) / 100.0 * (count - 1.0)
     lo = jnp.floor(pos).astype(jnp.int32)
@@ -80,8 +72,7 @@ def _percentiles(values: jax.Array, count: jax.Array) -> jax.Array:
 
 
 def promote_to_float32(fn: Callable) -> Callable:
-    """``fn`` with every float16/bfloat16 operation of its traced program run in float32: the
-    same graph, so its ranges are the mixed-precision program's without rounding or overflow."""
+    """``fn`` with every float16/bfloat16 operation of its traced program run in float32."""
 
     def promoted(*args):
         closed = jax.make_jaxpr(fn)(*args)
@@ -95,8 +86,7 @@ def promote_to_float32(fn: Callable) -> Callable:
 
 
 def promote_eqn(eqn, vals):
-    """The interpreter rule of :func:`promote_to_float32`: one equation, float16/bfloat16 run in
-    float32 (call and ``custom_jvp``/``custom_vjp`` bodies inlined and promoted)."""
+    """The interpreter rule of :func:`promote_to_float32` (call and custom bodies inlined)."""
     body = sub_jaxpr(eqn) or custom_body(eqn)
     if body is not None:
         return eval_jaxpr(body.jaxpr, [promote_value(c) for c in body.consts], vals, promote_eqn,
@@ -119,21 +109,18 @@ def promote_value(x):
 
 
 class Recommendation(NamedTuple):
-    """Per-key start scales ``2**scales_log2[key]`` that fit each key in float16's window
-    with ``margin_log2`` powers of two to spare at the top, and ``custom_init_scales_log2``:
-    the keys that must start below the default max scale (empty: nothing to change)."""
+    """Per-key start scales ``2**scales_log2[key]`` that fit float16 with ``margin_log2`` to spare,
+    and ``custom_init_scales_log2``: the keys that must start below the default max scale."""
 
     scales_log2: Dict[str, int]
     custom_init_scales_log2: Dict[str, int]
     margin_log2: int
 
     def apply(self, amp):
-        """``amp`` (a :class:`jaxamp.AmpConfig`) with these start scales in its
-        ``custom_init_scales_log2``.
+        """``amp`` (a :class:`jaxamp.AmpConfig`) with these ``custom_init_scales_log2`` starts.
 
         Returns:
-          A copy in which every recommended key starts at its scale, or at its own max scale
-          if that is lower. Max scales are unchanged: a key grows back up to its max.
+          A copy in which every recommended key starts at its scale, or at its max scale if lower.
 
         Example:
           >>> import jaxamp
@@ -148,8 +135,7 @@ class Recommendation(NamedTuple):
         return dataclasses.replace(amp, custom_init_scales_log2=starts)
 
     def to_yaml(self) -> str:
-        """An ``amp:`` block of ``custom_init_scales_log2`` to paste into a config, or, when
-        no key has to start lower, :data:`NOTHING_TO_CHANGE` (a YAML comment line)."""
+        """An ``amp:`` block of ``custom_init_scales_log2``, or :data:`NOTHING_TO_CHANGE`."""
         items = "".join(f'\n    "{k}": {v}' for k, v in sorted(self.custom_init_scales_log2.items()))
         return f"amp:\n  custom_init_scales_log2:{items}\n" if items else NOTHING_TO_CHANGE
 
@@ -164,18 +150,15 @@ def recommend(prof: Profile, *, margin_log2: int = 2, default_max_scale_log2: in
     """Start scales from a (host-side, concrete) :class:`Profile` measured at scale 1.
 
     Args:
-      prof: a profile computed with every scale 1 (the unscaled ranges).
-      margin_log2: powers of two kept free below 65504 (a key's max lands at ``2**(16 - 1 -
-        margin)`` or lower).
-      default_max_scale_log2: the config's default max scale exponent: no start is above it,
-        and keys that fit at it get no ``custom_init_scales_log2`` entry.
+      prof: a profile computed with every scale 1.
+      margin_log2: powers of two kept free below 65504.
+      default_max_scale_log2: the config's default max scale exponent: no start is above it.
 
     Returns:
-      A :class:`Recommendation`: a key whose largest value ``m`` (``prof.keys``) needs it
-      starts at ``2**floor(log2(65504) - margin_log2 - log2(m))``; an all-zero key at the default.
+      A :class:`Recommendation`: a key whose largest value is ``m`` starts at
+      ``2**floor(log2(65504) - margin_log2 - log2(m))`` if below the default.
 
-    Example (``u = w sin(x)`` in float16 with ``w = 2**15``: key ``"1"``'s float16 values reach
-    ``2**14.8``, so it starts at ``2**floor(15.99 - 2 - 14.8) = 2**-1``; key ``"2"`` likewise):
+    Example (``u = w sin(x)`` in float16, ``w = 2**15``: both keys reach ``2**14.8``):
       >>> import jax, jax.numpy as jnp, jaxamp
       >>> from jaxamp.window import recommend
       >>> amp = jaxamp.AmpConfig(dtype="float16")
@@ -191,13 +174,12 @@ def recommend(prof: Profile, *, margin_log2: int = 2, default_max_scale_log2: in
       True
     """
     check_margin(margin_log2, "recommend")
-    scales, custom = {}, {}
+    scales = {}
     for key, r in prof.keys.items():
         top = float(np.asarray(r.log2_max))
         fit = math.floor(LOG2_FP16_MAX - margin_log2 - top) if math.isfinite(top) else default_max_scale_log2
-        scales[key] = exp = max(min(default_max_scale_log2, fit), -126)
-        if exp < default_max_scale_log2:
-            custom[key] = exp
+        scales[key] = max(min(default_max_scale_log2, fit), -126)
+    custom = {k: exp for k, exp in scales.items() if exp < default_max_scale_log2}
     return Recommendation(scales_log2=scales, custom_init_scales_log2=custom, margin_log2=margin_log2)
 
 
@@ -218,7 +200,7 @@ def format_profile(prof: Profile, *, legend: bool = True) -> str:
     {LEGEND}
 
     Args:
-      prof: a concrete :class:`Profile` (e.g. from a jitted :func:`profile`).
+      prof: a concrete :class:`Profile`.
       legend: print that legend (:data:`LEGEND`) below the table.
 
     Returns:

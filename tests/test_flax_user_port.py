@@ -6,7 +6,7 @@ vmap, optax adam, flax.training.train_state.TrainState and ``state.apply_gradien
 fp16.py is its port: the network under jaxamp.autocast, jaxamp.hessian, the optimizer wrapped by
 jaxamp.optimizer around an AMP state from jaxamp.init, jaxamp.value_and_grad in the train step;
 ``apply_gradients`` unchanged. Fast: at most 12 changed lines of at most 100 characters without
-lambdas, the train step at most 3. Slow: the port trains within 1.5x of fp32's error and plain
+lambdas, the train step at most 3. Slow: a 3-step run, and the port trains within 1.5x of fp32's error and plain
 fp16 (``--plain-fp16``) never trains.
 """
 
@@ -32,6 +32,7 @@ def test_the_original_is_plain_flax_and_the_port_keeps_its_structure():
         assert idiom in fp16, idiom
 
 
+@pytest.mark.slow
 def test_the_port_runs_a_few_steps():
     from examples.flax_user import fp16
 

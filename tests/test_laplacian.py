@@ -84,21 +84,26 @@ def assert_methods_equal(values, rtol):
         assert_close(got, ref, rtol, method)
 
 
-@pytest.mark.parametrize("d", [2, 3, 8])
+# d = 3 in the fast suite; d = 2 and 8 with -m slow.
+DIMS = [pytest.param(2, marks=pytest.mark.slow), 3, pytest.param(8, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("d", DIMS)
 def test_every_method_is_the_trace_of_the_hessian_float32(d):
     params, x = init(d), points(d)
     assert_methods_equal(all_methods(mlp, subset=(0, d - 1) if d > 2 else None)(params, x), 1e-5)
 
 
-def test_float64_every_method_and_every_d():
+@pytest.mark.parametrize("d", [pytest.param(2, marks=pytest.mark.slow), 3, 8])
+def test_float64_every_method(d):
+    """Every method at d = 3; the collapsed one (and a subset of the inputs) at d = 2 and 8."""
     with jax.enable_x64(True):
-        for d in (2, 3, 8):
-            params = jax.tree_util.tree_map(lambda a: a.astype(jnp.float64), init(d))
-            x = points(d, dtype=jnp.float64)
-            methods = tuple(METHODS) if d == 3 else ("collapsed",)
-            values = all_methods(mlp, methods, subset=[1, 2] if d == 8 else None)(params, x)
-            assert values["collapsed"].dtype == jnp.float64
-            assert_methods_equal(values, 1e-12)
+        params = jax.tree_util.tree_map(lambda a: a.astype(jnp.float64), init(d))
+        x = points(d, dtype=jnp.float64)
+        methods = tuple(METHODS) if d == 3 else ("collapsed",)
+        values = all_methods(mlp, methods, subset=[1, 2] if d == 8 else None)(params, x)
+        assert values["collapsed"].dtype == jnp.float64
+        assert_methods_equal(values, 1e-12)
 
 
 def test_collapsed_equals_summed_second_order():

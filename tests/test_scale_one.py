@@ -10,6 +10,8 @@ precision off (every float16 operation rounds to float16); with XLA's default fl
 ``-m slow``.
 """
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -34,6 +36,7 @@ class Fourier(nn.Module):
         return nn.Dense(1)(h)[0]
 
 
+@functools.cache
 def networks():
     apply = jaxamp.autocast(Fourier().apply, AMP)
     fourier = (lambda p, t, x: apply(p, t, x), Fourier().init(jax.random.PRNGKey(0), 0.1, 0.2))
@@ -82,10 +85,10 @@ def assert_one_program(net, path, options):
         np.testing.assert_array_equal(a, b, err_msg=f"{net} {path}")
 
 
-# Every path on one network, three on the other (the fast suite's budget); all of them with -m slow.
+# Every path on one network, the default one on the other (the fast suite's budget); all of
+# them with -m slow.
 CASES = [("fully_connected", p) for p in PATHS] + [
-    ("fourier", p) if p in ("auto", "reverse", "laplacian") else pytest.param("fourier", p, marks=pytest.mark.slow)
-    for p in PATHS]
+    ("fourier", p) if p == "auto" else pytest.param("fourier", p, marks=pytest.mark.slow) for p in PATHS]
 
 
 @pytest.mark.parametrize("net,path", CASES)

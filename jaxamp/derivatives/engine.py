@@ -28,39 +28,20 @@ class Derivatives:
     """Engine for named, scaled derivatives of a per-point network function.
 
     Args:
-      fn: ``fn(params, x) -> y`` for ONE point: ``x`` is ``f32[len(inputs)]``, ``y`` is
-        ``f32[len(outputs)]``. (A Flax model: ``lambda p, x: model.apply(p, x)``.)
-      inputs: names of the entries of ``x`` (e.g. ``("x", "y")``).
-      outputs: names of the entries of ``y`` (e.g. ``("u", "v", "p")``).
-      derivatives: names to compute, e.g. ``("u__x", "u__y__y", "p__x")``; every lower-order
-        derivative they need is computed (and returned) too. ``"u__lap"`` is the Laplacian of
-        the output ``u`` over ``laplacian_inputs`` (:func:`jaxamp.laplacian`: collapsed Taylor
-        mode, one pass instead of one per input; with ``method="reverse"`` the diagonal of
-        nested reverse mode), under the keys of a second derivative (per order ``"1"``,
-        ``"2"``; per term ``"u"``, ``"u__lap"``).
-      amp: mixed-precision settings (scaler mode, special terms, max scales). ``None`` or a
-        config whose derivative scalers are inactive (AMP off, bf16, fp32,
-        ``derivative_scaling=False``) computes plain derivatives: the same graph with every
-        scale 1, no checks and no scaler keys.
-      method: ``"forward"`` (default, :mod:`jaxamp.derivatives.forward`: nested forward mode,
-        one pass per derivative path; pure second orders propagate one tangent, pure orders
-        >= 3 take Taylor mode; per-term paths share a pass) or ``"reverse"``
-        (nested ``jax.grad`` as Modulus' autograd, the
-        reference path: the program is nested :func:`jaxamp.grad` calls, ``method="reverse"``,
-        one per differentiated variable). Or a point engine of your own, ``engine(plan, f, x, scales) ->
-        (values, scaled)`` (see :data:`PointEngine` and :func:`forward.point_values`): this
-        class stacks the points, passes it each step's scale mark (``scales``), vmaps it and
-        marks its scaled results for the checks.
-      laplacian_inputs: the inputs a ``"<output>__lap"`` sums over (e.g. ``("x", "y")`` beside
-        ``"t"``); None (default): every input.
-      mask_nonfinite_points: when True, points with a non-finite input are evaluated at
-        zeros, every value there is returned as 0 and raises no flag; drop them from residual
-        means with :meth:`point_weights`. Off by default: such a point flags
-        :data:`NONFINITE_VALUES` and the train step skips the step.
+      fn: ``fn(params, x) -> y`` for ONE point, ``x: f32[len(inputs)]``, ``y: f32[len(outputs)]``.
+      inputs, outputs: names of the entries of ``x`` and ``y`` (``("x", "y")``, ``("u", "p")``).
+      derivatives: names to compute (``("u__x", "u__y__y")``), lower orders included;
+        ``"u__lap"`` is the Laplacian of ``u`` over ``laplacian_inputs`` (:func:`jaxamp.laplacian`).
+      amp: mixed-precision settings; ``None`` or inactive derivative scalers: plain derivatives
+        (every scale 1, no checks, no scaler keys).
+      method: ``"forward"`` (default, :mod:`jaxamp.derivatives.forward`), ``"reverse"`` (nested
+        :func:`jaxamp.grad`, the reference path), or a point engine of your own,
+        ``engine(plan, f, x, scales) -> (values, scaled)`` (:data:`PointEngine`).
+      laplacian_inputs: the inputs a ``"<output>__lap"`` sums over; None (default): every input.
+      mask_nonfinite_points: when True, points with a non-finite input return 0 and raise no
+        flag (weigh them out with :meth:`point_weights`); else they flag :data:`NONFINITE_VALUES`.
 
-    The engine writes a derivative program of jaxamp's marks (:meth:`marked`); the
-    transformations interpret it: ``jaxamp.scaled(engine)(scales, params, points) ->
-    (values, found_inf)``, or the engine called inside a loss under
+    Use ``jaxamp.scaled(engine)(scales, params, points) -> (values, found_inf)`` or a loss under
     :func:`jaxamp.value_and_grad` / :func:`jaxamp.train.make_train_step`.
 
     Example:
@@ -76,10 +57,9 @@ class Derivatives:
                  amp: Optional[AmpConfig] = None, method: Union[str, PointEngine] = "forward",
                  laplacian_inputs: Optional[Sequence[str]] = None, mask_nonfinite_points: bool = False) -> None:  # fmt: skip
         if not (callable(method) or method in METHODS):
-            raise ValueError(
-                f"Derivatives: `method`={method!r} is not supported: expected one of {list(METHODS)} "
-                "or a point engine engine(plan, f, x, scales) -> (values, scaled)."
-            )
+            raise ValueError(f"Derivatives: `method`={method!r} is not supported: expected one of "
+                             f"{list(METHODS)} or a point engine engine(plan, f, x, scales) -> "
+                             "(values, scaled).")  # fmt: skip
         if not callable(fn):
             raise TypeError(f"Derivatives: `fn`={fn!r} must be callable as fn(params, x).")
         if not isinstance(mask_nonfinite_points, bool):
@@ -99,59 +79,44 @@ class Derivatives:
         return scaler_key(self.amp, parent)
 
     def __call__(self, params, points: Union[Mapping[str, jax.Array], jax.Array], *extra) -> Dict[str, jax.Array]:
-        """Values and derivatives at a batch of points: the engine's derivative program.
-
-        Inside :func:`jaxamp.scaled`, :func:`jaxamp.value_and_grad` and
-        :func:`jaxamp.train.make_train_step` its steps take the scales of the state and report
-        their flags there, as the drop-in derivatives do; outside them they are plain
-        derivatives at scale 1. ``jaxamp.scaled(engine)(scales, params, points)`` returns
-        ``(values, found_inf)``.
+        """Values and derivatives at a batch of points (at scale 1 outside :func:`jaxamp.scaled`).
 
         Args:
           params: the network parameters passed to ``fn``.
           points: ``{input name: f32[N]}`` or an array ``f32[N, n_inputs]``.
 
         Returns:
-          ``values``: ``values[name]`` is ``f32[N]`` (unscaled) for every output and every
-          derivative computed (0 at masked points, see ``mask_nonfinite_points``). Under
-          :func:`jaxamp.scaled` with scaling on, ``found_inf[key]`` is True when a scaled
-          derivative guarded by ``key`` overflowed at some point whose level below is finite,
-          and ``found_inf[NONFINITE_VALUES]`` when an input or a network output is non-finite
-          at some (unmasked) point.
+          ``values[name]``: ``f32[N]`` (unscaled) for every output and derivative, 0 at masked
+          points. Under :func:`jaxamp.scaled`, ``found_inf[key]`` is True where a derivative of
+          ``key`` overflowed, ``found_inf[NONFINITE_VALUES]`` where an input or output is bad.
         """
         if extra:
-            raise TypeError(
-                f"Derivatives: called with {2 + len(extra)} arguments; an engine takes (params, points) and no "
-                "scales: jaxamp.scaled(engine)(scales, params, points) returns (values, found_inf), and in a "
-                "loss under jaxamp.value_and_grad or make_train_step the state gives the scales."
-            )
+            raise TypeError(f"Derivatives: called with {2 + len(extra)} arguments; an engine takes "
+                            "(params, points) and no scales: jaxamp.scaled(engine)(scales, params, "
+                            "points) returns (values, found_inf), and in a loss under "
+                            "jaxamp.value_and_grad or make_train_step the state gives the scales.")  # fmt: skip
         x = self.stack_points(points)
-        weights = self._weights(x) if self.mask_nonfinite_points else None
-        if weights is not None:
-            x = jnp.where(weights[:, None] > 0, x, jnp.zeros_like(x))  # a finite stand-in
+        if not self.mask_nonfinite_points:
+            return self.marked(params, x)[0]
+        weights = self._weights(x)
+        x = jnp.where(weights[:, None] > 0, x, jnp.zeros_like(x))  # a finite stand-in
         values = self.marked(params, x)[0]
-        if weights is not None:
-            values = {k: jnp.where(weights > 0, v, jnp.zeros_like(v)) for k, v in values.items()}
-        return values
+        return {k: jnp.where(weights > 0, v, jnp.zeros_like(v)) for k, v in values.items()}
 
     def marked(self, params, x: jax.Array) -> Tuple[Dict[str, jax.Array], Dict[str, jax.Array]]:
-        """The engine's derivative program at the points ``x`` (``f32[N, n_inputs]``), made of
-        jaxamp's marks (:mod:`jaxamp.marks`): every step's scale is a ``deriv_scale_p`` and every
-        derivative's scaled result a ``deriv_check_p`` (checked against the value it
-        differentiates where every value below it is finite), so :func:`jaxamp.scaled` gives it
-        its scales and flags as it does for the drop-in derivatives.
+        """The derivative program of jaxamp's marks at the points ``x`` (``f32[N, n_inputs]``):
+        ``(values, checked)``, the unscaled values and the checked scaled results (none for
+        ``method="reverse"`` and the Laplacians, checked by their own calls)."""
+        plan, marks_of = self.plan, {k: mark_params(k) for k in self.plan.step_keys}
 
-        Returns:
-          ``(values, checked)``: ``{name: f32[N]}`` unscaled; ``{derivative: f32[N]}`` the scaled
-          results (checked); empty for ``method="reverse"``, whose checks sit in its nested
-          :func:`jaxamp.grad` calls, and for the Laplacians (in :func:`jaxamp.laplacian`).
-        """
-        plan, f = self.plan, self._point_outputs(params)
-        marks_of = {k: mark_params(k) for k in plan.step_keys}
-        # One seed per point (the marks are batched with the points), as torch's
-        # grad_outputs=ones_like(var)*scale: an unbatched seed makes the seed's products
-        # point-independent, and the weight gradient would then sum their cotangents over the
-        # batch *before* the factor s is applied, in float16.
+        def f(z: jax.Array) -> jax.Array:  # fn(params, .) at one point, its shape checked
+            y = jnp.asarray(self.fn(params, z))
+            if y.shape != (len(self.outputs),):
+                raise ValueError(f"Derivatives: fn(params, x) returned shape {y.shape} for one "
+                                 f"point; expected ({len(self.outputs)},) for outputs "
+                                 f"{list(self.outputs)}.")  # fmt: skip
+            return y.astype(jnp.float32)
+
         how = "reverse" if self.engine is None else "collapsed"
         laps = {name: laplacian(lambda z, i=self.outputs.index(parse_name(name)[0]): f(z)[i], of=parse_name(name)[0],
                                 indices=plan.laplacian_cols, method=how) for name in plan.laplacians}  # fmt: skip
@@ -163,16 +128,14 @@ class Derivatives:
                 values, checked = run_marked(plan, self.engine, f, p, marks_of)
             return {**values, **{name: lap(p) for name, lap in laps.items()}}, checked
 
-        values, checked = jax.vmap(point)(x)
+        values, checked = jax.vmap(point)(x)  # batched marks: one seed per point, as torch
         if plan.scaled:  # bad values of every output, derivatives taken of it or not (order 0)
             # one check per output, no stack: the values' graph stays the unscaled engine's
             values = {**values, **{o: deriv_check(values[o], values[o], order=0, term=None) for o in self.outputs}}
         return values, checked
 
     def _nested_grads(self, f: Callable[[jax.Array], jax.Array], x: jax.Array):
-        """One point as nested :func:`jaxamp.grad` (``method="reverse"``): one reverse pass per
-        differentiated variable, its gradient along every input at once (Modulus' autograd),
-        each pass scaled, checked and unscaled by the drop-in's own step."""
+        """One point as nested :func:`jaxamp.grad`: one reverse pass per differentiated variable."""
         plan, fns, grads = self.plan, {}, {}
 
         def value(name: str) -> Callable[[jax.Array], jax.Array]:
@@ -198,8 +161,7 @@ class Derivatives:
         return values, {}
 
     def point_weights(self, points: Union[Mapping[str, jax.Array], jax.Array]) -> jax.Array:
-        """``f32[N]``: each point's weight in a residual mean, 0 where the engine masks it
-        (``mask_nonfinite_points`` and a non-finite input), else 1.
+        """``f32[N]``: each point's weight in a residual mean, 0 where the engine masks it, else 1.
 
         Example:
           >>> import jax.numpy as jnp, jaxamp
@@ -227,32 +189,15 @@ class Derivatives:
             cols = [jnp.asarray(points[n]) for n in self.inputs]
             for n, c in zip(self.inputs, cols):
                 if c.ndim != 1 or c.shape != cols[0].shape:
-                    raise ValueError(
-                        f"Derivatives: points[{n!r}] has shape {c.shape}; every input must be a 1-D array "
-                        f"of the same length N (here {cols[0].shape})."
-                    )
+                    raise ValueError(f"Derivatives: points[{n!r}] has shape {c.shape}; every input "
+                                     "must be a 1-D array of the same length N (here "
+                                     f"{cols[0].shape}).")  # fmt: skip
             x = jnp.stack(cols, axis=-1)
         else:
             x = jnp.asarray(points)
             if x.ndim != 2 or x.shape[-1] != len(self.inputs):
-                raise ValueError(
-                    f"Derivatives: `points` has shape {x.shape}; expected [N, {len(self.inputs)}] "
-                    f"for inputs {list(self.inputs)}."
-                )
+                raise ValueError(f"Derivatives: `points` has shape {x.shape}; expected [N, "
+                                 f"{len(self.inputs)}] for inputs {list(self.inputs)}.")  # fmt: skip
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise TypeError(f"Derivatives: `points` must be floating point (float32), got dtype {x.dtype}.")
         return x.astype(jnp.float32)
-
-    def _point_outputs(self, params) -> Callable[[jax.Array], jax.Array]:
-        """``fn(params, .)`` at one point as ``f32[n_outputs]``, its shape checked."""
-
-        def f(x: jax.Array) -> jax.Array:
-            y = jnp.asarray(self.fn(params, x))
-            if y.shape != (len(self.outputs),):
-                raise ValueError(
-                    f"Derivatives: fn(params, x) returned shape {y.shape} for one point; expected "
-                    f"({len(self.outputs)},) for outputs {list(self.outputs)}."
-                )
-            return y.astype(jnp.float32)
-
-        return f

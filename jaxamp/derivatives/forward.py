@@ -1,30 +1,11 @@
 """The forward engine (``method="forward"``, the default): nested forward mode per derivative path.
 
-A derivative's path is its sequence of (scaler key, input) steps (:class:`~jaxamp.derivatives.plan.Plan`).
-Step k is ``jax.jvp`` of the *scaled* level below, ``s_{k-1} * f`` (as float16 tangents
-computed it), along its input with the tangent seed ``s_k / s_{k-1}``: by linearity this is
-``s_k * df/dx``, the steps 1-2 of docs/algorithm.md "One derivative step" for the already
-unscaled ``f``, and every float16 value of the step carries at most the scale of the step
-(``s_k`` or ``s_k / s_{k-1}``, as in nested reverse mode), never the product ``s_{k-1} s_k``.
-The scaled tangent is returned for the check (step 3) and multiplied by ``1/s_k`` in float32
-(step 4).
-
-One pass per maximal path: its primal outputs are the lower-order values along the path, and
-every output's tangent comes out of it, so under per-order scaling ``u__x__x`` and
-``v__x__x`` (and ``u__x``, ``p__x``) share one pass. Paths that differ only in their keys
-(per-term scaling: ``u__x__x`` and ``v__x__x`` under keys ``u``/``u__x`` and ``v``/``v__x``)
-share one pass too, as per-order paths do: its step scales are the smallest of theirs
-(:func:`shared_scales`), its unscaled values are every path's values, and each path's scaled
-result for the check is that value times the path's own scale, as float16 holds it
-(:func:`as_scaled`). A key is flagged when the shared pass overflows (each path's own pass,
-at scales no smaller, would too) or when its own scaled result leaves float16's range
-(docs/algorithm.md, "Engines").
-
-A pure second-order step (the same input twice) is :func:`jaxamp.taylor.second_order`: one
-propagated tangent instead of nested ``jax.jvp``'s two. A pure path of order >=
-``series_min_order`` is Taylor mode (:func:`jaxamp.taylor.series`), every order's chain
-carrying its own ``s_k``; other paths with a pure second-order prefix are ``jax.jvp`` of the
-pure second order. Unscaled engines run this same code with every scale 1.
+Step k of a path is ``jax.jvp`` of the *scaled* level below along its input with the seed
+``s_k / s_{k-1}``, so no float16 value carries ``s_{k-1} s_k``. One pass per maximal path
+yields every output's values along it; paths that differ only in their keys share one pass at
+the smallest of their scales (:func:`shared_scales`, :func:`as_scaled`; docs/algorithm.md,
+"Engines"). Pure second orders take :func:`jaxamp.taylor.second_order`, pure orders >=
+``series_min_order`` :func:`jaxamp.taylor.series`. Unscaled engines run it at every scale 1.
 """
 
 from __future__ import annotations
@@ -49,21 +30,11 @@ Chain = Callable[[jax.Array, Sequence[jax.Array]], Tuple[jax.Array, Levels]]
 
 def point_values(plan: Plan, f: Callable[[jax.Array], jax.Array], x: jax.Array, scales: Mapping[str, jax.Array], *,
                  series_min_order: int = SERIES_MIN_ORDER) -> Tuple[Dict[str, jax.Array], Dict[str, jax.Array]]:  # fmt: skip
-    """Every value of ``plan`` at one point by nested forward mode.
+    """Every value of ``plan`` at one point by nested forward mode: ``(values, scaled)``, each
+    value unscaled and each derivative's last step scaled.
 
-    Args:
-      plan: the engine's plan.
-      f: the network at one point, ``x: f32[n_inputs] -> f32[n_outputs]``.
-      x: the point, ``f32[n_inputs]``; or a tuple of ``n_inputs`` float32 scalars, ``f`` then
-        taking such a tuple (the drop-in's chains pass the user's own arguments, so the primal
-        of every pass is the very computation of the user's own call, for
-        :func:`jaxamp.interpreter.cse`).
-      scales: ``{key: f32[]}`` for every key of ``plan.step_keys``.
-      series_min_order: pure derivatives of this order or more take Taylor mode.
-
-    Returns:
-      ``(values, scaled)``: ``values[name]`` (unscaled, ``f32[]``) for every output and
-      derivative; ``scaled[derivative]`` the scaled result of its last step.
+    ``f`` maps the point ``x`` (``f32[n_inputs]``, or a tuple of float32 scalars: the drop-in's
+    chains) to ``f32[n_outputs]``; ``scales`` is ``{key: f32[]}`` for ``plan.step_keys``.
     """
     if not isinstance(x, tuple):  # each step differentiates along one input: the point as scalars
         f, x = _of_vector(f), tuple(x[i] for i in range(len(plan.inputs)))
@@ -97,12 +68,8 @@ def point_values(plan: Plan, f: Callable[[jax.Array], jax.Array], x: jax.Array, 
 
 
 def shared_scales(per_path: Sequence[Sequence[jax.Array]]) -> List[jax.Array]:
-    """The step scales of one chain shared by paths along the same inputs (per-term keys).
-
-    Step k's seed ratio is the smallest of the paths' ``s_k / s_{k-1}``, so every float16
-    tangent of the shared chain carries a scale no larger than the same tangent of any
-    path's own chain: if the shared chain overflows, so would each path's own chain.
-    """
+    """The step scales of one chain shared by paths along the same inputs: each step's seed ratio
+    is the smallest of theirs, so if the shared chain overflows, so would each path's own."""
     shared: List[jax.Array] = []
     for k in range(max(len(p) for p in per_path)):  # shorter paths constrain their steps only
         ratios = [p[k] / p[k - 1] if k else p[k] for p in per_path if len(p) > k]
@@ -112,9 +79,8 @@ def shared_scales(per_path: Sequence[Sequence[jax.Array]]) -> List[jax.Array]:
 
 
 def as_scaled(value: jax.Array, scale: jax.Array) -> jax.Array:
-    """``value * scale`` as float16 holds it (inf beyond its range): a path's scaled result
-    for the overflow check, from the unscaled value of a shared chain (exact: the scales are
-    powers of two)."""
+    """``value * scale`` as float16 holds it (inf beyond its range): a path's scaled result from
+    a shared chain's unscaled value (exact: the scales are powers of two)."""
     return (value * scale).astype(jnp.float16).astype(jnp.float32)
 
 
@@ -128,9 +94,7 @@ def _along(g: Callable, x: Tuple[jax.Array, ...], col: int) -> Callable[[jax.Arr
 
 
 def _chain(f: Callable, cols: Tuple[int, ...], series_min_order: int) -> Chain:
-    """``chain(x, s) -> (scaled top level, (unscaled levels, scaled levels))`` for the steps
-    along the inputs ``cols`` with the step scales ``s`` (one ``f32[]`` per step); ``x`` is a
-    tuple of scalars."""
+    """``chain(x, s) -> (scaled top, (unscaled levels, scaled levels))`` along inputs ``cols``."""
     one = jnp.float32(1.0)
     if not cols:
 
@@ -169,8 +133,7 @@ def _second(f: Callable, cols: Tuple[int, ...]) -> Chain:
 
 
 def _series(f: Callable, cols: Tuple[int, ...]) -> Chain:
-    """The chain of a pure derivative of order >= 3 (``u__x__x__x``): Taylor mode, one
-    propagated chain per order, each carrying its own scale."""
+    """The chain of a pure derivative of order >= 3: Taylor mode, each order at its own scale."""
     one = jnp.float32(1.0)
 
     def chain(x, s):

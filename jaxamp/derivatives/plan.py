@@ -1,10 +1,8 @@
-"""The plan of a derivative engine: names, levels, per-derivative paths and scaler keys.
+"""The plan of a derivative engine (:func:`make_plan`): names, levels, paths and scaler keys.
 
-Every engine reads one :class:`Plan`, built once from the names by :func:`make_plan`. A
-derivative is named like Modulus: ``u__x`` is du/dx, ``u__x__y`` is d/dy(du/dx). Its *path*
-is its sequence of steps ``(key, input index)``: ``u__x__y`` under per-order scaling is
-``(("1", 0), ("2", 1))``; the key of a step is the scaler key that guards differentiating
-the variable below (docs/algorithm.md, "Scaler keys").
+A derivative's *path* is its steps ``(key, input index)``: per order, ``u__x__y`` is
+``(("1", 0), ("2", 1))``; a step's key guards differentiating the variable below it
+(docs/algorithm.md, "Scaler keys").
 """
 
 from __future__ import annotations
@@ -51,12 +49,10 @@ class Level:
     """How one derivative order is obtained from the order below it.
 
     Attributes:
-      parents: names differentiated at this level (all of the order below).
-      parent_rows: their rows in the level below's value vector.
-      parent_keys: the scaler key of each parent.
-      names: the derivatives this level produces.
-      child_parent: for each produced name, its index into ``parents``.
-      child_input: for each produced name, the input index it differentiates by.
+      parents, parent_rows, parent_keys: the names differentiated at this level (of the order
+        below), their rows in the level below's value vector and their scaler keys.
+      names: the derivatives this level produces; ``child_parent``, ``child_input``: per name,
+        its index into ``parents`` and the index of the input it differentiates by.
     """
 
     parents: Tuple[str, ...]
@@ -69,7 +65,7 @@ class Level:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """What an engine computes and under which scaler keys (static, built by :func:`make_plan`).
+    """What an engine computes and under which scaler keys (static).
 
     Attributes:
       inputs, outputs: the names of the network's inputs and outputs.
@@ -77,15 +73,10 @@ class Plan:
       scaled: whether float16 derivative scaling acts (the engine checks and reports flags).
       levels: one :class:`Level` per derivative order, lowest first.
       derivatives: every derivative computed (requested and those below them), by order.
-      paths: ``{derivative: path}``; a path is its steps ``((key, input index), ...)``.
-      step_keys: every key a step uses. Unscaled engines use the per-order keys ``"1"``,
-        ``"2"``, ... internally, each with scale 1, so that they run the scaled graph.
-      scaler_keys: the keys a user keeps scalers for (``step_keys`` and the Laplacians' keys
-        when scaled, else empty).
-      laplacians: the Laplacians asked for (``"u__lap"``), computed by :func:`jaxamp.laplacian`
-        over the inputs ``laplacian_cols`` (their indices).
-      laplacian_keys: ``{laplacian: (key of its first-order tangents, key of its summed second
-        order)}``, the keys :func:`jaxamp.laplacian`'s marks take (per order ``("1", "2")``).
+      paths: ``{derivative: ((key, input index), ...)}``; step_keys: every key a step uses.
+      scaler_keys: the keys a user keeps scalers for (steps' and Laplacians'); empty unscaled.
+      laplacians, laplacian_cols, laplacian_keys: the ``"u__lap"`` asked for, the inputs they
+        sum over and ``{laplacian: (first-order key, second-order key)}``.
     """
 
     inputs: Tuple[str, ...]
@@ -125,23 +116,14 @@ def scaler_key(amp: Optional[AmpConfig], parent: str) -> str:
 
 
 def mark_params(key: str) -> Dict[str, object]:
-    """The ``order`` and ``term`` of the marks of a step under ``key`` (:mod:`jaxamp.marks`):
-    :func:`jaxamp.marks.scaler_key` maps them back to ``key`` (a per-order key is its order,
-    a per-term key the name it differentiates)."""
+    """The ``order`` and ``term`` of the marks of a step under ``key`` (which
+    :func:`jaxamp.marks.scaler_key` maps back to ``key``)."""
     return {"order": int(key), "term": None} if key.isdigit() else {"order": order_of(key) + 1, "term": key}
 
 
 def run_marked(plan: "Plan", point_engine: Callable, f: Callable, x, marks_of: Mapping[str, Dict[str, object]]):
-    """One point of ``plan`` by ``point_engine``, its steps written with jaxamp's marks.
-
-    Every step key's scale is a ``deriv_scale_p`` of ``marks_of[key]`` (its ``order`` and
-    ``term``), and every derivative's scaled result a ``deriv_check_p`` against the value it
-    differentiates where every value below it (the inputs included) is finite. Unscaled plans
-    get no check (the graph holds no finiteness test).
-
-    Returns:
-      ``(values, checked)``: every value unscaled; each derivative's scaled result, checked.
-    """
+    """One point of ``plan`` by ``point_engine``, marked: ``(values, checked)``. Each key's scale
+    is a ``deriv_scale_p`` of ``marks_of[key]``; scaled plans check each scaled result."""
     step_scales = {k: marks.deriv_scale(x[0], **marks_of[k]) for k in plan.step_keys}
     values, scaled_values = point_engine(plan, f, x, step_scales)
     if not plan.scaled:
@@ -159,14 +141,11 @@ def run_marked(plan: "Plan", point_engine: Callable, f: Callable, x, marks_of: M
 
 def make_plan(inputs: Sequence[str], outputs: Sequence[str], derivatives: Sequence[str], amp: AmpConfig, *,
               laplacian_inputs: Optional[Sequence[str]] = None) -> Plan:  # fmt: skip
-    """Validate the names and build the :class:`Plan` (every lower order a derivative needs
-    is computed too). Raises ``TypeError``/``ValueError`` naming the bad argument."""
+    """Validate the names (errors name the bad argument) and build the :class:`Plan`."""
     inputs, outputs = check_names("inputs", inputs), check_names("outputs", outputs)
     if set(inputs) & set(outputs):
-        raise ValueError(
-            f"Derivatives: names {sorted(set(inputs) & set(outputs))} appear in both "
-            "`inputs` and `outputs`; each name must be one or the other."
-        )
+        raise ValueError(f"Derivatives: names {sorted(set(inputs) & set(outputs))} appear in both "
+                         "`inputs` and `outputs`; each name must be one or the other.")  # fmt: skip
     if isinstance(derivatives, str):
         raise TypeError(f"Derivatives: `derivatives`={derivatives!r} must be a list of names, not a string.")
     requested = tuple(derivatives)
@@ -210,8 +189,7 @@ def make_plan(inputs: Sequence[str], outputs: Sequence[str], derivatives: Sequen
 
 
 def _is_laplacian(name, inputs: Tuple[str, ...], outputs: Tuple[str, ...]) -> bool:
-    """Whether ``name`` is ``"<output>__lap"`` (``lap`` not an input): the Laplacian of that
-    output. A Laplacian of a derivative is an error naming the way out."""
+    """Whether ``name`` is ``"<output>__lap"`` (``lap`` not an input); a derivative's: an error."""
     parts = name.split(SEP) if isinstance(name, str) else ()
     if not parts or parts[-1] != LAP or LAP in inputs or parts[0] not in outputs:
         return False
@@ -226,16 +204,12 @@ def _check_derivative_name(name, inputs: Tuple[str, ...], outputs: Tuple[str, ..
         raise TypeError(f"Derivatives: derivative name {name!r} must be a string like 'u__x'.")
     base, wrt = parse_name(name)
     if base not in outputs:
-        raise ValueError(
-            f"Derivatives: derivative {name!r} differentiates {base!r}, which is not an output; "
-            f"outputs are {list(outputs)}."
-        )
+        raise ValueError(f"Derivatives: derivative {name!r} differentiates {base!r}, which is not "
+                         f"an output; outputs are {list(outputs)}.")  # fmt: skip
     for var in wrt:
         if var not in inputs:
-            raise ValueError(
-                f"Derivatives: derivative {name!r} is taken with respect to {var!r}, which is not an "
-                f"input; inputs are {list(inputs)}."
-            )
+            raise ValueError(f"Derivatives: derivative {name!r} is taken with respect to {var!r}, "
+                             f"which is not an input; inputs are {list(inputs)}.")  # fmt: skip
 
 
 def check_names(arg: str, names: Sequence[str]) -> Tuple[str, ...]:
@@ -247,9 +221,8 @@ def check_names(arg: str, names: Sequence[str]) -> Tuple[str, ...]:
         raise ValueError(f"Derivatives: `{arg}` is empty; give at least one name.")
     for n in names:
         if not n or SEP in n or not n.isidentifier():
-            raise ValueError(
-                f"Derivatives: {arg} name {n!r} is not allowed: names must be identifiers without '{SEP}'."
-            )
+            raise ValueError(f"Derivatives: {arg} name {n!r} is not allowed: names must be "
+                             f"identifiers without '{SEP}'.")  # fmt: skip
     if len(set(names)) != len(names):
         raise ValueError(f"Derivatives: `{arg}`={list(names)} has duplicates.")
     return names

@@ -1,8 +1,7 @@
 """Drop-in derivative scaling for JAX code written with ``jax.grad``.
 
-Write derivatives as usual with :func:`grad` (``jax.grad``'s signature) and wrap the
-function that uses them with :func:`scaled`, which supplies the scales and returns the
-overflow flags: no signature of the user's code changes.
+Write derivatives with :func:`grad` (``jax.grad``'s signature) and wrap the function that
+uses them with :func:`scaled`, which supplies the scales and returns the overflow flags.
 
 >>> import jax.numpy as jnp, jaxamp
 >>> u_net = lambda p, t, x: jnp.sin(p * x) * jnp.exp(-t)
@@ -13,30 +12,11 @@ overflow flags: no signature of the user's code changes.
 >>> sorted(found_inf)
 ['1', '2', 'nonfinite_values']
 
-:func:`jaxamp.autocast` gives the user's own network jaxamp's precision placement.
+Nests of ``grad`` along float32 scalar arguments run as :class:`jaxamp.Derivatives` plans.
+Siblings, scaled and checked the same way: :func:`jacrev`, :func:`jacfwd`, :func:`jvp`,
+:func:`hessian`; :func:`profile` and :func:`init_scalers` measure and start the scales.
 
-What to use when:
-
-- :class:`jaxamp.Derivatives` (engine with named inputs/outputs): new code, or many
-  derivatives of a multi-output network. It chooses the fastest method (nested forward
-  mode, Taylor mode for high pure orders, shared passes); :func:`scaled` gives it its
-  scales, as to these derivatives.
-- :func:`grad` + :func:`scaled`: existing code written with ``jax.grad`` (scalar
-  ``u_net(params, t, x)``, residuals under ``vmap``, ``jacrev`` of the residuals for loss
-  weights). Nests of ``grad`` along float32 scalar arguments run as the engine's plans
-  (``method="auto"``: nested forward mode, Taylor mode, shared passes); ``method="reverse"``
-  is the engine's ``method="reverse"`` step itself (the engine writes it with this
-  ``grad``), under the same scaler keys (per order; per term and special terms with
-  ``of=``/``wrt=`` names).
-
-Siblings with the JAX signatures, scaled and checked the same way: :func:`jacrev` (any output
-array), :func:`jacfwd` and :func:`jvp` (forward mode: the tangent seed carries the scale) and
-:func:`hessian` (``jacfwd`` of ``jacrev``). :func:`profile` measures where a program's scaled
-derivatives sit in float16's window; :func:`init_scalers` starts every key from it.
-
-Keys: the order of a ``grad`` is 1 + the highest order of the ``grad`` calls made while its
-function is evaluated, found when it is traced. A function that calls ``grad`` through a
-``jax.jit`` whose trace is cached from an earlier call (the same jitted function called
-again with the same shapes inside another ``grad``) reports nothing, and the outer ``grad``
-gets a lower order: put ``jax.jit`` around the whole loss, not between nested ``grad`` s.
+A ``grad``'s order (its key) is 1 + the highest order of the ``grad`` calls its function
+makes, found at trace time; a ``jax.jit`` whose trace is cached reports nothing, so put
+``jax.jit`` around the whole loss, not between nested ``grad`` s.
 """

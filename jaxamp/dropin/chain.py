@@ -1,15 +1,8 @@
 """Nested :func:`jaxamp.grad` along per-point scalar inputs, computed by the Derivatives engine.
 
-A user's ``grad(grad(u_net, 2), 2)(params, t, x)`` with scalar ``t, x`` is one *chain*: the base
-function and the argument differentiated at each step. Nested reverse mode pays one backward
-pass per step, each through the one below; the chain is the plan of one named derivative
-(``u__a2__a2``), and :func:`jaxamp.derivatives.forward.point_values` computes it the engine's
-way: nested forward mode, one propagated tangent for a pure second order, Taylor mode for
-pure orders >= 3. Its steps are jaxamp's marks as every other path's (:mod:`jaxamp.marks`):
-each step's scale a ``deriv_scale_p`` (order and name as the nested calls would have reported
-them), each level's scaled result a ``deriv_check_p`` against the value it differentiates, so
-:func:`jaxamp.scaled` gives the chain its scales and flags, and the float16 values of a step
-carry that step's scale only (docs/algorithm.md, "Engines").
+A user's ``grad(grad(u_net, 2), 2)(params, t, x)`` with scalar ``t, x`` is one *chain*, the
+plan of one named derivative (``u__a2__a2``), its steps marked with the orders and names the
+nested calls would have reported (docs/algorithm.md, "Engines").
 """
 
 from __future__ import annotations
@@ -45,8 +38,7 @@ class Chain:
 
 
 def extend(fun: Callable[..., Any], argnums: Any, of: Optional[str], wrt: Any) -> Optional[Chain]:
-    """The chain of ``grad(fun, argnums)``: one step on ``fun``'s chain, or a new one (None when
-    the step cannot be a chain step: a tuple ``argnums``)."""
+    """The chain of ``grad(fun, argnums)``: ``fun``'s chain one step longer, a new one, or None."""
     if not isinstance(argnums, int) or isinstance(argnums, bool):
         return None
     inner: Optional[Chain] = getattr(fun, "_jaxamp_chain", None)
@@ -56,17 +48,12 @@ def extend(fun: Callable[..., Any], argnums: Any, of: Optional[str], wrt: Any) -
 
 
 def eligible(chain: Optional[Chain], args: Tuple[Any, ...], kwargs: dict) -> bool:
-    """Whether ``chain`` can run as an engine plan at these arguments: every differentiated
-    argument a float32 scalar, given by position."""
+    """Whether every argument ``chain`` differentiates is a float32 scalar given by position."""
     if chain is None or kwargs:
         return False
-    for i in set(chain.argnums):
-        if i >= len(args) or not hasattr(args[i], "dtype") and not isinstance(args[i], float):
-            return False
-        a = args[i]
-        if jnp.shape(a) != () or jnp.result_type(a) != jnp.float32:
-            return False
-    return True
+    return all(i < len(args) and (hasattr(args[i], "dtype") or isinstance(args[i], float))
+               and jnp.shape(args[i]) == () and jnp.result_type(args[i]) == jnp.float32
+               for i in set(chain.argnums))
 
 
 def _term(chain: Chain, k: int) -> Optional[str]:
@@ -88,22 +75,14 @@ def check_scalar(caller: str, fun: Callable, out: Any) -> Any:
 
 
 def _node(chain: Chain, k: int, output: str) -> str:
-    """The plan name of the value after ``k`` steps of ``chain`` (``u0__a2__a2``), whose base
-    is the plan's ``output``."""
+    """The plan name (``u0__a2__a2``) of the value ``k`` steps of ``chain`` above ``output``."""
     return SEP.join((output,) + tuple(f"a{i}" for i in chain.argnums[:k]))
 
 
 class Session:
-    """Shared passes across the chain calls of one traced program (:func:`jaxamp.scaled`).
-
-    The program is traced twice. The first trace records every chain call: its base, its
-    steps and its arguments; calls at the very same arguments (the same traced values: one
-    point of one ``vmap``) form a group, whatever their bases (``u`` and ``v`` of one network
-    are the outputs of one plan). In the second trace the first call of a group evaluates one
-    plan holding every derivative of the group, the engine's way (paths along the same inputs
-    share one pass, for every output), and every call takes its derivative from it.
-    A call that does not match the record (a trace cache skipped a call) computes its own.
-    """
+    """Shared passes across the chain calls of one traced program (:func:`jaxamp.scaled`): the
+    first trace records the calls, grouped by their traced arguments; in the second, a group's
+    first call evaluates one plan for the group (a call off the record computes its own)."""
 
     def __init__(self) -> None:
         self.recording, self.calls, self.groups, self.index = True, [], [], 0
@@ -129,11 +108,9 @@ def sessions() -> List[Session]:
 def shared(chain: Chain, args: Tuple[Any, ...], base_order: int) -> Tuple[jax.Array, int, Optional[str]]:
     """:func:`evaluate`, with the passes shared within the group of the current session."""
     session = sessions()[-1] if sessions() else None
-    if session is None:
-        return evaluate([chain], args, base_order)[0]
-    ids = tuple(id(a) for a in args)
-    if session.recording:
-        session.calls.append((chain, ids, args, base_order))  # kept alive: no id is reused while recording
+    if session is not None and session.recording:  # args kept alive: no id is reused
+        session.calls.append((chain, tuple(id(a) for a in args), args, base_order))
+    if session is None or session.recording:
         return evaluate([chain], args, base_order)[0]
     i, session.index = session.index, session.index + 1
     if i >= len(session.calls) or session.calls[i][0] != chain:
@@ -148,18 +125,9 @@ def shared(chain: Chain, args: Tuple[Any, ...], base_order: int) -> Tuple[jax.Ar
 
 
 def evaluate(chains, args: Tuple[Any, ...], base_order: int):
-    """The top derivatives of ``chains`` (at the same arguments) by one engine plan, marked.
-
-    Args:
-      chains: chains whose base functions take these arguments (each base an output of the plan).
-      args: the positional arguments of the outermost calls.
-      base_order: the highest order of derivative calls the base function makes (its marks'
-        orders start above it).
-
-    Returns:
-      Per chain ``(value, order, term)``: the unscaled derivative (float32 scalar), the order of
-      its last step and the name of the value that step differentiates, for :func:`report`.
-    """
+    """The top derivatives of ``chains`` at the positional ``args`` by one engine plan, marked
+    (``base_order``: the highest order of derivative calls the bases make). Per chain
+    ``(value, order, term)``: the unscaled derivative, its last step's order and term."""
     cols = tuple(sorted({i for c in chains for i in c.argnums}))
     inputs = tuple(f"a{i}" for i in cols)
     bases = list(dict.fromkeys(c.base for c in chains))
@@ -185,11 +153,8 @@ def evaluate(chains, args: Tuple[Any, ...], base_order: int):
     # per-term plan keys are the parents' plan names: each becomes the mark of its step
     marks_of = {k: dict(order=base_order + order_of(k) + 1, term=terms.get(k)) for k in plan.step_keys}
     values, _ = run_marked(plan, forward.point_values, f, x, marks_of)
-    out = []
-    for c, top in zip(chains, tops):
-        m = marks_of[plan.paths[top][-1][0]]
-        out.append((values[top], m["order"], m["term"]))
-    return out
+    last = [marks_of[plan.paths[top][-1][0]] for top in tops]
+    return [(values[top], m["order"], m["term"]) for top, m in zip(tops, last)]
 
 
 def _merged(f: Callable, x: Tuple[jax.Array, ...]) -> Callable:

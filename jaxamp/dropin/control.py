@@ -1,10 +1,8 @@
 """How :func:`jaxamp.dropin.scaled` evaluates programs around ``dropin.grad`` calls.
 
-One rule per higher-order primitive whose body holds a ``dropin.grad``: ``rule(eqn, invals,
-ctx) -> (outs, flags)``, with ``ctx.evaluate(jaxpr, consts, args, ctx)`` evaluating a body
-and ``ctx.keys(jaxpr)`` its flag keys (static). Call-like bodies are inlined; loops, branches,
-``jax.checkpoint`` and ``shard_map`` (``jax.pmap``) keep their structure, rebuilt through
-their public API with the flags as extra outputs (a loop carry, replicated mesh outputs).
+One ``rule(eqn, invals, ctx) -> (outs, flags)`` per higher-order primitive: call bodies are
+inlined; loops, branches, ``jax.checkpoint`` and ``shard_map`` are rebuilt with the flags as
+extra outputs.
 """
 
 from __future__ import annotations
@@ -26,15 +24,20 @@ def full_flags(flags: Mapping[str, jax.Array], keys: Sequence[str]) -> Dict[str,
 
 
 def call(eqn, invals, ctx):
-    """A ``jit``/``closed_call`` body, inlined: ``(outs, flags)``."""
-    body = sub_jaxpr(eqn)
+    """A ``jit``/``closed_call`` body, or a custom-derivative call's primal body, inlined:
+    ``(outs, flags)`` (a custom rule around jaxamp.grad would not see the scales)."""
+    body = sub_jaxpr(eqn) or custom_body(eqn)
     return ctx.evaluate(body.jaxpr, body.consts, invals, ctx)
 
 
-def _custom(eqn, invals, ctx):
-    # the primal body only: a custom rule around jaxamp.grad would not see the scales
-    body = custom_body(eqn)
-    return ctx.evaluate(body.jaxpr, body.consts, invals, ctx)
+def _flagged(jaxpr, consts, keys, ctx) -> Callable:
+    """The body as a function of its operands, returning ``(outs, flags of every key)``."""
+
+    def fn(*args):
+        outs, fl = ctx.evaluate(jaxpr, consts, args, ctx)
+        return outs, full_flags(fl, keys)
+
+    return fn
 
 
 def _scan(eqn, invals, ctx):
@@ -67,33 +70,20 @@ def _while(eqn, invals, ctx):
         outs, new = ctx.evaluate(body.jaxpr, body.consts, [*bconsts, *vals], ctx)
         return outs, {k: fl[k] | new.get(k, False) for k in keys}
 
-    final, fl = lax.while_loop(cond_fn, body_fn, (list(init), full_flags({}, keys)))
-    return final, fl
+    return lax.while_loop(cond_fn, body_fn, (list(init), full_flags({}, keys)))
 
 
 def _cond(eqn, invals, ctx):
     branches = eqn.params["branches"]
     keys = list(dict.fromkeys(k for b in branches for k in ctx.keys(b.jaxpr)))
-
-    def branch_fn(b):
-        def fn(*ops):
-            outs, fl = ctx.evaluate(b.jaxpr, b.consts, ops, ctx)
-            return outs, full_flags(fl, keys)
-
-        return fn
-
-    return lax.switch(invals[0], [branch_fn(b) for b in branches], *invals[1:])
+    branch_fns = [_flagged(b.jaxpr, b.consts, keys, ctx) for b in branches]
+    return lax.switch(invals[0], branch_fns, *invals[1:])
 
 
 def _remat(eqn, invals, ctx):
     # jax.checkpoint keeps its rematerialization: the rewritten body is checkpointed again
     p = eqn.params
-    body, keys = p["jaxpr"], ctx.keys(p["jaxpr"])
-
-    def fn(*args):
-        outs, fl = ctx.evaluate(body, (), args, ctx)
-        return outs, full_flags(fl, keys)
-
+    fn = _flagged(p["jaxpr"], (), ctx.keys(p["jaxpr"]), ctx)
     return jax.checkpoint(fn, prevent_cse=p["prevent_cse"], policy=p["policy"])(*invals)
 
 
@@ -117,8 +107,8 @@ def _shard_map(eqn, invals, ctx):
 HANDLERS: Dict[str, Callable] = {
     "remat2": _remat,
     "shard_map": _shard_map,
-    "custom_jvp_call": _custom,
-    "custom_vjp_call": _custom,
+    "custom_jvp_call": call,
+    "custom_vjp_call": call,
     "scan": _scan,
     "while": _while,
     "cond": _cond,

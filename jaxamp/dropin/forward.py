@@ -1,14 +1,8 @@
 """Forward-mode siblings of :func:`jaxamp.dropin.grad`: ``jvp``, ``jacfwd`` and ``hessian``.
 
-Forward mode seeds the *input* side, before ``fun`` runs, while the scaler key of a derivative
-(its order: 1 + the highest order of the derivative calls ``fun`` makes) is only known once
-``fun`` has been traced. Both are had from ``jax.linearize``: it traces ``fun`` (and with it the
-inner calls, which report their orders) and returns the linear map of the tangents, which is
-then applied to the tangent seed multiplied by the key's scale. Every tangent of that map
-carries the scale, as in the Derivatives engine's forward passes; the result is checked
-against ``fun``'s value and multiplied by ``1/s`` in float32, as :func:`jaxamp.dropin.grad`.
-Outside :func:`jaxamp.dropin.scaled` the scale is 1 and these are ``jax.jvp``,
-``jax.jacfwd`` and ``jax.hessian``.
+A derivative's key is known only once ``fun`` is traced, so ``jax.linearize`` traces ``fun``
+and its linear map is applied to the tangent seed times the key's scale; the result is checked
+and unscaled as :func:`jaxamp.dropin.grad`'s.
 """
 
 from __future__ import annotations
@@ -19,7 +13,7 @@ from typing import Any, Callable, Optional, Sequence, Tuple, Union
 import jax
 import jax.numpy as jnp
 
-from jaxamp.dropin.grad import Frame, check_fun, check_wrt, frames, jacrev, report, term_of
+from jaxamp.dropin.grad import Frame, check_fun, check_wrt, framed, jacrev, report, term_of
 from jaxamp.marks import deriv_check, deriv_scale, seed, unscale
 
 __all__ = ["jvp", "jacfwd", "hessian"]
@@ -27,12 +21,8 @@ __all__ = ["jvp", "jacfwd", "hessian"]
 
 def _linearized(caller: str, fun: Callable, primals: Sequence[Any], has_aux: bool, of: Optional[str]):
     """``(out, f_jvp, aux, s, found)``: ``fun`` linearized at ``primals`` and the scale of its key."""
-    frame = Frame()
-    frames().append(frame)
-    try:
+    with framed(Frame()) as frame:
         linear = jax.linearize(fun, *primals, has_aux=has_aux)
-    finally:
-        frames().pop()
     out, f_jvp, aux = linear if has_aux else (*linear, None)
     if not hasattr(out, "dtype"):
         raise TypeError(f"{caller}: `fun`={fun!r} must return one array, got {type(out).__name__}.")
@@ -83,8 +73,7 @@ def jacfwd(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_
       of, wrt: names, as :func:`jaxamp.dropin.grad`.
 
     Returns:
-      A function with ``jax.jacfwd``'s outputs (``out.shape + arg.shape`` per argument). Under
-      :func:`jaxamp.dropin.scaled` every basis tangent carries the scale of the key.
+      A function with ``jax.jacfwd``'s outputs, every basis tangent at the key's scale.
 
     Example:
       >>> import jax.numpy as jnp

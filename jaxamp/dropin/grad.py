@@ -1,22 +1,16 @@
 """``jaxamp.dropin.grad``: ``jax.grad`` whose seed carries the derivative scale of its order.
 
-Each call differentiates ``fun(*args) * s`` (``s``: the scale of this derivative's key, a
-``deriv_scale_p``), marks the scaled gradient for the overflow check (``deriv_check_p``)
-and multiplies it by ``1/s`` in float32, inside the differentiable graph (docs/algorithm.md,
-"One derivative step"): the one reverse step, which the Derivatives engine's
-``method="reverse"`` is written with. Outside
-:func:`jaxamp.dropin.scaled` the scale is 1 and the check the identity: this is ``jax.grad``.
-
-The order of a call is 1 + the highest order of the ``grad`` calls made while ``fun`` is
-evaluated (``grad(grad(u, 2), 2)``: inner 1, outer 2), found at trace time from a
-Python-level stack of the calls under way (static integers only, no tracers are kept).
+Each call differentiates ``fun(*args) * s`` (``s``: its key's ``deriv_scale_p``), marks the
+scaled gradient for the check (``deriv_check_p``) and multiplies it by ``1/s`` in float32. Its
+order, 1 + the highest order of the calls ``fun`` makes, is found at trace time (:func:`frames`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
-from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +38,16 @@ def frames() -> List[Frame]:
     return _STATE.frames
 
 
+@contextlib.contextmanager
+def framed(frame: Frame) -> Iterator[Frame]:
+    """``frame`` on top of :func:`frames` for the duration of the block."""
+    frames().append(frame)
+    try:
+        yield frame
+    finally:
+        frames().pop()
+
+
 def check_name(arg: str, value: Any) -> None:
     if not isinstance(value, str) or not value:
         raise TypeError(f"jaxamp.dropin: `{arg}`={value!r} must be a non-empty string (a variable name).")
@@ -67,16 +71,14 @@ def check_wrt(caller: str, argnums: Any, wrt: Any) -> Union[int, Tuple[int, ...]
         for n in names:
             check_name("wrt", n)
         if isinstance(wrt, str) == multi or (multi and len(names) != len(argnums)):
-            raise ValueError(
-                f"{caller}: `wrt`={wrt!r} must be one name for an int `argnums` or a tuple of "
-                f"{len(argnums) if multi else 1} names for `argnums`={argnums!r}."
-            )
+            raise ValueError(f"{caller}: `wrt`={wrt!r} must be one name for an int `argnums` or a "
+                             f"tuple of {len(argnums) if multi else 1} names for "
+                             f"`argnums`={argnums!r}.")  # fmt: skip
     return tuple(argnums) if multi else argnums
 
 
 def term_of(frame: Frame, of: Optional[str]) -> Optional[str]:
-    """The name of the value a derivative differentiates: ``of``, else the one name the inner
-    derivatives of its function reported, else None."""
+    """The differentiated value's name: ``of``, else the one name the inner calls report, or None."""
     names = set(frame.names)
     return of if of is not None else (names.pop() if len(names) == 1 else None)
 
@@ -91,17 +93,10 @@ def report(order: int, term: Optional[str], wrt: Any) -> None:
 
 def _by_engine(link: chain.Chain, args) -> jax.Array:
     """The chain's top derivative by the forward engine; the orders reported as the nest would."""
-    probe = Frame()
-    frames().append(probe)
-    try:
+    with framed(Frame()) as probe:
         jax.make_jaxpr(lambda *a: link.base(*a))(*args)  # its calls' orders (a new function: no trace cache)
-    finally:
-        frames().pop()
-    frames().append(Frame())
-    try:
+    with framed(Frame()):
         value, order, term = chain.shared(link, args, probe.max_order)
-    finally:
-        frames().pop()
     report(order, term, link.wrts[-1])
     return value
 
@@ -136,11 +131,8 @@ def _reverse(transform: Callable, caller: str, fun: Callable, argnums, has_aux: 
             s = deriv_scale(out, **found)
             return seed(out, s), (out, s, aux)
 
-        frames().append(frame)
-        try:
+        with framed(frame):
             grads, (value, s, aux) = transform(seeded, argnums, has_aux=True, **options)(*args, **kwargs)
-        finally:
-            frames().pop()
         inv = jnp.float32(1.0) / s
 
         def check(d):  # float0 gradients (allow_int) are not checked
@@ -162,27 +154,16 @@ def grad(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_au
 
     Args:
       fun, argnums, has_aux, holomorphic, allow_int: as ``jax.grad``.
-      of: the name of ``fun``'s value (``"u"``), needed for per-term scaler keys and special
-        terms. Default: the name of the inner ``grad`` ``fun`` calls (``"u__x"``), if any.
-      wrt: the name of the differentiated argument (``"x"``), or one name per entry of a
-        tuple ``argnums``; names the result (``of + "__" + wrt``) for an outer ``grad``.
-      method: ``"auto"`` (default): a nest of ``grad`` calls whose every step differentiates a
-        float32 scalar argument (an ``int`` ``argnums``, no ``has_aux``) runs as one plan of the
-        Derivatives engine (:mod:`jaxamp.dropin.chain`: nested forward mode, one tangent for a
-        pure second order, Taylor mode for pure orders >= 3); any other call is reverse mode.
-        ``"reverse"``: nested ``jax.grad`` always (and this call starts no chain).
-        ``"forward"``: as ``"auto"``, an error where the chain cannot run.
+      of: the name of ``fun``'s value (``"u"``), for per-term keys and special terms; default:
+        the name of the inner ``grad`` ``fun`` calls (``"u__x"``), if any.
+      wrt: the differentiated argument's name (``"x"``), one per entry of a tuple ``argnums``.
+      method: ``"auto"`` (default): a nest of ``grad`` steps along float32 scalar arguments
+        runs as one Derivatives plan (:mod:`jaxamp.dropin.chain`), other calls in reverse mode;
+        ``"reverse"``: nested ``jax.grad`` always; ``"forward"``: an error where no chain runs.
 
     Returns:
-      A function with ``jax.grad``'s outputs. Under :func:`jaxamp.dropin.scaled` its seed is
-      the scale of its key (per-order: ``str(order)``; per-term or a special term: the name
-      ``of``) and its scaled result is checked for inf/NaN under that key.
-
-    Outside :func:`jaxamp.scaled` / :func:`jaxamp.value_and_grad` (e.g. a loss evaluated for
-    logging) every scale is 1 and nothing is checked: plain JAX derivatives, which in float16
-    may overflow where the scaled program does not; evaluate such a loss with
-    ``jaxamp.scaled(loss)(state, ...)``. Float64 arguments are float32 unless JAX's x64 mode is
-    on (JAX's own rule); the engine plan (``method="auto"``) takes float32 scalars only.
+      A function with ``jax.grad``'s outputs: under :func:`jaxamp.dropin.scaled` seeded with its
+      key's scale and checked for inf/NaN; outside, plain JAX derivatives (scale 1, unchecked).
 
     Example:
       >>> import jax.numpy as jnp, jaxamp
@@ -202,9 +183,6 @@ def jacrev(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_
            holomorphic: bool = False, allow_int: bool = False, *, of: Optional[str] = None,
            wrt: Optional[Union[str, Sequence[str]]] = None) -> Callable[..., Any]:
     """``jax.jacrev`` of a function returning one array, scaled and checked as :func:`grad`.
-
-    The seed of every row is the scale of the key; the Jacobian (``out.shape + arg.shape``) is
-    checked row by row against ``fun``'s value and unscaled in float32.
 
     Args:
       fun, argnums, has_aux, holomorphic, allow_int: as ``jax.jacrev`` (``fun`` returns one array).

@@ -1,30 +1,11 @@
 """``jaxamp.dropin.laplacian``: a scaled Laplacian by collapsed Taylor mode.
 
-``laplacian(fun, argnums)(*args) = sum_{i in indices} d^2 fun / dx_i^2`` for the argument
-``x = args[argnums]`` (shape ``(d,)`` or ``()``), ``fun`` returning one scalar. The default
-``method="collapsed"`` propagates the first-order coefficients along the ``D`` directions
-``e_i`` (one array per direction) and one second-order coefficient, their sum
-(:mod:`jaxamp.taylor.collapsed`; Dangel et al., NeurIPS 2025): a linear layer maps the summed
-coefficient once instead of ``D`` times. ``"taylor"`` (``D`` second-order Taylor propagations,
-one per direction), ``"forward"`` (nested ``jax.jvp``, the
-Hessian's diagonal) and ``"reverse"`` (``jax.jvp`` of ``jax.grad``, the diagonal of
-``jax.hessian``) are the uncollapsed baselines; all give the same value to rounding.
-
-Scaling, as the other drop-in derivatives (docs/algorithm.md, "One derivative step"): with
-``m`` the highest order of the drop-in derivatives ``fun`` calls (0 for a network), the
-first-order tangents carry the scale ``s1`` of order ``m + 1`` and the summed second-order
-coefficient the scale ``s2`` of order ``m + 2``, as the Derivatives engine's pure second order
-(``jaxamp.derivatives.forward._second``): seeds ``s1 e_i``, product terms scaled by the factors
-``(s2 / s1, 1 / s1)`` (nested modes: seed ``(s2 / s1) e_i`` on top of ``s1``), so no float16
-value carries ``s1 * s2`` or ``s1**2``. The scaled first-order tangents are checked under order
-``m + 1``, the scaled sum under order ``m + 2``, both against ``fun``'s value, and the sum is
-multiplied by ``1 / s2`` in float32 inside the differentiable graph.
-
-Keys: per order ``str(m + 1)`` and ``str(m + 2)``; per term (and special terms) the name of
-the differentiated value: ``of`` (or the one name the inner derivatives report) for the first
-step and ``of + "__lap"`` for the second (the first-order derivatives summed over ``indices``;
-the engine would name one of them ``of + "__x"``). The Laplacian reports order ``m + 2`` and no
-name to an enclosing derivative (name its value with ``of=`` there).
+``method="collapsed"`` propagates one second-order coefficient, the sum over the directions
+(:mod:`jaxamp.taylor.collapsed`; Dangel et al., NeurIPS 2025). With ``m`` the highest order of
+the drop-in derivatives ``fun`` calls, the first-order tangents carry the scale ``s1`` of order
+``m + 1`` (per term: key ``of``), the sum the scale ``s2`` of order ``m + 2`` (``of + "__lap"``),
+with the factors ``(s2 / s1, 1 / s1)``: no float16 value carries ``s1 * s2``. It reports order
+``m + 2`` and no name.
 """
 
 from __future__ import annotations
@@ -38,7 +19,7 @@ import numpy as np
 
 from jaxamp import interpreter
 from jaxamp.derivatives.plan import LAP
-from jaxamp.dropin.grad import Frame, check_fun, frames, report, term_of
+from jaxamp.dropin.grad import Frame, check_fun, framed, report, term_of
 from jaxamp.marks import SEP, deriv_check, deriv_scale, seed
 from jaxamp.taylor.collapsed import propagate_jaxpr
 
@@ -54,8 +35,7 @@ def _collapsed(closed, g, x, basis, s1, s2) -> Step:
 
 
 def _each(one: Callable, rows: jax.Array) -> Tuple[jax.Array, ...]:
-    """``one(row)`` for every row, stacked: unrolled, not ``jax.vmap`` (the collapsed method
-    unrolls its directions too, :mod:`jaxamp.taylor.collapsed`; the baselines match it)."""
+    """``one(row)`` for every row, stacked, unrolled as the collapsed method (not ``jax.vmap``)."""
     outs = [one(rows[i]) for i in range(rows.shape[0])]
     return tuple(jnp.stack(o) for o in zip(*outs))
 
@@ -116,18 +96,15 @@ def laplacian(fun: Callable[..., Any], argnums: int = 0, *, of: Optional[str] = 
     Args:
       fun: a function returning one scalar (shape ``()``), floating point.
       argnums: the position of ``x``, a floating-point array of shape ``(d,)`` or a scalar.
-      of: the name of ``fun``'s value (``"u"``), for per-term scaler keys and special terms.
-        Default: the one name the drop-in derivatives ``fun`` calls report, if any.
+      of: the name of ``fun``'s value (``"u"``), for per-term keys; default: the one name the
+        drop-in derivatives ``fun`` calls report, if any.
       indices: the entries of ``x`` to sum over (distinct ints in ``[0, d)``); None: all.
-      method: ``"collapsed"`` (default, collapsed Taylor mode), or the uncollapsed baselines
-        ``"taylor"``, ``"forward"``, ``"reverse"``.
+      method: ``"collapsed"`` (default), or a baseline ``"taylor"``, ``"forward"``, ``"reverse"``.
 
     Returns:
       A function with ``fun``'s signature returning ``sum_{i in indices} d^2 fun / dx_i^2``
-      (dtype: ``fun``'s value's and ``x``'s promoted). Outside :func:`jaxamp.dropin.scaled`
-      every scale is 1 and this is ``jnp.trace(jax.hessian(fun, argnums)(*args))`` to rounding.
-      Under ``scaled`` the first-order tangents carry the scale of key order ``m + 1``, the
-      summed second order that of order ``m + 2`` (module docstring).
+      (``fun``'s and ``x``'s dtypes promoted); outside :func:`jaxamp.dropin.scaled`,
+      ``jnp.trace(jax.hessian(fun, argnums)(*args))`` to rounding.
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxamp
@@ -172,12 +149,8 @@ def laplacian(fun: Callable[..., Any], argnums: int = 0, *, of: Optional[str] = 
             return fun(*full, **kwargs)
 
         xv = jnp.reshape(x, (d,))
-        frame = Frame()
-        frames().append(frame)
-        try:
+        with framed(Frame()) as frame:
             closed = jax.make_jaxpr(flat)(xv)
-        finally:
-            frames().pop()
         avals = closed.out_avals
         if len(avals) != 1 or avals[0].shape != () or not jnp.issubdtype(avals[0].dtype, jnp.inexact):
             got = ", ".join(f"{a.dtype}{list(a.shape)}" for a in avals)

@@ -1,26 +1,9 @@
 """Where the derivatives of a ``dropin.grad`` program sit in float16's window, and start scales.
 
-:func:`profile` is :func:`jaxamp.profile` for code written with
-:func:`jaxamp.dropin.grad`: it evaluates the user's function (e.g. the per-point losses) with
-every float16/bfloat16 operation promoted to float32, each derivative seed at the scale of its
-key, and reports per scaler key the range of
-
-- ``derivatives[key]``: the scaled derivatives the key's overflow checks look at, whatever
-  their dtype (informational: often float32, e.g. a length scale divided out in a float32
-  first layer makes the float32 derivative large while the float16 values stay small), and
-- ``hidden[key]``: every float16/bfloat16 value of the derivative passes the key scales: the
-  values that depend on the key's seed *and* feed the key's check (the backward pass of that
-  ``grad``, inside the user's own network), where float16 overflows first. Call bodies
-  (``jit``, ``custom_jvp``/``custom_vjp``) are inlined; a ``scan``/``while``/``cond`` is seen
-  through its outputs, and one with a ``dropin`` derivative inside is an error;
-
-and ``keys[key]``, what :func:`jaxamp.window.recommend` fits: only the values the original
-(unpromoted) program holds in float16/bfloat16, ``hidden[key]`` and the derivatives of that
-dtype (a float32 value needs no lower scale, however large).
-
-:func:`init_scalers` turns the profile into :class:`jaxamp.scaler.Scalers` whose every key starts
-at the scale :func:`jaxamp.window.recommend` gives it (and may grow up to its configured max
-scale): the port of an existing code starts from measured scales instead of hand-tuned ones.
+:func:`profile` evaluates the function promoted to float32 and reports per scaler key the
+range of ``derivatives`` (the scaled derivatives the key's checks look at), ``hidden`` (the
+float16/bfloat16 values that depend on the key's seed and feed its check) and ``keys`` (what
+:func:`jaxamp.window.recommend` fits: those held in float16/bfloat16).
 """
 
 from __future__ import annotations
@@ -74,19 +57,14 @@ def profile(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *,
     """The float16 range of every scaled derivative in ``fun``, per scaler key.
 
     Args:
-      fun: a function whose derivatives are taken with :func:`jaxamp.grad` and its siblings
-        (through ``vmap``, ``jit``, ``jacrev``; not inside ``scan``/``while``/``cond`` bodies),
-        or a :class:`jaxamp.Derivatives` engine (then ``prof(params, points)``, its ``amp``).
+      fun: a function taking derivatives with :func:`jaxamp.grad` and its siblings (not inside
+        ``scan``/``while``/``cond`` bodies), or a :class:`jaxamp.Derivatives` engine.
       amp: as for :func:`jaxamp.scaled`.
-      scales: ``{key: f32[]}``, or an :class:`~jaxamp.AmpState`: the scales to profile at.
-        None: every key at 1 (what :func:`jaxamp.window.recommend` expects).
+      scales: ``{key: f32[]}`` or an :class:`~jaxamp.AmpState`; None: every key at 1.
 
     Returns:
-      ``prof(*args, **kwargs) -> Profile`` (the call form of :func:`jaxamp.init`) with
-      ``derivatives`` and ``hidden`` per key (see the module docstring) and ``keys``: per key,
-      the values ``fun`` holds in float16 or bfloat16 (``hidden`` and the derivatives of that
-      dtype), what float16 can overflow and ``recommend`` fits. Empty when ``amp``'s
-      derivative scalers are inactive.
+      ``prof(*args, **kwargs) -> Profile`` with ``derivatives``, ``hidden`` and ``keys`` per key
+      (see the module docstring). Empty when ``amp``'s derivative scalers are inactive.
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxamp
@@ -117,11 +95,11 @@ def profile(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *,
         flat_jaxpr = jax.make_jaxpr(lambda *a: eval_jaxpr(closed.jaxpr, closed.consts, a, _inline))(*flat)
         for eqn in flat_jaxpr.jaxpr.eqns:
             if any(marks_in(j) for j in sub_jaxprs(eqn)):
-                raise NotImplementedError(
-                    f"jaxamp.dropin.profile: a jaxamp.grad inside a `{eqn.primitive.name}` body is not "
-                    "profiled; profile the function the loop or branch calls (or start the scalers "
-                    "without a profile: init_scalers(..., from_profile=False))."
-                )
+                raise NotImplementedError("jaxamp.dropin.profile: a jaxamp.grad inside a "
+                                          f"`{eqn.primitive.name}` body is not profiled; profile "
+                                          "the function the loop or branch calls (or start the "
+                                          "scalers without a profile: init_scalers(..., "
+                                          "from_profile=False)).")  # fmt: skip
         ctx.scales = {k: jnp.float32(1.0) for k in ctx.keys(flat_jaxpr.jaxpr)} | dict(scales or {})
         hidden_of = _key_sets(flat_jaxpr.jaxpr, ctx)
         # "low": the derivatives held in float16/bfloat16 that "hidden" does not hold already
@@ -165,18 +143,13 @@ def init_scalers(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *, fr
     Args:
       fun: as for :func:`profile` (typically the function of the per-point losses).
       amp: the settings (None: ``AmpConfig()``).
-      from_profile: profile ``fun`` at every scale 1 and start each key at the scale
-        :func:`jaxamp.window.recommend` gives it (``Recommendation.apply``: the config's
-        ``custom_init_scales_log2``); a key still grows up to its configured max scale while
-        it does not overflow. False: the keys at ``amp``'s rules only (as
-        ``jaxamp.init(None, amp, keys=scaler_keys(fun, amp)(*args))().derivative``).
+      from_profile: start each key at the scale :func:`jaxamp.window.recommend` gives a
+        profile at every scale 1; False: at ``amp``'s rules.
       margin_log2: powers of two kept free below 65504 (as ``recommend``).
 
     Returns:
-      ``init(*args, **kwargs) -> Scalers``, evaluated on example arguments (e.g. the initial
-      parameters and a first batch). Its rules (``scalers.rules[key]``) are
-      ``recommend(...).apply(amp).derivative_scaler_for(key)``: the start scale differs from
-      ``amp``'s, every other hyper-parameter (max scale included) is ``amp``'s.
+      ``init(*args, **kwargs) -> Scalers`` on example arguments (initial parameters, a batch);
+      only the start scales differ from ``amp``'s rules.
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxamp

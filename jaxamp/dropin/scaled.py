@@ -23,7 +23,8 @@ from jax.extend import core as jcore
 from jaxamp.config import AmpConfig
 from jaxamp.dropin import chain
 from jaxamp.dropin.control import HANDLERS, call, full_flags
-from jaxamp.marks import NONFINITE_VALUES, PRIMITIVES, deriv_check_p, deriv_scale_p, or_into, scaler_key, step_flags
+from jaxamp.marks import (NONFINITE_VALUES, PRIMITIVES, deriv_check_p, deriv_scale_p, or_into, reduce_flags,
+                          scaler_key, step_flags)
 from jaxamp.interpreter import CALL_PRIMITIVES, bind, cse, eval_jaxpr, sub_jaxprs
 from jaxamp.state import find
 from jaxamp.window import LOG2_FP16_MAX
@@ -37,21 +38,16 @@ _MARKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def marks_in(jaxpr: jcore.Jaxpr) -> Tuple[Tuple[int, Optional[str]], ...]:
     """The (order, term) of every jaxamp primitive in ``jaxpr`` and its sub-jaxprs (cached)."""
-    try:
-        return _MARKED[jaxpr]
-    except (KeyError, TypeError):
-        pass
+    cached = _MARKED.get(jaxpr)
+    if cached is not None:
+        return cached
     found = []
     for eqn in jaxpr.eqns:
         if eqn.primitive in PRIMITIVES:
             found.append((eqn.params["order"], eqn.params["term"]))
         for sub in sub_jaxprs(eqn):
             found.extend(marks_in(sub))
-    found = tuple(dict.fromkeys(found))
-    try:
-        _MARKED[jaxpr] = found
-    except TypeError:
-        pass
+    _MARKED[jaxpr] = found = tuple(dict.fromkeys(found))
     return found
 
 
@@ -66,11 +62,14 @@ class Context:
         # {key: f32[]} the largest |scaled derivative| checked under each key (the headroom's
         # peak); None inside loop, branch, remat and shard_map bodies (their own traces)
         self.peaks: Optional[Dict[str, jax.Array]] = {}
+        # {key: [per-point flags]} of this trace's checks, inlined bodies' too; reduced once by
+        # the outermost _evaluate
+        self.pending: Optional[Dict[str, List[jax.Array]]] = None
 
     def in_body(self) -> "Context":
-        """This context for a body traced on its own (a loop's, a branch's): no peaks."""
+        """This context for a body traced on its own (a loop's, a branch's)."""
         inner = copy.copy(self)
-        inner.peaks = None
+        inner.peaks, inner.pending = None, None
         return inner
 
     def key(self, order: int, term: Optional[str]) -> str:
@@ -115,10 +114,11 @@ def _opaque(scales: Mapping[str, Any]) -> Dict[str, jax.Array]:
     return {k: stacked[i] for i, k in enumerate(keys)}
 
 
-def _check(ctx: Context, pending: Dict[str, List[jax.Array]], g, v, order: int, term: Optional[str]) -> None:
-    """Appends this check's per-point flags to ``pending[key]`` (_evaluate reduces each key once)."""
+def _check(ctx: Context, g, v, order: int, term: Optional[str]) -> None:
+    """Appends this check's per-point flags to ``ctx.pending[key]``."""
     if not ctx.active:
         return
+    pending = ctx.pending
     finite_v = jnp.isfinite(v)
     if order > 0:
         key = ctx.key(order, term)
@@ -134,14 +134,15 @@ def _check(ctx: Context, pending: Dict[str, List[jax.Array]], g, v, order: int, 
 
 def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: Context) -> Tuple[List, Flags]:
     flags: Flags = {}
-    pending: Dict[str, List[jax.Array]] = {}  # per key, the checks' unreduced flags
+    owner = ctx.pending is None  # the outermost evaluation of this trace reduces the checks
+    pending = ctx.pending = {} if owner else ctx.pending
 
     def rule(eqn, invals):
         prim = eqn.primitive
         if prim is deriv_scale_p:
             return [ctx.scale(invals[0], **eqn.params)]
         if prim is deriv_check_p:
-            _check(ctx, pending, *invals, **eqn.params)
+            _check(ctx, *invals, **eqn.params)
             return [invals[0]]
         if not any(marks_in(j) for j in sub_jaxprs(eqn)):
             return bind(eqn, invals)  # fast path: nothing of ours inside
@@ -158,8 +159,10 @@ def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ct
         return outs
 
     outs = eval_jaxpr(jaxpr, consts, args, rule)
-    for k, hits in pending.items():  # one reduction per key, not one per check
-        or_into(flags, k, jnp.any(jnp.concatenate([jnp.ravel(h) for h in hits])))
+    if owner:
+        ctx.pending = None
+        for k, hit in reduce_flags(pending).items():
+            or_into(flags, k, hit)
     return outs, flags
 
 
@@ -206,11 +209,10 @@ def scaled(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *, merge: b
         or a :class:`jaxamp.Derivatives` engine's own ``amp`` when ``fun`` is the engine.
         A config whose derivative scalers are inactive (fp32, bf16, AMP off): every scale is
         1, nothing is checked, ``found_inf`` is empty.
-      merge: in float16, compute once what the program computes twice and what depends on no
-        scale (:func:`jaxamp.interpreter.cse`: a user's ``u(params, t, x)`` beside the primal
-        pass of ``jaxamp.grad(u)``), before an outer ``jax.grad`` differentiates it, so the
-        backward pass is shared too. Values are unchanged; a weight gradient may differ in its
-        last bits (its cotangents summed in another order). False: the program as written.
+      merge: in float16, compute once what the program computes twice and depends on no scale
+        (:func:`jaxamp.interpreter.cse`: a user's ``u(params, t, x)`` beside the primal pass of
+        ``jaxamp.grad(u)``), before an outer ``jax.grad``, so the backward pass is shared too.
+        Values are unchanged; a weight gradient may differ in its last bits. False: as written.
       headroom: also return ``{key: f32[]}``, each key's headroom: ``log2(65504)`` minus log2
         of the largest scaled derivative its checks saw (the values the program holds, at the
         scales given; one max per check, no extra pass). 3 means the largest could grow
@@ -225,9 +227,8 @@ def scaled(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *, merge: b
       under ``amp``; ``found_inf`` is ``{key: bool[]}`` for every key in the program plus
       ``"nonfinite_values"``; with ``headroom=True``, ``(value, found_inf, headroom)``.
 
-    Outside ``scaled`` (and :func:`jaxamp.value_and_grad`) the derivatives are plain JAX
-    derivatives at scale 1: in float16 they may overflow where the scaled program does not.
-    Evaluate a loss for logging through ``scaled(loss)(state, ...)``.
+    Outside ``scaled`` (and :func:`jaxamp.value_and_grad`) the derivatives are plain JAX ones at
+    scale 1, which may overflow in float16: log a loss through ``scaled(loss)(state, ...)``.
 
     Example:
       >>> import jax.numpy as jnp, jaxamp
@@ -286,9 +287,7 @@ def scaled(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *, merge: b
 
 
 def scaler_keys(fun: Callable[..., Any], amp: Optional[AmpConfig] = None) -> Callable[..., Tuple[str, ...]]:
-    """``scaler_keys(fun, amp)(*args)``: the scaler keys of the derivatives ``fun`` takes.
-
-    Create one derivative scaler per key, e.g.
+    """``scaler_keys(fun, amp)(*args)``: the scaler keys of the derivatives ``fun`` takes, e.g.
     ``{k: amp.derivative_scaler_for(k).init() for k in scaler_keys(loss, amp)(params, batch)}``.
     """
     check_amp(amp)

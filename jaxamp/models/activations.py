@@ -22,10 +22,7 @@ def check_activation(name: str) -> None:
 
 
 def apply_activation(name: str, x: jax.Array, eval_dtype: Optional[jnp.dtype]) -> jax.Array:
-    """``act(x)`` evaluated in ``eval_dtype`` (e.g. float32) and cast back to ``x.dtype``.
-
-    With ``eval_dtype=None`` the activation runs in ``x``'s own dtype.
-    """
+    """``act(x)`` evaluated in ``eval_dtype`` (None: ``x``'s own) and cast back to ``x.dtype``."""
     fn = ACTIVATIONS[name]
     if eval_dtype is None or jnp.dtype(eval_dtype) == x.dtype:
         return fn(x)

@@ -1,10 +1,7 @@
 """Modulus Sym's FourierNet in Flax: fixed Fourier features of the inputs, then a FullyConnected.
 
-The features are ``[x, sin(2 pi x F), cos(2 pi x F)]`` for a fixed (not trained) frequency
-matrix ``F`` of shape ``[in_features, n_frequencies]`` (see :func:`fourier_matrix`). They are
-always computed in float32; the network behind them is a :class:`FullyConnected` with the
-same precision placement as everywhere else (with ``fp32_first_layer`` its first dense
-layer, which takes the features, runs in float32).
+The features ``[x, sin(2 pi x F), cos(2 pi x F)]`` (``F``: :func:`fourier_matrix`, not trained)
+are computed in float32; the :class:`FullyConnected` behind them has the usual placement.
 """
 
 from __future__ import annotations

@@ -28,11 +28,10 @@ def precision_fields(config: AmpConfig) -> dict:
 
 
 class WeightNormDense(nn.Module):
-    """``y = x @ (g * v / ||v||) + b``, the norm taken per output unit (Modulus' WeightNormLinear).
+    """``y = x @ (g * v / ||v||) + b``, the norm per output unit (Modulus' WeightNormLinear).
 
-    Params (float32): ``kernel`` ``[in, out]`` (Glorot-uniform), ``weight_g`` ``[out]``
-    (ones, only with weight norm), ``bias`` ``[out]`` (zeros). The effective weight is built
-    in float32, then the matmul runs in ``dtype``.
+    Float32 params ``kernel`` (Glorot-uniform), ``weight_g`` (ones, with weight norm) and ``bias``
+    (zeros); the effective weight is built in float32, the matmul runs in ``dtype``.
     """
 
     features: int
@@ -51,16 +50,13 @@ class WeightNormDense(nn.Module):
 
 
 class FullyConnected(nn.Module):
-    """Modulus Sym's FullyConnectedArch: ``nr_layers`` hidden layers of ``layer_size`` units,
-    weight norm on the hidden layers, a plain linear output layer.
+    """Modulus Sym's FullyConnectedArch: ``nr_layers`` weight-normed hidden layers of
+    ``layer_size`` units, then a plain linear output layer; float32 ``[..., out_features]`` out.
 
-    Precision (see :meth:`from_amp`): hidden and output layers compute in ``dtype``;
-    ``fp32_first_layer`` keeps the first layer and its activation in float32;
-    ``fp32_activations`` evaluates every activation in float32. Inputs may be float32 of
-    shape ``[..., in_features]``; outputs are float32 ``[..., out_features]``.
-
-    ``skip_connections``: as Modulus, the output of every second hidden layer (0, 2, 4, ...)
-    is added to the next such output.
+    Precision (see :meth:`from_amp`): layers compute in ``dtype``; ``fp32_first_layer`` keeps
+    the first layer and its activation in float32; ``fp32_activations`` evaluates every
+    activation in float32. ``skip_connections``: as Modulus, the output of every second hidden
+    layer (0, 2, 4, ...) is added to the next such output.
     """
 
     out_features: int
@@ -95,18 +91,10 @@ class FullyConnected(nn.Module):
         act_dtype: Optional[jnp.dtype] = jnp.float32 if self.fp32_activations else None
         x_skip = None
         for i in range(self.nr_layers):
-            if i == 0 and self.fp32_first_layer:
-                x = WeightNormDense(self.layer_size, self.weight_norm, jnp.float32, name=f"layers_{i}")(
-                    x.astype(jnp.float32)
-                )
-                x = apply_activation(self.activation, x, None).astype(self.dtype)
-            else:
-                x = WeightNormDense(self.layer_size, self.weight_norm, self.dtype, name=f"layers_{i}")(x)
-                x = apply_activation(self.activation, x, act_dtype)
+            dtype = jnp.float32 if i == 0 and self.fp32_first_layer else self.dtype
+            x = WeightNormDense(self.layer_size, self.weight_norm, dtype, name=f"layers_{i}")(x)
+            x = apply_activation(self.activation, x, act_dtype).astype(self.dtype)
             if self.skip_connections and i % 2 == 0:
-                if x_skip is not None:
-                    x, x_skip = x + x_skip, x
-                else:
-                    x_skip = x
+                x, x_skip = (x if x_skip is None else x + x_skip), x
         x = WeightNormDense(self.out_features, False, self.dtype, name="final_layer")(x)
         return x.astype(jnp.float32)

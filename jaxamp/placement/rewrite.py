@@ -1,40 +1,23 @@
 """Precision placement for any JAX network function: :func:`autocast` (torch.autocast's op lists,
-applied to the traced program).
+applied to the traced program through :func:`jaxamp.interpreter.eval_jaxpr`).
 
-``autocast(fn, amp)`` traces ``fn`` and re-evaluates its jaxpr through
-:func:`jaxamp.interpreter.eval_jaxpr` with a per-primitive rule, giving a user's own network
-the placement of :class:`jaxamp.models.FullyConnected` without touching the model code:
+It gives a user's network the placement of :class:`jaxamp.models.FullyConnected`:
 
-* matmuls and convolutions (``dot_general``, ``conv_general_dilated``) that use a parameter run
-  in ``amp.compute_dtype``: their floating operands are cast at use (parameters stay float32) and
-  the result is cast back to the dtype the original program gave it, so every other operation
-  sees exactly the dtypes it was written for. The casts ``f16 -> f32 -> f16`` between two
-  layers are exact, so this costs no precision; XLA fuses them with the neighbouring ops;
-* the first layer -- a parameter-using matmul/convolution fed by the inputs with no such layer
-  before it -- runs as written (float32) unless ``amp.autocast_firstlayer``;
-* matmuls that use no parameter (fixed Fourier features ``x @ F``, products of inputs) run as
-  written, as :class:`jaxamp.models.FourierNet` computes its features in float32;
-* activations (:data:`ACTIVATION_PRIMITIVES`: tanh, logistic, sin, exp, erf, ...) run as written
-  (float32) unless ``amp.autocast_activation``; then those downstream of a compute-dtype layer
-  run in the compute dtype (the first layer's activation stays float32, as in FullyConnected);
-* everything else runs as written. Bodies of ``jit``/``closed_call`` are inlined and rewritten;
-  ``jax.checkpoint``, ``lax.cond``, ``lax.scan`` and ``lax.while_loop`` keep their structure
-  with rewritten bodies (a loop carry's dependencies are widened until stable, so inside a
-  scan over layers every iteration gets one placement); ``custom_jvp``/``custom_vjp`` functions
-  (``jax.nn.relu``, ``jax.nn.softplus``) are bound as written, keeping their derivative rules,
-  unless their body holds a matmul or an activation to move (then it is inlined and
-  differentiated as ordinary primitives). Matmuls left inside other higher-order primitives
-  are reported by a warning.
+* matmuls/convolutions that use a parameter run in ``amp.compute_dtype``, their floating operands
+  cast at use and the result cast back, so every other operation sees its original dtypes (the
+  ``f16 -> f32 -> f16`` casts between layers are exact, and XLA fuses them);
+* the first layer (fed by the inputs, no such layer before it) runs as written (float32) unless
+  ``amp.autocast_firstlayer``; matmuls using no parameter (``x @ F``) run as written;
+* activations (:data:`ACTIVATION_PRIMITIVES`) downstream of a compute-dtype layer run in the
+  compute dtype if ``amp.autocast_activation``;
+* everything else runs as written. ``jit`` bodies are inlined; ``checkpoint``, ``cond``, ``scan``
+  and ``while`` get rewritten bodies (loop carries' flags are widened until stable);
+  ``custom_jvp``/``custom_vjp`` functions are inlined only when their body holds something to
+  move. Matmuls left inside other higher-order primitives are reported by a warning.
 
-Compared with :class:`jaxamp.models.FullyConnected`, which adds its biases in the compute dtype
-(as torch's fused ``linear``), bias adds here run as written (float32): on the same weights the
-outputs agree bitwise when the biases are zero and to fp16 rounding of the pre-activations
-otherwise.
-
-The rewritten program is made of JAX's own primitives (casts and the original equations), so the
-wrapped function composes with ``jax.jit``, ``jax.vmap``, ``jax.grad`` (any order, w.r.t.
-parameters or inputs) and ``jax.jacrev``/``jax.jacfwd``; derivatives of a compute-dtype matmul
-are compute-dtype matmuls.
+Bias adds run as written (float32), not in the compute dtype as in FullyConnected: the outputs
+agree bitwise for zero biases, else to fp16 rounding. The result composes with ``jax.jit``,
+``jax.vmap``, ``jax.grad`` (any order) and ``jax.jacrev``/``jax.jacfwd``.
 """
 
 from __future__ import annotations
@@ -79,27 +62,22 @@ def _argnums(value: Union[int, Sequence[int]]) -> Tuple[int, ...]:
 def autocast(fn: Callable, amp: Optional[AmpConfig], *, params_argnums: Union[int, Sequence[int]] = 0) -> Callable:
     """``fn`` with jaxamp's precision placement, by rewriting its traced program per primitive.
 
-    Matmuls/convolutions that use a parameter run in ``amp.compute_dtype`` (operands cast at
-    use, result cast back to the dtype ``fn`` gave it); the first layer on the inputs and the
-    activations stay float32 unless ``amp.autocast_firstlayer`` / ``amp.autocast_activation``;
-    everything else runs as written (see the module docstring for the full rule). The model code
-    is not changed: a Flax ``nn.Dense`` with ``dtype=None`` or ``float32`` is rewritten as well.
+    Parameter-using matmuls/convolutions run in ``amp.compute_dtype``; the first layer and the
+    activations stay float32 unless ``amp.autocast_firstlayer`` / ``amp.autocast_activation``
+    (the module docstring has the full rule). A Flax ``nn.Dense`` with ``dtype=None`` is
+    rewritten as well.
 
     Args:
-      fn: the network function, e.g. ``model.apply`` or ``u_net(params, t, x)``. Its positional
-        and keyword arguments are pytrees; array and number leaves are traced, other leaves
-        (bools, strings, functions) are static, as Flax's ``apply(..., train=False)`` expects.
-        Outputs keep ``fn``'s dtypes (float32 for a float32 network).
-      amp: the settings. ``None``, ``amp.enabled=False`` or ``amp.dtype="float32"`` return ``fn``
-        itself (no rewrite).
-      params_argnums: positions of the parameter arguments (default ``0``). Every other
-        argument (keyword arguments included) is an input: it decides which layer is the first.
-        ``()``: ``fn`` closes over its parameters; the arrays it captures count as parameters.
+      fn: the network function, e.g. ``model.apply``. Array and number leaves of its arguments
+        are traced, other leaves (bools, strings, functions) are static. Outputs keep ``fn``'s
+        dtypes.
+      amp: the settings. ``None``, ``amp.enabled=False`` or ``amp.dtype="float32"`` return ``fn``.
+      params_argnums: positions of the parameter arguments (default ``0``); every other argument
+        is an input. ``()``: ``fn`` closes over its parameters (captured arrays count as such).
 
     Returns:
-      A function with ``fn``'s signature. It traces ``fn`` once per argument structure, shapes and
-      dtypes (cached, so eager calls and ``jax.jit`` do not retrace per call). It raises
-      ``ValueError`` naming ``fn`` when nothing in ``fn`` runs in the compute dtype.
+      A function with ``fn``'s signature, tracing ``fn`` once per argument structure, shapes and
+      dtypes. It raises ``ValueError`` naming ``fn`` when nothing runs in the compute dtype.
 
     Example:
       >>> import flax.linen as nn, jax, jax.numpy as jnp

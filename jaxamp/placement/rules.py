@@ -1,8 +1,5 @@
-"""The per-primitive rule of :func:`jaxamp.autocast`, for :func:`jaxamp.interpreter.eval_jaxpr`.
-
-Every value of the rewritten program is a :class:`Val`: the array, in the dtype the original
-program gave it, and what it depends on (inputs, parameters, an earlier layer, a compute-dtype
-operation). :class:`Placement` decides each equation from its primitive and those flags.
+"""The per-primitive rule of :func:`jaxamp.autocast`, for :func:`jaxamp.interpreter.eval_jaxpr`:
+:class:`Placement` decides each equation from its primitive and its operands' :class:`Val` flags.
 """
 
 from __future__ import annotations
@@ -36,11 +33,6 @@ class Val(NamedTuple):
     low: bool = False  # downstream of an operation that ran in the compute dtype
 
 
-def constant(x: Any) -> Val:
-    """A literal or captured constant: depends on nothing."""
-    return Val(x)
-
-
 def merge(vals: Sequence[Val]) -> Val:
     """The dependencies of a result of ``vals`` (any operand's), with no array."""
     return Val(None, *(any(v[i] for v in vals) for i in range(1, len(Val._fields))))
@@ -59,11 +51,7 @@ def primitive_counts(jaxpr: jcore.Jaxpr) -> collections.Counter:
 
 
 class Placement:
-    """The rule. ``counts`` records each matmul/convolution decision for the error message.
-
-    Args:
-      amp: the settings (``compute_dtype``, ``autocast_firstlayer``, ``autocast_activation``).
-    """
+    """The rule for ``amp``; ``counts`` records the matmul/convolution decisions (for errors)."""
 
     def __init__(self, amp: AmpConfig):
         self.dtype = amp.compute_dtype
@@ -77,7 +65,7 @@ class Placement:
         if body is None and name in CUSTOM_PRIMITIVES and self._move_inside(eqn, invals):
             body = custom_body(eqn)
         if body is not None:  # inline: the body's equations get their own decisions
-            return eval_jaxpr(body.jaxpr, [constant(c) for c in body.consts], invals, self, literal=constant)
+            return eval_jaxpr(body.jaxpr, [Val(c) for c in body.consts], invals, self, literal=Val)
         if name in BODY_PRIMITIVES:
             outs = self._rewrite_bodies(eqn, invals)
             if outs is not None:
@@ -87,16 +75,14 @@ class Placement:
         floating = bool(eqn.outvars) and _floating(eqn.outvars[0].aval.dtype)
         if name in COMPUTE_PRIMITIVES and floating:
             if not flags.params:
-                self.counts["without a parameter"] += 1
-                outs = bind(eqn, xs)
+                why = "without a parameter"
             elif flags.inputs and not flags.deep and not self.firstlayer:
-                self.counts["first layer"] += 1
-                outs = bind(eqn, xs)
-                flags = flags._replace(deep=True)
+                why, flags = "first layer", flags._replace(deep=True)
             else:
-                self.counts["compute dtype"] += 1
-                outs = self._lowered(eqn, xs)
+                why = "compute dtype"
                 flags = flags._replace(deep=flags.deep or flags.inputs, low=True)
+            self.counts[why] += 1
+            outs = self._lowered(eqn, xs) if why == "compute dtype" else bind(eqn, xs)
         elif name in ACTIVATION_PRIMITIVES and floating and self.activation and flags.low:
             outs = self._lowered(eqn, xs)
         else:
@@ -135,7 +121,7 @@ class Placement:
 
         def run(*xs):
             vals = [f._replace(x=x) for f, x in zip(flags, xs)]
-            outs = eval_jaxpr(closed.jaxpr, [constant(c) for c in closed.consts], vals, self, literal=constant)
+            outs = eval_jaxpr(closed.jaxpr, [Val(c) for c in closed.consts], vals, self, literal=Val)
             out_flags[:] = [o._replace(x=None) for o in outs]
             return [o.x for o in outs]
 

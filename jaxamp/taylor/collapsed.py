@@ -1,31 +1,18 @@
 """Collapsed Taylor mode: ``sum_i d2f[t_i, t_i]`` in one second-order propagation.
 
-Dangel et al., "Collapsing Taylor Mode Automatic Differentiation" (NeurIPS 2025). Second-order
-Taylor mode along ``D`` directions ``t_i`` propagates, for every variable ``z`` of ``f``'s jaxpr,
-the first-order coefficients ``z1_i`` (one per direction) and the second-order ones ``z2_i``.
-The top coefficient's propagation is linear in it (``out2 = g'(z) z2 + g''(z)[z1, z1]``), so
-for a sum over directions only the sum ``z2 = sum_i z2_i`` needs to be propagated:
+Dangel et al., "Collapsing Taylor Mode Automatic Differentiation" (NeurIPS 2025). The top
+coefficient's propagation is linear in it (``out2 = g'(z) z2 + g''(z)[z1, z1]``), so for a sum
+over directions only ``z2 = sum_i z2_i`` is propagated, beside one ``z1_i`` per direction:
 
 - linear primitives: ``out2 = A z2`` (one matmul instead of ``D``);
 - elementwise ones: ``out2 = g'(z) z2 + g''(z) * sum_i z1_i**2``;
-- any other (bilinear ``mul``/``dot_general`` with two x-dependent operands, unknown ones):
-  ``out2 = g'(z)[z2] + sum_i g''(z)[z1_i, z1_i]`` by nested ``jax.jvp`` of the primitive
-  once per direction: correct, uncollapsed in its product term only.
+- any other: ``out2 = g'(z)[z2] + sum_i g''(z)[z1_i, z1_i]``, a nested ``jax.jvp`` per direction.
 
-The first-order part is ``jax.jvp`` of the primitive once per direction. The directions are
-unrolled (a tuple of ``D`` arrays, not one ``[D, ...]`` array under ``jax.vmap``): under a
-parameter gradient a stacked direction axis makes XLA CPU emit reductions over that small axis
-and transposing copies for every weight-gradient matmul, which cost more than the collapse
-saves (docs/benchmarks.md, "The engine's Laplacian name"). Call-like
-equations (:func:`jaxamp.taylor.rules.body`) and the primal bodies of ``custom_jvp``/``custom_vjp``
-calls are entered; the drop-in marks stay in the program (``deriv_scale_p`` is constant,
-``deriv_check_p`` passes its operand's coefficients through) for :func:`jaxamp.dropin.scaled`.
-
-Scaling as :func:`jaxamp.taylor.second_order`: the first-order seeds carry ``S_1`` and the
-product terms take the ratio ``S_2 / S_1**2`` as factors ``(S_2 / S_1, 1 / S_1)`` -- applied in
-float32 after the product where the primitive computes in float32 or wider, or split into two
-powers of two multiplying the tangents before it in float16/bfloat16 (``Ratio.split``) -- so
-that the summed coefficient carries ``S_2`` and no float16 value carries ``S_1**2``.
+The directions are unrolled, not stacked under ``jax.vmap`` (slower under a parameter gradient,
+docs/benchmarks.md). Call-like equations and ``custom_jvp``/``custom_vjp`` primal bodies are
+entered. Scaling as :func:`jaxamp.taylor.second_order`: the seeds carry ``S_1``, and the product
+terms take ``(S_2 / S_1, 1 / S_1)``, in float32 after the product or as two powers of two on
+the float16/bfloat16 tangents before it.
 """
 
 from __future__ import annotations
@@ -52,8 +39,8 @@ ELEMENTWISE = frozenset(
 
 
 class CJet(NamedTuple):
-    """A variable's value, its first-order coefficients (a tuple of ``D`` arrays of its shape,
-    one per direction) and its summed second-order coefficient; None where identically zero."""
+    """A value, its first-order coefficients (a tuple, one per direction) and its summed
+    second-order one; None where identically zero."""
 
     value: Any
     first: Optional[jax.Array] = None
@@ -141,37 +128,27 @@ def _quadratic(eqn, f1: Callable, p1: Tuple[Any, ...], firsts: List[jax.Array], 
 
 def _run(closed: jcore.ClosedJaxpr, args: Sequence[CJet], ratio: Optional[Ratio]) -> List[CJet]:
     def step(eqn: jcore.JaxprEqn, invals: List[CJet]) -> List[CJet]:
-        if all(v.first is None and v.second is None for v in invals):
+        constant = all(v.first is None and v.second is None for v in invals)
+        # jaxamp_deriv_scale, the scale of an inner derivative, is constant in x too
+        if constant or eqn.primitive.name == "jaxamp_deriv_scale":
             return [CJet(o) for o in interpreter.bind(eqn, [v.value for v in invals])]
-        name = eqn.primitive.name
-        if name == "jaxamp_deriv_scale":  # the scale of an inner derivative: constant in x
-            return [CJet(o) for o in interpreter.bind(eqn, [v.value for v in invals])]
-        if name == "jaxamp_deriv_check":  # the identity on its first operand
+        if eqn.primitive.name == "jaxamp_deriv_check":  # the identity on its first operand
             (out,) = interpreter.bind(eqn, [v.value for v in invals])
             return [CJet(out, invals[0].first, invals[0].second)]
         body = rules.body(eqn)
         body = interpreter.custom_body(eqn) if body is None else body
-        if body is not None:
-            return _run(body, invals, ratio)
-        return _rule(eqn, invals, ratio)
+        return _rule(eqn, invals, ratio) if body is None else _run(body, invals, ratio)
 
     return interpreter.eval_jaxpr(closed.jaxpr, [CJet(c) for c in closed.consts], args, step, literal=CJet)
 
 
 def propagate_jaxpr(closed: jcore.ClosedJaxpr, x: jax.Array, tangents: jax.Array,
                     ratio: Optional[Sequence[jax.Array]] = None) -> Tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
-    """Collapsed propagation through ``closed``, a jaxpr of one argument ``x`` and one output.
+    """:func:`collapsed_second_order` of ``f`` given as ``closed = jax.make_jaxpr(f)(x)``.
 
-    Args:
-      closed: ``jax.make_jaxpr(f)(x)``.
-      x: the point.
-      tangents: ``[D, *x.shape]``, the directions ``t_i`` (carrying ``S_1``), in ``x``'s dtype.
-      ratio: None, or float32 factors applied one after another to the product terms
-        (``(S_2 / S_1, 1 / S_1)``).
-
-    Returns:
-      ``(f(x), first [D, *out.shape], second)``: ``first[i] = df[t_i]`` and
-      ``second = ratio * sum_i d2f[t_i, t_i]``, in ``f(x)``'s dtype (zeros where identically 0).
+    ``tangents``: ``[D, *x.shape]`` in ``x``'s dtype, carrying ``S_1``; ``ratio``: None or float32
+    factors for the product terms (``(S_2 / S_1, 1 / S_1)``). Returns ``(f(x), first, second)``,
+    ``first[i] = df[t_i]``, in ``f(x)``'s dtype (zeros where identically 0).
     """
     scaling = None if ratio is None else Ratio(tuple(ratio) if isinstance(ratio, (tuple, list)) else (ratio,))
     d = tangents.shape[0]

@@ -4,20 +4,13 @@ At a nonlinear primitive ``g`` the order-``k`` coefficient of its output is
 
     d^k g = sum over partitions p of k:  c(p) * g^(m)[z_{p_1}, ..., z_{p_m}]
 
-(``c(p) = k! / prod_j (mult_j! (j!)^mult_j)``, ``g^(m)`` the primitive's own ``m``-fold
-nested ``jax.jvp``); a primitive of degree ``d`` (:mod:`jaxamp.taylor.rules`) keeps the
-terms with ``m <= d``. Under DerivScaler the coefficient of order ``j`` is stored as
-``Z_j = S_j z_j``, so every float16 value of order ``j`` carries that order's scale, and a
-term built from orders ``p`` takes the factor ``S_k / prod S_{p_i}``:
-
-- ``m = 1`` (the linear term ``g'(z) Z_k``) already carries ``S_k``;
-- where the primitive computes in float32 or wider (jaxamp's float32 activations), the
-  product is taken unscaled and the factor applied to it in float32, one factor after
-  another: the product ``g''[Z_1, Z_1]`` shares its tangent with the first-order term, so no
-  scaled tangent is stored for the weight gradient;
-- in float16/bfloat16 the product of unscaled tangents could overflow where the scaled term
-  does not, so each tangent is first multiplied by a power of two bringing it to about
-  ``S_k ** (p_i / k)``, and every partial product stays near the size of the result.
+(``c(p) = k! / prod_j (mult_j! (j!)^mult_j)``, ``g^(m)`` the ``m``-fold nested ``jax.jvp``); a
+primitive of degree ``d`` (:mod:`jaxamp.taylor.rules`) keeps the terms with ``m <= d``. Order
+``j`` is stored as ``Z_j = S_j z_j``, so a term built from orders ``p`` takes the factor
+``S_k / prod S_{p_i}`` (``m = 1``, ``g'(z) Z_k``, already carries ``S_k``). Where the primitive
+computes in float32 or wider, the factor is applied to the unscaled product in float32, one
+factor after another; in float16/bfloat16 each tangent is first multiplied by a power of two
+bringing it to about ``S_k ** (p_i / k)``, so no partial product overflows.
 """
 
 from __future__ import annotations
@@ -45,8 +38,7 @@ class Scales:
         self.scales = tuple(jnp.asarray(s, jnp.float32) for s in scales)
 
     def product(self, k: int, parts: Tuple[int, ...]) -> Tuple[jax.Array, ...]:
-        """Factors whose product is ``S_k / prod S_{p_i}``, each of the size of a ratio of
-        scales: ``(S_k / S_{p_1}, 1 / S_{p_2}, ..., 1 / S_{p_m})``."""
+        """Factors ``(S_k / S_{p_1}, 1 / S_{p_2}, ...)`` whose product is ``S_k / prod S_{p_i}``."""
         first = self.scales[k - 1] / self.scales[parts[0] - 1]
         return (first,) + tuple(1.0 / self.scales[j - 1] for j in parts[1:])
 
@@ -60,9 +52,8 @@ class Scales:
 
 
 class Ratio:
-    """The scaling of a second order given as the ratio ``S_2 / S_1**2`` alone, as factors
-    applied one after another (``(S_2 / S_1, 1 / S_1)``: the product may leave float32's
-    range where each factor does not)."""
+    """A second order's scaling as the ratio ``S_2 / S_1**2`` alone, in factors applied one
+    after another (``(S_2 / S_1, 1 / S_1)``: their product may leave float32's range)."""
 
     def __init__(self, factors: Sequence[jax.Array]):
         self.factors = tuple(jnp.asarray(r, jnp.float32) for r in factors)
@@ -84,31 +75,15 @@ def _powers(exponents: List[jax.Array]) -> List[jax.Array]:
 
 
 def series_rule(scaling: Union[None, Scales, Ratio], order: int) -> Rule:
-    """The rule of :func:`jaxamp.taylor.propagate.propagate` for orders ``1..order``.
-
-    Args:
-      scaling: the coefficients' scales (:class:`Scales`, :class:`Ratio`), or None (all 1).
-      order: the highest order propagated, ``K``.
-
-    Returns:
-      ``rule(application) -> (outputs, coefficients)`` by Faa di Bruno's formula.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> from jaxamp.taylor.faa_di_bruno import series_rule
-      >>> from jaxamp.taylor.propagate import propagate
-      >>> y, (d1, d2) = propagate(jnp.sin, jnp.float32(0.5), (jnp.float32(1.0), None), series_rule(None, 2))
-      >>> bool(jnp.allclose(d1, jnp.cos(0.5))), bool(jnp.allclose(d2, -jnp.sin(0.5)))
-      (True, True)
-    """
+    """The :func:`~jaxamp.taylor.propagate.propagate` rule for orders ``1..order``, with the
+    coefficients' ``scaling`` (:class:`Scales`, :class:`Ratio`, or None: all 1)."""
 
     def rule(app: Application) -> Tuple[List[jax.Array], List[Optional[Coefficients]]]:
         every = range(len(app.dependent))
         primals, fn = app.primals(every), app.restrict(every)
 
         def coeff(j: int) -> Optional[Tuple[jax.Array, ...]]:
-            """The operands' order-``j`` coefficients as a jvp tangent (zeros where one has
-            none), or None where all are zero."""
+            """The order-``j`` coefficients as a jvp tangent (None where all are zero)."""
             cs = [c[j - 1] for c in app.coefficients]
             if all(c is None for c in cs):
                 return None
@@ -161,14 +136,8 @@ def _product(fn: Callable[..., List[jax.Array]], primals: Tuple[jax.Array, ...],
 
 @lru_cache(maxsize=None)
 def partitions(k: int) -> Tuple[Tuple[Tuple[int, ...], int], ...]:
-    """The integer partitions of ``k`` with Faa di Bruno's coefficients.
-
-    Args:
-      k: the order, ``>= 1``.
-
-    Returns:
-      ``((parts, c), ...)``: every partition (parts in decreasing order, the partition
-      ``(k,)`` first) with ``c = k! / prod_j (mult_j! (j!)^mult_j)``.
+    """The integer partitions of ``k >= 1`` (parts decreasing, ``(k,)`` first), each with
+    Faa di Bruno's coefficient ``c = k! / prod_j (mult_j! (j!)^mult_j)``.
 
     Example:
       >>> from jaxamp.taylor.faa_di_bruno import partitions

@@ -1,4 +1,4 @@
-"""The two entry points of Taylor mode: :func:`series` and :func:`second_order` (see the package docstring)."""
+"""The two entry points of Taylor mode: :func:`series` and :func:`second_order`."""
 
 from __future__ import annotations
 
@@ -18,12 +18,10 @@ def series(f: Callable[[jax.Array], jax.Array], x: jax.Array, direction: jax.Arr
     """Pure derivatives of ``f`` along ``direction``, orders ``1..order``, each scaled.
 
     Equal, up to rounding, to ``order`` nested ``jax.jvp`` with seeds ``S_1 e`` then
-    ``(S_k / S_{k-1}) e``; where ``f`` computes in float16 the values differ by the order of
-    float16 roundings, and an order's chain overflows when that order's scaled value does.
+    ``(S_k / S_{k-1}) e``; an order's chain overflows when that order's scaled value does.
 
     Args:
-      f: a function of one array returning one array; it may close over traced values
-        (parameters).
+      f: a function of one array returning one array; it may close over traced values.
       x: the point.
       direction: ``e``, with ``x``'s shape.
       order: ``K >= 1``.
@@ -52,19 +50,16 @@ def series(f: Callable[[jax.Array], jax.Array], x: jax.Array, direction: jax.Arr
 
 def second_order(f: Callable[[jax.Array], jax.Array], x: jax.Array, tangent: jax.Array,
                  ratio: Union[None, jax.Array, Sequence[jax.Array]]) -> Tuple[jax.Array, ...]:
-    """``f(x)``, ``df[t]`` and ``d2f[t, ratio * t]`` with ``t = tangent``: :func:`series` of
-    order 2 for a tangent that already carries ``S_1`` and the ratio ``S_2 / S_1**2``.
-
-    Equal to ``jax.jvp(lambda z: jax.jvp(f, (z,), (t,))[1], (x,), (ratio * t,))`` up to
-    rounding, with one propagated tangent chain instead of two.
+    """``f(x)``, ``df[t]`` and ``d2f[t, ratio * t]`` (``t = tangent``, carrying ``S_1``):
+    :func:`series` of order 2 with the ratio ``S_2 / S_1**2``, one tangent chain instead of
+    nested ``jax.jvp``'s two.
 
     Args:
       f: a function of one array returning one array; it may close over traced values.
       x: the point.
       tangent: ``t``, with ``x``'s shape.
-      ratio: a float32 scalar, or factors applied one after another (``(S_2 / S_1, 1 / S_1)``:
-        their product may leave float32's range where each factor does not), or None for
-        ``d2f[t, t]``.
+      ratio: a float32 scalar, or factors applied one after another (``(S_2 / S_1, 1 / S_1)``),
+        or None for ``d2f[t, t]``.
 
     Returns:
       ``(f(x), df[t], d2f[t, ratio * t])`` in ``f(x)``'s dtype.
@@ -76,8 +71,7 @@ def second_order(f: Callable[[jax.Array], jax.Array], x: jax.Array, tangent: jax
       >>> bool(jnp.allclose(d2, -jnp.sin(0.5)))
       True
     """
-    scaling = None
-    if ratio is not None:
-        scaling = Ratio(ratio if isinstance(ratio, (tuple, list)) else (ratio,))
+    factors = ratio if isinstance(ratio, (tuple, list)) else (ratio,)
+    scaling = None if ratio is None else Ratio(factors)
     y, (first, second) = propagate(f, x, (tangent, None), series_rule(scaling, 2))
     return y, first, second

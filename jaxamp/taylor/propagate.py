@@ -1,11 +1,9 @@
 """Taylor propagation of a traced function, on :func:`jaxamp.interpreter.eval_jaxpr`.
 
-Every variable ``z`` of ``f``'s jaxpr holds a :class:`Jet`: its value and its Taylor
-coefficients along one direction ``e``, ``z_j = d^j z(x + tau e) / d tau^j`` at ``tau = 0``
-(times the caller's scale of order ``j``), ``j = 1..K``. Equations none of whose operands
-depend on ``x`` are evaluated as written; call-like ones are entered
-(:func:`jaxamp.taylor.rules.body`); every other one is handed to a :data:`Rule` as an
-:class:`Application`, which maps the operands' coefficients to the outputs'.
+Every variable ``z`` of ``f``'s jaxpr holds a :class:`Jet`: its value and its coefficients along
+``e``, ``z_j = d^j z(x + tau e) / d tau^j`` at ``tau = 0`` (times the scale of order ``j``). An
+equation with an ``x``-dependent operand is entered if call-like (:func:`jaxamp.taylor.rules.body`),
+else handed to a :data:`Rule` as an :class:`Application`.
 """
 
 from __future__ import annotations
@@ -40,8 +38,8 @@ class Application(NamedTuple):
     degree: Optional[int]  # the primitive's degree in them (jaxamp.taylor.rules.degree)
 
     def restrict(self, which: Sequence[int]) -> Callable[..., List[jax.Array]]:
-        """The primitive as a function of the dependent operands ``which`` (positions into
-        ``dependent``), every other operand held at its value; returns the list of outputs."""
+        """The primitive's outputs as a function of the dependent operands ``which`` (positions
+        into ``dependent``), the others held."""
         slots = [self.dependent[w] for w in which]
 
         def fn(*operands):
@@ -65,14 +63,8 @@ def propagate(f: Callable[[jax.Array], jax.Array], x: jax.Array, seed: Coefficie
               rule: Rule) -> Tuple[jax.Array, List[jax.Array]]:  # fmt: skip
     """``f(x)`` and its Taylor coefficients, from ``x``'s coefficients ``seed`` and ``rule``.
 
-    Args:
-      f: a function of one array returning one array; it may close over traced values.
-      x: the point.
-      seed: ``x``'s coefficients of orders ``1..K`` (``None`` for a zero order).
-      rule: maps one equation's operand coefficients to its outputs' (see :class:`Application`).
-
-    Returns:
-      ``(f(x), [c_1, ..., c_K])``: ``f(x)``'s coefficients, zeros where one is identically 0.
+    ``seed`` holds ``x``'s coefficients of orders ``1..K`` (``None`` for a zero order); the
+    returned ones are zeros where identically 0.
 
     Example:
       >>> import jax.numpy as jnp
@@ -106,34 +98,13 @@ def propagate(f: Callable[[jax.Array], jax.Array], x: jax.Array, seed: Coefficie
 
 
 def inexact(dtype: Any) -> bool:
-    """Whether ``dtype`` is a floating or complex type (only those carry coefficients).
-
-    Args:
-      dtype: a dtype or anything ``jnp.issubdtype`` accepts.
-
-    Returns:
-      True for floating and complex dtypes.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> from jaxamp.taylor.propagate import inexact
-      >>> inexact(jnp.float16), inexact(jnp.int32)
-      (True, False)
-    """
+    """Whether ``dtype`` is a floating or complex type (only those carry coefficients)."""
     return jnp.issubdtype(dtype, jnp.inexact)
 
 
 def scaled(t: jax.Array, factors: Sequence[jax.Array]) -> jax.Array:
-    """``t`` times ``factors`` in float32, one factor after another, rounded once to ``t``'s
-    dtype: a product of factors may leave float32's range where each partial product does
-    not; an overflow becomes inf, as in nested ``jax.jvp``'s scaled tangents.
-
-    Args:
-      t: a tangent or coefficient.
-      factors: float32 scalars.
-
-    Returns:
-      ``t * factors[0] * factors[1] * ...`` in ``t``'s dtype.
+    """``t * factors[0] * factors[1] * ...`` in float32, rounded once to ``t``'s dtype (the
+    product of the factors may leave float32's range where each partial product does not).
 
     Example:
       >>> import jax.numpy as jnp
@@ -149,15 +120,8 @@ def scaled(t: jax.Array, factors: Sequence[jax.Array]) -> jax.Array:
 
 def multilinear(fn: Callable[..., List[jax.Array]], primals: Tuple[jax.Array, ...],
                 tangents: Sequence[Tuple[jax.Array, ...]]) -> List[jax.Array]:  # fmt: skip
-    """``fn^(m)[t_1, ..., t_m]`` at ``primals``: ``m`` nested ``jax.jvp``, ``t_1`` innermost.
-
-    Args:
-      fn: a function of ``len(primals)`` operands returning a list of outputs.
-      primals: the point.
-      tangents: ``m >= 1`` tangents, each a tuple with one entry per operand.
-
-    Returns:
-      The ``m``-th derivative of ``fn`` applied to the tangents, one entry per output.
+    """``fn^(m)[t_1, ..., t_m]`` at ``primals`` by ``m`` nested ``jax.jvp`` (``t_1`` innermost);
+    each tangent is a tuple with one entry per operand.
 
     Example:
       >>> import jax.numpy as jnp

@@ -1,11 +1,9 @@
 """What the Taylor interpreter knows about primitives, in one table.
 
-A primitive's *degree* in the operands that depend on the differentiation variable is the
-highest order of its derivatives in them that is not identically zero. It bounds the terms
-of Faa di Bruno's formula (:mod:`jaxamp.taylor.faa_di_bruno`) that can be nonzero: degree 1
-(linear) maps every Taylor coefficient on its own, with no product terms; degree 2 keeps the
-products of two coefficients; unbounded (``None``) keeps every term. Call-like primitives are
-not differentiated as one: the interpreter evaluates their body (:func:`body`).
+A primitive's *degree* in its ``x``-dependent operands is the highest order of its derivatives in
+them that is not identically zero; it bounds the nonzero terms of Faa di Bruno's formula
+(:mod:`jaxamp.taylor.faa_di_bruno`): 1 (linear) has no product terms, 2 keeps products of two
+coefficients, ``None`` keeps every term. Call-like primitives are entered (:func:`body`).
 """
 
 from __future__ import annotations
@@ -31,15 +29,8 @@ INLINED_CALLS = interpreter.CALL_PRIMITIVES - {"remat", "checkpoint"}
 
 
 def degree(name: str, n_dependent: int) -> Optional[int]:
-    """The degree of primitive ``name`` in its ``n_dependent`` x-dependent operands.
-
-    Args:
-      name: the primitive's name (``eqn.primitive.name``).
-      n_dependent: how many of its operands depend on the differentiation variable (>= 1).
-
-    Returns:
-      1 for a linear primitive (or a bilinear one with one dependent operand), 2 for a
-      bilinear one with two, ``None`` when no derivative order is known to vanish.
+    """The degree of primitive ``name`` in its ``n_dependent >= 1`` x-dependent operands, or
+    ``None`` when no derivative order is known to vanish.
 
     Example:
       >>> from jaxamp.taylor.rules import degree
@@ -48,20 +39,12 @@ def degree(name: str, n_dependent: int) -> Optional[int]:
     """
     if name in LINEAR or (name in BILINEAR and n_dependent == 1):
         return 1
-    if name in BILINEAR:
-        return 2
-    return None
+    return 2 if name in BILINEAR else None
 
 
 def body(eqn: jcore.JaxprEqn) -> Optional[jcore.ClosedJaxpr]:
-    """The body the interpreter evaluates in place of a call-like equation, else None.
-
-    Args:
-      eqn: one equation of a jaxpr.
-
-    Returns:
-      The call's body for the primitives in :data:`INLINED_CALLS` (``jit``-ed functions such as
-      flax's activations), ``None`` for every other equation.
+    """The body evaluated in place of an :data:`INLINED_CALLS` equation (e.g. a ``jit``-ed
+    function such as flax's activations), else None.
 
     Example:
       >>> import jax
@@ -70,6 +53,4 @@ def body(eqn: jcore.JaxprEqn) -> Optional[jcore.ClosedJaxpr]:
       >>> body(eqn) is not None
       True
     """
-    if eqn.primitive.name not in INLINED_CALLS:
-        return None
-    return interpreter.sub_jaxpr(eqn)
+    return interpreter.sub_jaxpr(eqn) if eqn.primitive.name in INLINED_CALLS else None

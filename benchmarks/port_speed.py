@@ -11,7 +11,7 @@ Each port runs ``--warm-steps`` steps (tracing, compiling, the profile start); t
 ``train_step`` and ``update_weights`` (``jax.jacrev`` of the per-term losses over the params,
 the gradient-norm loss weights) are captured with their last arguments and timed on them.
 The ports' own batch (256 interior points). The record names the machine and versions; median
-ms and paired ratios to ``fp16``.
+ms, paired ratios to ``fp16`` and the kernels (fusions and dots) each compiled program runs.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 from typing import Any, Dict
 
 import jax
@@ -51,6 +52,15 @@ def capture(store: Dict[str, Any]):
         yield
     finally:
         jax.jit = jit
+
+
+def kernels(jitted, args, variant: str) -> int:
+    """Fusions and library calls (dot, custom-call, convolution) in the compiled entry computation."""
+    precision = "highest" if variant == "fp32" else None  # the program fp32.py traced
+    with jax.default_matmul_precision(precision):
+        text = jitted.lower(*args).compile().as_text()
+    entry = text[text.index("\nENTRY") :]
+    return len(re.findall(r"= \S+ (?:fusion|dot|custom-call|convolution)\(", entry))
 
 
 def run_port(variant: str, warm: int) -> Dict[str, Any]:
@@ -92,7 +102,8 @@ def main(argv=None) -> Dict[str, Any]:
         samples = timing.interleaved(runs, args.reps, warmup=1)
         out = {"ms": {v: round(1e3 * timing.stats(samples[v])["median"], 3) for v in variants},
                "over_fp16": {v: round(timing.paired_ratio(samples[v], samples["fp16"])["median"], 4)
-                             for v in variants if v != "fp16"}}  # fmt: skip
+                             for v in variants if v != "fp16"},
+               "kernels": {v: kernels(*captured[v][fn], v) for v in variants}}  # fmt: skip
         record["results"][fn] = out
         print(f"{fn}: " + "  ".join(f"{v} {ms:.2f}ms" for v, ms in out["ms"].items())
               + "  | over fp16: " + json.dumps(out["over_fp16"]), flush=True)  # fmt: skip

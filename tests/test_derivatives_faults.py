@@ -51,8 +51,9 @@ INF_OUT = jnp.array([[20.0]], jnp.float32)  # v = inf there, v_x = 0
         (jnp.concatenate([SAFE, INF_OUT]), 1.0, {NONFINITE_VALUES}),
         (jnp.concatenate([SAFE, PEAK]), 1.0, {"2"}),
         (jnp.concatenate([SAFE, PEAK]), 0.5, set()),  # backing key 2 off cures the overflow
-        (jnp.concatenate([SAFE, PEAK, NAN]), 1.0, {"2", NONFINITE_VALUES}),
-        (jnp.concatenate([PEAK, INF_OUT, SAFE]), 1.0, {"2", NONFINITE_VALUES}),
+        # combinations of the cases above: -m slow
+        pytest.param(jnp.concatenate([SAFE, PEAK, NAN]), 1.0, {"2", NONFINITE_VALUES}, marks=pytest.mark.slow),
+        pytest.param(jnp.concatenate([PEAK, INF_OUT, SAFE]), 1.0, {"2", NONFINITE_VALUES}, marks=pytest.mark.slow),
     ],
     ids=["finite", "nan-input", "inf-output", "overflow", "overflow-cured", "nan+overflow", "inf-output+overflow"],
 )

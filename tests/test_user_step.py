@@ -185,6 +185,7 @@ def test_apply_or_skip_decides_alike_on_every_replica():
     np.testing.assert_array_equal(new.scales["2"], [0.5, 0.5])
 
 
+@pytest.mark.slow  # slow: tests/test_scale_one.py checks every path at scale 1 in the fast suite
 def test_drop_in_at_scale_one_is_bit_identical_to_scaling_off():
     """Every weight gradient of a drop-in loss at scales 1 equals the same code with
     derivative_scaling=False, bit for bit (XLA compiles one graph for both)."""
@@ -228,6 +229,7 @@ def test_errors_say_what_to_use():
         jaxamp.init(None, amp, keys="2")
 
 
+@pytest.mark.slow  # slow: tests/test_dropin_profile.py checks the float32-only case in the fast suite
 def test_a_profile_of_float32_only_large_derivatives_starts_every_key_at_its_max():
     """examples/jax_user's network in physical units (domain x 0.02), first layer in float32
     (jaxamp's default placement), nested reverse mode as the user wrote it: u_xx passes 65504 in

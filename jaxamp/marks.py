@@ -100,9 +100,9 @@ def merge_found_inf(*flags: Mapping[str, jax.Array]) -> Dict[str, jax.Array]:
 
 
 def reduce_flags(pending: Mapping[str, List[jax.Array]]) -> Dict[str, jax.Array]:
-    """``{key: bool[]}``, any of each key's per-point flags, in one reduction per flag shape
-    for up to 32 keys: the i-th key's flags set bit i of a uint32, ORed elementwise, then over
-    the points (a reduction per check costs a kernel each).
+    """``{key: bool[]}``, any of each key's per-point flags. The flags of one shape are ORed
+    elementwise per key and stacked, so that one reduction over the points serves every key
+    (one reduction per check costs a kernel each; a boolean OR also reduces across devices).
 
     Example:
       >>> import jax.numpy as jnp
@@ -110,15 +110,17 @@ def reduce_flags(pending: Mapping[str, List[jax.Array]]) -> Dict[str, jax.Array]
       >>> {k: bool(v) for k, v in out.items()}
       {'1': True, '2': False}
     """
-    keys, flags = list(pending), {}
-    for start in range(0, len(keys), 32):
-        group, words = keys[start : start + 32], {}
-        for i, k in enumerate(group):
-            for h in pending[k]:
-                bits = jnp.ravel(h).astype(jnp.uint32) << i
-                words[bits.size] = bits if bits.size not in words else words[bits.size] | bits
-        word = jax.lax.reduce(jnp.concatenate(list(words.values())), jnp.uint32(0), jax.lax.bitwise_or, (0,))
-        flags.update({k: (word >> i) & 1 == 1 for i, k in enumerate(group)})
+    by_size: Dict[int, Dict[str, jax.Array]] = {}
+    for key, hits in pending.items():
+        for hit in hits:
+            hit = jnp.ravel(hit)
+            group = by_size.setdefault(hit.size, {})
+            group[key] = hit if key not in group else group[key] | hit
+    flags: Dict[str, jax.Array] = {}
+    for group in by_size.values():
+        found = jnp.any(jnp.stack(list(group.values())), axis=1)
+        for i, key in enumerate(group):
+            or_into(flags, key, found[i])
     return flags
 
 

@@ -184,6 +184,30 @@ def test_multihost_two_processes_share_one_skip_decision():
         assert r["step1"] == {"skipped": True, "state": [9.5, 9.5]}
 
 
+SHARDED_FLAGS = """
+import jax, jax.numpy as jnp, jaxamp
+u = lambda x: jnp.exp(x.astype(jnp.float16)).astype(jnp.float32)
+run = jax.jit(jaxamp.scaled(lambda x: jnp.sum(jax.vmap(jaxamp.grad(jaxamp.grad(u)))(x))))
+scales = {"1": 2.0**6, "2": 2.0**6}
+for big in (0.0, 8.0):
+    x = jnp.zeros(8).at[5].set(big)
+    sharded = jaxamp.parallel.shard_batch({"x": x}, jaxamp.parallel.make_mesh(2))["x"]
+    flags = [sorted(k for k, v in run(scales, a)[1].items() if bool(v)) for a in (x, sharded)]
+    print(flags)
+"""
+
+
+def test_flags_of_points_sharded_over_two_devices_are_the_unsharded_flags():
+    """The flag reduction of jaxamp.scaled partitioned over 2 fake devices (a cross-device OR):
+    nothing flagged on clean points, and the same keys as on one device when one shard
+    overflows."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    p = subprocess.run([sys.executable, "-c", SHARDED_FLAGS], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    clean, overflow = [json.loads(line.replace("'", '"')) for line in p.stdout.strip().splitlines()[-2:]]
+    assert clean == [[], []] and overflow[0] == overflow[1] != [], (clean, overflow)
+
+
 # ---- argument checks in this process (any device count) ----
 
 def test_make_mesh_arguments():

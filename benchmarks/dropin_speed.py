@@ -1,6 +1,6 @@
 """The drop-in's speed against the engine's and the user's own nested ``jax.grad``.
 
-    python -m benchmarks.dropin_speed --out benchmarks/results/dropin-speed.json [--quick]
+    python -m benchmarks.dropin_speed --out benchmarks/results/dropin-speed.json [--quick] [--problems ...]
 
 Problems (Flax MLP 4x64 tanh under ``jaxamp.autocast``, default fp16 placement, ``vmap`` over
 the points, ``value_and_grad`` over the parameters of a mean squared residual):
@@ -15,7 +15,8 @@ the points, ``value_and_grad`` over the parameters of a mean squared residual):
 Variants: ``fp32`` (nested ``jax.grad``), ``fp16_reverse`` (nested ``jaxamp.grad(method=
 "reverse")`` under ``jaxamp.scaled``), ``fp16_auto`` (the default ``jaxamp.grad``), ``engine``
 (``jaxamp.Derivatives``, same network and derivatives). Timed interleaved in one run; ratios
-are paired per round; XLA FLOPs and compile time from the compiled step.
+are paired per round; XLA FLOPs, compile time and buffer sizes (temp, arguments, outputs) from
+the compiled step.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxamp
-from benchmarks.timing import cost_of, device_info, interleaved, paired_ratio, stats, timer
+from benchmarks.timing import cost_of, device_info, interleaved, memory_of, paired_ratio, stats, timer
 
 NU = 0.01
 
@@ -170,7 +171,7 @@ def bench(name: str, variants, n: int, reps: int) -> Dict[str, Any]:
         compile_s = time.perf_counter() - t0
         jax.block_until_ready(compiled(*args))
         fns[v] = timer(lambda c=compiled, a=args: c(*a), inner=2)
-        out["variants"][v] = {"compile_s": compile_s, **cost_of(compiled)}
+        out["variants"][v] = {"compile_s": compile_s, **cost_of(compiled), **memory_of(compiled)}
     times = interleaved(fns, reps)
     for v in variants:
         out["variants"][v]["time"] = stats(times[v])
@@ -186,10 +187,16 @@ def main(argv=None) -> Dict[str, Any]:
     ap.add_argument("--points", type=int, default=2000)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--quick", action="store_true", help="100 points, 2 reps, two problems (smoke)")
+    ap.add_argument("--problems", nargs="+", default=None, choices=PROBLEMS + ("ntk_burgers_k2",),
+                    help="a subset of the problems (default: all; --quick: two)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    for name in ("points", "reps"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name}={getattr(args, name)} must be >= 1")
     n, reps = (100, 2) if args.quick else (args.points, args.reps)
     problems = PROBLEMS[1:2] + ("ntk_burgers_k2",) if args.quick else PROBLEMS + ("ntk_burgers_k2",)
+    problems = tuple(args.problems) if args.problems else problems
     result = {"device": device_info(), "jax": jax.__version__, "rows": []}
     for name in problems:
         variants = ("fp32", "fp16_plain", "fp16_reverse", "fp16_auto") if name.startswith("ntk") else (

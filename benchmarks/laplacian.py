@@ -1,4 +1,4 @@
-"""Collapsed Taylor mode vs the uncollapsed Laplacians: time, XLA FLOPs, compile time.
+"""Collapsed Taylor mode vs the uncollapsed Laplacians: time, XLA FLOPs, compile time, buffer sizes.
 
     python -m benchmarks.laplacian --out benchmarks/results/laplacian.json
 
@@ -103,7 +103,7 @@ def bench(name: str, d: int, args: argparse.Namespace) -> Dict[str, Any]:
         compiled = jax.jit(workload(name, method, d)).lower(params, x).compile()
         compile_s = time.perf_counter() - start
         runs[method] = timing.timer(lambda c=compiled: c(params, x), args.inner)
-        out[method] = {"compile_s": round(compile_s, 3), **timing.cost_of(compiled)}
+        out[method] = {"compile_s": round(compile_s, 3), **timing.cost_of(compiled), **timing.memory_of(compiled)}
     samples = timing.interleaved(runs, args.reps, warmup=1)
     for method in methods:
         out[method]["time_s"] = timing.stats(samples[method])

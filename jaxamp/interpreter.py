@@ -63,20 +63,28 @@ def bind(eqn, vals: Sequence[Any]) -> List[Any]:
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
-def sub_jaxpr(eqn) -> Optional[jcore.ClosedJaxpr]:
-    """The body of a call-like equation (``jit``, ``closed_call``, ``remat``), else None."""
-    body = eqn.params.get("jaxpr") if eqn.primitive.name in CALL_PRIMITIVES else None
+def substitute(values: Sequence[Any], slots: Sequence[int], new: Sequence[Any]) -> List[Any]:
+    """``values`` as a list with ``new[j]`` at position ``slots[j]``."""
+    full = list(values)
+    for slot, value in zip(slots, new):
+        full[slot] = value
+    return full
+
+
+def _closed(body) -> Optional[jcore.ClosedJaxpr]:
     if isinstance(body, jcore.Jaxpr):
         return jcore.ClosedJaxpr(body, ())
     return body if isinstance(body, jcore.ClosedJaxpr) else None
 
 
+def sub_jaxpr(eqn) -> Optional[jcore.ClosedJaxpr]:
+    """The body of a call-like equation (``jit``, ``closed_call``, ``remat``), else None."""
+    return _closed(eqn.params.get("jaxpr")) if eqn.primitive.name in CALL_PRIMITIVES else None
+
+
 def custom_body(eqn) -> Optional[jcore.ClosedJaxpr]:
     """The primal body of a ``custom_jvp``/``custom_vjp`` call (its rule is not kept), else None."""
-    if eqn.primitive.name not in CUSTOM_PRIMITIVES:
-        return None
-    body = eqn.params["call_jaxpr"]
-    return body if isinstance(body, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(body, ())
+    return _closed(eqn.params["call_jaxpr"]) if eqn.primitive.name in CUSTOM_PRIMITIVES else None
 
 
 def sub_jaxprs(eqn) -> List[jcore.Jaxpr]:

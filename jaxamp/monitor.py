@@ -45,11 +45,6 @@ class MonitorState(NamedTuple):
     last_reason: jax.Array  # i32[]: the skip reason of the last skipped step
 
 
-def _positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"StallMonitor: `{name}`={value!r} is not allowed: expected a positive integer.")
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StallMonitor:
     """Detects a run that keeps skipping steps, and says why.
@@ -86,11 +81,12 @@ class StallMonitor:
     amp: Optional[AmpConfig] = None
 
     def __post_init__(self) -> None:
-        _positive_int("max_consecutive_skips", self.max_consecutive_skips)
-        _positive_int("window", self.window)
-        rate = self.max_skip_rate
-        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate <= 1:
-            raise ValueError(f"StallMonitor: `max_skip_rate`={rate!r} is not allowed: expected a number in (0, 1].")
+        for name, kind, ok, allowed in (("max_consecutive_skips", int, lambda v: v >= 1, "a positive integer"),
+                                        ("window", int, lambda v: v >= 1, "a positive integer"),
+                                        ("max_skip_rate", (int, float), lambda v: 0 < v <= 1, "a number in (0, 1]")):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, kind) or not ok(value):
+                raise ValueError(f"StallMonitor: `{name}`={value!r} is not allowed: expected {allowed}.")
         if self.amp is not None and not isinstance(self.amp, AmpConfig):
             raise TypeError(f"StallMonitor: `amp`={self.amp!r} must be an AmpConfig or None.")
 
@@ -120,9 +116,8 @@ class StallMonitor:
 
     def floor_log2(self, key: str) -> float:
         """``log2`` of the floor of the scale ``key`` (``"loss"`` for the loss scaler)."""
-        if self.amp is None:
-            return math.log2(SMALLEST_NORMAL)
-        rule = self.amp.make_loss_scaler() if key == "loss" else self.amp.derivative_scaler_for(key)
+        amp = self.amp
+        rule = None if amp is None else amp.make_loss_scaler() if key == "loss" else amp.derivative_scaler_for(key)
         return math.log2(rule.floor if rule is not None else SMALLEST_NORMAL)
 
     def diagnose(self, state: MonitorState, metrics: Mapping[str, Any]) -> Optional[str]:
@@ -135,11 +130,10 @@ class StallMonitor:
         Returns:
           The line, or None.
         """
-        host = {k: np.asarray(v) for k, v in metrics.items()}
-        steps, run = int(state.steps), int(state.consecutive_skips)
-        reasons = np.asarray(state.recent_reasons)
-        floors = [k.split("/", 1)[1] for k, v in host.items()
-                  if k.startswith("scale_log2/") and float(v) <= self.floor_log2(k.split("/", 1)[1])]
+        # {key: host value} of the metrics "<g>/<key>"
+        group = lambda g: {k[len(g) + 1:]: np.asarray(v) for k, v in metrics.items() if k.startswith(g + "/")}  # noqa: E731
+        steps, run, reasons = int(state.steps), int(state.consecutive_skips), np.asarray(state.recent_reasons)
+        floors = [k for k, v in group("scale_log2").items() if float(v) <= self.floor_log2(k)]
         if run >= self.max_consecutive_skips:
             what, reason = f"{run} consecutive skipped steps", int(state.last_reason)
         elif steps >= self.window and np.mean(reasons != SkipReason.APPLIED) > self.max_skip_rate:
@@ -151,7 +145,7 @@ class StallMonitor:
             reason = SkipReason.NONFINITE_GRADS if floors == ["loss"] else SkipReason.DERIVATIVE_OVERFLOW
         else:
             return None
-        flagged = [k.split("/", 1)[1] for k, v in host.items() if k.startswith("found_inf/") and bool(v)]
+        flagged = [k for k, v in group("found_inf").items() if bool(v)]
         keys = flagged or [k for k in floors if k != "loss"] or ["(none flagged in the last step)"]
         cause, advice = ADVICE.get(reason, ("unknown skip reason", "see docs/algorithm.md"))
         cause = cause.format(keys=", ".join(f"`{k}`" for k in keys))

@@ -30,15 +30,13 @@ def advance(check: StepCheck, state: AmpState) -> AmpState:
 
 
 def _loss_of(out: Any, has_aux: bool, fun: Callable) -> Tuple[jax.Array, Any]:
+    what = lambda x: f"an array of shape {jnp.shape(x)}" if hasattr(x, "shape") else type(x).__name__  # noqa: E731
     if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
-        what = f"an array of shape {jnp.shape(out)}" if hasattr(out, "shape") else type(out).__name__
-        raise TypeError(f"jaxamp.value_and_grad: `fun`={fun!r} with has_aux=True must return (loss, aux), "
-                        f"got {what}.")  # fmt: skip
+        raise TypeError(f"jaxamp.value_and_grad: `fun`={fun!r} with has_aux=True must return (loss, aux), got {what(out)}.")
     loss, aux = out if has_aux else (out, None)
     if not (hasattr(loss, "shape") and jnp.shape(loss) == () and jnp.issubdtype(jnp.result_type(loss), jnp.floating)):
-        what = f"an array of shape {jnp.shape(loss)}" if hasattr(loss, "shape") else type(loss).__name__
         raise TypeError(f"jaxamp.value_and_grad: `fun`={fun!r} must return a float scalar loss (or (loss, aux) with "
-                        f"has_aux=True), got {what}; for a vector of losses use jaxamp.scaled(jax.jacrev(fun)).")
+                        f"has_aux=True), got {what(loss)}; for a vector of losses use jaxamp.scaled(jax.jacrev(fun)).")
     return loss, aux
 
 
@@ -89,12 +87,11 @@ def value_and_grad(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] =
 
 
 def _decide(state: AmpState, grads: Union[ScaledGrads, Mapping[str, jax.Array]], axis_name) -> StepCheck:
-    if isinstance(grads, ScaledGrads):
-        return check_step(grads.found_inf, grads.grads, state.derivative, axis_name=axis_name)
-    if isinstance(grads, Mapping):  # flags only: e.g. of jaxamp.scaled(jax.jacrev(losses))
-        return check_step(grads, (), state.derivative, axis_name=axis_name)
-    raise TypeError(f"jaxamp.apply_or_skip: `grads` must be the ScaledGrads of jaxamp.value_and_grad or the "
-                    f"found_inf flags of jaxamp.scaled, got {type(grads).__name__}.")  # fmt: skip
+    if not isinstance(grads, (ScaledGrads, Mapping)):  # a Mapping: flags only, e.g. of jaxamp.scaled(jax.jacrev(losses))
+        raise TypeError(f"jaxamp.apply_or_skip: `grads` must be the ScaledGrads of jaxamp.value_and_grad or the "
+                        f"found_inf flags of jaxamp.scaled, got {type(grads).__name__}.")  # fmt: skip
+    flags, weights = (grads.found_inf, grads.grads) if isinstance(grads, ScaledGrads) else (grads, ())
+    return check_step(flags, weights, state.derivative, axis_name=axis_name)
 
 
 def apply_or_skip(state: Any, grads: Union[ScaledGrads, Mapping[str, jax.Array]], applied: T, skipped: T, *,
@@ -121,10 +118,8 @@ def apply_or_skip(state: Any, grads: Union[ScaledGrads, Mapping[str, jax.Array]]
     """
     state = find(state, "jaxamp.apply_or_skip")
     check = _decide(state, grads, axis_name)
-    new = advance(check, state)
-    if not isinstance(grads, ScaledGrads):
-        new = new.replace(loss=state.loss)
-    return check.select(applied, skipped), new
+    new = advance(check, state)  # flags only: the loss scaler stays
+    return check.select(applied, skipped), new if isinstance(grads, ScaledGrads) else new.replace(loss=state.loss)
 
 
 class AmpOptState(NamedTuple):

@@ -9,7 +9,7 @@ import dataclasses
 import math
 import numbers
 from types import MappingProxyType
-from typing import Any, Callable, Dict, Iterator, Mapping, NamedTuple, Optional, Tuple
+from typing import Any, Dict, Iterator, Mapping, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -24,19 +24,6 @@ class ScaleState(NamedTuple):
 
     scale: jax.Array  # f32[]: current scale
     growth_tracker: jax.Array  # i32[]: clean steps since the last change of scale
-
-
-def _check(name: str, value: Any, allowed: str, ok: Callable[[float], bool], *, integer: bool = False) -> None:
-    kind = numbers.Integral if integer else numbers.Real
-    if isinstance(value, bool) or not isinstance(value, kind):
-        raise TypeError(f"DynamicScaler: `{name}`={value!r} is not allowed: expected {allowed}.")
-    if not math.isfinite(value) or not ok(value):
-        raise ValueError(f"DynamicScaler: `{name}`={value!r} is not allowed: expected {allowed}.")
-
-
-def _order(small: str, a: float, large: str, b: float, why: str = "") -> None:
-    if a > b:
-        raise ValueError(f"DynamicScaler: `{small}`={a!r} must not exceed `{large}`={b!r}{why}.")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -79,24 +66,27 @@ class DynamicScaler:
     min_scale: Optional[float] = None
 
     def __post_init__(self) -> None:
-        positive = "a finite number > 0"
-        _check("init_scale", self.init_scale, positive, lambda v: v > 0)
-        _check("growth_factor", self.growth_factor, "a finite number > 1 (the scale grows by it)", lambda v: v > 1)
-        _check("backoff_factor", self.backoff_factor, "a number in (0, 1) (the scale shrinks by it)",
-               lambda v: 0 < v < 1)
-        _check("max_scale", self.max_scale, positive, lambda v: v > 0)
-        _check("recover_threshold", self.recover_threshold, positive, lambda v: v > 0)
-        for name in ("growth_interval", "recover_growth_interval"):
-            _check(name, getattr(self, name), "a positive integer", lambda v: v > 0, integer=True)
+        positive, interval = ("a finite number > 0", lambda v: v > 0), ("a positive integer", lambda v: v > 0)
+        checks = {"init_scale": positive, "growth_factor": ("a finite number > 1 (the scale grows by it)", lambda v: v > 1),
+                  "backoff_factor": ("a number in (0, 1) (the scale shrinks by it)", lambda v: 0 < v < 1),
+                  "max_scale": positive, "recover_threshold": positive, "growth_interval": interval,
+                  "recover_growth_interval": interval}
+        orders = [("init_scale", "max_scale", "; raise max_scale or lower init_scale"),  # (small, large, why)
+                  ("recover_threshold", "max_scale", ""),
+                  ("recover_growth_interval", "growth_interval", " (recover mode grows faster, not slower)")]
         if self.min_scale is not None:
-            _check("min_scale", self.min_scale, f"None or a finite number in (0, init_scale={self.init_scale!r}]",
-                   lambda v: v > 0)
-            _order("min_scale", self.min_scale, "max_scale", self.max_scale)
-            _order("min_scale", self.min_scale, "init_scale", self.init_scale)
-        _order("init_scale", self.init_scale, "max_scale", self.max_scale, "; raise max_scale or lower init_scale")
-        _order("recover_threshold", self.recover_threshold, "max_scale", self.max_scale)
-        _order("recover_growth_interval", self.recover_growth_interval, "growth_interval", self.growth_interval,
-               " (recover mode grows faster, not slower)")
+            checks["min_scale"] = (f"None or a finite number in (0, init_scale={self.init_scale!r}]", lambda v: v > 0)
+            orders[:0] = [("min_scale", "max_scale", ""), ("min_scale", "init_scale", "")]
+        for name, (allowed, ok) in checks.items():  # the wrong kind: TypeError; out of range: ValueError
+            value, kind = getattr(self, name), numbers.Integral if checks[name] is interval else numbers.Real
+            wrong = isinstance(value, bool) or not isinstance(value, kind)
+            if wrong or not math.isfinite(value) or not ok(value):
+                msg = f"DynamicScaler: `{name}`={value!r} is not allowed: expected {allowed}."
+                raise (TypeError if wrong else ValueError)(msg)
+        for small, large, why in orders:
+            a, b = getattr(self, small), getattr(self, large)
+            if a > b:
+                raise ValueError(f"DynamicScaler: `{small}`={a!r} must not exceed `{large}`={b!r}{why}.")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if value is not None:

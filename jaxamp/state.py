@@ -100,17 +100,14 @@ def init(fun: Optional[Callable[..., Any]], amp: Optional[AmpConfig] = None, *, 
         raise TypeError(f"jaxamp.init: `from_profile`={from_profile!r} must be True or False.")
 
     def init_state(*args, **kwargs) -> AmpState:
-        rules: Dict[str, DynamicScaler] = {}
-        states: Dict[str, ScaleState] = {}
+        found = Scalers({})  # the keys of `fun` (from its profile), then those of `keys` it lacks
         if fun is not None and amp.scaler_enabled:
             found = init_scalers(fun, amp, from_profile=from_profile, margin_log2=margin_log2)(*args, **kwargs)
-            rules, states = dict(found.rules), dict(found)
-        if amp.scaler_enabled:
-            rules.update({k: amp.derivative_scaler_for(k) for k in keys if k not in rules})
-            states.update({k: rules[k].init() for k in keys if k not in states})
+        more = {k: amp.derivative_scaler_for(k) for k in keys if k not in found} if amp.scaler_enabled else {}
+        derivative = Scalers({**found.rules, **more}, {**found, **{k: r.init() for k, r in more.items()}})
         rule = amp.make_loss_scaler()
         off = ScaleState(jnp.asarray(1.0, jnp.float32), jnp.asarray(0, jnp.int32))
-        return AmpState(amp, Scalers(rules, states), off if rule is None else rule.init(), rule)
+        return AmpState(amp, derivative, off if rule is None else rule.init(), rule)
 
     return init_state
 

@@ -77,20 +77,17 @@ class TrainState(NamedTuple):
                 )
             keys.update(dict.fromkeys(e.scaler_keys))
         if amp_state is None:
-            scalers = init(None, amp, keys=tuple(keys))()
+            amp_state = init(None, amp, keys=tuple(keys))()
         elif not isinstance(amp_state, AmpState):
             raise TypeError(f"TrainState.create: `amp_state`={amp_state!r} must be None or the AmpState of "
                             "jaxamp.init(loss_fn, amp)(...).")
         elif amp_state.amp != amp:
             raise ValueError(f"TrainState.create: `amp_state` was created with another AmpConfig ({amp_state.amp!r}) "
                              f"than `amp` ({amp!r}); create it with jaxamp.init(loss_fn, amp)(...).")
-        else:
-            scalers = amp_state
-            missing = [k for k in keys if k not in scalers.scales]
-            if missing:
-                raise KeyError(f"TrainState.create: `amp_state` has no scaler for the engines' key(s) {missing}; it "
-                               f"has {sorted(scalers.scales)}. Create it with jaxamp.init of the loss that uses them.")
-        return cls(step=jnp.asarray(0, jnp.int32), params=params, opt_state=optimizer.init(params), amp_state=scalers)
+        elif missing := [k for k in keys if k not in amp_state.scales]:
+            raise KeyError(f"TrainState.create: `amp_state` has no scaler for the engines' key(s) {missing}; it "
+                           f"has {sorted(amp_state.scales)}. Create it with jaxamp.init of the loss that uses them.")
+        return cls(step=jnp.asarray(0, jnp.int32), params=params, opt_state=optimizer.init(params), amp_state=amp_state)
 
     @property
     def scales(self) -> Dict[str, jax.Array]:
@@ -200,19 +197,19 @@ def make_train_step(
       >>> int(state.step), bool(metrics["skipped"]), float(metrics["scale_log2/loss"])
       (1, False, 16.0)
     """
-    if not callable(loss_fn):
-        raise TypeError(f"make_train_step: `loss_fn`={loss_fn!r} must be callable as loss_fn(params, batch).")
-    if not isinstance(amp, AmpConfig):
-        raise TypeError(f"make_train_step: `amp`={amp!r} must be an AmpConfig.")
-    if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
-        raise TypeError(f"make_train_step: `optimizer`={optimizer!r} must be an optax GradientTransformation.")
     clip = 0.0 if grad_clip_max_norm is None else grad_clip_max_norm
-    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not math.isfinite(clip) or clip < 0:
-        raise ValueError(f"make_train_step: `grad_clip_max_norm`={grad_clip_max_norm!r} is not allowed: "
-                         "expected None or a finite number >= 0 (None or 0: no clipping).")
-    for name, flag in (("merge", merge), ("headroom", headroom)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"make_train_step: `{name}`={flag!r} must be True or False.")
+    bad_clip = isinstance(clip, bool) or not isinstance(clip, (int, float)) or not math.isfinite(clip) or clip < 0
+    for bad, error, what in (  # checked in this order; the first bad argument raises
+        (not callable(loss_fn), TypeError, f"`loss_fn`={loss_fn!r} must be callable as loss_fn(params, batch)"),
+        (not isinstance(amp, AmpConfig), TypeError, f"`amp`={amp!r} must be an AmpConfig"),
+        (not (hasattr(optimizer, "init") and hasattr(optimizer, "update")), TypeError,
+         f"`optimizer`={optimizer!r} must be an optax GradientTransformation"),
+        (bad_clip, ValueError, f"`grad_clip_max_norm`={grad_clip_max_norm!r} is not allowed: expected None or a "
+         "finite number >= 0 (None or 0: no clipping)"),
+        (not isinstance(merge, bool), TypeError, f"`merge`={merge!r} must be True or False"),
+        (not isinstance(headroom, bool), TypeError, f"`headroom`={headroom!r} must be True or False")):
+        if bad:
+            raise error(f"make_train_step: {what}.")
     grad_fn = value_and_grad(loss_fn, has_aux=True, merge=merge)
 
     def step(state: TrainState, batch: Any) -> Tuple[TrainState, Dict[str, jax.Array]]:

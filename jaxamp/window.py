@@ -53,7 +53,13 @@ def value_range(values: jax.Array, scale=1.0) -> Range:
     nonzero = mag > 0
     count = jnp.maximum(jnp.sum(nonzero), 1).astype(jnp.float32)
     log2 = jnp.log2(jnp.where(nonzero, mag, 1.0))
-    pct = jnp.where(jnp.any(nonzero), _percentiles(jnp.where(nonzero, log2, jnp.inf), count), -jnp.inf)
+    has = jnp.any(nonzero)
+    # PERCENTILES of the nonzero values as numpy's: the zeros sort last as +inf
+    ordered = jnp.sort(jnp.where(nonzero, log2, jnp.inf))
+    pos = jnp.asarray(PERCENTILES, jnp.float32) / 100.0 * (count - 1.0)
+    lo = jnp.floor(pos).astype(jnp.int32)
+    hi, frac = jnp.minimum(lo + 1, count.astype(jnp.int32) - 1), pos - lo
+    pct = jnp.where(has, ordered[lo] * (1.0 - frac) + ordered[hi] * frac, -jnp.inf)
     log2_max = jnp.where(jnp.any(nonzero), jnp.max(jnp.where(nonzero, log2, -jnp.inf)), -jnp.inf)
     return Range(log2_max=log2_max, log2_percentiles=pct,
                  frac_subnormal=jnp.sum(nonzero & (mag < FP16_SMALLEST_NORMAL)) / count,
@@ -61,36 +67,26 @@ def value_range(values: jax.Array, scale=1.0) -> Range:
                  headroom_up=LOG2_FP16_MAX - log2_max, headroom_down=pct[0] - LOG2_FP16_SMALLEST_NORMAL)
 
 
-def _percentiles(values: jax.Array, count: jax.Array) -> jax.Array:
-    """:data:`PERCENTILES` of the ``count`` smallest ``values`` (the rest +inf), as numpy's."""
-    ordered = jnp.sort(values)
-    pos = jnp.asarray(PERCENTILES, jnp.float32) / 100.0 * (count - 1.0)
-    lo = jnp.floor(pos).astype(jnp.int32)
-    hi = jnp.minimum(lo + 1, count.astype(jnp.int32) - 1)
-    frac = pos - lo
-    return ordered[lo] * (1.0 - frac) + ordered[hi] * frac
-
-
 def promote_to_float32(fn: Callable) -> Callable:
     """``fn`` with every float16/bfloat16 operation of its traced program run in float32."""
 
     def promoted(*args):
-        closed = jax.make_jaxpr(fn)(*args)
-        flat = jax.tree_util.tree_leaves(args)
-        outs = eval_jaxpr(closed.jaxpr, [promote_value(c) for c in closed.consts], flat, promote_eqn,
-                          literal=promote_value)
-        tree = jax.tree_util.tree_structure(jax.eval_shape(fn, *args))
-        return jax.tree_util.tree_unflatten(tree, outs)
+        outs = _eval_promoted(jax.make_jaxpr(fn)(*args), jax.tree_util.tree_leaves(args))
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(jax.eval_shape(fn, *args)), outs)
 
     return promoted
+
+
+def _eval_promoted(closed, vals):
+    """The outputs of the closed jaxpr ``closed`` on ``vals``, every operation in float32."""
+    return eval_jaxpr(closed.jaxpr, [promote_value(c) for c in closed.consts], vals, promote_eqn, literal=promote_value)
 
 
 def promote_eqn(eqn, vals):
     """The interpreter rule of :func:`promote_to_float32` (call and custom bodies inlined)."""
     body = sub_jaxpr(eqn) or custom_body(eqn)
     if body is not None:
-        return eval_jaxpr(body.jaxpr, [promote_value(c) for c in body.consts], vals, promote_eqn,
-                          literal=promote_value)
+        return _eval_promoted(body, vals)
     params = {k: (jnp.float32 if is_low_precision(v) else v) for k, v in eqn.params.items()}
     return bind(eqn.replace(params=params), [promote_value(v) for v in vals])
 

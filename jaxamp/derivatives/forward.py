@@ -1,11 +1,9 @@
-"""The forward engine (``method="forward"``, the default): nested forward mode per derivative path.
+"""The forward engine (``method="forward"``, the default; docs/algorithm.md, "Engines").
 
-Step k of a path is ``jax.jvp`` of the *scaled* level below along its input with the seed
-``s_k / s_{k-1}``, so no float16 value carries ``s_{k-1} s_k``. One pass per maximal path
-yields every output's values along it; paths that differ only in their keys share one pass at
-the smallest of their scales (:func:`shared_scales`, :func:`as_scaled`; docs/algorithm.md,
-"Engines"). Pure second orders take :func:`jaxamp.taylor.second_order`, pure orders >=
-``series_min_order`` :func:`jaxamp.taylor.series`. Unscaled engines run it at every scale 1.
+Step k of a path is ``jax.jvp`` of the *scaled* level below with the seed ``s_k / s_{k-1}``, so no
+float16 value carries ``s_{k-1} s_k``. One pass per maximal path; paths differing only in keys share
+one at the smallest scales (:func:`shared_scales`, :func:`as_scaled`). Pure second orders take
+:func:`jaxamp.taylor.second_order`, pure orders >= ``series_min_order`` :func:`jaxamp.taylor.series`.
 """
 
 from __future__ import annotations
@@ -104,10 +102,8 @@ def _chain(f: Callable, cols: Tuple[int, ...], series_min_order: int) -> Chain:
 
         return outputs
     pure = all(col == cols[0] for col in cols)
-    if pure and len(cols) >= series_min_order:
-        return _series(f, cols)
-    if pure and len(cols) == 2:
-        return _second(f, cols)
+    if pure and (len(cols) >= series_min_order or len(cols) == 2):
+        return _pure(f, cols[0], len(cols) >= series_min_order)
     below, col = _chain(f, cols[:-1], series_min_order), cols[-1]
 
     def chain(x, s):
@@ -119,25 +115,16 @@ def _chain(f: Callable, cols: Tuple[int, ...], series_min_order: int) -> Chain:
     return chain
 
 
-def _second(f: Callable, cols: Tuple[int, ...]) -> Chain:
-    """The chain of a pure second derivative (``u__x__x``): one propagated tangent."""
+def _pure(f: Callable, col: int, series: bool) -> Chain:
+    """The chain of a pure derivative along input ``col``: Taylor mode, each order at its own scale
+    (``series``), or a pure second derivative (``u__x__x``) as one propagated tangent."""
     one = jnp.float32(1.0)
 
     def chain(x, s):
-        s1, s2 = s
-        # outer seed s2/s1 over inner seed s1, as two factors: s1**2 may underflow float32
-        y, first, second = taylor.second_order(_along(f, x, cols[0]), x[cols[0]], s1, (s2 / s1, one / s1))
-        return second, ([y, unscale(first, one / s1), unscale(second, one / s2)], [first, second])
-
-    return chain
-
-
-def _series(f: Callable, cols: Tuple[int, ...]) -> Chain:
-    """The chain of a pure derivative of order >= 3: Taylor mode, each order at its own scale."""
-    one = jnp.float32(1.0)
-
-    def chain(x, s):
-        y, scaled = taylor.series(_along(f, x, cols[0]), x[cols[0]], one, len(cols), list(s))
+        if series:
+            y, scaled = taylor.series(_along(f, x, col), x[col], one, len(s), list(s))
+        else:  # outer seed s2/s1 over inner seed s1, as two factors: s1**2 may underflow float32
+            y, *scaled = taylor.second_order(_along(f, x, col), x[col], s[0], (s[1] / s[0], one / s[0]))
         return scaled[-1], ([y] + [unscale(d, one / sk) for d, sk in zip(scaled, s)], list(scaled))
 
     return chain

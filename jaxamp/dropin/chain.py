@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jaxamp.config import AmpConfig
 from jaxamp.derivatives import forward
 from jaxamp.derivatives.plan import make_plan, order_of, run_marked
-from jaxamp.interpreter import bind, cse, eval_jaxpr
+from jaxamp.interpreter import bind, cse, eval_jaxpr, substitute
 from jaxamp.marks import SEP
 
 __all__ = ["Chain", "METHODS", "Session", "sessions", "check_scalar", "extend", "eligible", "evaluate", "shared"]
@@ -56,14 +56,6 @@ def eligible(chain: Optional[Chain], args: Tuple[Any, ...], kwargs: dict) -> boo
                for i in set(chain.argnums))
 
 
-def _term(chain: Chain, k: int) -> Optional[str]:
-    """The name of the value step ``k`` (0-based) of ``chain`` differentiates, or None."""
-    name = chain.of
-    for w in chain.wrts[:k]:
-        name = SEP.join((name, w)) if name is not None and w is not None else None
-    return name
-
-
 def check_scalar(caller: str, fun: Callable, out: Any) -> Any:
     """``out`` if it is one scalar array, else a TypeError that names the way out (jacrev)."""
     if not hasattr(out, "dtype"):
@@ -99,10 +91,13 @@ class Session:
 _STATE = threading.local()
 
 
+def thread_list(name: str) -> list:
+    """This thread's list ``name``: the stack of derivative frames or of sessions, innermost last."""
+    return _STATE.__dict__.setdefault(name, [])
+
+
 def sessions() -> List[Session]:
-    if not hasattr(_STATE, "sessions"):
-        _STATE.sessions = []
-    return _STATE.sessions
+    return thread_list("sessions")
 
 
 def shared(chain: Chain, args: Tuple[Any, ...], base_order: int) -> Tuple[jax.Array, int, Optional[str]]:
@@ -136,16 +131,16 @@ def evaluate(chains, args: Tuple[Any, ...], base_order: int):
     plan = make_plan(inputs, tuple(f"u{b}" for b in range(len(bases))), tuple(dict.fromkeys(tops)), _PLAN_AMP)
     terms: Dict[str, Optional[str]] = {}  # plan parent name -> the user's name of that value
     for c in chains:
-        for k in range(len(c.argnums)):
+        term = c.of  # the user's name of the value step k differentiates, or None
+        for k, w in enumerate(c.wrts):
             node = _node(c, k, output[c])
-            terms[node] = terms.get(node) or _term(c, k)
+            terms[node] = terms.get(node) or term
+            term = SEP.join((term, w)) if term is not None and w is not None else None
     # the user's own scalars (eligible: float32), not a stack: the passes' primals are the user's calls
     x = tuple(args[i] if hasattr(args[i], "dtype") else jnp.float32(args[i]) for i in cols)
 
     def f(z):
-        full = list(args)
-        for j, i in enumerate(cols):
-            full[i] = z[j]
+        full = substitute(args, cols, z)
         return jnp.stack([jnp.asarray(check_scalar("jaxamp.grad", b, b(*full)), jnp.float32) for b in bases])
 
     if len(bases) > 1:  # u and v of one network: its shared work traced once, before the passes

@@ -13,8 +13,9 @@ from typing import Any, Callable, Optional, Sequence, Tuple, Union
 import jax
 import jax.numpy as jnp
 
-from jaxamp.dropin.grad import Frame, check_fun, check_wrt, framed, jacrev, report, term_of
-from jaxamp.marks import deriv_check, deriv_scale, seed, unscale
+from jaxamp.dropin.grad import Frame, check_fun, check_wrt, finish, framed, jacrev, report, term_of
+from jaxamp.interpreter import substitute
+from jaxamp.marks import deriv_scale, seed
 
 __all__ = ["jvp", "jacfwd", "hessian"]
 
@@ -29,11 +30,6 @@ def _linearized(caller: str, fun: Callable, primals: Sequence[Any], has_aux: boo
     found = {"order": frame.max_order + 1, "term": term_of(frame, of)}
     s = deriv_scale(out, **found)
     return out, f_jvp, aux, jnp.reshape(s, (-1,))[0] if jnp.size(s) else jnp.float32(1.0), found
-
-
-def _finish(d, out, s, found) -> jax.Array:
-    """The scaled tangent ``d``: checked against the value ``out``, unscaled in float32."""
-    return unscale(deriv_check(d, out, **found), jnp.float32(1.0) / s)
 
 
 def jvp(fun: Callable[..., Any], primals: Sequence[Any], tangents: Sequence[Any], has_aux: bool = False, *,
@@ -58,7 +54,8 @@ def jvp(fun: Callable[..., Any], primals: Sequence[Any], tangents: Sequence[Any]
         raise TypeError(f"jaxamp.jvp: `primals` and `tangents` must be tuples of the same length, got "
                         f"{type(primals).__name__} and {type(tangents).__name__}.")  # fmt: skip
     out, f_jvp, aux, s, found = _linearized("jaxamp.jvp", fun, primals, has_aux, of)
-    d = _finish(f_jvp(*[jax.tree_util.tree_map(lambda t: seed(t, s, jnp.result_type(t)), t) for t in tangents]), out, s, found)
+    d = f_jvp(*[jax.tree_util.tree_map(lambda t: seed(t, s, jnp.result_type(t)), t) for t in tangents])
+    d = finish(d, out, s, found)
     report(found["order"], found["term"], None)
     return (out, d, aux) if has_aux else (out, d)
 
@@ -90,10 +87,7 @@ def jacfwd(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_
     @functools.wraps(fun)
     def derivative(*args, **kwargs):
         def partial(*dyn):
-            full = list(args)
-            for i, a in zip(nums, dyn):
-                full[i] = a
-            return fun(*full, **kwargs)
+            return fun(*substitute(args, nums, dyn), **kwargs)
 
         for i in nums:
             if not hasattr(args[i], "dtype") and not isinstance(args[i], (int, float, complex)):
@@ -111,7 +105,7 @@ def jacfwd(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_
             basis = jnp.eye(a.size, dtype=a.dtype).reshape((a.size,) + a.shape)
             cols = jax.vmap(column)(basis)  # [a.size, *out.shape]
             jac = jnp.moveaxis(cols, 0, -1).reshape(out.shape + a.shape)
-            jacs.append(_finish(jac, out, s, found))
+            jacs.append(finish(jac, out, s, found))
         report(found["order"], found["term"], wrt)
         result = tuple(jacs) if isinstance(argnums, tuple) else jacs[0]
         return (result, aux) if has_aux else result

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import jax
@@ -19,9 +18,6 @@ from jaxamp.dropin import chain
 from jaxamp.marks import SEP, deriv_check, deriv_scale, seed, unscale
 
 __all__ = ["grad", "jacrev"]
-
-_STATE = threading.local()
-
 
 class Frame:
     """What the ``grad`` calls made while one ``fun`` is evaluated report to it."""
@@ -33,9 +29,7 @@ class Frame:
 
 def frames() -> List[Frame]:
     """The frames of the derivative calls under way in this thread, innermost last."""
-    if not hasattr(_STATE, "frames"):
-        _STATE.frames = []
-    return _STATE.frames
+    return chain.thread_list("frames")
 
 
 @contextlib.contextmanager
@@ -91,6 +85,15 @@ def report(order: int, term: Optional[str], wrt: Any) -> None:
         parent.names.append(SEP.join((term, wrt)) if term is not None and isinstance(wrt, str) else None)
 
 
+def finish(d: jax.Array, value: jax.Array, s: jax.Array, found, inv: Optional[jax.Array] = None) -> jax.Array:
+    """The scaled derivative ``d`` of ``value`` checked under the key ``found`` and unscaled by
+    ``inv`` (default ``1 / s``); float0 gradients (allow_int) pass unchecked."""
+    if not jnp.issubdtype(d.dtype, jnp.inexact):
+        return d
+    d = deriv_check(d, value, **found)
+    return unscale(d, jnp.float32(1.0) / s if inv is None else inv)
+
+
 def _by_engine(link: chain.Chain, args) -> jax.Array:
     """The chain's top derivative by the forward engine; the orders reported as the nest would."""
     with framed(Frame()) as probe:
@@ -134,11 +137,7 @@ def _reverse(transform: Callable, caller: str, fun: Callable, argnums, has_aux: 
         with framed(frame):
             grads, (value, s, aux) = transform(seeded, argnums, has_aux=True, **options)(*args, **kwargs)
         inv = jnp.float32(1.0) / s
-
-        def check(d):  # float0 gradients (allow_int) are not checked
-            return deriv_check(d, value, **found) if jnp.issubdtype(d.dtype, jnp.inexact) else d
-
-        grads = jax.tree_util.tree_map(lambda d: unscale(check(d), inv), grads)
+        grads = jax.tree_util.tree_map(lambda d: finish(d, value, s, found, inv), grads)
         report(found["order"], found["term"], wrt)
         return (grads, aux) if has_aux else grads
 

@@ -1,11 +1,9 @@
-"""``jaxamp.dropin.laplacian``: a scaled Laplacian by collapsed Taylor mode.
+"""``jaxamp.dropin.laplacian``: a scaled Laplacian by collapsed Taylor mode (:mod:`jaxamp.taylor.collapsed`).
 
-``method="collapsed"`` propagates one second-order coefficient, the sum over the directions
-(:mod:`jaxamp.taylor.collapsed`; Dangel et al., NeurIPS 2025). With ``m`` the highest order of
-the drop-in derivatives ``fun`` calls, the first-order tangents carry the scale ``s1`` of order
-``m + 1`` (per term: key ``of``), the sum the scale ``s2`` of order ``m + 2`` (``of + "__lap"``),
-with the factors ``(s2 / s1, 1 / s1)``: no float16 value carries ``s1 * s2``. It reports order
-``m + 2`` and no name.
+With ``m`` the highest order of the drop-in derivatives ``fun`` calls, the first-order tangents
+carry the scale ``s1`` of order ``m + 1`` (per term: key ``of``), the summed second order ``s2`` of
+order ``m + 2`` (``of + "__lap"``) by the factors ``(s2 / s1, 1 / s1)``: no float16 value carries
+``s1 * s2``. It reports order ``m + 2`` and no name.
 """
 
 from __future__ import annotations
@@ -34,10 +32,11 @@ def _collapsed(closed, g, x, basis, s1, s2) -> Step:
     return first, second
 
 
-def _each(one: Callable, rows: jax.Array) -> Tuple[jax.Array, ...]:
-    """``one(row)`` for every row, stacked, unrolled as the collapsed method (not ``jax.vmap``)."""
-    outs = [one(rows[i]) for i in range(rows.shape[0])]
-    return tuple(jnp.stack(o) for o in zip(*outs))
+def _each(one: Callable, rows: jax.Array) -> Step:
+    """``one(row)`` for every row, unrolled as the collapsed method (not ``jax.vmap``): the first
+    orders stacked, the second orders summed."""
+    first, second = zip(*[one(rows[i]) for i in range(rows.shape[0])])
+    return jnp.stack(first), jnp.sum(jnp.stack(second), axis=0)
 
 
 def _taylor(closed, g, x, basis, s1, s2) -> Step:
@@ -47,8 +46,7 @@ def _taylor(closed, g, x, basis, s1, s2) -> Step:
         _, first, second = propagate_jaxpr(closed, x, t[None], (s2 / s1, 1.0 / s1))
         return first[0], second
 
-    first, second = _each(one, seed(basis, s1, x.dtype))
-    return first, jnp.sum(second, axis=0)
+    return _each(one, seed(basis, s1, x.dtype))
 
 
 def _forward(closed, g, x, basis, s1, s2) -> Step:
@@ -56,15 +54,15 @@ def _forward(closed, g, x, basis, s1, s2) -> Step:
         inner = lambda z: jax.jvp(g, (z,), (seed(e, s1, x.dtype),))[1]  # noqa: E731
         return jax.jvp(inner, (x,), (seed(e, s2 / s1, x.dtype),))
 
-    first, second = _each(one, basis)
-    return first, jnp.sum(second, axis=0)
+    return _each(one, basis)
 
 
 def _reverse(closed, g, x, basis, s1, s2) -> Step:
     def scaled_grad(z):  # the seed of the backward pass carries s1
         return jax.grad(lambda w: seed(g(w), s1))(z)
 
-    (columns,) = _each(lambda e: (jax.jvp(scaled_grad, (x,), (seed(e, s2 / s1, x.dtype),))[1],), basis)
+    columns = jnp.stack([jax.jvp(scaled_grad, (x,), (seed(basis[i], s2 / s1, x.dtype),))[1]
+                         for i in range(basis.shape[0])])  # fmt: skip
     return scaled_grad(x), jnp.sum(jnp.where(basis != 0, columns, 0))  # the diagonal entries
 
 
@@ -144,9 +142,7 @@ def laplacian(fun: Callable[..., Any], argnums: int = 0, *, of: Optional[str] = 
                              f"{tuple(x.shape)}.")  # fmt: skip
 
         def flat(zv):
-            full = list(args)
-            full[pos] = jnp.reshape(zv, x.shape)
-            return fun(*full, **kwargs)
+            return fun(*interpreter.substitute(args, (pos,), (jnp.reshape(zv, x.shape),)), **kwargs)
 
         xv = jnp.reshape(x, (d,))
         with framed(Frame()) as frame:
@@ -168,9 +164,7 @@ def laplacian(fun: Callable[..., Any], argnums: int = 0, *, of: Optional[str] = 
         first, second = METHODS[method](closed, g, xv, basis, s1, s2)
         deriv_check(first, y, **keys["first"])  # the first-order tangents: flags only
         second = deriv_check(second, y, **keys["second"])
-        out = jnp.promote_types(y.dtype, x.dtype)
-        wide = jnp.promote_types(out, jnp.float32)
         report(m + 2, None, None)
-        return (second.astype(wide) * (jnp.float32(1.0) / s2).astype(wide)).astype(out)
+        return seed(second, jnp.float32(1.0) / s2, jnp.promote_types(y.dtype, x.dtype))  # unscaled in float32
 
     return value

@@ -1,23 +1,16 @@
-"""Precision placement for any JAX network function: :func:`autocast` (torch.autocast's op lists,
-applied to the traced program through :func:`jaxamp.interpreter.eval_jaxpr`).
+""":func:`autocast`: the placement of :class:`jaxamp.models.FullyConnected` for any JAX network
+(torch.autocast's op lists, applied to the traced program by :func:`jaxamp.interpreter.eval_jaxpr`).
 
-It gives a user's network the placement of :class:`jaxamp.models.FullyConnected`:
+* matmuls/convolutions using a parameter run in ``amp.compute_dtype``, operands cast at use and
+  the result cast back (exact ``f16 -> f32 -> f16`` casts, fused by XLA); the first layer on the
+  inputs unless ``amp.autocast_firstlayer``, and parameter-free ones (``x @ F``), run as written;
+* :data:`ACTIVATION_PRIMITIVES` after a compute-dtype layer run in it if ``amp.autocast_activation``;
+* everything else, bias adds included (FullyConnected's agree bitwise for zero biases), as written.
+  ``jit`` bodies are inlined; ``checkpoint``/``cond``/``scan``/``while`` bodies rewritten (carries'
+  flags widened until stable); custom-derivative functions inlined only if they hold something to
+  move; matmuls left in other higher-order primitives are warned about.
 
-* matmuls/convolutions that use a parameter run in ``amp.compute_dtype``, their floating operands
-  cast at use and the result cast back, so every other operation sees its original dtypes (the
-  ``f16 -> f32 -> f16`` casts between layers are exact, and XLA fuses them);
-* the first layer (fed by the inputs, no such layer before it) runs as written (float32) unless
-  ``amp.autocast_firstlayer``; matmuls using no parameter (``x @ F``) run as written;
-* activations (:data:`ACTIVATION_PRIMITIVES`) downstream of a compute-dtype layer run in the
-  compute dtype if ``amp.autocast_activation``;
-* everything else runs as written. ``jit`` bodies are inlined; ``checkpoint``, ``cond``, ``scan``
-  and ``while`` get rewritten bodies (loop carries' flags are widened until stable);
-  ``custom_jvp``/``custom_vjp`` functions are inlined only when their body holds something to
-  move. Matmuls left inside other higher-order primitives are reported by a warning.
-
-Bias adds run as written (float32), not in the compute dtype as in FullyConnected: the outputs
-agree bitwise for zero biases, else to fp16 rounding. The result composes with ``jax.jit``,
-``jax.vmap``, ``jax.grad`` (any order) and ``jax.jacrev``/``jax.jacfwd``.
+The result composes with ``jax.jit``, ``jax.vmap``, ``jax.grad`` and ``jax.jacrev``/``jax.jacfwd``.
 """
 
 from __future__ import annotations
@@ -152,15 +145,9 @@ def _rewrite(fn: Callable, call: Callable, amp: AmpConfig, types: Sequence[Any],
         out_trees.append(out_tree)
         return outs
 
-    program = jax.make_jaxpr(flat_fn)(*specs)
-    rule = Placement(amp)
-
-    def placed(*leaves):
-        vals = [Val(x, inputs=not p, params=p) for x, p in zip(leaves, is_param)]
-        consts = [Val(c, params=not argnums) for c in program.consts]
-        return [v.x for v in eval_jaxpr(program.jaxpr, consts, vals, rule, literal=Val)]
-
-    rewritten = jax.make_jaxpr(placed)(*specs)
+    program, rule = jax.make_jaxpr(flat_fn)(*specs), Placement(amp)
+    flags = [Val(None, inputs=not p, params=p) for p in is_param]
+    rewritten, _ = rule.placed(program, flags, Val(None, params=not argnums))
     found = ", ".join(f"{n} {why}" for why, n in sorted(rule.counts.items())) or "none"
     if rule.counts["compute dtype"] and any("left as written" in why for why in rule.counts):
         warnings.warn(

@@ -115,13 +115,15 @@ class Placement:
         self._count_as_written(eqn)
         return False
 
-    def _placed(self, closed: jcore.ClosedJaxpr, flags: Sequence[Val]) -> Tuple[jcore.ClosedJaxpr, List[Val]]:
-        """``closed`` rewritten for operands with ``flags``: same avals, and its outputs' flags."""
+    def placed(self, closed: jcore.ClosedJaxpr, flags: Sequence[Val],
+               const: Val = Val(None)) -> Tuple[jcore.ClosedJaxpr, List[Val]]:  # fmt: skip
+        """``closed`` rewritten for operands with ``flags`` and constants with ``const``'s: same
+        avals, and its outputs' flags."""
         out_flags: List[Val] = []
 
         def run(*xs):
             vals = [f._replace(x=x) for f, x in zip(flags, xs)]
-            outs = eval_jaxpr(closed.jaxpr, [Val(c) for c in closed.consts], vals, self, literal=Val)
+            outs = eval_jaxpr(closed.jaxpr, [const._replace(x=c) for c in closed.consts], vals, self, literal=Val)
             out_flags[:] = [o._replace(x=None) for o in outs]
             return [o.x for o in outs]
 
@@ -135,7 +137,7 @@ class Placement:
         before = collections.Counter(self.counts)
         while True:
             self.counts = collections.Counter(before)
-            body, out = self._placed(closed, flags)
+            body, out = self.placed(closed, flags)
             wider = flags[:lo] + [merge(pair) for pair in zip(flags[lo:hi], out)] + flags[hi:]
             if wider == flags:
                 return body, out
@@ -151,12 +153,12 @@ class Placement:
         if name in ("remat2", "checkpoint"):
             if params["jaxpr"].constvars:
                 return None
-            body, out = self._placed(jcore.ClosedJaxpr(params["jaxpr"], ()), flags)
+            body, out = self.placed(jcore.ClosedJaxpr(params["jaxpr"], ()), flags)
             if body.consts:
                 return None
             new: Dict[str, Any] = {"jaxpr": body.jaxpr}
         elif name == "cond":
-            placed = [self._placed(b, flags[1:]) for b in params["branches"]]
+            placed = [self.placed(b, flags[1:]) for b in params["branches"]]
             new = {"branches": tuple(b for b, _ in placed)}
             out = [merge(fs) for fs in zip(*(o for _, o in placed))]
         elif name == "scan":

@@ -1,14 +1,9 @@
-"""Taylor-mode forward differentiation along one direction, one scale per order.
+"""Taylor mode along one direction, order ``j`` carrying its scale ``S_j`` (docs/algorithm.md).
 
-``K`` nested ``jax.jvp`` differentiate the whole tangent program again at every order (``2^K - 1``
-chains, which DerivScaler's per-order seeds keep XLA from merging); Taylor mode propagates the
-``K`` coefficients of every variable, order ``j`` carrying its scale ``S_j`` (docs/algorithm.md):
-:mod:`~jaxamp.taylor.rules` (what is known about primitives), :mod:`~jaxamp.taylor.propagate`
-(the interpreter) and :mod:`~jaxamp.taylor.faa_di_bruno` (the per-equation rule).
-
-:func:`series` gives the pure derivatives of orders ``1..K``; :func:`second_order` is the same
-rule for ``K = 2`` parametrised by the ratio of nested ``jax.jvp``'s two seeds (both compile to
-the same program).
+``K`` nested ``jax.jvp`` give ``2^K - 1`` chains (per-order seeds keep XLA from merging them);
+Taylor mode propagates ``K`` coefficients per variable: :mod:`~jaxamp.taylor.rules`,
+:mod:`~jaxamp.taylor.propagate` (the interpreter), :mod:`~jaxamp.taylor.faa_di_bruno` (the rule).
+:func:`series`: orders ``1..K``; :func:`second_order`: ``K = 2`` by the ratio of the two seeds.
 """
 
 from jaxamp.taylor.modes import second_order, series

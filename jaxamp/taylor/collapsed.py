@@ -1,18 +1,11 @@
-"""Collapsed Taylor mode: ``sum_i d2f[t_i, t_i]`` in one second-order propagation.
+"""Collapsed Taylor mode (Dangel et al., NeurIPS 2025): ``sum_i d2f[t_i, t_i]`` in one propagation.
 
-Dangel et al., "Collapsing Taylor Mode Automatic Differentiation" (NeurIPS 2025). The top
-coefficient's propagation is linear in it (``out2 = g'(z) z2 + g''(z)[z1, z1]``), so for a sum
-over directions only ``z2 = sum_i z2_i`` is propagated, beside one ``z1_i`` per direction:
-
-- linear primitives: ``out2 = A z2`` (one matmul instead of ``D``);
-- elementwise ones: ``out2 = g'(z) z2 + g''(z) * sum_i z1_i**2``;
-- any other: ``out2 = g'(z)[z2] + sum_i g''(z)[z1_i, z1_i]``, a nested ``jax.jvp`` per direction.
-
-The directions are unrolled, not stacked under ``jax.vmap`` (slower under a parameter gradient,
-docs/benchmarks.md). Call-like equations and ``custom_jvp``/``custom_vjp`` primal bodies are
-entered. Scaling as :func:`jaxamp.taylor.second_order`: the seeds carry ``S_1``, and the product
-terms take ``(S_2 / S_1, 1 / S_1)``, in float32 after the product or as two powers of two on
-the float16/bfloat16 tangents before it.
+``out2 = g'(z) z2 + g''(z)[z1, z1]`` is linear in ``z2``, so only ``z2 = sum_i z2_i`` is propagated,
+beside one ``z1_i`` per direction: linear primitives take ``A z2``; elementwise ones
+``g'(z) z2 + g''(z) * sum_i z1_i**2``; others a nested ``jax.jvp`` per direction (unrolled, not
+under ``jax.vmap``: docs/benchmarks.md). Call and custom-derivative primal bodies are entered.
+Scaling as :func:`jaxamp.taylor.second_order`: seeds carry ``S_1``, product terms ``(S_2 / S_1,
+1 / S_1)``, in float32 after the product or as two powers of two on float16 tangents before it.
 """
 
 from __future__ import annotations
@@ -26,7 +19,7 @@ from jax.extend import core as jcore
 from jaxamp import interpreter
 from jaxamp.taylor import rules
 from jaxamp.taylor.faa_di_bruno import SCALE_AFTER_MIN_BITS, Ratio
-from jaxamp.taylor.propagate import inexact, multilinear
+from jaxamp.taylor.propagate import inexact, multilinear, restrict
 
 __all__ = ["CJet", "ELEMENTWISE", "collapsed_second_order", "propagate_jaxpr"]
 
@@ -64,15 +57,8 @@ def _degree(eqn: jcore.JaxprEqn, ones: Sequence[int]) -> Optional[int]:
 
 def _restrict(eqn: jcore.JaxprEqn, values: Sequence[Any], which: Sequence[int], keep: Sequence[int]) -> Callable:
     """The primitive as a function of operands ``which``, the others held; outputs ``keep``."""
-
-    def fn(*operands):
-        full = list(values)
-        for slot, operand in zip(which, operands):
-            full[slot] = operand
-        outs = interpreter.bind(eqn, full)
-        return [outs[k] for k in keep]
-
-    return fn
+    fn = restrict(eqn, values, which)
+    return lambda *operands: [o for k, o in enumerate(fn(*operands)) if k in keep]  # keep is ascending
 
 
 def _rule(eqn: jcore.JaxprEqn, invals: List[CJet], ratio: Optional[Ratio]) -> List[CJet]:
@@ -114,12 +100,8 @@ def _quadratic(eqn, f1: Callable, p1: Tuple[Any, ...], firsts: List[jax.Array], 
     if eqn.primitive.name in ELEMENTWISE and len(p1) == 1 and all(o.shape == p1[0].shape for o in outs):
         squares = sum(pre(a, heads[0]) * pre(a, heads[1]) for a in firsts[0])
         q = multilinear(f1, p1, [(jnp.ones_like(p1[0]),), (squares,)])
-    else:
-
-        def per_direction(*ts):
-            return multilinear(f1, p1, [tuple(pre(t, heads[0]) for t in ts), tuple(pre(t, heads[1]) for t in ts)])
-
-        per = [per_direction(*ts) for ts in zip(*firsts)]
+    else:  # one nested jvp per direction
+        per = [multilinear(f1, p1, [tuple(pre(t, h) for t in ts) for h in heads]) for ts in zip(*firsts)]
         q = [sum(p[n] for p in per) for n in range(len(outs))]
     if ratio is not None and wide:
         q = [_times(v, ratio.factors) for v in q]

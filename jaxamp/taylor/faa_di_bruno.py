@@ -1,16 +1,10 @@
 """The Taylor rule: Faa di Bruno's formula with one scale per order (docs/algorithm.md).
 
-At a nonlinear primitive ``g`` the order-``k`` coefficient of its output is
-
-    d^k g = sum over partitions p of k:  c(p) * g^(m)[z_{p_1}, ..., z_{p_m}]
-
-(``c(p) = k! / prod_j (mult_j! (j!)^mult_j)``, ``g^(m)`` the ``m``-fold nested ``jax.jvp``); a
-primitive of degree ``d`` (:mod:`jaxamp.taylor.rules`) keeps the terms with ``m <= d``. Order
-``j`` is stored as ``Z_j = S_j z_j``, so a term built from orders ``p`` takes the factor
-``S_k / prod S_{p_i}`` (``m = 1``, ``g'(z) Z_k``, already carries ``S_k``). Where the primitive
-computes in float32 or wider, the factor is applied to the unscaled product in float32, one
-factor after another; in float16/bfloat16 each tangent is first multiplied by a power of two
-bringing it to about ``S_k ** (p_i / k)``, so no partial product overflows.
+``d^k g = sum over partitions p of k: c(p) * g^(m)[z_{p_1}, ..., z_{p_m}]`` (``g^(m)``: ``m`` nested
+``jax.jvp``; degree ``d`` primitives keep ``m <= d``). Order ``j`` is stored as ``Z_j = S_j z_j``,
+so a term takes the factor ``S_k / prod S_{p_i}``: in float32 or wider after the product, one
+factor after another; in float16/bfloat16 as powers of two on the tangents first (each to about
+``S_k ** (p_i / k)``), so no partial product overflows.
 """
 
 from __future__ import annotations

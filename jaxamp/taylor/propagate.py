@@ -1,9 +1,6 @@
-"""Taylor propagation of a traced function, on :func:`jaxamp.interpreter.eval_jaxpr`.
-
-Every variable ``z`` of ``f``'s jaxpr holds a :class:`Jet`: its value and its coefficients along
-``e``, ``z_j = d^j z(x + tau e) / d tau^j`` at ``tau = 0`` (times the scale of order ``j``). An
-equation with an ``x``-dependent operand is entered if call-like (:func:`jaxamp.taylor.rules.body`),
-else handed to a :data:`Rule` as an :class:`Application`.
+"""Taylor propagation on :func:`jaxamp.interpreter.eval_jaxpr`: every variable ``z`` holds a
+:class:`Jet`, its value and ``z_j = d^j z(x + tau e) / d tau^j`` at ``tau = 0`` (times ``S_j``). An
+``x``-dependent equation is entered if call-like, else handed to a :data:`Rule` as an :class:`Application`.
 """
 
 from __future__ import annotations
@@ -40,15 +37,7 @@ class Application(NamedTuple):
     def restrict(self, which: Sequence[int]) -> Callable[..., List[jax.Array]]:
         """The primitive's outputs as a function of the dependent operands ``which`` (positions
         into ``dependent``), the others held."""
-        slots = [self.dependent[w] for w in which]
-
-        def fn(*operands):
-            full = list(self.values)
-            for slot, operand in zip(slots, operands):
-                full[slot] = operand
-            return interpreter.bind(self.eqn, full)
-
-        return fn
+        return restrict(self.eqn, self.values, [self.dependent[w] for w in which])
 
     def primals(self, which: Sequence[int]) -> Tuple[Any, ...]:
         """The values of the dependent operands ``which`` (positions into ``dependent``)."""
@@ -95,6 +84,11 @@ def propagate(f: Callable[[jax.Array], jax.Array], x: jax.Array, seed: Coefficie
     (out,) = run(closed, [Jet(x, tuple(seed))])
     coefficients = out.coefficients or (None,) * len(seed)
     return out.value, [jnp.zeros_like(out.value) if c is None else c for c in coefficients]
+
+
+def restrict(eqn: jcore.JaxprEqn, values: Sequence[Any], slots: Sequence[int]) -> Callable[..., List[jax.Array]]:
+    """The outputs of ``eqn`` as a function of its operands at ``slots``, the others held at ``values``."""
+    return lambda *operands: interpreter.bind(eqn, interpreter.substitute(values, slots, operands))
 
 
 def inexact(dtype: Any) -> bool:

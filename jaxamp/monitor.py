@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping, NamedTuple, Optional
+from typing import Any, Dict, Mapping, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -116,8 +116,9 @@ class StallMonitor:
 
     def floor_log2(self, key: str) -> float:
         """``log2`` of the floor of the scale ``key`` (``"loss"`` for the loss scaler)."""
-        amp = self.amp
-        rule = None if amp is None else amp.make_loss_scaler() if key == "loss" else amp.derivative_scaler_for(key)
+        if self.amp is None:
+            return math.log2(SMALLEST_NORMAL)
+        rule = self.amp.make_loss_scaler() if key == "loss" else self.amp.derivative_scaler_for(key)
         return math.log2(rule.floor if rule is not None else SMALLEST_NORMAL)
 
     def diagnose(self, state: MonitorState, metrics: Mapping[str, Any]) -> Optional[str]:
@@ -130,8 +131,9 @@ class StallMonitor:
         Returns:
           The line, or None.
         """
-        # {key: host value} of the metrics "<g>/<key>"
-        group = lambda g: {k[len(g) + 1:]: np.asarray(v) for k, v in metrics.items() if k.startswith(g + "/")}  # noqa: E731
+        def group(g: str) -> Dict[str, np.ndarray]:  # {key: host value} of the metrics "<g>/<key>"
+            return {k[len(g) + 1:]: np.asarray(v) for k, v in metrics.items() if k.startswith(g + "/")}
+
         steps, run, reasons = int(state.steps), int(state.consecutive_skips), np.asarray(state.recent_reasons)
         floors = [k for k, v in group("scale_log2").items() if float(v) <= self.floor_log2(k)]
         if run >= self.max_consecutive_skips:

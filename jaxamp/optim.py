@@ -30,7 +30,9 @@ def advance(check: StepCheck, state: AmpState) -> AmpState:
 
 
 def _loss_of(out: Any, has_aux: bool, fun: Callable) -> Tuple[jax.Array, Any]:
-    what = lambda x: f"an array of shape {jnp.shape(x)}" if hasattr(x, "shape") else type(x).__name__  # noqa: E731
+    def what(x: Any) -> str:
+        return f"an array of shape {jnp.shape(x)}" if hasattr(x, "shape") else type(x).__name__
+
     if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
         raise TypeError(f"jaxamp.value_and_grad: `fun`={fun!r} with has_aux=True must return (loss, aux), got {what(out)}.")
     loss, aux = out if has_aux else (out, None)

@@ -78,7 +78,7 @@ class DynamicScaler:
             checks["min_scale"] = (f"None or a finite number in (0, init_scale={self.init_scale!r}]", lambda v: v > 0)
             orders[:0] = [("min_scale", "max_scale", ""), ("min_scale", "init_scale", "")]
         for name, (allowed, ok) in checks.items():  # the wrong kind: TypeError; out of range: ValueError
-            value, kind = getattr(self, name), numbers.Integral if checks[name] is interval else numbers.Real
+            value, kind = getattr(self, name), numbers.Integral if name.endswith("_interval") else numbers.Real
             wrong = isinstance(value, bool) or not isinstance(value, kind)
             if wrong or not math.isfinite(value) or not ok(value):
                 msg = f"DynamicScaler: `{name}`={value!r} is not allowed: expected {allowed}."

@@ -60,7 +60,7 @@ def value_range(values: jax.Array, scale=1.0) -> Range:
     lo = jnp.floor(pos).astype(jnp.int32)
     hi, frac = jnp.minimum(lo + 1, count.astype(jnp.int32) - 1), pos - lo
     pct = jnp.where(has, ordered[lo] * (1.0 - frac) + ordered[hi] * frac, -jnp.inf)
-    log2_max = jnp.where(jnp.any(nonzero), jnp.max(jnp.where(nonzero, log2, -jnp.inf)), -jnp.inf)
+    log2_max = jnp.where(has, jnp.max(jnp.where(nonzero, log2, -jnp.inf)), -jnp.inf)
     return Range(log2_max=log2_max, log2_percentiles=pct,
                  frac_subnormal=jnp.sum(nonzero & (mag < FP16_SMALLEST_NORMAL)) / count,
                  frac_overflow=jnp.sum(mag > FP16_MAX) / count,

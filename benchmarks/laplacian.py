@@ -19,6 +19,11 @@ summed second-order propagation), three workloads:
   (the default engine: one tangent per pure second order) and ``reverse`` (nested reverse
   mode) for the ``d`` pure second derivatives ``u__xi__xi``, summed (``taylor`` is not an
   engine method: not run).
+- ``dropin_vs_engine``: ``scaled_grad`` and ``engine_grad`` side by side, all six programs timed
+  interleaved in one run, the ratios drop-in over engine paired per round, for the pairs that
+  compute the same way (``PAIRS``): ``reverse``/``reverse``, the drop-in's ``taylor`` / the
+  engine's ``forward`` (which takes one Taylor propagation per pure second order), and
+  ``collapsed``/``collapsed`` (both defaults).
 
 The methods of one (workload, d) are timed interleaved in one run (:mod:`benchmarks.timing`:
 each round runs every method once in rotating order; the medians and per-round paired ratios
@@ -42,7 +47,8 @@ from jaxamp.dropin.laplacian import laplacian
 
 METHODS = ("reverse", "forward", "taylor", "collapsed")
 UNCOLLAPSED = ("reverse", "forward", "taylor")
-WORKLOADS = ("value", "scaled_value", "scaled_grad", "engine_grad")
+WORKLOADS = ("value", "scaled_value", "scaled_grad", "engine_grad", "dropin_vs_engine")
+PAIRS = (("reverse", "reverse"), ("taylor", "forward"), ("collapsed", "collapsed"))  # (drop-in, engine)
 SCALES = {"1": 2.0**-3, "2": 2.0**-7}
 
 
@@ -92,18 +98,48 @@ def workload(name: str, method: str, d: int) -> Callable:
     return jax.value_and_grad(lambda p, x: loss(SCALES, p, x), has_aux=True)
 
 
+def compiled_run(fn: Callable, params: Any, x: jax.Array, inner: int):
+    """Compile ``fn`` for ``(params, x)``; return its timer and its compile/cost/buffer record."""
+    start = time.perf_counter()
+    compiled = jax.jit(fn).lower(params, x).compile()
+    compile_s = time.perf_counter() - start
+    record = {"compile_s": round(compile_s, 3), **timing.cost_of(compiled), **timing.memory_of(compiled)}
+    return timing.timer(lambda: compiled(params, x), inner), record
+
+
+def bench_pair(d: int, args: argparse.Namespace) -> Dict[str, Any]:
+    """Drop-in over engine for each of ``PAIRS``, every program in one interleaved run."""
+    params = init_mlp(d, args.width, args.layers)
+    x = jax.random.uniform(jax.random.PRNGKey(1), (args.points, d), jnp.float32, -1.0, 1.0)
+    runs, out = {}, {}
+    for pair in PAIRS:
+        for name, method in zip(("scaled_grad", "engine_grad"), pair):
+            key = f"{name}/{method}"
+            runs[key], out[key] = compiled_run(workload(name, method, d), params, x, args.inner)
+    samples = timing.interleaved(runs, args.reps, warmup=1)
+    for key in runs:
+        out[key]["time_s"] = timing.stats(samples[key])
+    ratios = {}
+    for dropin_method, engine_method in PAIRS:
+        dropin, engine = f"scaled_grad/{dropin_method}", f"engine_grad/{engine_method}"
+        flops = out[dropin]["flops"] and out[engine]["flops"] and out[dropin]["flops"] / out[engine]["flops"]
+        ratios[f"{dropin_method}/{engine_method}"] = {
+            "time_dropin_over_engine": timing.paired_ratio(samples[dropin], samples[engine]),
+            "flops_dropin_over_engine": round(flops, 4) if flops else None,
+        }
+    return {"methods": out, "ratios": ratios}
+
+
 def bench(name: str, d: int, args: argparse.Namespace) -> Dict[str, Any]:
+    if name == "dropin_vs_engine":
+        return bench_pair(d, args)
     params = init_mlp(d, args.width, args.layers)
     x = jax.random.uniform(jax.random.PRNGKey(1), (args.points, d), jnp.float32, -1.0, 1.0)
     runs, out = {}, {}
     methods = tuple(m for m in METHODS if name != "engine_grad" or m != "taylor")
     uncollapsed = tuple(m for m in UNCOLLAPSED if m in methods)
     for method in methods:
-        start = time.perf_counter()
-        compiled = jax.jit(workload(name, method, d)).lower(params, x).compile()
-        compile_s = time.perf_counter() - start
-        runs[method] = timing.timer(lambda c=compiled: c(params, x), args.inner)
-        out[method] = {"compile_s": round(compile_s, 3), **timing.cost_of(compiled), **timing.memory_of(compiled)}
+        runs[method], out[method] = compiled_run(workload(name, method, d), params, x, args.inner)
     samples = timing.interleaved(runs, args.reps, warmup=1)
     for method in methods:
         out[method]["time_s"] = timing.stats(samples[method])
@@ -152,6 +188,11 @@ def main(argv=None) -> Dict[str, Any]:
             res = bench(name, d, args)
             record["results"][name][str(d)] = res
             r, m = res["ratios"], res["methods"]
+            if name == "dropin_vs_engine":
+                pairs = "  ".join(f"{k} {v['time_dropin_over_engine']['median']:.3f} (flops {v['flops_dropin_over_engine']})"
+                                  for k, v in r.items())  # fmt: skip
+                print(f"{name} d={d}: drop-in/engine {pairs}", flush=True)
+                continue
             times = "  ".join(f"{k} {1e3 * v['time_s']['median']:.2f}ms" for k, v in m.items())
             print(f"{name:13s} d={d}: {times}  | collapsed/{r['best_uncollapsed_by_time']} time "
                   f"{r['time_collapsed_over_best']['median']:.3f}, flops/{r['best_uncollapsed_by_flops']} "

@@ -153,3 +153,18 @@ def test_runner_rejects_non_positive_repetitions_before_any_work(flag, capsys):
     with pytest.raises(SystemExit):
         main(["--preset", "smoke", "--sections", "step", flag, "0"])
     assert f"{flag}=0 must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # six small compiles
+def test_laplacian_dropin_vs_engine_pairs_every_method(tmp_path):
+    from benchmarks import laplacian
+
+    out = tmp_path / "lap.json"
+    record = laplacian.main(["--workloads", "dropin_vs_engine", "--dims", "2", "--points", "8", "--width", "8",
+                             "--layers", "1", "--reps", "2", "--inner", "1", "--out", str(out)])  # fmt: skip
+    res = record["results"]["dropin_vs_engine"]["2"]
+    assert set(res["ratios"]) == {f"{a}/{b}" for a, b in laplacian.PAIRS}
+    for ratio in res["ratios"].values():
+        assert ratio["time_dropin_over_engine"]["median"] > 0
+    assert all(m["time_s"]["median"] > 0 for m in res["methods"].values())
+    assert out.exists()

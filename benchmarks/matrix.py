@@ -74,8 +74,9 @@ class Case:
 
 
 def build_case(problem: Problem, placement: str, mode: str, params: Any, batch: Dict[str, jax.Array],
-               layers: int, width: int) -> Case:  # fmt: skip
-    """Compile the train step of ``problem`` for one placement and mode (public jaxamp API only)."""
+               layers: int, width: int, merge: bool = False) -> Case:  # fmt: skip
+    """Compile the train step of ``problem`` for one placement and mode (public jaxamp API only);
+    ``merge`` as :func:`jaxamp.train.make_train_step`'s."""
     amp = case_amp(placement, mode)
     model = FullyConnected.from_amp(amp, out_features=len(problem.outputs), layer_size=width, nr_layers=layers,
                                     activation="tanh")  # fmt: skip
@@ -91,7 +92,7 @@ def build_case(problem: Problem, placement: str, mode: str, params: Any, batch: 
 
     opt = optax.adam(1e-3)
     state = jaxamp.train.TrainState.create(params=params, optimizer=opt, amp=amp, engines=[engine])
-    step = jaxamp.train.make_train_step(loss_fn, opt, amp=amp)
+    step = jaxamp.train.make_train_step(loss_fn, opt, amp=amp, merge=merge)
     t = time.perf_counter()
     compiled = jax.jit(step).lower(state, batch).compile()
     case = Case(f"{problem.name}/{placement}/{mode}", state, compiled, time.perf_counter() - t)

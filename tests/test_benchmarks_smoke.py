@@ -168,3 +168,15 @@ def test_laplacian_dropin_vs_engine_pairs_every_method(tmp_path):
         assert ratio["time_dropin_over_engine"]["median"] > 0
     assert all(m["time_s"]["median"] > 0 for m in res["methods"].values())
     assert out.exists()
+
+
+@pytest.mark.slow  # four small train-step compiles and a profiler trace
+def test_merge_cost_times_both_programs_and_profiles_them(tmp_path):
+    from benchmarks import merge_cost
+
+    record = merge_cost.main(["--preset", "quick", "--n", "16", "--reps", "2", "--profile",
+                              "--out", str(tmp_path / "m.json")])  # fmt: skip
+    res = record["results"]["16"]
+    assert set(res["cases"]) == {"merge=False", "merge=True"}
+    assert res["time_on_over_off"]["median"] > 0 and 0 < res["flops_on_over_off"] < 1
+    assert all(sum(kinds.values()) > 0 for kinds in res["op_ms_per_call"].values())

@@ -40,6 +40,13 @@ class ConfigError(ValueError):
     """A bad configuration value. The message names the key, the value and what is allowed."""
 
 
+def check_flags(caller: str, **flags: Any) -> None:
+    """Raise a TypeError naming the first of the arguments ``flags`` that is not True or False."""
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise TypeError(f"{caller}: `{name}`={flag!r} must be True or False.")
+
+
 def _fail(key: str, value: Any, allowed: str) -> None:
     raise ConfigError(f"amp.{key}={value!r} is not allowed: expected {allowed}.")
 

@@ -114,8 +114,7 @@ def reduce_flags(pending: Mapping[str, List[jax.Array]]) -> Dict[str, jax.Array]
     for key, hits in pending.items():
         for hit in hits:
             hit = jnp.ravel(hit)
-            group = by_size.setdefault(hit.size, {})
-            group[key] = hit if key not in group else group[key] | hit
+            or_into(by_size.setdefault(hit.size, {}), key, hit)
     flags: Dict[str, jax.Array] = {}
     for group in by_size.values():
         found = jnp.any(jnp.stack(list(group.values())), axis=1)

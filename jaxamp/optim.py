@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxamp.config import check_flags
+from jaxamp.dropin.grad import check_fun
 from jaxamp.dropin.scaled import scaled
 from jaxamp.state import AmpState, find
 from jaxamp.step import ScaledGrads, StepCheck, check_step, loss_scaled_grad, update_scalers
@@ -65,11 +67,8 @@ def value_and_grad(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] =
       >>> sorted(grads.found_inf)
       ['1', 'nonfinite_values']
     """
-    if not callable(fun):
-        raise TypeError(f"jaxamp.value_and_grad: `fun`={fun!r} must be callable.")
-    for name, flag in (("has_aux", has_aux), ("merge", merge)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"jaxamp.value_and_grad: `{name}`={flag!r} must be True or False.")
+    check_fun("jaxamp.value_and_grad", fun, None)
+    check_flags("jaxamp.value_and_grad", has_aux=has_aux, merge=merge)
 
     def vg(state: Any, *args: Any, **kwargs: Any) -> Tuple[Any, ScaledGrads]:
         amp_state = find(state, "jaxamp.value_and_grad")

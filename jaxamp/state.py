@@ -5,18 +5,20 @@ loss scale stays 1.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
 
-from jaxamp.config import AmpConfig
+from jaxamp.config import AmpConfig, check_flags
 from jaxamp.scaler import DynamicScaler, Scalers, ScaleState
 
 __all__ = ["AmpState", "init", "find"]
 
 
-@jax.tree_util.register_pytree_with_keys_class
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(eq=False)
 class AmpState:
     """The scalers of a run: derivative scalers per key and the loss scaler, with their rules.
 
@@ -31,9 +33,10 @@ class AmpState:
       ({}, 1.0)
     """
 
-    def __init__(self, amp: AmpConfig, derivative: Scalers, loss: ScaleState,
-                 loss_rule: Optional[DynamicScaler]) -> None:  # fmt: skip
-        self.amp, self.derivative, self.loss, self.loss_rule = amp, derivative, loss, loss_rule
+    amp: AmpConfig = dataclasses.field(metadata=dict(static=True))
+    derivative: Scalers
+    loss: ScaleState
+    loss_rule: Optional[DynamicScaler] = dataclasses.field(metadata=dict(static=True))
 
     @property
     def scales(self) -> Dict[str, jax.Array]:
@@ -52,15 +55,6 @@ class AmpState:
 
     def __repr__(self) -> str:
         return f"AmpState(scales={self.scales!r}, loss_scale={self.loss_scale!r})"
-
-    def tree_flatten_with_keys(self):
-        children = [(jax.tree_util.GetAttrKey("derivative"), self.derivative),
-                    (jax.tree_util.GetAttrKey("loss"), self.loss)]  # fmt: skip
-        return children, (self.amp, self.loss_rule)
-
-    @classmethod
-    def tree_unflatten(cls, aux, children) -> "AmpState":
-        return cls(aux[0], children[0], children[1], aux[1])
 
 
 def init(fun: Optional[Callable[..., Any]], amp: Optional[AmpConfig] = None, *, keys: Sequence[str] = (),
@@ -96,8 +90,7 @@ def init(fun: Optional[Callable[..., Any]], amp: Optional[AmpConfig] = None, *, 
         raise TypeError(f"jaxamp.init: `fun`={fun!r} must be callable (the loss whose derivatives are scaled) or None.")
     if isinstance(keys, str) or not all(isinstance(k, str) for k in keys):
         raise TypeError(f"jaxamp.init: `keys`={keys!r} must be a list of scaler keys (strings).")
-    if not isinstance(from_profile, bool):
-        raise TypeError(f"jaxamp.init: `from_profile`={from_profile!r} must be True or False.")
+    check_flags("jaxamp.init", from_profile=from_profile)
 
     def init_state(*args, **kwargs) -> AmpState:
         found = Scalers({})  # the keys of `fun` (from its profile), then those of `keys` it lacks

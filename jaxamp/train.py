@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxamp.config import AmpConfig
+from jaxamp.config import AmpConfig, check_flags
 from jaxamp.derivatives.engine import Derivatives
 from jaxamp.optim import advance, value_and_grad
 from jaxamp.scaler import Scalers, ScaleState, exact_log2
@@ -205,11 +205,10 @@ def make_train_step(
         (not (hasattr(optimizer, "init") and hasattr(optimizer, "update")), TypeError,
          f"`optimizer`={optimizer!r} must be an optax GradientTransformation"),
         (bad_clip, ValueError, f"`grad_clip_max_norm`={grad_clip_max_norm!r} is not allowed: expected None or a "
-         "finite number >= 0 (None or 0: no clipping)"),
-        (not isinstance(merge, bool), TypeError, f"`merge`={merge!r} must be True or False"),
-        (not isinstance(headroom, bool), TypeError, f"`headroom`={headroom!r} must be True or False")):
+         "finite number >= 0 (None or 0: no clipping)")):
         if bad:
             raise error(f"make_train_step: {what}.")
+    check_flags("make_train_step", merge=merge, headroom=headroom)
     grad_fn = value_and_grad(loss_fn, has_aux=True, merge=merge)
 
     def step(state: TrainState, batch: Any) -> Tuple[TrainState, Dict[str, jax.Array]]:

@@ -7,7 +7,7 @@ from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 import jax
 import jax.numpy as jnp
 
-from jaxamp.config import AmpConfig
+from jaxamp.config import AmpConfig, check_flags
 from jaxamp.derivatives import forward
 from jaxamp.derivatives.plan import Plan, make_plan, mark_params, parent_of, parse_name, run_marked, scaler_key
 from jaxamp.dropin.grad import grad
@@ -62,8 +62,7 @@ class Derivatives:
                              "(values, scaled).")  # fmt: skip
         if not callable(fn):
             raise TypeError(f"Derivatives: `fn`={fn!r} must be callable as fn(params, x).")
-        if not isinstance(mask_nonfinite_points, bool):
-            raise TypeError(f"Derivatives: `mask_nonfinite_points`={mask_nonfinite_points!r} must be True or False.")
+        check_flags("Derivatives", mask_nonfinite_points=mask_nonfinite_points)
         self.amp = amp if amp is not None else AmpConfig(enabled=False)
         if not isinstance(self.amp, AmpConfig):
             raise TypeError(f"Derivatives: `amp`={amp!r} must be an AmpConfig or None.")

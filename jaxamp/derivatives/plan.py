@@ -75,8 +75,7 @@ class Plan:
       derivatives: every derivative computed (requested and those below them), by order.
       paths: ``{derivative: ((key, input index), ...)}``; step_keys: every key a step uses.
       scaler_keys: the keys a user keeps scalers for (steps' and Laplacians'); empty unscaled.
-      laplacians, laplacian_cols, laplacian_keys: the ``"u__lap"`` asked for, the inputs they
-        sum over and ``{laplacian: (first-order key, second-order key)}``.
+      laplacians, laplacian_cols: the ``"u__lap"`` asked for and the inputs they sum over.
     """
 
     inputs: Tuple[str, ...]
@@ -90,7 +89,6 @@ class Plan:
     scaler_keys: Tuple[str, ...]
     laplacians: Tuple[str, ...] = ()
     laplacian_cols: Tuple[int, ...] = ()
-    laplacian_keys: Mapping[str, Tuple[str, str]] = dataclasses.field(default_factory=dict)
 
     @property
     def names(self) -> Tuple[str, ...]:
@@ -180,12 +178,11 @@ def make_plan(inputs: Sequence[str], outputs: Sequence[str], derivatives: Sequen
         parent = parent_of(name)
         paths[name] = paths.get(parent, ()) + ((key(parent), inputs.index(parse_name(name)[1][-1])),)
     step_keys = tuple(dict.fromkeys(k for level in levels for k in level.parent_keys))
-    lap_keys = {n: (marks.scaler_key(amp, 1, parent_of(n)), marks.scaler_key(amp, 2, n)) for n in laplacians}
+    lap_keys = [k for n in laplacians for k in (marks.scaler_key(amp, 1, parent_of(n)), marks.scaler_key(amp, 2, n))]
     return Plan(inputs=inputs, outputs=outputs, requested=requested, scaled=scaled, levels=tuple(levels),
                 derivatives=derivs, paths=paths, step_keys=step_keys,
-                scaler_keys=tuple(dict.fromkeys(step_keys + sum(lap_keys.values(), ()))) if scaled else (),
-                laplacians=laplacians, laplacian_cols=tuple(inputs.index(n) for n in lap_inputs),
-                laplacian_keys=lap_keys)  # fmt: skip
+                scaler_keys=tuple(dict.fromkeys(step_keys + tuple(lap_keys))) if scaled else (),
+                laplacians=laplacians, laplacian_cols=tuple(inputs.index(n) for n in lap_inputs))  # fmt: skip
 
 
 def _is_laplacian(name, inputs: Tuple[str, ...], outputs: Tuple[str, ...]) -> bool:

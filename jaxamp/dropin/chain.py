@@ -20,7 +20,7 @@ from jaxamp.derivatives.plan import make_plan, order_of, run_marked
 from jaxamp.interpreter import bind, cse, eval_jaxpr, substitute
 from jaxamp.marks import SEP
 
-__all__ = ["Chain", "METHODS", "Session", "sessions", "check_scalar", "extend", "eligible", "evaluate", "shared"]
+__all__ = ["Chain", "METHODS", "Session", "sessions", "check_output", "extend", "eligible", "evaluate", "shared"]
 
 METHODS = ("auto", "forward", "reverse")
 # per-term keys (the parents' plan names): the plan's own step keys, each mapped to a mark below
@@ -56,11 +56,12 @@ def eligible(chain: Optional[Chain], args: Tuple[Any, ...], kwargs: dict) -> boo
                for i in set(chain.argnums))
 
 
-def check_scalar(caller: str, fun: Callable, out: Any) -> Any:
-    """``out`` if it is one scalar array, else a TypeError that names the way out (jacrev)."""
+def check_output(caller: str, fun: Callable, out: Any, *, scalar: bool = True) -> Any:
+    """``out`` if it is one array, a scalar unless ``scalar`` is False; else a TypeError (for a
+    vector where a scalar is needed, one that names the way out: jacrev)."""
     if not hasattr(out, "dtype"):
         raise TypeError(f"{caller}: `fun`={fun!r} must return one array, got {type(out).__name__}.")
-    if jnp.shape(out) != ():
+    if scalar and jnp.shape(out) != ():
         raise TypeError(f"{caller}: `fun`={fun!r} returned shape {jnp.shape(out)}; grad needs a scalar output. "
                         "For a vector-valued function use jaxamp.jacrev (or jaxamp.jacfwd).")
     return out
@@ -141,7 +142,7 @@ def evaluate(chains, args: Tuple[Any, ...], base_order: int):
 
     def f(z):
         full = substitute(args, cols, z)
-        return jnp.stack([jnp.asarray(check_scalar("jaxamp.grad", b, b(*full)), jnp.float32) for b in bases])
+        return jnp.stack([jnp.asarray(check_output("jaxamp.grad", b, b(*full)), jnp.float32) for b in bases])
 
     if len(bases) > 1:  # u and v of one network: its shared work traced once, before the passes
         f = _merged(f, x)

@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional, Sequence, Tuple, Union
 import jax
 import jax.numpy as jnp
 
+from jaxamp.dropin.chain import check_output
 from jaxamp.dropin.grad import Frame, check_fun, check_wrt, finish, framed, jacrev, report, term_of
 from jaxamp.interpreter import substitute
 from jaxamp.marks import deriv_scale, seed
@@ -25,8 +26,7 @@ def _linearized(caller: str, fun: Callable, primals: Sequence[Any], has_aux: boo
     with framed(Frame()) as frame:
         linear = jax.linearize(fun, *primals, has_aux=has_aux)
     out, f_jvp, aux = linear if has_aux else (*linear, None)
-    if not hasattr(out, "dtype"):
-        raise TypeError(f"{caller}: `fun`={fun!r} must return one array, got {type(out).__name__}.")
+    check_output(caller, fun, out, scalar=False)
     found = {"order": frame.max_order + 1, "term": term_of(frame, of)}
     s = deriv_scale(out, **found)
     return out, f_jvp, aux, jnp.reshape(s, (-1,))[0] if jnp.size(s) else jnp.float32(1.0), found

@@ -126,10 +126,7 @@ def _reverse(transform: Callable, caller: str, fun: Callable, argnums, has_aux: 
         def seeded(*a, **kw):
             out = fun(*a, **kw)
             out, aux = out if has_aux else (out, None)
-            if caller == "jaxamp.grad":
-                chain.check_scalar(caller, fun, out)
-            elif not hasattr(out, "dtype"):
-                raise TypeError(f"{caller}: `fun`={fun!r} must return one array, got {type(out).__name__}.")
+            chain.check_output(caller, fun, out, scalar=caller == "jaxamp.grad")
             found.update(order=frame.max_order + 1, term=term_of(frame, of))
             s = deriv_scale(out, **found)
             return seed(out, s), (out, s, aux)

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from jaxamp.config import AmpConfig
+from jaxamp.config import AmpConfig, check_flags
 from jaxamp.marks import deriv_check_p, deriv_scale_p
 from jaxamp.dropin.scaled import Context, check_amp, marks_in, scaler_keys, shared_trace
 from jaxamp.interpreter import bind, custom_body, eval_jaxpr, sub_jaxpr, sub_jaxprs
@@ -160,8 +160,7 @@ def init_scalers(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *, fr
       ({'1': 0.5, '2': 0.5}, 1.0)
     """
     check_amp(amp)
-    if not isinstance(from_profile, bool):
-        raise TypeError(f"jaxamp.dropin.init_scalers: `from_profile`={from_profile!r} must be True or False.")
+    check_flags("jaxamp.dropin.init_scalers", from_profile=from_profile)
     check_margin(margin_log2, "jaxamp.dropin.init_scalers")
     amp = AmpConfig() if amp is None else amp
 

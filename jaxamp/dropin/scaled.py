@@ -20,11 +20,12 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from jaxamp.config import AmpConfig
+from jaxamp.config import AmpConfig, check_flags
 from jaxamp.dropin import chain
 from jaxamp.dropin.control import HANDLERS, call, full_flags
-from jaxamp.marks import (NONFINITE_VALUES, PRIMITIVES, deriv_check_p, deriv_scale_p, or_into, reduce_flags,
-                          scaler_key, step_flags)
+from jaxamp.dropin.grad import check_fun
+from jaxamp.marks import (NONFINITE_VALUES, PRIMITIVES, deriv_check_p, deriv_scale_p, merge_found_inf, or_into,
+                          reduce_flags, scaler_key, step_flags)
 from jaxamp.interpreter import CALL_PRIMITIVES, bind, cse, eval_jaxpr, sub_jaxprs
 from jaxamp.state import find
 from jaxamp.window import LOG2_FP16_MAX
@@ -161,8 +162,7 @@ def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ct
     outs = eval_jaxpr(jaxpr, consts, args, rule)
     if owner:
         ctx.pending = None
-        for k, hit in reduce_flags(pending).items():
-            or_into(flags, k, hit)
+        flags = merge_found_inf(flags, reduce_flags(pending))
     return outs, flags
 
 
@@ -240,14 +240,11 @@ def scaled(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *, merge: b
       >>> {k: round(float(v), 3) for k, v in room.items()}  # log2(65504 / |0.5 cos 1|) and of 0.25 sin 1
       {'1': 17.887, '2': 18.248}
     """
-    if not callable(fun):
-        raise TypeError(f"jaxamp.scaled: `fun`={fun!r} must be callable.")
+    check_fun("jaxamp.scaled", fun, None)
     if amp is None and isinstance(getattr(fun, "amp", None), AmpConfig):
         amp = fun.amp  # a jaxamp.Derivatives engine: its own settings
     check_amp(amp)
-    for name, flag in (("merge", merge), ("headroom", headroom)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"jaxamp.scaled: `{name}`={flag!r} must be True or False.")
+    check_flags("jaxamp.scaled", merge=merge, headroom=headroom)
 
     def result(out, flags: Flags, peaks: Mapping[str, jax.Array]):
         if not headroom:

@@ -31,6 +31,8 @@ def net(p, x, dtype=jnp.float32, k=1.0):
 
 
 POINTS = jax.random.uniform(jax.random.PRNGKey(3), (6, 3), jnp.float32, -1.0, 1.0)
+# the forward engine in the fast suite, the reverse engine too with -m slow
+FAST_METHOD = ["forward", pytest.param("reverse", marks=pytest.mark.slow)]
 
 
 def engine(amp=None, method="forward", **kw):
@@ -64,7 +66,7 @@ def test_keys_follow_the_scaler_mode():
     assert sorted(jaxamp.init(None, amp, keys=engine(amp).scaler_keys)().scales) == ["u", "u__lap", "v"]
 
 
-@pytest.mark.parametrize("method", ["forward", "reverse"])
+@pytest.mark.parametrize("method", FAST_METHOD)
 def test_binary_scales_leave_every_bit_and_a_huge_scale_flags_key_2(method):
     eng, p = engine(jaxamp.AmpConfig(), method), params()
     run = jax.jit(lambda s: jaxamp.scaled(eng)(s, p, POINTS))
@@ -89,7 +91,7 @@ def test_float16_overflow_at_scale_1_and_none_at_a_small_scale():
     assert not any(bool(v) for v in found.values()) and bool(jnp.all(jnp.isfinite(values["u__lap"])))
 
 
-@pytest.mark.parametrize("method", ["forward", "reverse"])
+@pytest.mark.parametrize("method", FAST_METHOD)
 def test_scale_1_is_bit_identical_to_derivative_scaling_off(method):
     scaled_eng, plain_eng = engine(jaxamp.AmpConfig(), method), engine(jaxamp.AmpConfig(derivative_scaling=False), method)
 

@@ -41,8 +41,9 @@ def _dropin(k: float):
     return jax.vmap(jaxamp.grad(jaxamp.grad(u, 1), 1), (None, 0))
 
 
-@pytest.mark.parametrize("merge", [True, False])
-@pytest.mark.parametrize("k", [3.0, 40.0])
+# each k and each merge in the fast suite; the other pairs with -m slow
+@pytest.mark.parametrize("k, merge", [(3.0, True), pytest.param(3.0, False, marks=pytest.mark.slow),
+                                      pytest.param(40.0, True, marks=pytest.mark.slow), (40.0, False)])
 def test_headroom_matches_the_analytic_peak_of_each_key(k, merge):
     eng, params = _engine(k), {"a": jnp.float32(1.5)}
     _, _, h = jax.jit(lambda s, p, x: _headroom_at(eng, s, p, x, merge))(ONES, params, POINTS)

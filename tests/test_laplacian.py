@@ -94,7 +94,7 @@ def test_every_method_is_the_trace_of_the_hessian_float32(d):
     assert_methods_equal(all_methods(mlp, subset=(0, d - 1) if d > 2 else None)(params, x), 1e-5)
 
 
-@pytest.mark.parametrize("d", [pytest.param(2, marks=pytest.mark.slow), 3, 8])
+@pytest.mark.parametrize("d", DIMS)
 def test_float64_every_method(d):
     """Every method at d = 3; the collapsed one (and a subset of the inputs) at d = 2 and 8."""
     with jax.enable_x64(True):

@@ -85,10 +85,11 @@ def assert_one_program(net, path, options):
         np.testing.assert_array_equal(a, b, err_msg=f"{net} {path}")
 
 
-# Every path on one network, the default one on the other (the fast suite's budget); all of
-# them with -m slow.
-CASES = [("fully_connected", p) for p in PATHS] + [
-    ("fourier", p) if p == "auto" else pytest.param("fourier", p, marks=pytest.mark.slow) for p in PATHS]
+# The fast suite's budget: on one network, the default nest, hessian (jacfwd of jacrev), jvp
+# and laplacian; every path on both networks with -m slow.
+FAST = ("auto", "hessian", "jvp", "laplacian")
+CASES = [(net, p) if net == "fully_connected" and p in FAST else pytest.param(net, p, marks=pytest.mark.slow)
+         for net in ("fully_connected", "fourier") for p in PATHS]
 
 
 @pytest.mark.parametrize("net,path", CASES)

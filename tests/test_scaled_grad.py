@@ -253,7 +253,7 @@ def test_errors_name_the_problem():
         jaxamp.scaled(g)([1.0], 2.0)
 
 
-@pytest.mark.parametrize("method", ["reverse", "auto"])
+@pytest.mark.parametrize("method", [pytest.param("reverse", marks=pytest.mark.slow), "auto"])
 def test_physical_units_fourth_order_overflows_unscaled_and_is_rescued_by_scales(method):
     """Domain x 0.02, u__x__x__x__x on a float16 network: with every scale 1 a float16 dot of the
     nested reverse passes overflows (the cotangents carry (1/0.02)**3); scales 2**-4(k-1) keep

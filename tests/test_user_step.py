@@ -141,7 +141,7 @@ def test_optimizer_skips_with_a_zero_update_and_the_inner_state_unchanged():
 def test_flax_train_state_needs_no_new_field():
     amp = jaxamp.AmpConfig()
     loss = make_loss(amp)
-    amp_state = jaxamp.init(loss, amp)(PARAMS, T, X)
+    amp_state = jaxamp.init(loss, amp, from_profile=False)(PARAMS, T, X)
     ts = train_state.TrainState.create(apply_fn=MODEL.apply, params=PARAMS,
                                        tx=jaxamp.optimizer(optax.adam(1e-3), amp_state))
 

@@ -40,8 +40,8 @@ def test_fp32_derivatives_orders_1_to_3_agree_to_1e_5():
 
 @pytest.mark.parametrize("autocast_firstlayer, autocast_activation", [
     (False, False),
-    (True, True),
-    # the mixed placements compile two more engine pairs: in the slow run
+    # all-float16 and the mixed placements compile more engine pairs: in the slow run
+    pytest.param(True, True, marks=pytest.mark.slow),
     pytest.param(False, True, marks=pytest.mark.slow),
     pytest.param(True, False, marks=pytest.mark.slow),
 ])

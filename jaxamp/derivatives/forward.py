@@ -34,8 +34,6 @@ def point_values(plan: Plan, f: Callable[[jax.Array], jax.Array], x: jax.Array, 
     ``f`` maps the point ``x`` (``f32[n_inputs]``, or a tuple of float32 scalars: the drop-in's
     chains) to ``f32[n_outputs]``; ``scales`` is ``{key: f32[]}`` for ``plan.step_keys``.
     """
-    if not isinstance(x, tuple):  # each step differentiates along one input: the point as scalars
-        f, x = _of_vector(f), tuple(x[i] for i in range(len(plan.inputs)))
     groups: Dict[Tuple[int, ...], List[Path]] = {}
     # Longest first: a path along a prefix of another's inputs joins that pass.
     for path in sorted(plan.maximal_paths(), key=len, reverse=True):
@@ -82,13 +80,13 @@ def as_scaled(value: jax.Array, scale: jax.Array) -> jax.Array:
     return (value * scale).astype(jnp.float16).astype(jnp.float32)
 
 
-def _of_vector(f: Callable[[jax.Array], jax.Array]) -> Callable[[Tuple[jax.Array, ...]], jax.Array]:
-    return lambda xs: f(jnp.stack(xs))
-
-
-def _along(g: Callable, x: Tuple[jax.Array, ...], col: int) -> Callable[[jax.Array], Any]:
-    """``g`` on the line through the point ``x`` along input ``col``: a function of that input."""
-    return lambda xc: g(x[:col] + (xc,) + x[col + 1 :])
+def _line(g: Callable, x: Any, col: int, t: jax.Array) -> Tuple[Callable, jax.Array, jax.Array]:
+    """``(fn, primal, tangent)``: a tangent ``t`` along input ``col`` of the point ``x``. For a tuple
+    of scalars (the drop-in's chains), ``g`` restricted to that input; for ``f32[n_inputs]`` (the
+    engine), ``g`` itself and a basis tangent, so that no pass stacks its input."""
+    if isinstance(x, tuple):
+        return (lambda xc: g(x[:col] + (xc,) + x[col + 1 :])), x[col], t
+    return g, x, jnp.zeros_like(x).at[col].set(t)
 
 
 def _chain(f: Callable, cols: Tuple[int, ...], series_min_order: int) -> Chain:
@@ -108,8 +106,8 @@ def _chain(f: Callable, cols: Tuple[int, ...], series_min_order: int) -> Chain:
 
     def chain(x, s):
         seed = s[-1] / (s[-2] if len(s) > 1 else one)  # s_k / s_{k-1}
-        _, top, (unscaled, scaled) = jax.jvp(_along(lambda z: below(z, s[:-1]), x, col), (x[col],), (seed,),
-                                             has_aux=True)  # fmt: skip
+        fn, primal, tangent = _line(lambda z: below(z, s[:-1]), x, col, seed)
+        _, top, (unscaled, scaled) = jax.jvp(fn, (primal,), (tangent,), has_aux=True)
         return top, (unscaled + [unscale(top, one / s[-1])], scaled + [top])
 
     return chain
@@ -122,9 +120,9 @@ def _pure(f: Callable, col: int, series: bool) -> Chain:
 
     def chain(x, s):
         if series:
-            y, scaled = taylor.series(_along(f, x, col), x[col], one, len(s), list(s))
+            y, scaled = taylor.series(*_line(f, x, col, one), len(s), list(s))
         else:  # outer seed s2/s1 over inner seed s1, as two factors: s1**2 may underflow float32
-            y, *scaled = taylor.second_order(_along(f, x, col), x[col], s[0], (s[1] / s[0], one / s[0]))
+            y, *scaled = taylor.second_order(*_line(f, x, col, s[0]), (s[1] / s[0], one / s[0]))
         return scaled[-1], ([y] + [unscale(d, one / sk) for d, sk in zip(scaled, s)], list(scaled))
 
     return chain

@@ -8,14 +8,14 @@ marks ``g``, the scaled derivative of ``v``, for the overflow check; both carry 
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, MutableMapping, Optional
+from typing import Any, Dict, List, Mapping, MutableMapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 from jax.interpreters import ad, batching, mlir
 
-__all__ = ["SEP", "NONFINITE_VALUES", "scaler_key", "step_flags", "seed", "unscale", "or_into", "merge_found_inf",
+__all__ = ["SEP", "NONFINITE_VALUES", "scaler_key", "step_flags", "seed", "rescale", "unscale", "or_into", "merge_found_inf",
            "reduce_flags", "deriv_scale_p", "deriv_check_p", "deriv_scale", "deriv_check", "PRIMITIVES"]
 
 SEP = "__"  # "u__x" is du/dx, "u__x__y" is d/dy(du/dx)
@@ -69,14 +69,29 @@ def seed(t: jax.Array, s: jax.Array, dtype: Optional[Any] = None) -> jax.Array:
     return out if dtype is None else out.astype(dtype)
 
 
+def rescale(t: jax.Array, factors: Sequence[Any]) -> jax.Array:
+    """``t * factors[0] * factors[1] * ...`` in (at least) float32, float64 staying float64,
+    rounded once back to ``t``'s dtype: the factors' product may leave float32's range where
+    each partial product does not.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> rescale(jnp.ones(2, jnp.float16), (jnp.float32(2.0**20), jnp.float32(2.0**-16)))
+      Array([16., 16.], dtype=float16)
+    """
+    wide = jnp.promote_types(t.dtype, jnp.float32)
+    out = t.astype(wide)
+    for r in factors:
+        out = out * jnp.asarray(r).astype(wide)
+    return out.astype(t.dtype)
+
+
 def unscale(g: jax.Array, inv: jax.Array) -> jax.Array:
-    """``g * inv`` in (at least) float32, back in ``g``'s dtype (step 4 of a derivative step);
-    ``inv`` broadcasts over ``g``'s trailing axes (one factor per value: a Jacobian's rows)."""
+    """``g * inv`` by :func:`rescale` (step 4 of a derivative step); ``inv`` broadcasts over
+    ``g``'s trailing axes (one factor per value: a Jacobian's rows)."""
     if not jnp.issubdtype(g.dtype, jnp.inexact):  # float0 gradients of integers (allow_int)
         return g
-    wide = jnp.promote_types(g.dtype, jnp.float32)
-    inv = jnp.reshape(inv, jnp.shape(inv) + (1,) * (g.ndim - jnp.ndim(inv)))
-    return (g.astype(wide) * inv.astype(wide)).astype(g.dtype)
+    return rescale(g, (jnp.reshape(inv, jnp.shape(inv) + (1,) * (g.ndim - jnp.ndim(inv))),))
 
 
 def or_into(flags: MutableMapping[str, jax.Array], key: str, hit) -> None:

@@ -144,3 +144,21 @@ def test_engine_fourth_order_equals_nested_jvp_in_fewer_flops():
     for n in ref:
         np.testing.assert_allclose(got[n], ref[n], atol=1e-2 * float(jnp.abs(ref[n]).max()), err_msg=n)
     assert _flops(series) < 0.8 * _flops(nested_step), (_flops(series), _flops(nested_step))
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_float64_keeps_float64_precision(scaled):
+    """Under x64, every order of a float64 series equals nested jax.grad to float64 rounding:
+    no coefficient, seed or Faa di Bruno factor passes through float32."""
+    with jax.enable_x64(True):
+        f = lambda x: jnp.sin(3.0 * x) * jnp.exp(x) + 0.1 / (1.1 + x)  # noqa: E731
+        x, order = jnp.float64(0.3), 5
+        scales = [jnp.float32(2.0**-3)] * order if scaled else None
+        y, got = taylor.series(f, x, jnp.float64(1.0), order, scales)
+        ref, g = [], f
+        for _ in range(order):
+            g = jax.grad(g)
+            ref.append(g(x))
+        assert y.dtype == jnp.float64 and all(d.dtype == jnp.float64 for d in got)
+        unscaled = [d / (2.0**-3 if scaled else 1.0) for d in got]
+        np.testing.assert_allclose(unscaled, ref, rtol=1e-12)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from jaxamp import interpreter
+from jaxamp.marks import rescale
 from jaxamp.taylor import rules
 from jaxamp.taylor.faa_di_bruno import SCALE_AFTER_MIN_BITS, Ratio
 from jaxamp.taylor.propagate import inexact, multilinear, restrict
@@ -38,15 +39,6 @@ class CJet(NamedTuple):
     value: Any
     first: Optional[jax.Array] = None
     second: Optional[jax.Array] = None
-
-
-def _times(t: jax.Array, factors: Sequence[jax.Array]) -> jax.Array:
-    """``t * factors...`` in at least float32 (float64 stays float64), back in ``t``'s dtype."""
-    wide = jnp.promote_types(t.dtype, jnp.float32)
-    out = t.astype(wide)
-    for r in factors:
-        out = out * jnp.asarray(r).astype(wide)
-    return out.astype(t.dtype)
 
 
 def _degree(eqn: jcore.JaxprEqn, ones: Sequence[int]) -> Optional[int]:
@@ -95,7 +87,7 @@ def _quadratic(eqn, f1: Callable, p1: Tuple[Any, ...], firsts: List[jax.Array], 
         heads = tuple(ratio.split(2, (1, 1)))
 
     def pre(t, h):
-        return t if h is None else _times(t, (h,))
+        return t if h is None else rescale(t, (h,))
 
     if eqn.primitive.name in ELEMENTWISE and len(p1) == 1 and all(o.shape == p1[0].shape for o in outs):
         squares = sum(pre(a, heads[0]) * pre(a, heads[1]) for a in firsts[0])
@@ -104,7 +96,7 @@ def _quadratic(eqn, f1: Callable, p1: Tuple[Any, ...], firsts: List[jax.Array], 
         per = [multilinear(f1, p1, [tuple(pre(t, h) for t in ts) for h in heads]) for ts in zip(*firsts)]
         q = [sum(p[n] for p in per) for n in range(len(outs))]
     if ratio is not None and wide:
-        q = [_times(v, ratio.factors) for v in q]
+        q = [rescale(v, ratio.factors) for v in q]
     return q
 
 

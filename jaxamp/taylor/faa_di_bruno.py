@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxamp.scaler import exact_log2
-from jaxamp.taylor.propagate import Application, Coefficients, Rule, inexact, multilinear, scaled
+from jaxamp.marks import rescale
+from jaxamp.taylor.propagate import Application, Coefficients, Rule, inexact, multilinear
 
 # Primitives whose outputs and tangents are at least this wide (float32, float64) scale a
 # product term after the product; narrower ones rescale its tangents before it.
@@ -119,12 +120,12 @@ def _product(fn: Callable[..., List[jax.Array]], primals: Tuple[jax.Array, ...],
     if wide:  # the product, then its factors in float32
         factors = (scaling.product(k, parts) if scaling is not None else ()) + ((jnp.float32(c),) if c != 1 else ())
         term = multilinear(fn, primals, tangents)
-        return [scaled(t, factors) for t in term] if factors else term
+        return [rescale(t, factors) for t in term] if factors else term
     # float16/bfloat16: rescale the tangents first, so that no partial product overflows
     factors = scaling.split(k, parts) if scaling is not None else [None] * len(parts)
     if c != 1:
         factors[-1] = jnp.float32(c) if factors[-1] is None else factors[-1] * jnp.float32(c)
-    tangents = [ts if f is None else tuple(scaled(t, (f,)) for t in ts) for ts, f in zip(tangents, factors)]
+    tangents = [ts if f is None else tuple(rescale(t, (f,)) for t in ts) for ts, f in zip(tangents, factors)]
     return multilinear(fn, primals, tangents)
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import jax
-import jax.numpy as jnp
 
+from jaxamp.marks import seed
 from jaxamp.taylor.faa_di_bruno import Ratio, Scales, series_rule
 from jaxamp.taylor.propagate import propagate
 
@@ -43,9 +43,8 @@ def series(f: Callable[[jax.Array], jax.Array], x: jax.Array, direction: jax.Arr
         raise ValueError(f"jaxamp.taylor.series: got {len(scales)} scales for order {order}; "
                          "pass one per order (S_1, ..., S_K) or None.")  # fmt: skip
     scaling = None if scales is None else Scales(scales)
-    first = direction.astype(jnp.float32) * (scaling.scales[0] if scaling is not None else 1.0)
-    seed = (first.astype(x.dtype),) + (None,) * (order - 1)
-    return propagate(f, x, seed, series_rule(scaling, order))
+    first = seed(direction, scaling.scales[0] if scaling is not None else 1.0, x.dtype)
+    return propagate(f, x, (first,) + (None,) * (order - 1), series_rule(scaling, order))
 
 
 def second_order(f: Callable[[jax.Array], jax.Array], x: jax.Array, tangent: jax.Array,

@@ -96,22 +96,6 @@ def inexact(dtype: Any) -> bool:
     return jnp.issubdtype(dtype, jnp.inexact)
 
 
-def scaled(t: jax.Array, factors: Sequence[jax.Array]) -> jax.Array:
-    """``t * factors[0] * factors[1] * ...`` in float32, rounded once to ``t``'s dtype (the
-    product of the factors may leave float32's range where each partial product does not).
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> from jaxamp.taylor.propagate import scaled
-      >>> scaled(jnp.ones(2, jnp.float16), (jnp.float32(2.0**20), jnp.float32(2.0**-16)))
-      Array([16., 16.], dtype=float16)
-    """
-    out = t.astype(jnp.float32)
-    for r in factors:
-        out = out * r
-    return out.astype(t.dtype)
-
-
 def multilinear(fn: Callable[..., List[jax.Array]], primals: Tuple[jax.Array, ...],
                 tangents: Sequence[Tuple[jax.Array, ...]]) -> List[jax.Array]:  # fmt: skip
     """``fn^(m)[t_1, ..., t_m]`` at ``primals`` by ``m`` nested ``jax.jvp`` (``t_1`` innermost);

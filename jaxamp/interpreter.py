@@ -2,13 +2,15 @@
 
 Taylor propagation, precision placement and the scale/flag plumbing are each :func:`eval_jaxpr`
 with its own *rule* ``rule(eqn, invals) -> outvals``; :func:`bind` evaluates an equation as
-written, :func:`sub_jaxpr` exposes call bodies, :func:`cse` removes repeated work.
+written, :func:`sub_jaxpr` exposes call bodies, :func:`cse` removes repeated work,
+:func:`trace` makes the jaxpr of a function over its array arguments.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, List, Optional, Sequence
 
+import jax
 import numpy as np
 from jax.extend import core as jcore
 
@@ -69,6 +71,32 @@ def substitute(values: Sequence[Any], slots: Sequence[int], new: Sequence[Any]) 
     for slot, value in zip(slots, new):
         full[slot] = value
     return full
+
+
+def split_arrays(args, kwargs):
+    """``(arrays, rebuild)``: the array leaves of ``(args, kwargs)``, and ``rebuild(arrays) ->
+    (args, kwargs)`` with the other leaves (functions such as a Flax ``apply_fn``, modules,
+    strings, Python numbers) as passed: only arrays are traced, as ``jax.grad`` traces only
+    the arguments it differentiates."""
+    leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs))
+    slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (jax.Array, np.ndarray, np.generic))]
+
+    def rebuild(arrays):
+        return jax.tree_util.tree_unflatten(in_tree, substitute(leaves, slots, arrays))
+
+    return [leaves[i] for i in slots], rebuild
+
+
+def trace(fun: Callable, args, kwargs):
+    """``(jaxpr, array leaves, output tree)`` of ``fun(*args, **kwargs)`` (:func:`split_arrays`)."""
+    flat, rebuild = split_arrays(args, kwargs)
+
+    def flat_fun(*arrays):
+        a, kw = rebuild(arrays)
+        return fun(*a, **kw)
+
+    closed, shape = jax.make_jaxpr(flat_fun, return_shape=True)(*flat)
+    return closed, flat, jax.tree_util.tree_structure(shape)
 
 
 def _closed(body) -> Optional[jcore.ClosedJaxpr]:

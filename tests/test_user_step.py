@@ -252,3 +252,31 @@ def test_a_profile_of_float32_only_large_derivatives_starts_every_key_at_its_max
         params, state = jaxamp.apply_or_skip(state, grads, new, params)
         assert not any(bool(v) for v in grads.found_inf.values()), grads.found_inf
     assert {k: float(s) for k, s in state.scales.items()} == {"1": 1.0, "2": 1.0}
+
+
+def test_non_array_arguments_pass_through_as_in_jax_grad():
+    """A loss taking the network's ``apply_fn`` (flax's TrainState pattern), a string and a
+    Python int used in Python control flow: every jaxamp entry point passes them to the loss as
+    jax.value_and_grad does, and the fp32 results are JAX's own."""
+    amp = jaxamp.AmpConfig(enabled=False)
+
+    def loss(params, apply_fn, t, mode, n_terms):
+        def u(p, ti):
+            return apply_fn(p, jnp.stack([ti, 0.5 * ti]))
+
+        u_t = jax.vmap(jaxamp.grad(u, argnums=1), (None, 0))(params, t)
+        total = sum(jnp.mean(u_t**k) for k in range(1, n_terms + 1))  # a Python loop over an int
+        return total * (2.0 if mode == "eval" else 1.0)
+
+    args = (PARAMS, MODEL.apply, T, "eval", 2)
+    state = jaxamp.init(loss, amp)(*args)
+    value, grads = jaxamp.value_and_grad(loss)(state, *args)
+    ref_value, ref_grads = jax.value_and_grad(loss)(*args)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads.grads, ref_grads)
+    fp16 = jaxamp.AmpConfig()
+    state = jaxamp.init(loss, fp16)(*args)  # from a profile, jitted over the array arguments
+    assert sorted(state.scales) == ["1"]
+    value, found_inf = jaxamp.scaled(loss)(state, *args)
+    assert sorted(found_inf) == ["1", "nonfinite_values"] and np.isfinite(float(value))
+    assert sorted(jaxamp.profile(loss, fp16)(*args).derivatives) == ["1"]

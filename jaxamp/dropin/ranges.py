@@ -17,7 +17,7 @@ from jax.extend import core as jcore
 from jaxamp.config import AmpConfig, check_flags
 from jaxamp.marks import deriv_check_p, deriv_scale_p
 from jaxamp.dropin.scaled import Context, check_amp, marks_in, scaler_keys, shared_trace
-from jaxamp.interpreter import bind, custom_body, eval_jaxpr, sub_jaxpr, sub_jaxprs
+from jaxamp.interpreter import bind, custom_body, eval_jaxpr, split_arrays, sub_jaxpr, sub_jaxprs
 from jaxamp.window import Profile, check_margin, is_low_precision, promote_eqn, promote_value, recommend, value_range
 from jaxamp.scaler import Scalers
 
@@ -168,7 +168,13 @@ def init_scalers(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *, fr
         keys = scaler_keys(fun, amp)(*args, **kwargs)
         start = amp  # the config whose rules start the keys
         if from_profile and keys:
-            prof = jax.jit(profile(fun, amp))(*args, **kwargs)
+            arrays, rebuild = split_arrays(args, kwargs)
+
+            def profiled(arrays):
+                a, kw = rebuild(arrays)
+                return profile(fun, amp)(*a, **kw)
+
+            prof = jax.jit(profiled)(arrays)
             rec = recommend(prof, margin_log2=margin_log2, default_max_scale_log2=amp.default_max_scale_log2)
             start = rec.apply(amp)
         return Scalers({k: start.derivative_scaler_for(k) for k in keys})

@@ -26,7 +26,7 @@ from jaxamp.dropin.control import HANDLERS, call, full_flags
 from jaxamp.dropin.grad import check_fun
 from jaxamp.marks import (NONFINITE_VALUES, PRIMITIVES, deriv_check_p, deriv_scale_p, merge_found_inf, or_into,
                           reduce_flags, scaler_key, step_flags)
-from jaxamp.interpreter import CALL_PRIMITIVES, bind, cse, eval_jaxpr, sub_jaxprs
+from jaxamp.interpreter import CALL_PRIMITIVES, bind, cse, eval_jaxpr, sub_jaxprs, trace
 from jaxamp.state import find
 from jaxamp.window import LOG2_FP16_MAX
 
@@ -164,17 +164,6 @@ def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ct
         ctx.pending = None
         flags = merge_found_inf(flags, reduce_flags(pending))
     return outs, flags
-
-
-def trace(fun: Callable, args, kwargs):
-    flat, in_tree = jax.tree_util.tree_flatten((args, kwargs))
-
-    def flat_fun(*leaves):
-        a, kw = jax.tree_util.tree_unflatten(in_tree, leaves)
-        return fun(*a, **kw)
-
-    closed, shape = jax.make_jaxpr(flat_fun, return_shape=True)(*flat)
-    return closed, flat, jax.tree_util.tree_structure(shape)
 
 
 def shared_trace(fun: Callable, args, kwargs):

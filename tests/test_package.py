@@ -6,13 +6,21 @@
 - every third-party import in tests/ and examples/ is a declared dependency or extra, and the
   ``test`` extra installs what tests/ imports (torch, for the parity tests, is its own extra);
 - every ``python -m`` command of the README names a module that exists, run from the
-  repository root (``examples`` is not installed with the package).
+  repository root (``examples`` is not installed with the package);
+- the built wheel holds the top-level package ``jaxamp`` only (torch_ref, the PyTorch
+  reference, stays in the repository: the parity tests import it from its root), and installed
+  into a fresh venv it runs the README's fp16 port from outside the repository (slow).
 """
 
 import ast
+import os
 import re
+import shutil
+import subprocess
 import sys
+import sysconfig
 import tomllib
+import zipfile
 from importlib import metadata
 from importlib.util import find_spec
 from pathlib import Path
@@ -151,3 +159,85 @@ def test_readme_module_commands_exist_from_the_repository_root():
         assert find_spec(module) is not None, module  # tests run with the root on sys.path
         assert (ROOT / (module.replace(".", "/") + ".py")).exists() or (
             ROOT / module.replace(".", "/") / "__main__.py").exists(), module
+
+
+def test_torch_ref_is_imported_from_the_repository_root():
+    """The parity tests' ``import torch_ref`` finds the repository's copy (pytest's pythonpath),
+    not an installed one: the distribution no longer ships it."""
+    spec = find_spec("torch_ref")
+    assert spec is not None and Path(spec.origin).resolve() == ROOT / "torch_ref" / "__init__.py", spec
+    with pytest.raises(metadata.PackageNotFoundError):
+        metadata.distribution("torch_ref")
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    assert not any(p.startswith("torch_ref") for p in find["include"]), find
+
+
+def _readme_port() -> str:
+    """The fp16 port of the README's diff: its unchanged and ``+`` lines (tests/test_readme.py
+    checks the diff and runs both its sides in the repository)."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Your JAX code in fp16"):]
+    diff = re.search(r"^```diff\n(.*?)^```$", section, flags=re.M | re.S).group(1)
+    return "\n".join(line[1:] for line in diff.splitlines() if not line.startswith("-")) + "\n"
+
+
+_IGNORED = shutil.ignore_patterns(".git", ".venv", "build", "dist", "runs", "*.egg-info", "__pycache__",
+                                  ".pytest_cache", "out")  # fmt: skip
+
+
+@pytest.mark.slow  # builds the wheel, a venv and imports jax in it (about 20-40 s on 2 cores)
+def test_the_wheel_holds_jaxamp_only_and_runs_the_readme_port_outside_the_repository(tmp_path):
+    # build from a copy of the tree (what a clone holds), so nothing is written into the repository
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=_IGNORED)
+    dist = tmp_path / "dist"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PIP_REQUIRE_VIRTUALENV")}
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                            "-w", str(dist), str(src)], capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    assert build.returncode == 0, build.stderr
+    (wheel,) = dist.glob("jaxamp_pinn-*.whl")
+
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        (record,) = [n for n in names if n.endswith(".dist-info/RECORD")]
+        recorded = [row.split(",")[0] for row in z.read(record).decode().splitlines() if row]
+        info = record.rsplit("/", 1)[0]
+        top_level = z.read(f"{info}/top_level.txt").decode().split() if f"{info}/top_level.txt" in names else None
+    assert sorted(recorded) == sorted(names)
+    assert {n.split("/")[0] for n in recorded} == {"jaxamp", info}, sorted({n.split("/")[0] for n in recorded})
+    assert top_level in (None, ["jaxamp"]), top_level
+    assert "jaxamp/__init__.py" in recorded and "jaxamp/py.typed" in recorded
+    assert not [n for n in recorded if n.startswith(("torch_ref", "examples", "tests", "benchmarks"))]
+
+    # a fresh venv holding only the wheel; its dependencies come from this environment's
+    # site-packages (a .pth added after the install: nothing is downloaded, pip sees no jaxamp-pinn)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    py = venv / "bin" / "python"
+    install = subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "--no-index",
+                              "-q", str(wheel)], capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    assert install.returncode == 0, install.stderr
+    site_dir = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                               capture_output=True, text=True, check=True).stdout.strip())  # fmt: skip
+    installed = sorted(p.name for p in site_dir.iterdir() if p.name != "__pycache__")
+    assert [n for n in installed if not n.endswith(".dist-info")] == ["jaxamp"], installed
+    (site_dir / "_deps_from_test_env.pth").write_text(sysconfig.get_path("purelib") + "\n")
+
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "port.py").write_text(_readme_port())
+    check = (
+        "import importlib.util, sys, jaxamp\n"
+        f"assert jaxamp.__file__.startswith({str(site_dir)!r}), jaxamp.__file__\n"
+        "assert importlib.util.find_spec('torch_ref') is None\n"
+        "assert importlib.util.find_spec('examples') is None\n"
+        "print('jaxamp from', jaxamp.__file__)\n"
+    )
+    r = subprocess.run([str(py), "-c", check], cwd=outside, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = subprocess.run([str(py), "port.py"], cwd=outside, capture_output=True, text=True,
+                       env=dict(env, JAX_PLATFORMS="cpu"), timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    printed = [float(v) for v in re.findall(r"^step \d+ loss (\S+)$", r.stdout, flags=re.M)]
+    assert len(printed) >= 2 and all(v == v and abs(v) != float("inf") for v in printed), r.stdout
+    assert printed[-1] < printed[0], r.stdout

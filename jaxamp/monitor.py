@@ -1,4 +1,5 @@
-"""A stall detector any training loop can call on the step metrics (docs/algorithm.md, "Training step").
+"""A stall detector any training loop can call on the step metrics or the optimizer's state
+(docs/algorithm.md, "Training step"), and the stall report :func:`jaxamp.optimizer` makes itself.
 
 A run is *stalled* when it keeps skipping (``max_consecutive_skips`` in a row, a skip rate above
 ``max_skip_rate`` over ``window`` steps) or a scale sits at its floor. Checkpoint the monitor's
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any, Dict, Mapping, NamedTuple, Optional
 
 import jax
@@ -17,7 +19,7 @@ import numpy as np
 
 from jaxamp.config import AmpConfig
 from jaxamp.scaler import SMALLEST_NORMAL
-from jaxamp.step import SkipReason
+from jaxamp.step import SkipReason, find_opt_state
 
 ADVICE = {
     SkipReason.NONFINITE_VALUES: (
@@ -33,7 +35,65 @@ ADVICE = {
         "non-finite weight gradients",
         "lower the learning rate, clip the gradients (grad_clip_max_norm) or lower amp.loss_scaler.init_scale",
     ),
+    SkipReason.NONFINITE_UPDATES: (
+        "non-finite new values from finite gradients",
+        "check the learning rate, the loss weights and the optimizer's hyper-parameters for NaN/inf",
+    ),
 }
+
+
+class StallWarning(RuntimeWarning):
+    """A run skipped ``max_consecutive_skips`` steps in a row (:func:`jaxamp.optimizer`)."""
+
+
+class StallError(RuntimeError):
+    """A run skipped ``max_consecutive_skips`` steps in a row, with ``on_stall="raise"``."""
+
+
+def stall_line(caller: str, n: int, limit: int, reason: int, keys: list) -> str:
+    """The one line a stall is reported with: the count, the reason, what to try."""
+    cause, advice = ADVICE.get(reason, ("unknown skip reason", "see docs/algorithm.md"))
+    cause = cause.format(keys=", ".join(f"`{k}`" for k in keys) or "(none flagged in the last step)")
+    return (f"{caller}: training stalled: {n} consecutive skipped steps (max_consecutive_skips={limit}), the last "
+            f"for {cause}. Try: {advice}. The count and reason are in the optimizer's state (consecutive_skips, "
+            "skip_reason): jaxamp.monitor.StallMonitor().update(mstate, opt_state) reads them.")
+
+
+def report_stall(consecutive_skips: jax.Array, skip_reason: jax.Array, found_inf: Mapping[str, jax.Array], *,
+                 limit: int, on_stall: str, caller: str) -> None:  # fmt: skip
+    """Warn (``on_stall="warn"``: a :class:`StallWarning`) or raise (``"raise"``: a
+    :class:`StallError`, surfacing from the step as a JAX runtime error) when
+    ``consecutive_skips`` reaches a multiple of ``limit``: a host callback inside a ``lax.cond``
+    taken only then, so a run that does not stall makes no host call.
+    """
+
+    def say(n: Any, reason: Any, flags: Mapping[str, Any]) -> None:
+        n = int(n)
+        if n == 0 or n % limit:  # under vmap the cond is a select and this runs every step
+            return
+        line = stall_line(caller, n, limit, int(reason), [k for k, v in flags.items() if bool(v)])
+        if on_stall == "raise":
+            raise StallError(line)
+        warnings.warn(line, StallWarning, stacklevel=2)
+
+    hit = (consecutive_skips > 0) & (consecutive_skips % limit == 0)
+    jax.lax.cond(hit, lambda: jax.debug.callback(say, consecutive_skips, skip_reason, dict(found_inf)), lambda: None)
+
+
+def opt_state_metrics(opt_state: Any) -> Dict[str, jax.Array]:
+    """The metrics :meth:`StallMonitor.update` and :meth:`StallMonitor.diagnose` read, from the
+    state of :func:`jaxamp.optimizer` (or any optimizer state holding it)."""
+    opt = find_opt_state(opt_state)
+    if opt is None:
+        raise TypeError(f"jaxamp.monitor: `metrics`={type(opt_state).__name__} must be the step's metrics (a "
+                        "mapping with 'skipped' and 'skip_reason') or an optimizer state holding one AmpOptState "
+                        "(from jaxamp.optimizer), e.g. monitor.update(mstate, opt_state).")
+    reason = jnp.asarray(opt.skip_reason, jnp.int32)
+    out = {"skipped": reason != int(SkipReason.APPLIED), "skip_reason": reason}
+    if opt.amp is not None:  # log2 of the scales, powers of two: exact
+        out["scale_log2/loss"] = jnp.log2(opt.amp.loss_scale)
+        out.update({f"scale_log2/{k}": jnp.log2(v) for k, v in opt.amp.scales.items()})
+    return out
 
 
 class MonitorState(NamedTuple):
@@ -100,11 +160,13 @@ class StallMonitor:
 
         Args:
           state: the monitor's state.
-          metrics: the step's metrics (``skipped`` and ``skip_reason`` are read).
+          metrics: the step's metrics (``skipped`` and ``skip_reason`` are read), or the state of
+            :func:`jaxamp.optimizer` (or any optimizer state holding it) after the step.
 
         Returns:
           The new state.
         """
+        metrics = metrics if isinstance(metrics, Mapping) else opt_state_metrics(metrics)
         skipped = jnp.asarray(metrics["skipped"], bool)
         reason = jnp.where(skipped, jnp.asarray(metrics["skip_reason"], jnp.int32), SkipReason.APPLIED)
         return MonitorState(
@@ -126,11 +188,12 @@ class StallMonitor:
 
         Args:
           state: the monitor's state after the latest step.
-          metrics: the latest step's metrics (for the flags and the scales).
+          metrics: the latest step's metrics (for the flags and the scales), or the optimizer's state.
 
         Returns:
           The line, or None.
         """
+        metrics = metrics if isinstance(metrics, Mapping) else opt_state_metrics(metrics)
         def group(g: str) -> Dict[str, np.ndarray]:  # {key: host value} of the metrics "<g>/<key>"
             return {k[len(g) + 1:]: np.asarray(v) for k, v in metrics.items() if k.startswith(g + "/")}
 

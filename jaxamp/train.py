@@ -1,4 +1,11 @@
-"""`TrainState` and `make_train_step`: :mod:`jaxamp.step`'s pieces as one skip-on-overflow step."""
+"""`TrainState` and `make_train_step`: :func:`jaxamp.value_and_grad` and :func:`jaxamp.optimizer`
+as one skip-on-overflow step, with metrics.
+
+The step runs the user's step path itself: ``value_and_grad`` on the optimizer's state, then the
+optimizer's ``update`` (which decides, selects and advances every scaler, and reports a stall).
+A :class:`TrainState` is that optimizer's state laid out flat, for checkpoints: ``opt_state`` is
+the inner optimizer's state, ``amp_state`` the one AMP state, ``consecutive_skips`` the count.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +14,16 @@ from typing import Any, Callable, Dict, Iterable, Mapping, NamedTuple, Optional,
 
 import jax
 import jax.numpy as jnp
+import jmp
+import numpy as np
 import optax
 
 from jaxamp.config import AmpConfig, check_flags
 from jaxamp.derivatives.engine import Derivatives
-from jaxamp.optim import advance, value_and_grad
-from jaxamp.scaler import Scalers, ScaleState, exact_log2
+from jaxamp.optim import AmpOptimizer, optimizer as amp_optimizer, value_and_grad
+from jaxamp.scaler import exact_log2
 from jaxamp.state import AmpState, init
-from jaxamp.step import StepCheck, check_step
+from jaxamp.step import AmpOptState, ScaledGrads, SkipReason, flag_set
 
 Step = Callable[["TrainState", Any], Tuple["TrainState", Dict[str, jax.Array]]]
 
@@ -24,13 +33,20 @@ class TrainState(NamedTuple):
 
     Attributes:
       step: ``i32[]``, steps taken, applied or skipped. params: the parameters (float32 pytree).
-      opt_state: the optimizer's state. amp_state: every scaler, an :class:`~jaxamp.AmpState`.
+      opt_state: the (inner) optimizer's state. amp_state: every scaler, an :class:`~jaxamp.AmpState`.
+      consecutive_skips: ``i32[]``, steps skipped in a row (for the stall report).
     """
 
     step: jax.Array
     params: Any
     opt_state: Any
     amp_state: AmpState
+    consecutive_skips: Any = np.int32(0)
+
+    @property
+    def optimizer_state(self) -> AmpOptState:
+        """The state of :func:`jaxamp.optimizer` this state lays out flat."""
+        return AmpOptState(self.opt_state, self.amp_state, jnp.asarray(0, jnp.int32), self.consecutive_skips)
 
     @classmethod
     def create(
@@ -65,6 +81,9 @@ class TrainState(NamedTuple):
         """
         if not isinstance(amp, AmpConfig):
             raise TypeError(f"TrainState.create: `amp`={amp!r} must be an AmpConfig.")
+        if isinstance(optimizer, AmpOptimizer):
+            raise TypeError("TrainState.create: `optimizer` is a jaxamp.optimizer(...); pass the optax optimizer it "
+                            "wraps: make_train_step wraps it itself and TrainState holds its state flat.")
         keys = {}
         for e in engines:
             if not isinstance(e, Derivatives):
@@ -87,7 +106,8 @@ class TrainState(NamedTuple):
         elif missing := [k for k in keys if k not in amp_state.scales]:
             raise KeyError(f"TrainState.create: `amp_state` has no scaler for the engines' key(s) {missing}; it "
                            f"has {sorted(amp_state.scales)}. Create it with jaxamp.init of the loss that uses them.")
-        return cls(step=jnp.asarray(0, jnp.int32), params=params, opt_state=optimizer.init(params), amp_state=amp_state)
+        return cls(step=jnp.asarray(0, jnp.int32), params=params, opt_state=optimizer.init(params), amp_state=amp_state,
+                   consecutive_skips=jnp.asarray(0, jnp.int32))
 
     @property
     def scales(self) -> Dict[str, jax.Array]:
@@ -95,37 +115,41 @@ class TrainState(NamedTuple):
         return self.amp_state.scales
 
 
-def step_metrics(loss: jax.Array, terms: Any, check: StepCheck, grad_norm: jax.Array,
-                 scalers: Scalers, loss_scale: ScaleState, extra: Optional[Mapping[str, jax.Array]] = None,
-                 ) -> Dict[str, jax.Array]:
+def step_metrics(loss: jax.Array, terms: Any, grads: ScaledGrads, opt_state: AmpOptState, grad_norm: jax.Array,
+                 extra: Optional[Mapping[str, jax.Array]] = None) -> Dict[str, jax.Array]:  # fmt: skip
     """The metrics of one step, as :func:`make_train_step` reports them (for users' own loops).
 
     Args:
-      loss: the unscaled loss. terms: ``{name: f32[]}``. check: the step's :class:`~jaxamp.StepCheck`.
-      grad_norm: the global norm of the unscaled gradients. scalers, loss_scale: after the update.
+      loss: the unscaled loss. terms: ``{name: f32[]}``. grads: the step's ``ScaledGrads``.
+      opt_state: the state of :func:`jaxamp.optimizer` after the step.
+      grad_norm: the global norm of the unscaled gradients (0 when a flag is set: they are zeroed).
       extra: ``{name: f32[]}`` more metrics, reported under their names (not the step's own).
 
     Returns:
-      ``{"loss", "skipped", "skip_reason", "found_nonfinite_values", "grad_norm", "terms/<name>",
-      "scale_log2/loss", "scale_log2/<key>", "found_inf/<key>": array}`` and ``extra``'s names.
+      ``{"loss", "skipped", "skip_reason", "consecutive_skips", "found_nonfinite_values",
+      "grad_norm", "terms/<name>", "scale_log2/loss", "scale_log2/<key>", "found_inf/<key>": array}``
+      and ``extra``'s names.
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxamp
-      >>> state = jaxamp.init(None, jaxamp.AmpConfig(dtype="float16"), keys=["2"])()
-      >>> grads = {"w": jnp.ones(2)}
-      >>> check = jaxamp.step.check_step({"2": jnp.array(False)}, grads, state.derivative)
-      >>> metrics = jaxamp.train.step_metrics(jnp.float32(0.5), {"pde": jnp.float32(0.5)}, check,
-      ...                                     optax.tree.norm(grads), state.derivative, state.loss)
+      >>> tx = jaxamp.optimizer(optax.sgd(0.1), jaxamp.init(None, jaxamp.AmpConfig(dtype="float16"), keys=["2"])())
+      >>> grads = jaxamp.step.ScaledGrads({"w": jnp.ones(2)}, {"2": jnp.float32(0.0)}, source="optimizer")
+      >>> opt_state = tx.update(grads, tx.init({"w": jnp.ones(2)}))[1]
+      >>> metrics = jaxamp.train.step_metrics(jnp.float32(0.5), {"pde": jnp.float32(0.5)}, grads, opt_state,
+      ...                                     optax.tree.norm(grads.grads))
       >>> sorted(metrics)  # doctest: +NORMALIZE_WHITESPACE
-      ['found_inf/2', 'found_nonfinite_values', 'grad_norm', 'loss', 'scale_log2/2', 'scale_log2/loss',
-       'skip_reason', 'skipped', 'terms/pde']
+      ['consecutive_skips', 'found_inf/2', 'found_nonfinite_values', 'grad_norm', 'loss', 'scale_log2/2',
+       'scale_log2/loss', 'skip_reason', 'skipped', 'terms/pde']
     """
-    metrics = {"loss": loss, "skipped": ~check.apply, "skip_reason": check.skip_reason,
-               "found_nonfinite_values": check.nonfinite_values, "grad_norm": grad_norm,
+    amp, reason = opt_state.amp, opt_state.skip_reason
+    metrics = {"loss": loss, "skipped": reason != int(SkipReason.APPLIED), "skip_reason": reason,
+               "consecutive_skips": opt_state.consecutive_skips,
+               # bad values take precedence over every other reason: the flag is set iff that is the reason
+               "found_nonfinite_values": reason == int(SkipReason.NONFINITE_VALUES), "grad_norm": grad_norm,
                **{f"terms/{k}": v for k, v in terms.items()},
-               "scale_log2/loss": exact_log2(loss_scale.scale),
-               **{f"scale_log2/{k}": exact_log2(s.scale) for k, s in scalers.items()},
-               **{f"found_inf/{k}": v for k, v in check.found_inf.items()}}
+               "scale_log2/loss": exact_log2(amp.loss.scale),
+               **{f"scale_log2/{k}": exact_log2(s.scale) for k, s in amp.derivative.items()},
+               **{f"found_inf/{k}": flag_set(grads.found_inf.get(k, False)) for k in amp.derivative}}
     clash = sorted(k for k in (extra or {}) if k in metrics)
     if clash:
         raise ValueError(f"step_metrics: the loss function's metric name(s) {clash} are not allowed: the step "
@@ -162,24 +186,39 @@ def _split_aux(aux: Any) -> Tuple[Mapping[str, jax.Array], Mapping[str, jax.Arra
     return terms, metrics
 
 
+def torch_clip(max_norm: float) -> optax.GradientTransformation:
+    """torch's ``clip_grad_norm_``: updates times ``min(max_norm / (norm + 1e-6), 1)``."""
+
+    def update(updates: Any, state: Any, params: Any = None) -> Tuple[Any, Any]:
+        coef = jnp.minimum(jnp.float32(max_norm) / (optax.tree.norm(updates) + jnp.float32(1e-6)), 1.0)
+        return jax.tree_util.tree_map(lambda g: g * coef.astype(g.dtype), updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
 def make_train_step(
     loss_fn: Callable[[Any, Any], Tuple[jax.Array, Any]], optimizer: optax.GradientTransformation, *,
-    amp: AmpConfig, grad_clip_max_norm: Optional[float] = None, merge: bool = False, headroom: bool = False,
+    amp: Optional[AmpConfig] = None, grad_clip_max_norm: Optional[float] = None, merge: bool = True,
+    headroom: bool = False, max_consecutive_skips: int = 100, on_stall: str = "warn",
 ) -> Step:
     """A pure ``step(state, batch) -> (state, metrics)``; ``jax.jit`` it.
+
+    The step is :func:`jaxamp.value_and_grad` on the state's optimizer state, then
+    ``jaxamp.optimizer(optax.chain(clip, optimizer)).update``: the same path as a user's step.
 
     Args:
       loss_fn: ``loss_fn(params, batch) -> (loss, terms)`` or ``(loss, (terms, metrics))``, its
         derivatives by :class:`jaxamp.Derivatives` engines (or :func:`jaxamp.grad` and its
         siblings); ``terms`` and ``metrics`` ``{name: f32[]}`` are reported.
-      optimizer: any optax transformation; its schedule counts *applied* updates only.
-      amp: the settings (each scaler's rule, which scalers act).
+      optimizer: any optax transformation (not yet wrapped); its schedule counts *applied* updates only.
+      amp: the settings the state must have been created with (None: not checked).
       grad_clip_max_norm: torch's ``clip_grad_norm_`` of the unscaled gradients; None or 0: none.
-      merge: as :func:`jaxamp.scaled`; off by default (slower on some problems: docs/benchmarks.md).
+      merge: as :func:`jaxamp.scaled` (the default of :func:`jaxamp.value_and_grad`).
       headroom: also report ``headroom_log2/<key>`` (``ScaledGrads.headroom_log2``).
+      max_consecutive_skips, on_stall: as :func:`jaxamp.optimizer`: a stall is reported.
 
     Returns:
-      The step: :func:`jaxamp.value_and_grad`, the update applied or skipped, every scaler advanced.
+      The step: the update applied or skipped, every scaler advanced, metrics (:func:`step_metrics`).
 
     Example (``u'' + u = 0`` for ``u = w sin(x)``):
       >>> import jax, jax.numpy as jnp, optax, jaxamp
@@ -201,36 +240,38 @@ def make_train_step(
     bad_clip = isinstance(clip, bool) or not isinstance(clip, (int, float)) or not math.isfinite(clip) or clip < 0
     for bad, error, what in (  # checked in this order; the first bad argument raises
         (not callable(loss_fn), TypeError, f"`loss_fn`={loss_fn!r} must be callable as loss_fn(params, batch)"),
-        (not isinstance(amp, AmpConfig), TypeError, f"`amp`={amp!r} must be an AmpConfig"),
+        (amp is not None and not isinstance(amp, AmpConfig), TypeError, f"`amp`={amp!r} must be an AmpConfig"),
         (not (hasattr(optimizer, "init") and hasattr(optimizer, "update")), TypeError,
          f"`optimizer`={optimizer!r} must be an optax GradientTransformation"),
+        (isinstance(optimizer, AmpOptimizer), TypeError, "`optimizer` is a jaxamp.optimizer(...): pass the optax "
+         "optimizer it wraps (the step wraps it itself, with max_consecutive_skips and on_stall)"),
         (bad_clip, ValueError, f"`grad_clip_max_norm`={grad_clip_max_norm!r} is not allowed: expected None or a "
          "finite number >= 0 (None or 0: no clipping)")):
         if bad:
             raise error(f"make_train_step: {what}.")
     check_flags("make_train_step", merge=merge, headroom=headroom)
-    grad_fn = value_and_grad(loss_fn, has_aux=True, merge=merge)
+    grad_fn = value_and_grad(loss_fn, has_aux=True, merge=merge, headroom=headroom)
+    tx = amp_optimizer(optimizer, max_consecutive_skips=max_consecutive_skips, on_stall=on_stall)
 
     def step(state: TrainState, batch: Any) -> Tuple[TrainState, Dict[str, jax.Array]]:
         amp_state = state.amp_state
-        if not isinstance(amp_state, AmpState) or amp_state.amp != amp:
+        if not isinstance(amp_state, AmpState) or (amp is not None and amp_state.amp != amp):
             raise ValueError(f"make_train_step: the state's `amp_state` ({amp_state!r}) was not created with the "
                              f"step's `amp` ({amp!r}); create the state with TrainState.create(..., amp=amp).")
-        (loss, aux), scaled_grads = grad_fn(amp_state, state.params, batch)
+        opt_state = state.optimizer_state
+        (loss, aux), grads = grad_fn(opt_state, state.params, batch)
         terms, extra = _split_aux(aux)
-        grads = scaled_grads.grads
-        check = check_step(scaled_grads.found_inf, grads, amp_state.derivative)
-        grad_norm = optax.tree.norm(grads)
-        if clip > 0:  # torch's clip_grad_norm_
-            coef = jnp.minimum(jnp.float32(clip) / (grad_norm + jnp.float32(1e-6)), 1.0)
-            grads = jax.tree_util.tree_map(lambda g: g * coef.astype(g.dtype), grads)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params, opt_state = check.select((optax.apply_updates(state.params, updates), opt_state),
-                                         (state.params, state.opt_state))
-        after = advance(check, amp_state)
-        new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, amp_state=after)
+        grad_norm = optax.tree.norm(grads.grads)  # the flags of a clean step are 0: the same norm
+        if clip > 0:
+            grads = grads.replace(grads=torch_clip(clip).update(grads.grads, None)[0])
+        updates, after = tx.update(grads, opt_state, state.params)
+        applied = after.skip_reason == int(SkipReason.APPLIED)
+        # a select, not params + 0: a skipped step leaves the params bit for bit
+        params = jmp.select_tree(applied, optax.apply_updates(state.params, updates), state.params)
+        new_state = TrainState(step=state.step + 1, params=params, opt_state=after.inner, amp_state=after.amp,
+                               consecutive_skips=after.consecutive_skips)
         if headroom:
-            extra = {**{f"headroom_log2/{k}": v for k, v in scaled_grads.headroom_log2.items()}, **extra}
-        return new_state, step_metrics(loss, terms, check, grad_norm, after.derivative, after.loss, extra)
+            extra = {**{f"headroom_log2/{k}": v for k, v in grads.headroom_log2.items()}, **extra}
+        return new_state, step_metrics(loss, terms, grads, after, grad_norm, extra)
 
     return step

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 from types import MappingProxyType
@@ -23,13 +24,27 @@ _DERIVATIVE_DEFAULTS = MappingProxyType({f.name: f.default for f in dataclasses.
 _LOG2_RANGE = (-126, 127)
 
 
+def _mapping_like(value: Any) -> bool:
+    """A ``Mapping``, or an object with ``keys()`` and ``[]`` (ml_collections' ConfigDict is not a Mapping)."""
+    return isinstance(value, Mapping) or (hasattr(value, "keys") and hasattr(value, "__getitem__"))
+
+
+def _dtype_name(value: Any) -> Any:
+    """The name of a float16/bfloat16/float32 dtype object (jnp.float16, np.dtype("float16")); else ``value``."""
+    try:
+        name = value if isinstance(value, str) else jnp.dtype(value).name
+    except (TypeError, ValueError):
+        return value
+    return name if name in DTYPES else value
+
+
 def _plain(value: Any) -> Any:
     """Nested plain dicts and lists from any mapping-like config (dict, ConfigDict, DictConfig)."""
     if hasattr(value, "_metadata") and type(value).__module__.startswith("omegaconf"):
         from omegaconf import OmegaConf
 
         value = OmegaConf.to_container(value, resolve=True)
-    if isinstance(value, Mapping) or (hasattr(value, "keys") and hasattr(value, "__getitem__")):
+    if _mapping_like(value):
         return {k: _plain(value[k]) for k in value.keys()}
     if isinstance(value, (list, tuple)) or type(value).__name__ == "ListConfig":
         return [_plain(v) for v in value]
@@ -58,8 +73,8 @@ def _check_log2(key: str, value: Any, what: str = "max scale") -> None:
 
 
 def _scaler_overrides(amp: Any, key: str, allowed_keys: Tuple[str, ...]) -> None:
-    """Validate ``amp.<key>`` {hyper-parameter: value}, store it read-only."""
-    value = getattr(amp, key)
+    """Validate ``amp.<key>`` {hyper-parameter: value} (any mapping-like value), store it read-only."""
+    value = _plain(getattr(amp, key))
     if not isinstance(value, Mapping):
         _fail(key, value, f"a mapping with keys among {list(allowed_keys)}")
     for name in value:
@@ -79,8 +94,8 @@ def _build(section: str, make: Callable[[], DynamicScaler], note: str) -> None:
 
 
 def _per_key(amp: Any, field: str, what: str) -> Mapping[str, int]:
-    """Validate ``amp.<field>`` ``{order or term name: int exponent}``, store it with str keys."""
-    value = getattr(amp, field)
+    """Validate ``amp.<field>`` ``{order or term name: int exponent}`` (any mapping-like value), store it with str keys."""
+    value = _plain(getattr(amp, field))
     if not isinstance(value, Mapping):
         _fail(field, value, "a mapping {key: int}")
     for key, exp in value.items():
@@ -138,6 +153,7 @@ class AmpConfig:
     derivative_scaling: bool = True
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", _dtype_name(self.dtype))  # jnp.float16 -> "float16"
         choices = {"mode": MODES, "dtype": DTYPES}  # the others are flags
         for key in ("enabled", "derivative_scaling", "mode", "dtype", "autocast_activation", "autocast_firstlayer"):
             value = getattr(self, key)
@@ -154,7 +170,7 @@ class AmpConfig:
             if value > (top := self.max_scale_log2(key)):
                 _fail(f"custom_init_scales_log2[{key!r}]", value, f"an integer exponent in [{_LOG2_RANGE[0]}, {top}]"
                       f" (a key starts at or below its max scale 2**amp.{where[key]} = 2**{top})")
-        terms = self.special_terms
+        terms = _plain(self.special_terms)  # a ListConfig as a list
         if isinstance(terms, str) or not all(isinstance(t, str) and t for t in terms):
             _fail("special_terms", terms, "a list of non-empty variable names (str)")
         object.__setattr__(self, "special_terms", tuple(terms))
@@ -235,28 +251,17 @@ class AmpConfig:
           'bfloat16'
         """
         values = {} if values is None else _plain(values)
+        entry = isinstance(values, dict) and set(values) == {"amp"}  # {"amp": {keys}}
+        values = (values["amp"] or {}) if entry else values
         if not isinstance(values, dict):
-            raise ConfigError(f"amp config must be a mapping of keys to values, got {values!r}.")
-        if set(values) == {"amp"}:
-            values = values["amp"] or {}
-            if not isinstance(values, dict):
-                raise ConfigError(f"amp config: the `amp` entry must be a mapping of keys to values, got {values!r}.")
-        allowed = [f.name for f in dataclasses.fields(cls)]
-        unknown = [k for k in values if k not in allowed]
-        if unknown:
-            raise ConfigError(f"amp config has unknown key(s) {unknown}: allowed keys are {allowed}.")
-        return cls(**values)
+            raise ConfigError(f"amp config{': the `amp` entry' if entry else ''} must be a mapping of keys to values, "
+                              f"got {values!r}.")
+        return cls(**values)  # an unknown key raises a ConfigError naming it and the allowed keys
 
     @classmethod
     def from_yaml(cls, path: Union[str, os.PathLike]) -> "AmpConfig":
-        """Build from a YAML file holding an ``amp:`` section (or the bare keys).
-
-        Args:
-          path: the YAML file.
-
-        Returns:
-          The validated config; malformed YAML raises :class:`ConfigError` naming the file and line.
-        """
+        """The validated config of the YAML file ``path`` holding an ``amp:`` section (or the bare
+        keys); malformed YAML raises :class:`ConfigError` naming the file and line."""
         import yaml
 
         with open(path) as f:
@@ -275,3 +280,20 @@ class AmpConfig:
     def to_dict(self) -> dict:
         """Plain ``{key: value}`` that :meth:`from_dict` takes back."""
         return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}  # mappings, lists
+
+
+_DATACLASS_INIT = AmpConfig.__init__
+
+
+@functools.wraps(_DATACLASS_INIT)
+def _init(self: AmpConfig, *args: Any, **kwargs: Any) -> None:
+    """The dataclass's ``__init__``; a positional or unknown argument raises a ConfigError naming it."""
+    unknown = [k for k in kwargs if k not in AmpConfig.__dataclass_fields__]
+    if args or unknown:
+        what = f"the positional value(s) {list(args)!r}" if args else f"unknown key(s) {unknown}"
+        raise ConfigError(f"amp config has {what}: allowed keys are {list(AmpConfig.__dataclass_fields__)}, given by "
+                          "name, e.g. AmpConfig(dtype='float16') or AmpConfig(**config.amp); remove or rename them.")
+    _DATACLASS_INIT(self, **kwargs)
+
+
+AmpConfig.__init__ = _init  # type: ignore[method-assign]

@@ -130,6 +130,27 @@ def test_not_a_mapping():
         AmpConfig.from_dict(["amp"])
 
 
+class ConfigDictLike:
+    """ml_collections.ConfigDict's surface: keys(), items() and item access; not a Mapping."""
+
+    def __init__(self, d):
+        self._d = {k: ConfigDictLike(v) if isinstance(v, dict) else v for k, v in d.items()}
+
+    def keys(self):
+        return self._d.keys()
+
+    def items(self):
+        return self._d.items()
+
+    def __getitem__(self, k):
+        return self._d[k]
+
+
+NESTED = {"dtype": "float16", "special_terms": ["nu"], "custom_max_scales_log2": {2: 3, "nu": 20},
+          "custom_init_scales_log2": {2: -4}, "derivative_scaler": {"growth_interval": 500},
+          "loss_scaler": {"init_scale": 1024.0}}
+
+
 def test_mapping_like_configs_are_accepted():
     from omegaconf import OmegaConf
 
@@ -137,19 +158,41 @@ def test_mapping_like_configs_are_accepted():
                       "derivative_scaler": {"growth_interval": 500}}}
     expected = AmpConfig.from_dict(values)
     assert AmpConfig.from_dict(OmegaConf.create(values)) == expected
-
-    class ConfigDictLike:  # ml_collections.ConfigDict's surface: keys() and item access, not a Mapping
-        def __init__(self, d):
-            self._d = {k: ConfigDictLike(v) if isinstance(v, dict) else v for k, v in d.items()}
-
-        def keys(self):
-            return self._d.keys()
-
-        def __getitem__(self, k):
-            return self._d[k]
-
     assert AmpConfig.from_dict(ConfigDictLike(values)) == expected
     assert expected.special_terms == ("nu",) and expected.derivative_scaler_for("2").max_scale == 8.0
+
+
+def test_keyword_arguments_take_nested_config_containers():
+    """AmpConfig(**config.amp) with a jaxpi-style ConfigDict: every mapping field is a nested
+    container (it raised `custom_max_scales_log2=...: expected a mapping`)."""
+    expected = AmpConfig(**NESTED)
+    got = AmpConfig(**ConfigDictLike(NESTED))
+    assert got == expected and hash(got) == hash(expected) and got.to_dict() == expected.to_dict()
+    assert dict(got.custom_max_scales_log2) == {"2": 3, "nu": 20} and got.make_loss_scaler().init_scale == 1024.0
+
+
+def test_keyword_arguments_take_omegaconf_and_ml_collections():
+    omegaconf = pytest.importorskip("omegaconf")
+    config = omegaconf.OmegaConf.create({"amp": NESTED})
+    assert AmpConfig(**config.amp) == AmpConfig(**NESTED)
+    ml_collections = pytest.importorskip("ml_collections")
+    assert AmpConfig(**ml_collections.ConfigDict({"amp": NESTED}).amp) == AmpConfig(**NESTED)
+
+
+def test_unknown_or_positional_arguments_are_config_errors():
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['precision'\]: allowed keys are \['enabled'.*remove or rename"):
+        AmpConfig(**{"dtype": "float16", "precision": "fp16"})
+    with pytest.raises(ConfigError, match=r"positional value\(s\) \['float16'\].*AmpConfig\(dtype='float16'\)"):
+        AmpConfig("float16")
+
+
+def test_dtype_objects_are_taken_by_name():
+    import jax.numpy as jnp
+    import numpy as np
+
+    assert AmpConfig(dtype=jnp.bfloat16).dtype == "bfloat16" and AmpConfig(dtype=np.dtype("float16")) == AmpConfig()
+    with pytest.raises(ConfigError, match=r"amp.dtype=<class 'jax.numpy.float64'> is not allowed: expected one of"):
+        AmpConfig(dtype=jnp.float64)
 
 
 def test_malformed_yaml_names_the_file_and_line(tmp_path):

@@ -38,6 +38,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import sys
 from typing import Any, Dict, List
 
@@ -96,6 +97,23 @@ def mlp(params, x):
         h = jnp.tanh(h @ w + b)
     w, b = params[-1]
     return (h @ w + b)[0]
+
+
+def pinn(amp):
+    """``per_point(params, batch) -> (r2, ux2)``: each point's squared residual and ``u'^2``
+    (a small first-derivative term, so that key "1" guards a derivative the loss uses)."""
+    import jaxamp
+
+    def u_net(p, x):
+        return jaxamp.autocast(lambda p, x: x * (1.0 - x) * mlp(p, x), amp)(p, x)
+
+    def per_point(p, batch):
+        x = batch["x"]
+        u_xx = jax.vmap(jaxamp.grad(jaxamp.grad(u_net, 1), 1), (None, 0))(p, x)
+        u_x = jax.vmap(jaxamp.grad(u_net, 1), (None, 0))(p, x)
+        return (u_xx + jnp.pi**2 * jnp.sin(jnp.pi * x)) ** 2, u_x**2
+
+    return per_point
 
 
 def global_batch(step: int) -> Dict[str, np.ndarray]:
@@ -166,17 +184,11 @@ def run(args) -> Dict[str, Any]:
         return {k: v[lo: lo + n_local] for k, v in global_batch(step).items()}
 
     amp = amp_config()
-
-    def u_net(p, x):
-        return jaxamp.autocast(lambda p, x: x * (1.0 - x) * mlp(p, x), amp)(p, x)
+    per_point = pinn(amp)
 
     def loss_terms(p, batch):
-        x = batch["x"]
-        u_xx = jax.vmap(jaxamp.grad(jaxamp.grad(u_net, 1), 1), (None, 0))(p, x)
-        u_x = jax.vmap(jaxamp.grad(u_net, 1), (None, 0))(p, x)
-        pde = jnp.mean((u_xx + jnp.pi**2 * jnp.sin(jnp.pi * x)) ** 2)
-        # a small first-derivative term: key "1" guards a derivative the loss uses
-        reg = 1e-3 * jnp.mean(u_x**2)
+        r2, ux2 = per_point(p, batch)
+        pde, reg = jnp.mean(r2), 1e-3 * jnp.mean(ux2)
         return pde + reg, {"pde": pde, "reg": reg}
 
     def loss_fn(p, batch):
@@ -251,13 +263,121 @@ def run(args) -> Dict[str, Any]:
     return out
 
 
+PMAP_STEPS = 40
+PMAP_VARIANTS = {
+    # name: (per-device loss, reduction of the weight gradients over the pmap axis)
+    "pmap_local_mean_pmean": ("local_mean", "pmean"),
+    "pmap_global_sum_psum": ("sum_over_global_count", "psum"),
+    "pmap_local_mean_no_reduction": ("local_mean", None),
+}
+
+
+def pmap_compare(steps: int) -> Dict[str, Any]:
+    """One process, 8 devices: the sharded-jit user step against ``jax.pmap`` user steps.
+
+    ``jaxamp.optimizer(..., axis_name="batch")`` ORs the flags over the pmap axis in every
+    variant; they differ in the per-device loss (the mean over the device's points, or its sum
+    divided by the global batch size) and in what reduces the weight gradients (``pmean``,
+    ``psum`` or nothing). Per step: applied, the skip reason, every scale (log2) of device 0,
+    and whether all 8 replicas of the params are bit-identical.
+    """
+    import jaxamp
+    from jaxamp import parallel
+
+    n = jax.device_count()
+    amp = amp_config()
+    per_point = pinn(amp)
+
+    def global_loss(p, b):
+        r2, ux2 = per_point(p, b)
+        return jnp.mean(r2) + 1e-3 * jnp.mean(ux2)
+
+    params0 = init_params(jax.random.PRNGKey(0))
+    amp_state = jaxamp.init(global_loss, amp)(params0, global_batch(0))
+    out: Dict[str, Any] = {"device_count": n, "steps": steps, "jax": jax.__version__}
+
+    def row(before, after, opt_state, take=lambda a: a):
+        reason = getattr(opt_state, "skip_reason", None)
+        return {"applied": digest(jax.tree_util.tree_map(take, after)) != digest(jax.tree_util.tree_map(take, before)),
+                "skip_reason": None if reason is None else int(np.asarray(take(reason))),
+                "scales_log2": {k: float(np.log2(np.asarray(take(v)))) for k, v in
+                                {**find_amp(opt_state).scales, "loss": find_amp(opt_state).loss_scale}.items()}}
+
+    # the references: jit over the batch sharded over all devices, and over one device
+    optimizer = jaxamp.optimizer(optax.adam(1e-3), amp_state)
+    for name, n_mesh in (("jit", n), ("jit_1_device", 1)):
+        mesh = parallel.make_mesh(n_mesh)
+        rep, by_batch = parallel.replicated_sharding(mesh), parallel.batch_sharding(mesh)
+
+        @functools.partial(jax.jit, in_shardings=(rep, rep, by_batch), out_shardings=rep)
+        def jit_step(params, opt_state, batch):
+            loss, grads = jaxamp.value_and_grad(global_loss)(opt_state, params, batch)
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        params, opt_state = parallel.replicate(params0, mesh), parallel.replicate(optimizer.init(params0), mesh)
+        rows = []
+        for step in range(steps):
+            new, opt_state = jit_step(params, opt_state, parallel.shard_batch(global_batch(step), mesh))
+            rows.append(row(params, new, opt_state, take=lambda a: a.addressable_shards[0].data))
+            params = new
+        out[name] = rows
+        if n_mesh == n:  # what the compiled step all-reduces, by result type (e.g. pred[3], f16[16,16])
+            text = jit_step.lower(params, opt_state, parallel.shard_batch(global_batch(0), mesh)).compile().as_text()
+            out["jit_all_reduce_types"] = re.findall(r"= (\(.*?\)|\S+) all-reduce\(", text)
+
+    stack = lambda tree: jax.tree_util.tree_map(lambda a: np.stack([np.asarray(a)] * n), tree)  # noqa: E731
+    for name, (loss_kind, reduce) in PMAP_VARIANTS.items():
+        def local_loss(p, b, loss_kind=loss_kind):
+            r2, ux2 = per_point(p, b)
+            if loss_kind == "local_mean":
+                return jnp.mean(r2) + 1e-3 * jnp.mean(ux2)
+            return (jnp.sum(r2) + 1e-3 * jnp.sum(ux2)) / GLOBAL_BATCH
+
+        tx = jaxamp.optimizer(optax.adam(1e-3), amp_state, axis_name="batch")
+
+        def pmap_step(params, opt_state, batch, local_loss=local_loss, tx=tx, reduce=reduce):
+            loss, grads = jaxamp.value_and_grad(local_loss)(opt_state, params, batch)
+            if reduce is not None:
+                replace = getattr(grads, "replace", None) or grads._replace  # ScaledGrads: a class or a NamedTuple
+                grads = replace(grads=getattr(jax.lax, reduce)(grads.grads, "batch"))
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        run_pmap = jax.pmap(pmap_step, axis_name="batch")
+        params, opt_state = stack(params0), stack(tx.init(params0))
+        rows = []
+        for step in range(steps):
+            batch = {k: v.reshape(n, -1) for k, v in global_batch(step).items()}
+            new, opt_state = run_pmap(params, opt_state, batch)
+            r = row(params, new, opt_state, take=lambda a: np.asarray(a)[0])
+            r["replicas_identical"] = all(len({np.asarray(a)[i].tobytes() for i in range(n)}) == 1
+                                          for a in jax.tree_util.tree_leaves(new))
+            rows.append(r)
+            params = new
+        out[name] = rows
+    return out
+
+
+def find_amp(tree: Any):
+    import jaxamp
+
+    return [x for x in jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, jaxamp.AmpState))
+            if isinstance(x, jaxamp.AmpState)][0]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--process-id", type=int, default=0)
     ap.add_argument("--num-processes", type=int, default=1)
     ap.add_argument("--port", type=int, default=0, help="the coordinator's port on 127.0.0.1 (2 processes)")
     ap.add_argument("--timeout", type=int, default=120, help="seconds to wait for the other process to join")
+    ap.add_argument("--pmap", action="store_true", help="one process: sharded jit against jax.pmap user steps")
     args = ap.parse_args()
+    if args.pmap:
+        with jax.default_matmul_precision("highest"):
+            print(json.dumps(pmap_compare(PMAP_STEPS)))
+        return
     if args.num_processes not in (1, 2):
         sys.exit(f"multihost_worker.py: --num-processes={args.num_processes}; this check runs 1 or 2.")
     if args.num_processes == 2 and not 0 < args.port < 65536:

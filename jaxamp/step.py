@@ -1,6 +1,7 @@
 """The pieces of a mixed-precision train step (docs/algorithm.md, "Training step"): gradients
 (:func:`loss_scaled_grad`), what travels with them (:class:`ScaledGrads`), the apply-or-skip
-decision (:func:`check_step`), the scaler updates (:func:`update_scalers`) and the optimizer's state (:class:`AmpOptState`). All branches are selects: no host synchronisation, one compilation.
+decision (:func:`check_step`), the scaler updates (:func:`update_scalers`) and the optimizer's
+state (:class:`AmpOptState`). All branches are selects: no host synchronisation, one compilation.
 
 Flags travel as float32 leaves, 0 when clean and +inf when set (:func:`encode_flag`,
 :func:`flag_set`), beside weight gradients that are zeroed whenever a flag is set: any
@@ -214,9 +215,9 @@ def check_step(found_inf: Flags, grads: Any, scalers: Mapping[str, Any], *, axis
         flags, values = {k: reduce(v) for k, v in flags.items()}, reduce(values)
         finite, new_finite = ~reduce(~finite), ~reduce(~new_finite)
     overflow = jnp.stack(list(flags.values())).any() if flags else jnp.asarray(False)
+    applied = jnp.where(new_finite, int(SkipReason.APPLIED), int(SkipReason.NONFINITE_UPDATES))
     reason = jnp.where(values, int(SkipReason.NONFINITE_VALUES), jnp.where(overflow, int(SkipReason.DERIVATIVE_OVERFLOW),
-                       jnp.where(finite, jnp.where(new_finite, int(SkipReason.APPLIED), int(SkipReason.NONFINITE_UPDATES)),
-                                 int(SkipReason.NONFINITE_GRADS))))
+                       jnp.where(finite, applied, int(SkipReason.NONFINITE_GRADS))))
     return StepCheck(apply=reason == int(SkipReason.APPLIED), skip_reason=reason.astype(jnp.int32), found_inf=flags,
                      nonfinite_values=values, derivative_overflow=overflow, grads_finite=finite,
                      nonfinite_updates=reason == int(SkipReason.NONFINITE_UPDATES))

@@ -34,7 +34,8 @@ def loss(params, b):
 
 
 def batch(overflow=False, nan_grad=False, scale=1.0):
-    return {"x": scale * jnp.linspace(0.0, 1.0, N), "overflow": jnp.asarray(overflow), "nan_grad": jnp.asarray(nan_grad)}
+    return {"x": scale * jnp.linspace(0.0, 1.0, N), "overflow": jnp.asarray(overflow),
+            "nan_grad": jnp.asarray(nan_grad)}
 
 
 def amp_state():
@@ -157,7 +158,8 @@ PMAP_SCRIPT = textwrap.dedent("""
 def test_pmap_with_pmean_and_jit_over_a_sharded_batch():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", PMAP_SCRIPT], env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, "-c", PMAP_SCRIPT], env=env, cwd=root, capture_output=True, text=True,
+                         timeout=600)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 

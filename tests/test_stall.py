@@ -39,7 +39,8 @@ def test_a_run_that_skips_every_step_is_warned_within_the_limit():
     lines = [str(w.message) for w in record]
     assert len(lines) == 2 and "14 consecutive skipped steps (max_consecutive_skips=7)" in lines[1]
     assert "overflow in derivative scaler `2`" in lines[0] and "Try: " in lines[0]
-    assert int(opt_state.consecutive_skips) == 20 and int(opt_state.skip_reason) == jaxamp.SkipReason.DERIVATIVE_OVERFLOW
+    assert int(opt_state.consecutive_skips) == 20
+    assert int(opt_state.skip_reason) == jaxamp.SkipReason.DERIVATIVE_OVERFLOW
 
 
 def test_on_stall_raise_stops_the_run():

@@ -6,15 +6,23 @@ loss scale stays 1.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
 
+from jaxamp import policy
 from jaxamp.config import AmpConfig, check_flags
+from jaxamp.interpreter import trace
 from jaxamp.scaler import DynamicScaler, Scalers, ScaleState
+from jaxamp.window import check_margin
 
-__all__ = ["AmpState", "init", "find"]
+__all__ = ["AmpState", "init", "find", "UnscaledDerivativeWarning"]
+
+
+class UnscaledDerivativeWarning(UserWarning):
+    """A loss takes a derivative through a float16 ``autocast`` network with no jaxamp derivative."""
 
 
 @jax.tree_util.register_dataclass
@@ -72,6 +80,11 @@ def init(fun: Optional[Callable[..., Any]], amp: Optional[AmpConfig] = None, *, 
 
     Returns:
       ``init_state(*args, **kwargs) -> AmpState``, called on example arguments as for ``fun``.
+      It traces ``fun`` with ``amp`` active (:func:`jaxamp.policy.using`: ``autocast(apply)``
+      without ``amp`` takes it) and raises a :class:`~jaxamp.ConfigError` if an ``autocast`` in
+      ``fun`` runs under another ``enabled`` / ``dtype`` / ``derivative_scaling``; it warns
+      (:class:`UnscaledDerivativeWarning`) if ``fun`` differentiates a float16 ``autocast``
+      network but takes no :func:`jaxamp.grad` while derivative scaling is on.
 
     Example:
       >>> import jax.numpy as jnp, jaxamp
@@ -85,17 +98,27 @@ def init(fun: Optional[Callable[..., Any]], amp: Optional[AmpConfig] = None, *, 
 
     amp = AmpConfig() if amp is None else amp
     if not isinstance(amp, AmpConfig):
-        raise TypeError(f"jaxamp.init: `amp`={amp!r} must be an AmpConfig or None.")
+        raise TypeError(f"jaxamp.init: `amp`={amp!r} must be an AmpConfig or None; build one with "
+                        "AmpConfig(...), AmpConfig(**config.amp) or AmpConfig.from_dict(cfg).")
     if fun is not None and not callable(fun):
-        raise TypeError(f"jaxamp.init: `fun`={fun!r} must be callable (the loss whose derivatives are scaled) or None.")
+        raise TypeError(f"jaxamp.init: `fun`={fun!r} must be callable (the loss whose derivatives are scaled) or "
+                        "None; pass the function itself and call the result on example arguments: "
+                        "jaxamp.init(loss, amp)(params, batch).")
     if isinstance(keys, str) or not all(isinstance(k, str) for k in keys):
         raise TypeError(f"jaxamp.init: `keys`={keys!r} must be a list of scaler keys (strings).")
     check_flags("jaxamp.init", from_profile=from_profile)
+    check_margin(margin_log2, "jaxamp.init")  # here, not after tracing and profiling the loss
 
     def init_state(*args, **kwargs) -> AmpState:
         found = Scalers({})  # the keys of `fun` (from its profile), then those of `keys` it lacks
-        if fun is not None and amp.scaler_enabled:
-            found = init_scalers(fun, amp, from_profile=from_profile, margin_log2=margin_log2)(*args, **kwargs)
+        if fun is not None:
+            with policy.using(amp, "jaxamp.init"):  # autocast(apply) without amp takes init's
+                program = _trace(fun, args, kwargs)
+                policy.check(policy.policies_in(program), amp, "jaxamp.init", "the `amp` given to jaxamp.init")
+                if amp.scaler_enabled:
+                    found = init_scalers(fun, amp, from_profile=from_profile, margin_log2=margin_log2)(*args, **kwargs)
+            if amp.scaler_enabled and not found and policy.derivative_taken(program):
+                _warn_unscaled(fun, policy.policies_in(program))
         more = {k: amp.derivative_scaler_for(k) for k in keys if k not in found} if amp.scaler_enabled else {}
         derivative = Scalers({**found.rules, **more}, {**found, **{k: r.init() for k, r in more.items()}})
         rule = amp.make_loss_scaler()
@@ -105,6 +128,36 @@ def init(fun: Optional[Callable[..., Any]], amp: Optional[AmpConfig] = None, *, 
     return init_state
 
 
+def _describe(fun: Callable) -> str:
+    return getattr(fun, "__qualname__", None) or type(fun).__name__
+
+
+def _trace(fun: Callable, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    """``fun``'s program on the example arguments; called with none, a failure names the fix."""
+    try:
+        return trace(fun, args, kwargs)[0]
+    except TypeError as e:
+        if args or kwargs:
+            raise
+        raise TypeError(f"jaxamp.init: `fun`={_describe(fun)} failed on no arguments ({e}). jaxamp.init(fun, amp) "
+                        "returns a builder: call it on example arguments as for fun, e.g. "
+                        "jaxamp.init(loss, amp)(params, batch).") from None
+
+
+def _warn_unscaled(fun: Callable, policies: Sequence[policy.Policy]) -> None:
+    """The most likely slip of a port: ``jax.grad`` left in a float16 loss (no scaler, no word)."""
+    nets = ", ".join(f"autocast({p.fn})" for p in policies)
+    warnings.warn(
+        f"jaxamp.init: `fun`={_describe(fun)} differentiates {nets}, which runs in float16, but takes "
+        "no jaxamp derivative, so the state has no derivative scaler: a jax.grad / jax.jacrev / "
+        "jax.hessian is probably left in the loss, and its derivatives run in float16 unscaled (they "
+        "may overflow: NaN losses, every step skipped). Fix: use jaxamp.grad / jaxamp.jacrev / "
+        "jaxamp.jacfwd / jaxamp.hessian (same signatures) for the input derivatives, or pass "
+        "AmpConfig(derivative_scaling=False) to both autocast and jaxamp.init for loss scaling only.",
+        UnscaledDerivativeWarning, stacklevel=3,
+    )
+
+
 def find(tree: Any, caller: str) -> AmpState:
     """The one :class:`AmpState` in ``tree`` (an AmpState, or an optimizer state holding one)."""
     if isinstance(tree, AmpState):
@@ -112,9 +165,13 @@ def find(tree: Any, caller: str) -> AmpState:
     found: Tuple[AmpState, ...] = tuple(x for x in jax.tree_util.tree_leaves(
         tree, is_leaf=lambda x: isinstance(x, AmpState)) if isinstance(x, AmpState))  # fmt: skip
     if len(found) != 1:
+        # The likely slips: the state forgotten (the parameters come first), a plain optax state.
+        hint = (" Fix: pass the state first, e.g. value_and_grad(loss)(opt_state, params, batch)"
+                " with opt_state from jaxamp.optimizer(tx, jaxamp.init(loss, amp)(params, batch)).init(params).")
         raise TypeError(
             f"{caller}: the first argument (`state`, or `scales` for jaxamp.scaled) must be a jaxamp.AmpState "
             f"(from jaxamp.init) or an optimizer state holding exactly one (from jaxamp.optimizer), or for "
             f"jaxamp.scaled a mapping {{key: scale}}; got {type(tree).__name__} holding {len(found)} AmpState(s)."
+            + (hint if not found else "")
         )
     return found[0]

@@ -16,6 +16,7 @@ The result composes with ``jax.jit``, ``jax.vmap``, ``jax.grad`` and ``jax.jacre
 from __future__ import annotations
 
 import functools
+import sys
 import warnings
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
@@ -24,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from jaxamp.config import AmpConfig
+from jaxamp import policy
+from jaxamp.config import AmpConfig, ConfigError
 from jaxamp.placement.rules import ACTIVATION_PRIMITIVES, COMPUTE_PRIMITIVES, Placement, Val
 from jaxamp.interpreter import bind, eval_jaxpr
 
@@ -52,7 +54,55 @@ def _argnums(value: Union[int, Sequence[int]]) -> Tuple[int, ...]:
     return nums
 
 
-def autocast(fn: Callable, amp: Optional[AmpConfig], *, params_argnums: Union[int, Sequence[int]] = 0) -> Callable:
+# `amp` omitted: each call runs under the config of the jaxamp call it is traced in.
+_ACTIVE: Any = object()
+
+
+def _flax_module(fn: Any) -> bool:
+    """Whether ``fn`` is a Flax linen module (checked only when Flax is imported already)."""
+    linen = sys.modules.get("flax.linen")
+    return linen is not None and isinstance(fn, linen.Module)
+
+
+def _check_flax(fn: Any) -> None:
+    """A Flax module, or a method of it other than ``apply``, in place of ``model.apply``."""
+    owner = getattr(fn, "__self__", None)
+    if _flax_module(fn) or (_flax_module(owner) and getattr(fn, "__name__", None) != "apply"):
+        given = f"{type(fn).__name__}(...)" if _flax_module(fn) else _describe(fn)
+        raise TypeError(
+            f"autocast: `fn`={given} is a Flax module or one of its methods, not a function of the parameters. "
+            "Fix: pass its apply function, autocast(model.apply, amp), and call it as apply(params, x)."
+        )
+
+
+def _check_flax_args(fn: Callable, args: Tuple[Any, ...], argnums: Tuple[int, ...]) -> None:
+    """A Flax ``model.apply`` takes its variables first: an array there is the inputs (swapped)."""
+    if _flax_module(getattr(fn, "__self__", None)) and args and argnums == (0,) and _is_array(args[0]):
+        raise TypeError(
+            f"autocast({_describe(fn)}): the first argument, `params`, is an array of shape {jnp.shape(args[0])}, "
+            "not the variables dict of model.init. Fix: call it as apply(params, x), the parameters first."
+        )
+
+
+def _config(amp: Any, name: str) -> AmpConfig:
+    """The config one call runs under: ``amp``, checked against the active one, or the active one."""
+    current = policy.active()
+    if amp is not _ACTIVE:
+        if current is not None:
+            policy.check([policy.Policy.of(amp, name)], current, "jaxamp.autocast",
+                         f"the config of {policy.active_caller()}, which it runs in,")
+        return amp
+    if current is None:
+        raise ConfigError(
+            f"autocast({name}) was given no `amp` and runs outside every jaxamp call, so it has no "
+            "config to take. Fix: call it inside jaxamp.init / jaxamp.scaled / jaxamp.value_and_grad "
+            "(their amp is taken), inside `with jaxamp.policy.using(amp):`, or pass it: autocast(fn, amp)."
+        )
+    return current
+
+
+def autocast(fn: Callable, amp: Optional[AmpConfig] = _ACTIVE, *,
+             params_argnums: Union[int, Sequence[int]] = 0) -> Callable:  # fmt: skip
     """``fn`` with jaxamp's precision placement, by rewriting its traced program per primitive.
 
     Parameter-using matmuls/convolutions run in ``amp.compute_dtype``; the first layer and the
@@ -65,6 +115,10 @@ def autocast(fn: Callable, amp: Optional[AmpConfig], *, params_argnums: Union[in
         are traced, other leaves (bools, strings, functions) are static. Outputs keep ``fn``'s
         dtypes.
       amp: the settings. ``None``, ``amp.enabled=False`` or ``amp.dtype="float32"`` return ``fn``.
+        Omitted: each call takes the config of the jaxamp call it runs in
+        (:func:`jaxamp.policy.active`); given, it must agree with that one
+        (:func:`jaxamp.policy.check`). The output carries the policy (:func:`jaxamp.policy.mark`)
+        for ``jaxamp.init`` to check against its own config.
       params_argnums: positions of the parameter arguments (default ``0``); every other argument
         is an input. ``()``: ``fn`` closes over its parameters (captured arrays count as such).
 
@@ -81,20 +135,27 @@ def autocast(fn: Callable, amp: Optional[AmpConfig], *, params_argnums: Union[in
       >>> apply(params, jnp.ones((8, 2))).dtype  # layers 2 and 3 ran in float16
       dtype('float32')
     """
+    _check_flax(fn)
     if not callable(fn):
-        raise TypeError(f"autocast: `fn`={fn!r} must be callable (the network's apply function).")
-    if amp is not None and not isinstance(amp, AmpConfig):
+        raise TypeError(f"autocast: `fn`={fn!r} must be callable (the network's apply function); pass the "
+                        "function itself, e.g. autocast(model.apply, amp), not its output.")
+    if amp is not None and amp is not _ACTIVE and not isinstance(amp, AmpConfig):
         raise TypeError(
             f"autocast: `amp`={amp!r} must be a jaxamp.AmpConfig or None; build one with "
             "AmpConfig(...) or AmpConfig.from_dict(cfg)."
         )
     argnums = _argnums(params_argnums)
-    if amp is None or amp.compute_dtype == jnp.float32:
+    if amp is None or (amp is not _ACTIVE and amp.compute_dtype == jnp.float32):
         return fn
     cache: Dict[Any, Tuple[jcore.ClosedJaxpr, Any]] = {}
+    name = _describe(fn)
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
+        config = _config(amp, name)
+        _check_flax_args(fn, args, argnums)
+        if config.compute_dtype == jnp.float32:  # the active config is AMP off: fn as written
+            return fn(*args, **kwargs)
         if argnums and max(argnums) >= len(args):
             raise ValueError(
                 f"autocast({_describe(fn)}): `params_argnums`={params_argnums!r} names an argument "
@@ -104,7 +165,7 @@ def autocast(fn: Callable, amp: Optional[AmpConfig], *, params_argnums: Union[in
         traced = [_is_array(x) for x in leaves]
         arrays = [x for x, t in zip(leaves, traced) if t]
         types = [jax.typeof(x) for x in arrays]
-        key = (tree, tuple(traced), tuple(x for x, t in zip(leaves, traced) if not t),
+        key = (config, tree, tuple(traced), tuple(x for x, t in zip(leaves, traced) if not t),
                tuple((t.shape, t.dtype, t.weak_type) for t in types))
         try:
             entry = cache.get(key)
@@ -120,11 +181,12 @@ def autocast(fn: Callable, amp: Optional[AmpConfig], *, params_argnums: Union[in
                 args, kwargs = jax.tree_util.tree_unflatten(tree, full)
                 return fn(*args, **kwargs)
 
-            entry = _rewrite(fn, call, amp, types, [p for p, t in zip(is_param, traced) if t], argnums)
+            entry = _rewrite(fn, call, config, types, [p for p, t in zip(is_param, traced) if t], argnums)
             if key is not None and not any(isinstance(c, jax.core.Tracer) for c in entry[0].consts):
                 cache[key] = entry  # a closure over an outer tracer is traced again next call
         closed, out_tree = entry
-        return jax.tree_util.tree_unflatten(out_tree, eval_jaxpr(closed.jaxpr, closed.consts, arrays, bind))
+        outs = jax.tree_util.tree_unflatten(out_tree, eval_jaxpr(closed.jaxpr, closed.consts, arrays, bind))
+        return policy.mark(outs, policy.Policy.of(config, name))  # the program carries its policy
 
     return wrapped
 

@@ -291,8 +291,8 @@ def _init(self: AmpConfig, *args: Any, **kwargs: Any) -> None:
     unknown = [k for k in kwargs if k not in AmpConfig.__dataclass_fields__]
     if args or unknown:
         what = f"the positional value(s) {list(args)!r}" if args else f"unknown key(s) {unknown}"
-        raise ConfigError(f"amp config has {what}: allowed keys are {list(AmpConfig.__dataclass_fields__)}, given by "
-                          "name, e.g. AmpConfig(dtype='float16') or AmpConfig(**config.amp); remove or rename them.")
+        raise ConfigError(f"amp config has {what}: allowed keys are {list(AmpConfig.__dataclass_fields__)}, by name, "
+                          "e.g. AmpConfig(**config.amp); remove or rename them (a whole config: pass its amp section).")
     _DATACLASS_INIT(self, **kwargs)
 
 

@@ -5,7 +5,8 @@
 ``results.json`` and ``results.md`` in the workdir: relative L2 error, its ratio to fp32's,
 the first step with a non-finite loss, and the skipped steps of each run. The claim it checks:
 ``fp16_plain`` hits a non-finite loss (derivative overflow) while each ``fp16_scaler_*`` mode
-ends within 1.2x of fp32's relative L2.
+ends within 1.2x of fp32's relative L2. It prints the table, where the outputs went, and a
+last line with each run's verdict (trained, or stalled and why: :mod:`examples.common.verdict`).
 """
 
 from __future__ import annotations
@@ -188,12 +189,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except jaxamp.ConfigError as e:  # the examples' and AmpConfig's config errors
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    from examples.common.verdict import outputs_line, table_verdict
+
     table = open(os.path.join(args.workdir, "results.md")).read()
     print(table)
     if args.report:
         command = "python -m examples.demo " + " ".join(sys.argv[1:] if argv is None else argv)
         write_report(args.report, table, command, provenance())
-    del rows
+        print(f"report: {os.path.abspath(args.report)}")
+    print(outputs_line(args.workdir) + "; each run in seed<seed>/<mode>/, comparison.png per seed")
+    print(table_verdict(rows))
     return 0
 
 

@@ -2,7 +2,9 @@
 [--resume] [key=value ...]``.
 
 Exit status: 0 done, 2 bad config (nothing trained), 3 stopped early because the run stalled
-(``training.max_consecutive_skips`` skipped steps in a row; the reason is printed)."""
+(``training.max_consecutive_skips`` skipped steps in a row; the reason is printed). After the
+summary it prints where the outputs went and ends with a one-line verdict (trained, or stalled
+and why: :mod:`examples.common.verdict`), whatever the exit status."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from typing import Optional, Sequence, Type
 
 from examples.common.config import load_config
 from examples.common.problem import Problem
+from examples.common.verdict import outputs_line, run_verdict
 
 
 def main(problem_cls: Type[Problem], argv: Optional[Sequence[str]] = None) -> int:
@@ -41,4 +44,6 @@ def main(problem_cls: Type[Problem], argv: Optional[Sequence[str]] = None) -> in
         print(f"config error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(summary, indent=2))
+    print(outputs_line(workdir))
+    print(run_verdict(workdir, summary))
     return 0 if summary["stalled"] is None else 3

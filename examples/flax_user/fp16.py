@@ -28,6 +28,8 @@ import optax
 from flax.training import train_state
 import jaxamp
 
+from examples.common.verdict import port_verdict
+
 
 class MLP(nn.Module):
     length: float  # the plate's size: the first layer's weights start at its scale, 1/L
@@ -87,10 +89,11 @@ def main(argv=None):
         state = state.apply_gradients(grads=grads)
         return state, loss
 
-    key = jax.random.PRNGKey(args.seed + 1)
+    key, logged = jax.random.PRNGKey(args.seed + 1), []
     for step in range(args.steps):
         state, loss = train_step(state, sample(jax.random.fold_in(key, step)))
         if step % 250 == 0 or step == args.steps - 1:
+            logged.append(float(loss))
             print(f"step {step} loss {float(loss):.3e}")
 
     g = jnp.linspace(0.0, L, 64)
@@ -98,6 +101,7 @@ def main(argv=None):
     u, ref = jax.vmap(u_net, (None, 0))(state.params, z), exact(z, L)
     error = float(jnp.linalg.norm(u - ref) / jnp.linalg.norm(ref))
     print(f"relative L2 error {error:.3e}")
+    print(port_verdict(params, state.params, logged, args.steps))  # stalled when every step was skipped
     return {"error": error, "loss": float(loss)}
 
 

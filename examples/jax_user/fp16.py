@@ -27,6 +27,8 @@ import jax.numpy as jnp
 import optax
 import jaxamp
 
+from examples.common.verdict import port_verdict
+
 
 class MLP(nn.Module):
     width: int = 64
@@ -111,12 +113,14 @@ def main(argv=None):
         return (params, opt_state, weights), loss
 
     state, key = (params, opt_state, weights), jax.random.PRNGKey(args.seed + 1)
+    logged = []
     for step in range(args.steps):
         batch = sample(jax.random.fold_in(key, step))
         if step % 100 == 0:
             state = update_weights(state, batch)
         state, loss = train_step(state, batch)
         if step % 500 == 0 or step == args.steps - 1:
+            logged.append(float(loss))
             print(f"step {step} loss {float(loss):.3e}")
 
     t, x = [g.ravel() for g in jnp.meshgrid(jnp.linspace(0, T, 64), jnp.linspace(-X, X, 128))]
@@ -124,6 +128,7 @@ def main(argv=None):
     ref = exact(t / c, x / c, 0.1)
     error = float(jnp.linalg.norm(u - ref) / jnp.linalg.norm(ref))
     print(f"relative L2 error {error:.3e}")
+    print(port_verdict(params, state[0], logged, args.steps))  # stalled when every step was skipped
     return {"error": error, "loss": float(loss)}
 
 

@@ -9,6 +9,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 import numpy as np  # noqa: E402
 
 
@@ -59,29 +60,53 @@ def plot_losses(workdir: str, recs: List[Dict[str, Any]]) -> str:
     return _save(fig, workdir, "losses.png")
 
 
+def _integer_axis(ax) -> None:
+    """Whole powers of two on a log2-scale axis, with some room around a constant curve."""
+    lo, hi = ax.get_ylim()
+    if hi - lo < 2:
+        mid = round((lo + hi) / 2)
+        ax.set_ylim(mid - 1.5, mid + 1.5)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+
+
 def plot_scales(workdir: str, recs: List[Dict[str, Any]]) -> str:
-    """``scales.png``: log2 of every scaler against the step, skipped steps marked; below it,
-    when the records have them, each key's headroom (``headroom_log2/<key>``: powers of two
-    between its largest scaled derivative and 65504; 0 is the overflow line)."""
+    """``scales.png``: log2 of every derivative scaler against the step, skipped steps marked
+    below the curves; under it the loss scale (log2) on its own axis, so that its fall at an
+    underflow (to about -126) does not squash the derivative scales; below, when the records
+    have them, each key's headroom (``headroom_log2/<key>``: powers of two between its largest
+    scaled derivative and 65504; 0 is the overflow line)."""
     keys = [k for k in recs[0] if k.startswith("headroom_log2/")] if recs else []
-    fig, axes = plt.subplots(2 if keys else 1, 1, figsize=(8, 7.5 if keys else 4.5), sharex=True, squeeze=False)
-    ax = axes[0, 0]
+    n = 3 if keys else 2
+    fig, axes = plt.subplots(n, 1, figsize=(8, 3.0 * n + 0.5), sharex=True, squeeze=False,
+                             gridspec_kw={"height_ratios": [2.2, 1.4] + ([2.0] if keys else [])})
+    ax, lax = axes[0, 0], axes[1, 0]
     if recs:
         steps = np.array([r["step"] for r in recs])
-        for k in [k for k in recs[0] if k.startswith("scale_log2/")]:
-            ax.step(steps, [_num(r[k]) for r in recs], where="post", label=k.split("/", 1)[1])
+        scalers = [k for k in recs[0] if k.startswith("scale_log2/") and k != "scale_log2/loss"]
+        for j, k in enumerate(scalers):
+            ax.step(steps, [_num(r[k]) for r in recs], where="post", ls=_STYLES[j % len(_STYLES)][0],
+                    label=f"key {k.split('/', 1)[1]}")
+        if not scalers:
+            ax.text(0.5, 0.5, "no derivative scaler in this run", transform=ax.transAxes, ha="center")
+        _integer_axis(ax)
         skipped = steps[np.array([bool(r["skipped"]) for r in recs])]
         if len(skipped):
             ymin = ax.get_ylim()[0]
             ax.plot(skipped, np.full(len(skipped), ymin), "r|", ms=12, label=f"skipped ({len(skipped)} steps)")
-        ax.legend(fontsize=8)
-    ax.set_ylabel("log2 scale")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+        if "scale_log2/loss" in recs[0]:
+            lax.step(steps, [_num(r["scale_log2/loss"]) for r in recs], where="post", color="k", label="loss scale")
+            lax.legend(fontsize=8)
+            _integer_axis(lax)
+    ax.set_ylabel("derivative scales, log2")
     ax.set_title("scalers")
+    lax.set_ylabel("loss scale, log2")
     if keys:
-        low = axes[1, 0]
+        low = axes[2, 0]
         for k in keys:
-            low.plot(steps, [_num(r[k]) for r in recs], lw=0.8, label=k.split("/", 1)[1])
-        low.axhline(0.0, color="r", lw=0.8, ls="--")
+            low.plot(steps, [_num(r[k]) for r in recs], lw=0.8, label=f"key {k.split('/', 1)[1]}")
+        low.axhline(0.0, color="r", lw=0.8, ls="--", label="overflow line (65504)")
         low.set_ylabel("headroom, log2 (to 65504)")
         low.legend(fontsize=8)
     axes[-1, 0].set_xlabel("step")
@@ -100,62 +125,127 @@ def _window_means(steps: np.ndarray, values: np.ndarray, n_windows: int = 200) -
     return np.array(centers), np.array(means)
 
 
-def plot_comparison(workdir: str, runs: Dict[str, List[Dict[str, Any]]], title: str = "") -> str:
-    """``comparison.png``: every mode of one seed on shared axes. Top: the total loss, the mean
-    of the finite values per window of steps (a window with only non-finite losses leaves a
-    gap; those steps are marked along the top edge). Bottom: every active scaler in log2, with
-    the skipped steps of each run marked below the curves.
+# plot_comparison's per-mode styles: the first mode drawn widest and faint, the last thin on
+# top, each with its own line style and marker, so that no curve hides another one.
+_STYLES = (("-", "o"), ("--", "s"), ("-.", "^"), (":", "D"), ((0, (5, 1, 1, 1)), "v"), ((0, (1, 1)), "P"))
 
-    ``runs`` maps a mode name to that run's metric records (its ``metrics.jsonl``)."""
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
-    skips, bad_losses = [], []
-    for i, (mode, recs) in enumerate(runs.items()):
-        if not recs:
-            continue
-        color = f"C{i}"
+
+def _mode_order(modes: Sequence[str]) -> List[str]:
+    """Drawing order: fp32 last (on top, thinnest), the others as given."""
+    return [m for m in modes if m != "fp32"] + [m for m in modes if m == "fp32"]
+
+
+def _same_as(series: np.ndarray, drawn: List[Tuple[str, np.ndarray]]) -> str:
+    """`` (same curve as X)`` when ``series`` equals an already drawn one (NaNs equal), else ''."""
+    for name, other in drawn:
+        if other.shape == series.shape and np.array_equal(other, series, equal_nan=True):
+            return f" (same curve as {name})"
+    return ""
+
+
+def comparison_figure(runs: Dict[str, List[Dict[str, Any]]], title: str = ""):
+    """The figure of :func:`plot_comparison` (returned open, for tests)."""
+    modes = [m for m, recs in runs.items() if recs]
+    colors = {m: f"C{i}" for i, m in enumerate(runs)}
+    order = _mode_order(modes)
+    n = max(1, len(order))
+    fig, (top, lscale, dscale, strip) = plt.subplots(
+        4, 1, figsize=(9.5, 11.5), sharex=True, gridspec_kw={"height_ratios": [3.0, 1.7, 2.2, 0.5 + 0.3 * n]})
+    drawn_loss: List[Tuple[str, np.ndarray]] = []
+    drawn_ls: List[Tuple[str, np.ndarray]] = []
+    drawn_ds: List[Tuple[str, np.ndarray]] = []
+    bad_losses, any_ds = [], False
+    for rank, mode in enumerate(order):
+        recs, color = runs[mode], colors[mode]
+        ls, marker = _STYLES[rank % len(_STYLES)]
+        width = 1.2 + 2.4 * (n - 1 - rank) / max(1, n - 1)  # widest first, thinnest (fp32) last, on top
+        alpha = 0.55 if rank < n - 1 else 1.0
         steps = np.array([r["step"] for r in recs])
         loss = np.array([_num(r["loss"]) for r in recs])
-        top.plot(*_window_means(steps, loss), color=color, lw=1.2, marker=".", ms=3,
-                 label=f"{mode} (window mean of finite losses)")
+        x, y = _window_means(steps, loss)
+        every = max(1, len(x) // 10)
+        mark = dict(marker=marker, ms=6, markevery=(rank * every // n, every), mfc="none", mew=1.3)
+        none = "" if np.isfinite(y).any() else " (no finite loss: nothing to draw)"
+        top.plot(x, y, color=color, ls=ls, lw=width, alpha=alpha, zorder=2 + rank, **mark,
+                 label=f"{mode}{none or _same_as(y, drawn_loss)}")
+        drawn_loss.append((mode, y))
         bad_losses.append((mode, color, steps[~np.isfinite(loss)]))
-        for j, k in enumerate(k for k in recs[0] if k.startswith("scale_log2/")):
-            series = [_num(r[k]) for r in recs]
-            if k == "scale_log2/loss" and not any(series):
-                continue  # loss scaler off (fp32, bf16): constant 2^0
-            bottom.step(steps, series, where="post", color=color, lw=1.2, ls=("-", "--", ":", "-.")[j % 4],
-                        label=f"{mode}: {k.split('/', 1)[1]}")
-        skips.append((mode, color, steps[np.array([bool(r["skipped"]) for r in recs])]))
+        series = np.array([_num(r.get("scale_log2/loss", 0.0)) for r in recs])
+        if "scale_log2/loss" in recs[0] and np.any(series):  # fp32, bf16: no loss scaler (2^0 throughout)
+            lscale.step(steps, series, where="post", color=color, ls=ls, lw=width, alpha=alpha, zorder=2 + rank,
+                        label=f"{mode}{_same_as(series, drawn_ls)}")
+            drawn_ls.append((mode, series))
+        keys = [k for k in recs[0] if k.startswith("scale_log2/") and k != "scale_log2/loss"]
+        for j, k in enumerate(keys):
+            series = np.array([_num(r[k]) for r in recs])
+            name = f"{mode}: key {k.split('/', 1)[1]}"
+            dscale.step(steps, series, where="post", color=color, lw=max(1.0, width - 0.6 * j), alpha=alpha,
+                        ls=_STYLES[(rank + j) % len(_STYLES)][0], zorder=2 + rank,
+                        label=f"{name}{_same_as(series, drawn_ds)}")
+            drawn_ds.append((name, series))
+            any_ds = True
+        skipped = steps[np.array([bool(r["skipped"]) for r in recs])]
+        row = len(order) - 1 - rank
+        strip.plot(skipped, np.full(len(skipped), row), "|", color=color, ms=9, mew=1.2)
+        strip.text(1.005, row, f"{len(skipped)}", transform=strip.get_yaxis_transform(), va="center", fontsize=8)
     top.set_yscale("log")
     low, high = top.get_ylim()
     for i, (mode, color, bad) in enumerate(b for b in bad_losses if len(b[2])):
         y = high * 10 ** (0.05 * (i + 1) * np.log10(high / low))  # one row of marks per mode, above the curves
         top.plot(bad, np.full(len(bad), y), "|", color=color, ms=6,
                  label=f"{mode}: non-finite loss ({len(bad)} steps, first {bad[0]})")
-    low, high = bottom.get_ylim()
-    for i, (mode, color, skipped) in enumerate(s for s in skips if len(s[2])):
-        y = low - (i + 1) * 0.04 * (high - low)  # one row of marks per mode, below the curves
-        bottom.plot(skipped, np.full(len(skipped), y), "|", color=color, ms=6, label=f"{mode}: skipped ({len(skipped)})")
-    top.set_ylabel("loss")
-    top.legend(fontsize=7)
+    top.set_ylabel("loss (window mean\nof the finite values)")
+    top.legend(fontsize=8, title="mode (fp32 drawn last, on top)", title_fontsize=8)
     top.set_title(title or "modes compared")
-    bottom.set_ylabel("log2 scale")
-    bottom.set_xlabel("step")
-    bottom.legend(fontsize=7, ncol=2)
-    return _save(fig, workdir, "comparison.png")
+    lscale.set_ylabel("loss scale, log2")
+    if drawn_ls:
+        lscale.legend(fontsize=8, title="loss scaler (fp32/bf16 have none)", title_fontsize=8)
+    else:
+        lscale.text(0.5, 0.5, "no loss scaler in these runs", transform=lscale.transAxes, ha="center", fontsize=9)
+    dscale.set_ylabel("derivative scales, log2")
+    if any_ds:
+        dscale.legend(fontsize=7, ncol=2, title="derivative scaler per key (1, 2: per order; u__x ...: per term)",
+                      title_fontsize=8)
+    else:
+        dscale.text(0.5, 0.5, "no derivative scaler in these runs", transform=dscale.transAxes, ha="center",
+                    fontsize=9)
+    strip.set_yticks(range(len(order)), list(reversed(order)), fontsize=8)
+    strip.set_ylim(-0.6, len(order) - 0.4)
+    strip.set_ylabel("skipped\nsteps")
+    strip.text(1.005, 1.02, "count", transform=strip.transAxes, fontsize=7)
+    strip.set_xlabel("step")
+    for ax in (lscale, dscale):
+        _integer_axis(ax)  # log2 scales are whole powers of two
+    return fig
 
 
-def _save(fig, workdir: str, name: str) -> str:
+def plot_comparison(workdir: str, runs: Dict[str, List[Dict[str, Any]]], title: str = "") -> str:
+    """``comparison.png``: every mode of one seed on shared step axes, four panels. The loss:
+    the mean of the finite values per window of steps (a window with only non-finite losses
+    leaves a gap; those steps are marked along the top edge). The loss scale (log2) on its own
+    axis: its fall to about -126 at an underflow does not squash the derivative scales. The
+    derivative scales (log2), per mode and key. The skipped steps, one row per mode, with their
+    count. No curve hides another: each mode has its own line style and marker, the first drawn
+    widest and fp32 last (thin, on top), and a curve equal to one already drawn says so in the
+    legend ("same curve as ...").
+
+    ``runs`` maps a mode name to that run's metric records (its ``metrics.jsonl``)."""
+    return _save(comparison_figure(runs, title), workdir, "comparison.png")
+
+
+def _save(fig, workdir: str, name: str, tight: bool = True) -> str:
     path = os.path.join(workdir, name)
-    fig.tight_layout()
+    if tight:  # False: the figure placed its axes and legends itself
+        fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
 
 
 # plot_profile's colors: what each says about the drawn bar (1st percentile to max).
-PROFILE_COLORS = (("C3", "bar crosses the band: values above 65504 or p1 below 2^-14"),
-                  ("C1", "bar inside, but some values below p1 are under 2^-14"),
-                  ("C0", "every nonzero value inside the band"))
+PROFILE_COLORS = (("C3", "red: the bar leaves the band (labelled: overflow or underflow)"),
+                  ("C1", "orange: inside, but a few values below p1 under 2^-14"),
+                  ("C0", "blue: p1 to max inside the band"))
 
 
 def profile_color(r: Any) -> str:
@@ -169,20 +259,21 @@ def profile_color(r: Any) -> str:
     return "C1" if float(r.frac_subnormal) > 0 else "C0"
 
 
-def plot_profile(workdir: str, prof: Any) -> str:
-    """``profile.png``: where each derivative and each scaler key sits in float16's window.
+def _profile_rows(prof: Any) -> List[Tuple[str, Any]]:
+    """``(label, range)`` per bar: each key's checked derivatives, then every value it scales."""
+    rows = [(f"key {k}: derivatives it checks", r) for k, r in prof.derivatives.items()]
+    return rows + [(f"key {k}: every value it scales", r) for k, r in prof.keys.items()]
 
-    ``prof`` is a :class:`jaxamp.window.Profile` of the final parameters and scales. One bar
-    per derivative and per scaler key, from the 1st percentile of its nonzero magnitudes to
-    its largest (log2, scaled as float16 holds it), a dot at the median; the shaded band is
-    float16's normal range, 2^-14 to 65504. Colors (:data:`PROFILE_COLORS`, :func:`profile_color`):
-    red = the bar crosses the band, orange = the bar is inside but some values below its
-    1st percentile are under 2^-14, blue = inside. A group with no nonzero value gets no bar,
-    the words "all zero / no values" instead."""
+
+def profile_figure(prof: Any):
+    """The figure of :func:`plot_profile` (returned open, for tests)."""
     from matplotlib.patches import Patch
 
-    rows = [(name, r) for name, r in prof.derivatives.items()] + [(f"scaler {k}", r) for k, r in prof.keys.items()]
-    fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 3.0))
+    rows = _profile_rows(prof)
+    plot_h, foot_h = 0.5 * max(len(rows), 2) + 1.3, 1.9  # inches: the bars, the legends under them
+    height = plot_h + foot_h
+    fig, ax = plt.subplots(figsize=(9.5, height))
+    fig.subplots_adjust(left=0.24, right=0.97, top=1 - 0.45 / height, bottom=(foot_h + 0.1) / height)
     top = float(np.log2(65504.0))
     ax.axvspan(-14, top, color="C2", alpha=0.12)
     for i, (name, r) in enumerate(rows):
@@ -193,13 +284,46 @@ def plot_profile(workdir: str, prof: Any) -> str:
             continue
         ax.plot([lo, hi], [i, i], color=profile_color(r), lw=6, solid_capstyle="butt")
         ax.plot([mid], [i], "k.", ms=5)
-    ax.set_yticks(range(len(rows)), [name for name, _ in rows], fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlabel("log2 |value| as float16 holds it (scaled); bar: 1st percentile to max, dot: median")
-    ax.set_title("derivative ranges at the end of training\nred: bar outside the shaded float16 band; "
-                 "orange: inside, but values below p1 under 2^-14; blue: inside", fontsize=9)
-    handles = [Patch(color="C2", alpha=0.12, label="float16 normal range, 2^-14 to 65504")]
+        if hi > top:  # say which edge a red bar crosses: overflow is what skips steps
+            ax.text(hi, i - 0.3, "overflow: max > 65504 (a step skips)", ha="right", va="bottom", fontsize=7, color="C3")
+        if lo < -14:
+            ax.text(lo, i - 0.3, "underflow: p1 < 2^-14 (tiny values lost; often harmless)", ha="left",
+                    va="bottom", fontsize=7, color="C3")
+    if not rows:
+        ax.text(0.5, 0.5, "no derivative scaler in this run (fp32, bf16 or plain fp16): nothing scaled to show",
+                transform=ax.transAxes, ha="center", va="center", fontsize=9)
+        ax.set_yticks([])
+    else:
+        ax.set_yticks(range(len(rows)), [name for name, _ in rows], fontsize=8)
+        if prof.derivatives and prof.keys:  # the two groups of rows
+            ax.axhline(len(prof.derivatives) - 0.5, color="0.6", lw=0.8)
+    ax.set_ylim(max(len(rows), 1) - 0.5, -0.8)
+    ax.set_xlim(min(-16.0, ax.get_xlim()[0]), max(top + 2.0, ax.get_xlim()[1]))
+    ax.set_xlabel("log2 |value| as float16 holds it (times the key's scale); bar: 1st percentile to max, dot: median")
+    ax.set_title("where each derivative scaler's values sit in float16's range, at the end of training", fontsize=10)
+    handles = [Patch(color="C2", alpha=0.12, label="float16's normal range, 2^-14 to 65504")]
     handles += [Patch(color=c, label=text) for c, text in PROFILE_COLORS]
-    below = -0.6 / (0.45 * len(rows) + 1.2)  # about 0.6 inch under the axes, past the x label: no bar hidden
-    ax.legend(handles=handles, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, below), ncol=2)
-    return _save(fig, workdir, "profile.png")
+    rows_help = ("rows: key K is a derivative scaler (per order: 1 = first derivatives, 2 = second ...; per term: "
+                 "u__x ...).\n'derivatives it checks': the derivatives whose overflow check skips a step; "
+                 "'every value it scales': those\nand the hidden float16 values of the passes its seed scales "
+                 "(what jaxamp.window.recommend fits a start scale to).")
+    fig.legend(handles=handles, fontsize=7.5, loc="lower center", bbox_to_anchor=(0.5, 0.8 / height), ncol=2)
+    fig.text(0.5, 0.12 / height, rows_help, ha="center", va="bottom", fontsize=7.5)
+    return fig
+
+
+def plot_profile(workdir: str, prof: Any) -> str:
+    """``profile.png``: where each derivative and each scaler key sits in float16's window.
+
+    ``prof`` is a :class:`jaxamp.window.Profile` of the final parameters and scales. One bar
+    per scaler key's checked derivatives ("key K: derivatives it checks") and per key's every
+    scaled value ("key K: every value it scales": those plus the hidden passes its seed
+    scales), from the 1st percentile of its nonzero magnitudes to its largest (log2, scaled as
+    float16 holds it), a dot at the median; the shaded band is float16's normal range, 2^-14 to
+    65504. Colors (:data:`PROFILE_COLORS`, :func:`profile_color`): red = the bar crosses the
+    band, labelled with the edge it crosses (overflow above 65504, which skips steps; underflow
+    of the 1st percentile below 2^-14, often harmless), orange = the bar is inside but some
+    values below its 1st percentile are under 2^-14, blue = inside. A group with no nonzero
+    value gets no bar, the words "all zero / no values" instead; a run without derivative
+    scalers says so. Under the plot, a legend of the colors and of the rows."""
+    return _save(profile_figure(prof), workdir, "profile.png", tight=False)

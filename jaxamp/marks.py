@@ -3,7 +3,8 @@
 Every jaxamp path writes a scaled step (docs/algorithm.md, "One derivative step") with
 ``deriv_scale_p(v)``, the scale of the derivative of ``v``, and ``deriv_check_p(g, v)``, which
 marks ``g``, the scaled derivative of ``v``, for the overflow check; both carry a static
-``order`` and ``term``. Outside :func:`jaxamp.scaled`, which interprets them, they are inert.
+``order`` relative to ``v``'s (:mod:`jaxamp.nesting` reads the step's order from the program),
+``term`` and ``wrt``. Outside :func:`jaxamp.scaled`, which interprets them, they are inert.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from jax.extend import core as jcore
 from jax.interpreters import ad, batching, mlir
 
 __all__ = ["SEP", "NONFINITE_VALUES", "scaler_key", "step_flags", "seed", "rescale", "unscale", "or_into", "merge_found_inf",
-           "reduce_flags", "deriv_scale_p", "deriv_check_p", "deriv_scale", "deriv_check", "PRIMITIVES"]
+           "reduce_flags", "deriv_scale_p", "deriv_check_p", "deriv_scale", "deriv_check", "fresh", "PRIMITIVES"]
 
 SEP = "__"  # "u__x" is du/dx, "u__x__y" is d/dy(du/dx)
 # Reserved key of found_inf: True when an input, a network output or a value below a
@@ -139,7 +140,8 @@ def reduce_flags(pending: Mapping[str, List[jax.Array]]) -> Dict[str, jax.Array]
 
 
 # ---------------------------------------------------------------- deriv_scale_p
-# deriv_scale_p(v) -> f32 array of v's shape, every entry the key's scale. With v as operand
+# deriv_scale_p(v) -> f32 array of v's shape, every entry the key's scale; params order (relative
+# to v's: jaxamp.nesting), term, wrt. With v as operand
 # the scale is batched wherever v is: one seed per point under vmap, as the Derivatives engine.
 deriv_scale_p = jcore.Primitive("jaxamp_deriv_scale")
 
@@ -148,13 +150,13 @@ def _scale_impl(v, **_):
     return jnp.ones(jnp.shape(v), jnp.float32)
 
 
-def _scale_jvp(primals, tangents, *, order, term):
-    out = deriv_scale_p.bind(*primals, order=order, term=term)
+def _scale_jvp(primals, tangents, **params):
+    out = deriv_scale_p.bind(*primals, **params)
     return out, ad.Zero(jax.core.ShapedArray(jnp.shape(out), jnp.float32))
 
 
-def _scale_batch(args, dims, *, order, term):
-    return deriv_scale_p.bind(*args, order=order, term=term), dims[0]
+def _scale_batch(args, dims, **params):
+    return deriv_scale_p.bind(*args, **params), dims[0]
 
 
 deriv_scale_p.def_impl(_scale_impl)
@@ -174,21 +176,21 @@ def _check_impl(g, v, **_):
     return g
 
 
-def _check_jvp(primals, tangents, *, order, term):
+def _check_jvp(primals, tangents, **params):
     # The primal is checked; the tangent passes through unchecked (a derivative of this
     # derivative is checked by its own deriv_check_p), so no transpose rule is needed.
     (g, v), (g_dot, _) = primals, tangents
-    out = deriv_check_p.bind(g, v, order=order, term=term)
+    out = deriv_check_p.bind(g, v, **params)
     if type(g_dot) is ad.Zero:
         return out, ad.Zero(jax.core.ShapedArray(g.shape, g_dot.aval.dtype))
     return out, g_dot
 
 
-def _check_batch(args, dims, *, order, term):
+def _check_batch(args, dims, **params):
     (g, v), (dg, dv) = args, dims
     size = g.shape[dg] if dg is not None else v.shape[dv]  # None: not batched
     g, v = batching.bdim_at_front(g, dg, size), batching.bdim_at_front(v, dv, size)
-    return deriv_check_p.bind(g, v, order=order, term=term), 0
+    return deriv_check_p.bind(g, v, **params), 0
 
 
 deriv_check_p.def_impl(_check_impl)
@@ -200,11 +202,29 @@ mlir.register_lowering(deriv_check_p, mlir.lower_fun(_check_impl, multiple_resul
 PRIMITIVES = frozenset((deriv_scale_p, deriv_check_p))
 
 
-def deriv_scale(v: jax.Array, *, order: int, term: Optional[str]) -> jax.Array:
-    """The scale of the derivative of ``v`` (f32, ``v``'s shape); 1.0 outside ``scaled``."""
-    return deriv_scale_p.bind(v, order=order, term=term)
+def deriv_scale(v: jax.Array, *, order: int, term: Optional[str], wrt: Optional[str] = None) -> jax.Array:
+    """The scale of a derivative ``order`` steps above ``v`` (f32, ``v``'s shape); 1.0 outside
+    ``scaled``. ``term``: the differentiated value's name (None: from the program); ``wrt``:
+    the variable's name (None: unnamed). :mod:`jaxamp.nesting` gives the step's order."""
+    return deriv_scale_p.bind(v, order=order, term=term, wrt=wrt)
 
 
-def deriv_check(g: jax.Array, v: jax.Array, *, order: int, term: Optional[str]) -> jax.Array:
-    """``g``, the scaled derivative of ``v``, marked for the overflow check of its key."""
-    return deriv_check_p.bind(g, v, order=order, term=term)
+def fresh(x: Any) -> Any:
+    """``x`` (a pytree) marked as the variable a derivative is taken along: whatever derivatives
+    ``x`` was computed from, a step along it differentiates the function, not ``x``
+    (:mod:`jaxamp.nesting`). Identity on values; non-float leaves pass as they are."""
+
+    def one(a):
+        if not hasattr(a, "dtype") or not jnp.issubdtype(jnp.result_type(a), jnp.inexact):
+            return a
+        return deriv_check_p.bind(a, a, order=0, term=None, wrt=None, check=False)
+
+    return jax.tree_util.tree_map(one, x)
+
+
+def deriv_check(g: jax.Array, v: jax.Array, *, order: int, term: Optional[str], wrt: Optional[str] = None,
+                check: bool = True) -> jax.Array:  # fmt: skip
+    """``g``, the scaled derivative ``order`` steps above ``v``, marked for the overflow check of
+    its key (``order`` 0: ``g`` is a value, checked for bad values). ``check=False`` only
+    names ``g`` as that derivative (its order and name for the marks above it)."""
+    return deriv_check_p.bind(g, v, order=order, term=term, wrt=wrt, check=check)

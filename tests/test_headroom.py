@@ -136,7 +136,8 @@ def test_headroom_is_off_by_default_and_value_and_grad_reads_the_states_scales()
     _, metrics = jax.jit(step)(state, POINTS[:64])
     assert not any(k.startswith("headroom_log2/") for k in metrics) and "terms/pde" in metrics
     state8, _, _ = _problem(headroom=True, amp=SCALE8)
-    (_, aux), grads = jaxamp.value_and_grad(loss_fn, has_aux=True)(state8.amp_state, state8.params, POINTS[:64])
+    (_, aux), grads = jaxamp.value_and_grad(loss_fn, has_aux=True, headroom=True)(state8.amp_state, state8.params,
+                                                                                  POINTS[:64])
     assert sorted(aux) == ["pde"] and sorted(grads.headroom_log2) == ["1", "2"]
     # under value_and_grad the headroom reads the state's scales (key "2" at 2^3): 3 below scale 1's
     _, _, at_one = jaxamp.scaled(loss_fn, SCALE8, headroom=True)(ONES, state8.params, POINTS[:64])

@@ -114,27 +114,34 @@ def scaler_key(amp: Optional[AmpConfig], parent: str) -> str:
 
 
 def mark_params(key: str) -> Dict[str, object]:
-    """The ``order`` and ``term`` of the marks of a step under ``key`` (which
-    :func:`jaxamp.marks.scaler_key` maps back to ``key``)."""
+    """The ``order`` and ``term`` of the scale mark of a step under ``key`` at a point of order 0
+    (which :func:`jaxamp.marks.scaler_key` maps back to ``key``)."""
     return {"order": int(key), "term": None} if key.isdigit() else {"order": order_of(key) + 1, "term": key}
 
 
-def run_marked(plan: "Plan", point_engine: Callable, f: Callable, x, marks_of: Mapping[str, Dict[str, object]]):
+def run_marked(plan: "Plan", point_engine: Callable, f: Callable, x, marks_of: Mapping[str, Dict[str, object]],
+               wrt_of: Optional[Mapping[str, Optional[str]]] = None):  # fmt: skip
     """One point of ``plan`` by ``point_engine``, marked: ``(values, checked)``. Each key's scale
-    is a ``deriv_scale_p`` of ``marks_of[key]``; scaled plans check each scaled result."""
+    is a ``deriv_scale_p`` of ``marks_of[key]`` at the point; each value is named the derivative
+    one step above its parent (``wrt_of[name]``: its variable's name; default the plan's input),
+    so that a step's order follows from the program (:mod:`jaxamp.nesting`); scaled plans check
+    each scaled result."""
     step_scales = {k: marks.deriv_scale(x[0], **marks_of[k]) for k in plan.step_keys}
     values, scaled_values = point_engine(plan, f, x, step_scales)
-    if not plan.scaled:
-        return values, scaled_values
-    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(v)) for v in (x if isinstance(x, tuple) else (x,))]))
-    ok = {o: finite for o in plan.outputs}
-    checked = {}
-    for name in plan.derivatives:
-        parent = parent_of(name)
-        ok[name] = ok[parent] & jnp.isfinite(values[parent])
-        below = jnp.where(ok[name], values[parent], jnp.nan)  # finite where every value below is
-        checked[name] = marks.deriv_check(scaled_values[name], below, **marks_of[plan.paths[name][-1][0]])
-    return values, checked
+    values, checked, ok = dict(values), {}, {}
+    if plan.scaled:
+        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(v)) for v in (x if isinstance(x, tuple) else (x,))]))
+        ok = {o: finite for o in plan.outputs}
+    for name in plan.derivatives:  # by order: a parent is named before its children
+        parent, key = parent_of(name), plan.paths[name][-1][0]
+        wrt = parse_name(name)[1][-1] if wrt_of is None else wrt_of.get(name)
+        step = dict(order=1, term=marks_of[key]["term"], wrt=wrt)
+        if plan.scaled:
+            ok[name] = ok[parent] & jnp.isfinite(values[parent])
+            below = jnp.where(ok[name], values[parent], jnp.nan)  # finite where every value below is
+            checked[name] = marks.deriv_check(scaled_values[name], below, **step)
+        values[name] = marks.deriv_check(values[name], values[parent], **step, check=False)
+    return values, checked if plan.scaled else scaled_values
 
 
 def make_plan(inputs: Sequence[str], outputs: Sequence[str], derivatives: Sequence[str], amp: AmpConfig, *,

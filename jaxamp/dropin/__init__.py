@@ -14,9 +14,9 @@ uses them with :func:`scaled`, which supplies the scales and returns the overflo
 
 Nests of ``grad`` along float32 scalar arguments run as :class:`jaxamp.Derivatives` plans.
 Siblings, scaled and checked the same way: :func:`jacrev`, :func:`jacfwd`, :func:`jvp`,
-:func:`hessian`; :func:`profile` and :func:`init_scalers` measure and start the scales.
+:func:`hessian`; :func:`jaxamp.profile` and :func:`jaxamp.init` measure and start the scales.
 
-A ``grad``'s order (its key) is 1 + the highest order of the ``grad`` calls its function
-makes, found at trace time; a ``jax.jit`` whose trace is cached reports nothing, so put
-``jax.jit`` around the whole loss, not between nested ``grad`` s.
+A ``grad``'s order (its key) is 1 + the highest order of the derivatives its function's value
+depends on, read from the traced program (:mod:`jaxamp.nesting`): the same under any
+``jax.jit``, ``jax.checkpoint``, custom derivative, loop or branch between nested ``grad`` s.
 """

@@ -18,7 +18,7 @@ from jaxamp.config import AmpConfig
 from jaxamp.derivatives import forward
 from jaxamp.derivatives.plan import make_plan, order_of, run_marked
 from jaxamp.interpreter import bind, cse, eval_jaxpr, substitute
-from jaxamp.marks import SEP
+from jaxamp.marks import SEP, fresh
 
 __all__ = ["Chain", "METHODS", "Session", "sessions", "check_output", "extend", "eligible", "evaluate", "shared"]
 
@@ -84,8 +84,8 @@ class Session:
 
     def finish_recording(self) -> None:
         by_args: Dict[Any, int] = {}
-        for _, ids, _, base_order in self.calls:
-            self.groups.append(by_args.setdefault((ids, base_order), len(by_args)))
+        for _, ids, _, base in self.calls:
+            self.groups.append(by_args.setdefault((ids, base), len(by_args)))
         self.recording, self.index = False, 0
 
 
@@ -93,7 +93,7 @@ _STATE = threading.local()
 
 
 def thread_list(name: str) -> list:
-    """This thread's list ``name``: the stack of derivative frames or of sessions, innermost last."""
+    """This thread's list ``name`` (the stack of sessions), innermost last."""
     return _STATE.__dict__.setdefault(name, [])
 
 
@@ -101,29 +101,29 @@ def sessions() -> List[Session]:
     return thread_list("sessions")
 
 
-def shared(chain: Chain, args: Tuple[Any, ...], base_order: int) -> Tuple[jax.Array, int, Optional[str]]:
+def shared(chain: Chain, args: Tuple[Any, ...], base_order: int, base_term: Optional[str]) -> jax.Array:
     """:func:`evaluate`, with the passes shared within the group of the current session."""
-    session = sessions()[-1] if sessions() else None
+    session, base = (sessions()[-1] if sessions() else None), (base_order, base_term)
     if session is not None and session.recording:  # args kept alive: no id is reused
-        session.calls.append((chain, tuple(id(a) for a in args), args, base_order))
+        session.calls.append((chain, tuple(id(a) for a in args), args, base))
     if session is None or session.recording:
-        return evaluate([chain], args, base_order)[0]
+        return evaluate([chain], args, *base)[0]
     i, session.index = session.index, session.index + 1
     if i >= len(session.calls) or session.calls[i][0] != chain:
-        return evaluate([chain], args, base_order)[0]
+        return evaluate([chain], args, *base)[0]
     g = session.groups[i]
     if g not in session.results:
         members = [session.calls[j][0] for j in range(len(session.calls)) if session.groups[j] == g]
-        session.results[g], session.first_args[g] = dict(zip(members, evaluate(members, args, base_order))), args
+        session.results[g], session.first_args[g] = dict(zip(members, evaluate(members, args, *base))), args
     elif any(a is not b for a, b in zip(args, session.first_args[g])) or len(args) != len(session.first_args[g]):
-        return evaluate([chain], args, base_order)[0]
+        return evaluate([chain], args, *base)[0]
     return session.results[g][chain]
 
 
-def evaluate(chains, args: Tuple[Any, ...], base_order: int):
-    """The top derivatives of ``chains`` at the positional ``args`` by one engine plan, marked
-    (``base_order``: the highest order of derivative calls the bases make). Per chain
-    ``(value, order, term)``: the unscaled derivative, its last step's order and term."""
+def evaluate(chains, args: Tuple[Any, ...], base_order: int, base_term: Optional[str]) -> List[jax.Array]:
+    """The top derivatives of ``chains`` at the positional ``args`` by one engine plan, marked.
+    ``base_order``, ``base_term``: the order and name of the bases' values (:mod:`jaxamp.nesting`);
+    a chain's ``of`` names its base first. Each value is marked as its last step's derivative."""
     cols = tuple(sorted({i for c in chains for i in c.argnums}))
     inputs = tuple(f"a{i}" for i in cols)
     bases = list(dict.fromkeys(c.base for c in chains))
@@ -131,26 +131,28 @@ def evaluate(chains, args: Tuple[Any, ...], base_order: int):
     tops = [_node(c, len(c.argnums), output[c]) for c in chains]
     plan = make_plan(inputs, tuple(f"u{b}" for b in range(len(bases))), tuple(dict.fromkeys(tops)), _PLAN_AMP)
     terms: Dict[str, Optional[str]] = {}  # plan parent name -> the user's name of that value
+    wrts: Dict[str, Optional[str]] = {}  # plan derivative name -> the user's name of its variable
     for c in chains:
-        term = c.of  # the user's name of the value step k differentiates, or None
+        term = c.of if c.of is not None else base_term  # the name of the value step k differentiates
         for k, w in enumerate(c.wrts):
             node = _node(c, k, output[c])
             terms[node] = terms.get(node) or term
+            wrts[_node(c, k + 1, output[c])] = w
             term = SEP.join((term, w)) if term is not None and w is not None else None
     # the user's own scalars (eligible: float32), not a stack: the passes' primals are the user's calls
     x = tuple(args[i] if hasattr(args[i], "dtype") else jnp.float32(args[i]) for i in cols)
 
     def f(z):
-        full = substitute(args, cols, z)
+        full = substitute(args, cols, fresh(tuple(z)))
         return jnp.stack([jnp.asarray(check_output("jaxamp.grad", b, b(*full)), jnp.float32) for b in bases])
 
     if len(bases) > 1:  # u and v of one network: its shared work traced once, before the passes
         f = _merged(f, x)
-    # per-term plan keys are the parents' plan names: each becomes the mark of its step
+    # per-term plan keys are the parents' plan names: each becomes the mark of its step (a
+    # scale's order is relative to the point, of order 0: the base's order is added here)
     marks_of = {k: dict(order=base_order + order_of(k) + 1, term=terms.get(k)) for k in plan.step_keys}
-    values, _ = run_marked(plan, forward.point_values, f, x, marks_of)
-    last = [marks_of[plan.paths[top][-1][0]] for top in tops]
-    return [(values[top], m["order"], m["term"]) for top, m in zip(tops, last)]
+    values, _ = run_marked(plan, forward.point_values, f, x, marks_of, wrts)
+    return [values[top] for top in tops]
 
 
 def _merged(f: Callable, x: Tuple[jax.Array, ...]) -> Callable:

@@ -1,8 +1,8 @@
 """Forward-mode siblings of :func:`jaxamp.dropin.grad`: ``jvp``, ``jacfwd`` and ``hessian``.
 
-A derivative's key is known only once ``fun`` is traced, so ``jax.linearize`` traces ``fun``
-and its linear map is applied to the tangent seed times the key's scale; the result is checked
-and unscaled as :func:`jaxamp.dropin.grad`'s.
+``jax.linearize`` traces ``fun`` once and its linear map is applied to the tangent seed times the
+scale of the step above ``fun``'s value; the result is checked and unscaled as
+:func:`jaxamp.dropin.grad`'s.
 """
 
 from __future__ import annotations
@@ -14,22 +14,20 @@ import jax
 import jax.numpy as jnp
 
 from jaxamp.dropin.chain import check_output
-from jaxamp.dropin.grad import Frame, check_fun, check_wrt, finish, framed, jacrev, report, term_of
+from jaxamp.dropin.grad import check_fun, check_wrt, finish, jacrev, step
 from jaxamp.interpreter import substitute
-from jaxamp.marks import deriv_scale, seed
+from jaxamp.marks import deriv_scale, fresh, seed
 
 __all__ = ["jvp", "jacfwd", "hessian"]
 
 
-def _linearized(caller: str, fun: Callable, primals: Sequence[Any], has_aux: bool, of: Optional[str]):
-    """``(out, f_jvp, aux, s, found)``: ``fun`` linearized at ``primals`` and the scale of its key."""
-    with framed(Frame()) as frame:
-        linear = jax.linearize(fun, *primals, has_aux=has_aux)
+def _linearized(caller: str, fun: Callable, primals: Sequence[Any], has_aux: bool, of: Optional[str], wrt: Any):
+    """``(out, f_jvp, aux, s)``: ``fun`` linearized at ``primals`` and the scale of its key."""
+    linear = jax.linearize(lambda *p: fun(*fresh(p)), *primals, has_aux=has_aux)
     out, f_jvp, aux = linear if has_aux else (*linear, None)
     check_output(caller, fun, out, scalar=False)
-    found = {"order": frame.max_order + 1, "term": term_of(frame, of)}
-    s = deriv_scale(out, **found)
-    return out, f_jvp, aux, jnp.reshape(s, (-1,))[0] if jnp.size(s) else jnp.float32(1.0), found
+    s = deriv_scale(out, **step(of, wrt))
+    return out, f_jvp, aux, jnp.reshape(s, (-1,))[0] if jnp.size(s) else jnp.float32(1.0)
 
 
 def jvp(fun: Callable[..., Any], primals: Sequence[Any], tangents: Sequence[Any], has_aux: bool = False, *,
@@ -53,10 +51,9 @@ def jvp(fun: Callable[..., Any], primals: Sequence[Any], tangents: Sequence[Any]
     if not isinstance(primals, (tuple, list)) or not isinstance(tangents, (tuple, list)) or len(primals) != len(tangents):
         raise TypeError(f"jaxamp.jvp: `primals` and `tangents` must be tuples of the same length, got "
                         f"{type(primals).__name__} and {type(tangents).__name__}.")  # fmt: skip
-    out, f_jvp, aux, s, found = _linearized("jaxamp.jvp", fun, primals, has_aux, of)
+    out, f_jvp, aux, s = _linearized("jaxamp.jvp", fun, primals, has_aux, of, None)
     d = f_jvp(*[jax.tree_util.tree_map(lambda t: seed(t, s, jnp.result_type(t)), t) for t in tangents])
-    d = finish(d, out, s, found)
-    report(found["order"], found["term"], None)
+    d = finish(d, out, s, step(of, None))
     return (out, d, aux) if has_aux else (out, d)
 
 
@@ -96,7 +93,8 @@ def jacfwd(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_
         dyn = [jnp.asarray(args[i]) for i in nums]
         if holomorphic and not all(jnp.iscomplexobj(a) for a in dyn):
             raise TypeError("jaxamp.jacfwd: holomorphic=True needs complex arguments at `argnums`.")
-        out, f_jvp, aux, s, found = _linearized("jaxamp.jacfwd", partial, dyn, has_aux, of)
+        names = wrt if isinstance(argnums, tuple) and wrt is not None else (wrt,) * len(nums)
+        out, f_jvp, aux, s = _linearized("jaxamp.jacfwd", partial, dyn, has_aux, of, wrt)
         jacs = []
         for j, a in enumerate(dyn):
             def column(e, j=j):
@@ -105,8 +103,7 @@ def jacfwd(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_
             basis = jnp.eye(a.size, dtype=a.dtype).reshape((a.size,) + a.shape)
             cols = jax.vmap(column)(basis)  # [a.size, *out.shape]
             jac = jnp.moveaxis(cols, 0, -1).reshape(out.shape + a.shape)
-            jacs.append(finish(jac, out, s, found))
-        report(found["order"], found["term"], wrt)
+            jacs.append(finish(jac, out, s, step(of, names[j])))
         result = tuple(jacs) if isinstance(argnums, tuple) else jacs[0]
         return (result, aux) if has_aux else result
 

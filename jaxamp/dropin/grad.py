@@ -2,45 +2,24 @@
 
 Each call differentiates ``fun(*args) * s`` (``s``: its key's ``deriv_scale_p``), marks the
 scaled gradient for the check (``deriv_check_p``) and multiplies it by ``1/s`` in float32. Its
-order, 1 + the highest order of the calls ``fun`` makes, is found at trace time (:func:`frames`).
+marks are one step above ``fun``'s value: :mod:`jaxamp.nesting` reads the order and the name
+from the program (1 + the highest order of the derivatives the value depends on).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import jax
 import jax.numpy as jnp
 
 from jaxamp.dropin import chain
-from jaxamp.marks import SEP, deriv_check, deriv_scale, seed, unscale
+from jaxamp.interpreter import substitute, trace
+from jaxamp.marks import deriv_check, deriv_scale, fresh, seed, unscale
+from jaxamp.nesting import NO_DERIVATIVE, analyze, single_name
 
 __all__ = ["grad", "jacrev"]
-
-class Frame:
-    """What the ``grad`` calls made while one ``fun`` is evaluated report to it."""
-
-    def __init__(self) -> None:
-        self.max_order = 0
-        self.names: List[Optional[str]] = []
-
-
-def frames() -> List[Frame]:
-    """The frames of the derivative calls under way in this thread, innermost last."""
-    return chain.thread_list("frames")
-
-
-@contextlib.contextmanager
-def framed(frame: Frame) -> Iterator[Frame]:
-    """``frame`` on top of :func:`frames` for the duration of the block."""
-    frames().append(frame)
-    try:
-        yield frame
-    finally:
-        frames().pop()
-
 
 def check_name(arg: str, value: Any) -> None:
     if not isinstance(value, str) or not value:
@@ -71,37 +50,28 @@ def check_wrt(caller: str, argnums: Any, wrt: Any) -> Union[int, Tuple[int, ...]
     return tuple(argnums) if multi else argnums
 
 
-def term_of(frame: Frame, of: Optional[str]) -> Optional[str]:
-    """The differentiated value's name: ``of``, else the one name the inner calls report, or None."""
-    names = set(frame.names)
-    return of if of is not None else (names.pop() if len(names) == 1 else None)
+def step(of: Optional[str], wrt: Any) -> Dict[str, Any]:
+    """The marks' parameters of one derivative step of the value named ``of`` (None: its name
+    from the program) along the variable named ``wrt`` (a string, else unnamed)."""
+    return dict(order=1, term=of, wrt=wrt if isinstance(wrt, str) else None)
 
 
-def report(order: int, term: Optional[str], wrt: Any) -> None:
-    """Tell the enclosing derivative call (if any) the order and the name of this one."""
-    if frames():
-        parent = frames()[-1]
-        parent.max_order = max(parent.max_order, order)
-        parent.names.append(SEP.join((term, wrt)) if term is not None and isinstance(wrt, str) else None)
-
-
-def finish(d: jax.Array, value: jax.Array, s: jax.Array, found, inv: Optional[jax.Array] = None) -> jax.Array:
-    """The scaled derivative ``d`` of ``value`` checked under the key ``found`` and unscaled by
-    ``inv`` (default ``1 / s``); float0 gradients (allow_int) pass unchecked."""
+def finish(d: jax.Array, value: jax.Array, s: jax.Array, marks: Dict[str, Any],
+           inv: Optional[jax.Array] = None) -> jax.Array:  # fmt: skip
+    """The scaled derivative ``d`` of ``value`` checked under ``marks`` (:func:`step`) and unscaled
+    by ``inv`` (default ``1 / s``); float0 gradients (allow_int) pass unchecked."""
     if not jnp.issubdtype(d.dtype, jnp.inexact):
         return d
-    d = deriv_check(d, value, **found)
+    d = deriv_check(d, value, **marks)
     return unscale(d, jnp.float32(1.0) / s if inv is None else inv)
 
 
 def _by_engine(link: chain.Chain, args) -> jax.Array:
-    """The chain's top derivative by the forward engine; the orders reported as the nest would."""
-    with framed(Frame()) as probe:
-        jax.make_jaxpr(lambda *a: link.base(*a))(*args)  # its calls' orders (a new function: no trace cache)
-    with framed(Frame()):
-        value, order, term = chain.shared(link, args, probe.max_order)
-    report(order, term, link.wrts[-1])
-    return value
+    """The chain's top derivative by the forward engine. Its steps' orders start above the
+    base's value, whose order and name :mod:`jaxamp.nesting` reads from the base's program."""
+    closed, flat, _ = trace(link.base, args, {})
+    base = analyze(closed.jaxpr, [NO_DERIVATIVE] * len(flat)).outs[0]
+    return chain.shared(link, args, base.order, single_name(base))
 
 
 def _reverse(transform: Callable, caller: str, fun: Callable, argnums, has_aux: bool, of, wrt,
@@ -121,21 +91,26 @@ def _reverse(transform: Callable, caller: str, fun: Callable, argnums, has_aux: 
         if method == "forward":
             raise ValueError(f"{caller}: method='forward' needs int `argnums` and float32 scalar arguments "
                              f"there, given by position; got argnums={argnums!r}. Use method='auto'.")
-        frame, found = Frame(), {}
+        nums = argnums if isinstance(argnums, tuple) else (argnums,)
 
         def seeded(*a, **kw):
-            out = fun(*a, **kw)
+            out = fun(*substitute(a, nums, [fresh(a[i]) for i in nums]), **kw)
             out, aux = out if has_aux else (out, None)
             chain.check_output(caller, fun, out, scalar=caller == "jaxamp.grad")
-            found.update(order=frame.max_order + 1, term=term_of(frame, of))
-            s = deriv_scale(out, **found)
+            s = deriv_scale(out, **step(of, wrt))
             return seed(out, s), (out, s, aux)
 
-        with framed(frame):
-            grads, (value, s, aux) = transform(seeded, argnums, has_aux=True, **options)(*args, **kwargs)
+        grads, (value, s, aux) = transform(seeded, argnums, has_aux=True, **options)(*args, **kwargs)
         inv = jnp.float32(1.0) / s
-        grads = jax.tree_util.tree_map(lambda d: finish(d, value, s, found, inv), grads)
-        report(found["order"], found["term"], wrt)
+
+        def checked(tree, name):
+            return jax.tree_util.tree_map(lambda d: finish(d, value, s, step(of, name), inv), tree)
+
+        if isinstance(argnums, tuple):  # one name per argnum
+            names = wrt if wrt is not None and not isinstance(wrt, str) else (None,) * len(argnums)
+            grads = tuple(checked(g, n) for g, n in zip(grads, names))
+        else:
+            grads = checked(grads, wrt)
         return (grads, aux) if has_aux else grads
 
     if link is not None:

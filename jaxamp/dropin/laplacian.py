@@ -1,9 +1,10 @@
 """``jaxamp.dropin.laplacian``: a scaled Laplacian by collapsed Taylor mode (:mod:`jaxamp.taylor.collapsed`).
 
-With ``m`` the highest order of the drop-in derivatives ``fun`` calls, the first-order tangents
-carry the scale ``s1`` of order ``m + 1`` (per term: key ``of``), the summed second order ``s2`` of
-order ``m + 2`` (``of + "__lap"``) by the factors ``(s2 / s1, 1 / s1)``: no float16 value carries
-``s1 * s2``. It reports order ``m + 2`` and no name.
+With ``m`` the order of ``fun``'s value (the highest order of the drop-in derivatives it depends
+on, :mod:`jaxamp.nesting`), the first-order tangents carry the scale ``s1`` of order ``m + 1``
+(per term: key ``of``), the summed second order ``s2`` of order ``m + 2`` (``of + "__lap"``) by the
+factors ``(s2 / s1, 1 / s1)``: no float16 value carries ``s1 * s2``. Its value is a derivative of
+order ``m + 2`` with no name.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ import numpy as np
 
 from jaxamp import interpreter
 from jaxamp.derivatives.plan import LAP
-from jaxamp.dropin.grad import Frame, check_fun, framed, report, term_of
-from jaxamp.marks import SEP, deriv_check, deriv_scale, seed
+from jaxamp.dropin.grad import check_fun
+from jaxamp.marks import SEP, deriv_check, deriv_scale, fresh, seed
+from jaxamp.nesting import NO_DERIVATIVE, analyze, single_name
 from jaxamp.taylor.collapsed import propagate_jaxpr
 
 __all__ = ["laplacian", "METHODS"]
@@ -95,7 +97,7 @@ def laplacian(fun: Callable[..., Any], argnums: int = 0, *, of: Optional[str] = 
       fun: a function returning one scalar (shape ``()``), floating point.
       argnums: the position of ``x``, a floating-point array of shape ``(d,)`` or a scalar.
       of: the name of ``fun``'s value (``"u"``), for per-term keys; default: the one name the
-        drop-in derivatives ``fun`` calls report, if any.
+        drop-in derivatives ``fun``'s value depends on carry, if exactly one.
       indices: the entries of ``x`` to sum over (distinct ints in ``[0, d)``); None: all.
       method: ``"collapsed"`` (default), or a baseline ``"taylor"``, ``"forward"``, ``"reverse"``.
 
@@ -142,20 +144,20 @@ def laplacian(fun: Callable[..., Any], argnums: int = 0, *, of: Optional[str] = 
                              f"{tuple(x.shape)}.")  # fmt: skip
 
         def flat(zv):
-            return fun(*interpreter.substitute(args, (pos,), (jnp.reshape(zv, x.shape),)), **kwargs)
+            return fun(*interpreter.substitute(args, (pos,), (jnp.reshape(fresh(zv), x.shape),)), **kwargs)
 
         xv = jnp.reshape(x, (d,))
-        with framed(Frame()) as frame:
-            closed = jax.make_jaxpr(flat)(xv)
+        closed = jax.make_jaxpr(flat)(xv)
         avals = closed.out_avals
         if len(avals) != 1 or avals[0].shape != () or not jnp.issubdtype(avals[0].dtype, jnp.inexact):
             got = ", ".join(f"{a.dtype}{list(a.shape)}" for a in avals)
             raise TypeError(f"{CALLER}: `fun`={fun!r} must return one floating-point scalar (shape ()), got {got}.")
-        m, term = frame.max_order, term_of(frame, of)
-        keys = {"first": dict(order=m + 1, term=term),
-                "second": dict(order=m + 2, term=None if term is None else SEP.join((term, LAP)))}  # fmt: skip
+        # one step and two steps above fun's value (jaxamp.nesting); the second's name: u__lap
+        term = of if of is not None else single_name(analyze(closed.jaxpr, [NO_DERIVATIVE]).outs[0])
+        keys = {"first": dict(order=1, term=term, wrt=None),
+                "second": dict(order=2, term=None if term is None else SEP.join((term, LAP)), wrt=None)}
 
-        def g(zv):  # fun as traced: the inner derivatives do not report again
+        def g(zv):  # fun as traced once
             return interpreter.eval_jaxpr(closed.jaxpr, closed.consts, [zv], interpreter.bind)[0]
 
         y = g(xv)
@@ -164,7 +166,6 @@ def laplacian(fun: Callable[..., Any], argnums: int = 0, *, of: Optional[str] = 
         first, second = METHODS[method](closed, g, xv, basis, s1, s2)
         deriv_check(first, y, **keys["first"])  # the first-order tangents: flags only
         second = deriv_check(second, y, **keys["second"])
-        report(m + 2, None, None)
         return seed(second, jnp.float32(1.0) / s2, jnp.promote_types(y.dtype, x.dtype))  # unscaled in float32
 
     return value

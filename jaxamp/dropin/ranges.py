@@ -16,7 +16,8 @@ from jax.extend import core as jcore
 
 from jaxamp.config import AmpConfig, check_flags
 from jaxamp.marks import deriv_check_p, deriv_scale_p
-from jaxamp.dropin.scaled import Context, check_amp, marks_in, scaler_keys, shared_trace
+from jaxamp.dropin.scaled import Context, check_amp, inputs, marks_in, scaler_keys, shared_trace
+from jaxamp.nesting import analyze
 from jaxamp.interpreter import bind, custom_body, eval_jaxpr, split_arrays, sub_jaxpr, sub_jaxprs
 from jaxamp.window import Profile, check_margin, is_low_precision, promote_eqn, promote_value, recommend, value_range
 from jaxamp.scaler import Scalers
@@ -25,19 +26,22 @@ __all__ = ["profile", "init_scalers"]
 
 
 def _inline(eqn, vals):
-    """Bind ``eqn``, with call and custom-derivative bodies inlined (one flat program)."""
+    """Bind ``eqn``, with call, ``jax.checkpoint`` and custom-derivative bodies inlined (one flat
+    program: a profile evaluates once, so rematerialization does not matter)."""
     body = sub_jaxpr(eqn) or custom_body(eqn)
     if body is not None:
         return eval_jaxpr(body.jaxpr, body.consts, vals, _inline)
+    if eqn.primitive.name == "remat2":
+        return eval_jaxpr(eqn.params["jaxpr"], (), vals, _inline)
     return bind(eqn, vals)
 
 
-def _key_sets(jaxpr: jcore.Jaxpr, ctx: Context) -> Dict[Any, frozenset]:
+def _key_sets(jaxpr: jcore.Jaxpr, ctx: Context, resolved) -> Dict[Any, frozenset]:
     """``{var: keys}``: the scaler keys whose seed ``var`` depends on and whose check it feeds."""
     after: Dict[Any, frozenset] = {}  # keys of the seeds a var depends on
     for eqn in jaxpr.eqns:
         if eqn.primitive is deriv_scale_p:
-            keys = frozenset((ctx.key(**eqn.params),))
+            keys = frozenset((ctx.key(*resolved[id(eqn)]),))
         else:
             keys = frozenset().union(*(after.get(v, frozenset()) for v in eqn.invars if not isinstance(v, jcore.Literal)))
         after.update((v, keys) for v in eqn.outvars)
@@ -45,8 +49,8 @@ def _key_sets(jaxpr: jcore.Jaxpr, ctx: Context) -> Dict[Any, frozenset]:
     for eqn in reversed(jaxpr.eqns):
         down = frozenset().union(*(before.get(v, frozenset()) for v in eqn.outvars))
         ins = [v for v in eqn.invars if not isinstance(v, jcore.Literal)]
-        if eqn.primitive is deriv_check_p:  # the scaled gradient feeds the check; the value does not
-            ins, down = ins[:1], down | {ctx.key(**eqn.params)}
+        if eqn.primitive is deriv_check_p and eqn.params["check"]:  # the scaled gradient feeds it, the value not
+            ins, down = ins[:1], down | {ctx.key(*resolved[id(eqn)])}
         for v in ins:
             before[v] = before.get(v, frozenset()) | down
     return {v: after[v] & before[v] for v in after if v in before and after[v] & before[v]}
@@ -100,8 +104,9 @@ def profile(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *,
                                           "the function the loop or branch calls (or start the "
                                           "scalers without a profile: init_scalers(..., "
                                           "from_profile=False)).")  # fmt: skip
-        ctx.scales = {k: jnp.float32(1.0) for k in ctx.keys(flat_jaxpr.jaxpr)} | dict(scales or {})
-        hidden_of = _key_sets(flat_jaxpr.jaxpr, ctx)
+        resolved = analyze(flat_jaxpr.jaxpr, inputs(flat_jaxpr.jaxpr)).resolved
+        ctx.scales = {k: jnp.float32(1.0) for k in ctx.keys(flat_jaxpr.jaxpr, inputs(flat_jaxpr.jaxpr))} | dict(scales or {})
+        hidden_of = _key_sets(flat_jaxpr.jaxpr, ctx, resolved)
         # "low": the derivatives held in float16/bfloat16 that "hidden" does not hold already
         found: Dict[str, Dict[str, List[jax.Array]]] = {"derivatives": {}, "hidden": {}, "low": {}}
 
@@ -110,9 +115,9 @@ def profile(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *,
 
         def rule(eqn, vals):
             if eqn.primitive is deriv_scale_p:
-                outs = [ctx.scale(vals[0], **eqn.params)]
-            elif eqn.primitive is deriv_check_p and eqn.params["order"] > 0:  # order 0: a value check
-                outs, key, g = [promote_value(vals[0])], ctx.key(**eqn.params), eqn.invars[0]
+                outs = [ctx.scale(vals[0], *resolved[id(eqn)])]
+            elif eqn.primitive is deriv_check_p and eqn.params["check"] and eqn.params["order"] > 0:  # 0: a value check
+                outs, key, g = [promote_value(vals[0])], ctx.key(*resolved[id(eqn)]), eqn.invars[0]
                 record("derivatives", key, outs[0])
                 held = () if isinstance(g, jcore.Literal) else hidden_of.get(g, ())
                 if is_low_precision(getattr(g.aval, "dtype", None)) and key not in held:

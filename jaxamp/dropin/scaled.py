@@ -27,6 +27,7 @@ from jaxamp.dropin.grad import check_fun
 from jaxamp.marks import (NONFINITE_VALUES, PRIMITIVES, deriv_check_p, deriv_scale_p, merge_found_inf, or_into,
                           reduce_flags, scaler_key, step_flags)
 from jaxamp.interpreter import CALL_PRIMITIVES, bind, cse, eval_jaxpr, sub_jaxprs, trace
+from jaxamp.nesting import NO_DERIVATIVE, Info, analyze
 from jaxamp.state import find
 from jaxamp.window import LOG2_FP16_MAX
 
@@ -37,19 +38,18 @@ Flags = Dict[str, jax.Array]
 _MARKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def marks_in(jaxpr: jcore.Jaxpr) -> Tuple[Tuple[int, Optional[str]], ...]:
-    """The (order, term) of every jaxamp primitive in ``jaxpr`` and its sub-jaxprs (cached)."""
+def marks_in(jaxpr: jcore.Jaxpr) -> bool:
+    """Whether ``jaxpr`` or one of its sub-jaxprs holds a jaxamp mark (cached)."""
     cached = _MARKED.get(jaxpr)
-    if cached is not None:
-        return cached
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive in PRIMITIVES:
-            found.append((eqn.params["order"], eqn.params["term"]))
-        for sub in sub_jaxprs(eqn):
-            found.extend(marks_in(sub))
-    _MARKED[jaxpr] = found = tuple(dict.fromkeys(found))
-    return found
+    if cached is None:
+        cached = _MARKED[jaxpr] = any(eqn.primitive in PRIMITIVES or any(marks_in(j) for j in sub_jaxprs(eqn))
+                                      for eqn in jaxpr.eqns)  # fmt: skip
+    return cached
+
+
+def inputs(jaxpr: jcore.Jaxpr) -> List[Info]:
+    """The infos of a traced function's arguments: no derivative (:mod:`jaxamp.nesting`)."""
+    return [NO_DERIVATIVE] * len(jaxpr.invars)
 
 
 class Context:
@@ -76,11 +76,11 @@ class Context:
     def key(self, order: int, term: Optional[str]) -> str:
         return scaler_key(self.amp, order, term)
 
-    def keys(self, jaxpr: jcore.Jaxpr) -> List[str]:
-        """The flag keys ``jaxpr`` produces (static)."""
+    def keys(self, jaxpr: jcore.Jaxpr, infos: Sequence[Info]) -> List[str]:
+        """The flag keys ``jaxpr`` produces with inputs of ``infos`` (static)."""
         if not self.active:
             return []
-        marked = marks_in(jaxpr)
+        marked = analyze(jaxpr, infos).marks
         keys = _ordered(self.key(o, t) for o, t in marked if o > 0)
         return keys + [NONFINITE_VALUES] if marked else []
 
@@ -94,7 +94,7 @@ class Context:
             raise KeyError(
                 f"jaxamp.scaled: the program takes a derivative with scaler key {key!r} (order {order}, "
                 f"term {term!r}) but `scales` has only the keys {sorted(self.scales)}; pass a scale for "
-                f"every key of jaxamp.dropin.scaler_keys(fun, amp)(*args)."
+                f"every key of jaxamp.init(fun, amp)(*args) (AmpState.scales)."
             )
         return jnp.broadcast_to(jnp.asarray(self.scales[key], jnp.float32), jnp.shape(v))
 
@@ -133,17 +133,20 @@ def _check(ctx: Context, g, v, order: int, term: Optional[str]) -> None:
         pending.setdefault(NONFINITE_VALUES, []).append(~finite_v)
 
 
-def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: Context) -> Tuple[List, Flags]:
+def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: Context,
+              infos: Sequence[Info]) -> Tuple[List, Flags]:  # fmt: skip
     flags: Flags = {}
     owner = ctx.pending is None  # the outermost evaluation of this trace reduces the checks
     pending = ctx.pending = {} if owner else ctx.pending
+    analysis = analyze(jaxpr, infos)
 
     def rule(eqn, invals):
         prim = eqn.primitive
         if prim is deriv_scale_p:
-            return [ctx.scale(invals[0], **eqn.params)]
+            return [ctx.scale(invals[0], *analysis.resolved[id(eqn)])]
         if prim is deriv_check_p:
-            _check(ctx, *invals, **eqn.params)
+            if eqn.params["check"]:
+                _check(ctx, *invals, *analysis.resolved[id(eqn)])
             return [invals[0]]
         if not any(marks_in(j) for j in sub_jaxprs(eqn)):
             return bind(eqn, invals)  # fast path: nothing of ours inside
@@ -154,7 +157,7 @@ def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ct
                 f"are {sorted(set(HANDLERS) | CALL_PRIMITIVES)}. Move the jaxamp.grad call out of it."
             )
         inlined = handler is call or prim.name.startswith("custom_")  # evaluated in this trace
-        outs, sub_flags = handler(eqn, invals, ctx if inlined else ctx.in_body())
+        outs, sub_flags = handler(eqn, invals, ctx if inlined else ctx.in_body(), analysis.bodies[id(eqn)])
         for k, v in sub_flags.items():
             or_into(flags, k, v)
         return outs
@@ -249,16 +252,17 @@ def scaled(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *, merge: b
         closed, flat, out_tree = shared_trace(fun, args, kwargs)
         if not ctx.active and ctx_amp.loss_scaling_enabled:
             # plain fp16: every order's scale 1 through one barrier, as the scaled program's scales
-            ctx.scales = _opaque({k: 1.0 for k in _ordered(str(o) for o, _ in marks_in(closed.jaxpr) if o > 0)})
-        keys = ctx.keys(closed.jaxpr)
+            marked = analyze(closed.jaxpr, inputs(closed.jaxpr)).marks
+            ctx.scales = _opaque({k: 1.0 for k in _ordered(str(o) for o, _ in marked if o > 0)})
+        keys = ctx.keys(closed.jaxpr, inputs(closed.jaxpr))
         if not (merge and ctx.scales):  # fp32, bf16, AMP off: the program as JAX would run it
-            outs, flags = _evaluate(closed.jaxpr, closed.consts, flat, ctx)
+            outs, flags = _evaluate(closed.jaxpr, closed.consts, flat, ctx, inputs(closed.jaxpr))
             return result(jax.tree_util.tree_unflatten(out_tree, outs), full_flags(flags, keys), ctx.peaks)
         names, scale_vals = list(ctx.scales), list(ctx.scales.values())
 
         def program(vals, *leaves):
             ctx.scales, ctx.peaks = dict(zip(names, vals)), {}
-            outs, flags = _evaluate(closed.jaxpr, closed.consts, leaves, ctx)
+            outs, flags = _evaluate(closed.jaxpr, closed.consts, leaves, ctx, inputs(closed.jaxpr))
             return outs, full_flags(flags, keys), ctx.peaks
 
         # The rewritten program without its repeated scale-free work, before an outer
@@ -280,6 +284,6 @@ def scaler_keys(fun: Callable[..., Any], amp: Optional[AmpConfig] = None) -> Cal
 
     def keys(*args, **kwargs) -> Tuple[str, ...]:
         closed = trace(fun, args, kwargs)[0]
-        return tuple(k for k in Context({}, amp).keys(closed.jaxpr) if k != NONFINITE_VALUES)
+        return tuple(k for k in Context({}, amp).keys(closed.jaxpr, inputs(closed.jaxpr)) if k != NONFINITE_VALUES)
 
     return keys

@@ -93,7 +93,8 @@ def engine_cases(method: str, placements=tuple(PLACEMENTS), problems=tuple(PROBL
 
 
 def train_case(placement: str, steps: int = 3) -> dict:
-    """make_train_step with AmpConfig() (every derivative scale 1) vs derivative_scaling=False."""
+    """make_train_step with AmpConfig() (every derivative scale 1) vs derivative_scaling=False,
+    each program as written (merge=False: the identity is of the scaling, not of the merge)."""
     scaled, plain, params, x = _setup(placement, "cavity", "forward")
     opt = optax.adam(1e-3)
     results = []
@@ -106,7 +107,7 @@ def train_case(placement: str, steps: int = 3) -> dict:
             return sum(terms.values()), terms
 
         state = jaxamp.train.TrainState.create(params=params, optimizer=opt, amp=engine.amp, engines=[engine])
-        step = jax.jit(jaxamp.train.make_train_step(loss_fn, opt, amp=engine.amp))
+        step = jax.jit(jaxamp.train.make_train_step(loss_fn, opt, amp=engine.amp, merge=False))
         losses = []
         for _ in range(steps):
             state, metrics = step(state, x)

@@ -182,7 +182,7 @@ def test_keyword_arguments_take_omegaconf_and_ml_collections():
 def test_unknown_or_positional_arguments_are_config_errors():
     with pytest.raises(ConfigError, match=r"unknown key\(s\) \['precision'\]: allowed keys are \['enabled'.*remove or rename"):
         AmpConfig(**{"dtype": "float16", "precision": "fp16"})
-    with pytest.raises(ConfigError, match=r"positional value\(s\) \['float16'\].*by name, e.g. AmpConfig\(\*\*config.amp\)"):
+    with pytest.raises(ConfigError, match=r"positional value\(s\) \['float16'\].*e.g. AmpConfig\(\*\*config.amp\)"):
         AmpConfig("float16")
 
 

@@ -152,6 +152,16 @@ def test_autocast_without_amp_runs_under_using():
     assert policy.active() is None
 
 
+def test_a_nested_autocast_takes_the_outer_config_or_is_checked_against_it():
+    inner = jaxamp.autocast(mlp)
+    outer = jaxamp.autocast(lambda w, x: inner(w, x) @ w, AmpConfig(dtype="bfloat16"))
+    closed = jax.make_jaxpr(outer)(W, jnp.ones((3, 2)))
+    assert [p.amp_dtype for p in policy.policies_in(closed)] == ["bfloat16"] * 2
+    clash = jaxamp.autocast(lambda w, x: jaxamp.autocast(mlp, FP16)(w, x) @ w, AmpConfig(dtype="bfloat16"))
+    with pytest.raises(ConfigError, match=r"the config of autocast\(.*<lambda>\), which it runs in,.*'bfloat16'"):
+        clash(W, jnp.ones((3, 2)))
+
+
 def test_autocast_without_amp_outside_any_jaxamp_call_is_an_error():
     with pytest.raises(ConfigError, match=r"autocast\(mlp\) was given no `amp`.*outside every jaxamp call.*"
                                           r"jaxamp.policy.using\(amp\).*autocast\(fn, amp\)"):

@@ -181,7 +181,8 @@ def autocast(fn: Callable, amp: Optional[AmpConfig] = _ACTIVE, *,
                 args, kwargs = jax.tree_util.tree_unflatten(tree, full)
                 return fn(*args, **kwargs)
 
-            entry = _rewrite(fn, call, config, types, [p for p, t in zip(is_param, traced) if t], argnums)
+            with policy.using(config, f"autocast({name})"):  # a nested autocast(g) takes this config
+                entry = _rewrite(fn, call, config, types, [p for p, t in zip(is_param, traced) if t], argnums)
             if key is not None and not any(isinstance(c, jax.core.Tracer) for c in entry[0].consts):
                 cache[key] = entry  # a closure over an outer tracer is traced again next call
         closed, out_tree = entry

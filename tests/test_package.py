@@ -4,7 +4,8 @@
 - every dependency floor is a version the tests run on (at most the installed one), and
   requires-python admits the running Python;
 - every third-party import in tests/ and examples/ is a declared dependency or extra, and the
-  ``test`` extra installs what tests/ imports (torch, for the parity tests, is its own extra);
+  ``test`` extra installs what tests/ imports (torch, for the parity tests, is its own extra),
+  but the few listed in ``OPTIONAL_UNDECLARED``, which tests/ may only ``pytest.importorskip``;
 - every ``python -m`` command of the README names a module that exists, run from the
   repository root (``examples`` is not installed with the package);
 - the built wheel holds the top-level package ``jaxamp`` only (torch_ref, the PyTorch
@@ -54,9 +55,10 @@ def _names(reqs):
     return {canonicalize_name(r.name) for r in reqs}
 
 
-def _imports(folder):
-    """{top-level module: first file importing it} of every import (and pytest.importorskip) under ``folder``."""
-    found = {}
+def _imports(folder, skippable=False):
+    """{top-level module: first file importing it} of every import (and pytest.importorskip) under
+    ``folder``; ``skippable``: only the modules imported nowhere but through ``pytest.importorskip``."""
+    found, hard = {}, set()
     for path in sorted((ROOT / folder).rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
@@ -70,7 +72,16 @@ def _imports(folder):
                 continue
             for name in names:
                 found.setdefault(name.split(".")[0], path.relative_to(ROOT))
-    return found
+                if not isinstance(node, ast.Call):
+                    hard.add(name.split(".")[0])
+    return {m: p for m, p in found.items() if m not in hard} if skippable else found
+
+
+# Third-party modules that tests may use without declaring them: each only through
+# pytest.importorskip (its tests skip without it), and not one the library or the examples need.
+OPTIONAL_UNDECLARED = {
+    "ml_collections": "tests/test_config.py: AmpConfig(**a ConfigDict's amp), a user's container type",
+}
 
 
 def _third_party(imports):
@@ -125,9 +136,22 @@ def test_the_torch_floor_is_the_tested_build():
 @pytest.mark.parametrize("folder", ["tests", "examples", "benchmarks", "jaxamp", "torch_ref"])
 def test_every_third_party_import_is_declared(folder):
     declared = _names(_all_requirements())
+    optional = set(OPTIONAL_UNDECLARED) & set(_imports(folder, skippable=True)) if folder == "tests" else set()
     missing = {m: str(p) for m, p in _third_party(_imports(folder)).items()
-               if canonicalize_name(DISTRIBUTION.get(m, m)) not in declared}  # fmt: skip
+               if canonicalize_name(DISTRIBUTION.get(m, m)) not in declared and m not in optional}  # fmt: skip
     assert not missing, f"imported but not in pyproject.toml's dependencies or extras: {missing}"
+
+
+def test_the_optional_undeclared_test_imports_are_only_importorskip():
+    """An undeclared module the tests use must stay optional: only ``pytest.importorskip``
+    under tests/ (its tests skip without it), never a plain import, never in the library or
+    the examples."""
+    skippable = _imports("tests", skippable=True)
+    for module in OPTIONAL_UNDECLARED:
+        assert module not in _imports("tests") or module in skippable, f"{module}: a plain import in tests/"
+        for folder in ("jaxamp", "examples", "benchmarks"):
+            assert module not in _imports(folder), f"{module} imported under {folder}/"
+    assert not {canonicalize_name(m) for m in OPTIONAL_UNDECLARED} & _names(_all_requirements())
 
 
 def test_the_library_imports_only_its_dependencies():
@@ -142,6 +166,7 @@ def test_the_test_extra_installs_what_the_tests_import():
     the examples they run."""
     have = _names(_requirements() + _requirements("test"))
     need = _third_party(_imports("tests")) | _third_party(_imports("examples"))
+    need = {m: p for m, p in need.items() if m not in set(OPTIONAL_UNDECLARED) & set(_imports("tests", skippable=True))}
     torch_extra = _names(_requirements("torch"))
     missing = {m: str(p) for m, p in need.items()
                if canonicalize_name(DISTRIBUTION.get(m, m)) not in have | torch_extra}  # fmt: skip

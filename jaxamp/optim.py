@@ -284,6 +284,8 @@ def optimizer(inner: optax.GradientTransformation, state: Optional[AmpState] = N
         amp, _ = locate(opt_state, "jaxamp.optimizer")
         grads = updates if isinstance(updates, ScaledGrads) else ScaledGrads(updates, {})
         new_updates, new_inner = inner.update(grads.grads, opt_state.inner, params, **extra)
+        if amp.amp.compute_dtype == jnp.float32:  # AMP off: the inner optimizer as written, no skip
+            return new_updates, opt_state._replace(inner=new_inner)
         check = _decide(amp, grads, axis_name, (new_updates, new_inner))
         zeros = jax.tree_util.tree_map(jnp.zeros_like, new_updates)
         new_updates, new_inner = check.select((new_updates, new_inner), (zeros, opt_state.inner))

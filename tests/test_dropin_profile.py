@@ -18,7 +18,7 @@ import pytest
 
 import jaxamp
 from jaxamp.dropin import ranges
-from jaxamp.dropin.scaled import scaler_keys
+from jaxamp.dropin.ranges import scaler_keys
 from jaxamp.models import FullyConnected
 from jaxamp.window import LOG2_FP16_MAX, promote_to_float32, recommend, value_range
 from tests.helpers.jax_user import INPUTS, batched, make_net, nested, physical_fourier_net, points

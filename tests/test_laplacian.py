@@ -17,7 +17,7 @@ from jax import lax
 import jaxamp
 from jaxamp import taylor
 from jaxamp.dropin.laplacian import METHODS, laplacian
-from jaxamp.dropin.scaled import scaler_keys
+from jaxamp.dropin.ranges import scaler_keys
 from jaxamp.marks import NONFINITE_VALUES
 from jaxamp.taylor.collapsed import collapsed_second_order
 

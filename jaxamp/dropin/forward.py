@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxamp.dropin.chain import check_output
-from jaxamp.dropin.grad import check_fun, check_wrt, finish, jacrev, step
+from jaxamp.dropin.grad import amp_off, check_fun, check_wrt, finish, jacrev, step
 from jaxamp.interpreter import substitute
 from jaxamp.marks import deriv_scale, fresh, seed
 
@@ -51,6 +51,8 @@ def jvp(fun: Callable[..., Any], primals: Sequence[Any], tangents: Sequence[Any]
     if not isinstance(primals, (tuple, list)) or not isinstance(tangents, (tuple, list)) or len(primals) != len(tangents):
         raise TypeError(f"jaxamp.jvp: `primals` and `tangents` must be tuples of the same length, got "
                         f"{type(primals).__name__} and {type(tangents).__name__}.")  # fmt: skip
+    if amp_off():  # nothing inserted: JAX's own derivative
+        return jax.jvp(fun, primals, tangents, has_aux=has_aux)
     out, f_jvp, aux, s = _linearized("jaxamp.jvp", fun, primals, has_aux, of, None)
     d = f_jvp(*[jax.tree_util.tree_map(lambda t: seed(t, s, jnp.result_type(t)), t) for t in tangents])
     d = finish(d, out, s, step(of, None))
@@ -83,6 +85,9 @@ def jacfwd(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_
 
     @functools.wraps(fun)
     def derivative(*args, **kwargs):
+        if amp_off():  # nothing inserted: JAX's own derivative
+            return jax.jacfwd(fun, argnums, has_aux=has_aux, holomorphic=holomorphic)(*args, **kwargs)
+
         def partial(*dyn):
             return fun(*substitute(args, nums, dyn), **kwargs)
 

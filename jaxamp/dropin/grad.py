@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 import jax
 import jax.numpy as jnp
 
+from jaxamp import policy
 from jaxamp.dropin import chain
 from jaxamp.interpreter import substitute, trace
 from jaxamp.marks import deriv_check, deriv_scale, fresh, seed, unscale
@@ -48,6 +49,14 @@ def check_wrt(caller: str, argnums: Any, wrt: Any) -> Union[int, Tuple[int, ...]
                              f"tuple of {len(argnums) if multi else 1} names for "
                              f"`argnums`={argnums!r}.")  # fmt: skip
     return tuple(argnums) if multi else argnums
+
+
+def amp_off() -> bool:
+    """Whether the jaxamp call tracing this derivative runs with AMP off (``enabled=False`` or
+    float32): ``grad`` is then ``jax.grad`` (unless ``method="forward"``), so the program is the
+    user's as written, bit for bit."""
+    amp = policy.active()
+    return amp is not None and amp.compute_dtype == jnp.float32
 
 
 def step(of: Optional[str], wrt: Any) -> Dict[str, Any]:
@@ -86,6 +95,8 @@ def _reverse(transform: Callable, caller: str, fun: Callable, argnums, has_aux: 
 
     @functools.wraps(fun)
     def derivative(*args, **kwargs):
+        if method != "forward" and amp_off():  # nothing inserted: JAX's own derivative
+            return transform(fun, argnums, has_aux=has_aux, **options)(*args, **kwargs)
         if chain.eligible(link, args, kwargs):
             return _by_engine(link, args)
         if method == "forward":
@@ -129,7 +140,8 @@ def grad(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_au
         the name of the inner ``grad`` ``fun`` calls (``"u__x"``), if any.
       wrt: the differentiated argument's name (``"x"``), one per entry of a tuple ``argnums``.
       method: ``"auto"`` (default): a nest of ``grad`` steps along float32 scalar arguments
-        runs as one Derivatives plan (:mod:`jaxamp.dropin.chain`), other calls in reverse mode;
+        runs as one Derivatives plan (:mod:`jaxamp.dropin.chain`), other calls in reverse mode,
+        and every call in reverse mode with AMP off (the user's ``jax.grad`` program, bit for bit);
         ``"reverse"``: nested ``jax.grad`` always; ``"forward"``: an error where no chain runs.
 
     Returns:

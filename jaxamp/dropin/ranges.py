@@ -15,14 +15,15 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from jaxamp.config import AmpConfig, check_flags
-from jaxamp.marks import deriv_check_p, deriv_scale_p
-from jaxamp.dropin.scaled import Context, check_amp, inputs, marks_in, scaler_keys, shared_trace
+from jaxamp.marks import NONFINITE_VALUES, deriv_check_p, deriv_scale_p
+from jaxamp.dropin.scaled import Context, inputs, marks_in
+from jaxamp.dropin.tracing import check_amp, traced
 from jaxamp.nesting import analyze
 from jaxamp.interpreter import bind, custom_body, eval_jaxpr, split_arrays, sub_jaxpr, sub_jaxprs
 from jaxamp.window import Profile, check_margin, is_low_precision, promote_eqn, promote_value, recommend, value_range
 from jaxamp.scaler import Scalers
 
-__all__ = ["profile", "init_scalers"]
+__all__ = ["profile", "init_scalers", "scaler_keys"]
 
 
 def _inline(eqn, vals):
@@ -42,6 +43,8 @@ def _key_sets(jaxpr: jcore.Jaxpr, ctx: Context, resolved) -> Dict[Any, frozenset
     for eqn in jaxpr.eqns:
         if eqn.primitive is deriv_scale_p:
             keys = frozenset((ctx.key(*resolved[id(eqn)]),))
+        elif eqn.primitive is deriv_check_p:  # the identity on its first operand
+            keys = after.get(eqn.invars[0], frozenset()) if not isinstance(eqn.invars[0], jcore.Literal) else frozenset()
         else:
             keys = frozenset().union(*(after.get(v, frozenset()) for v in eqn.invars if not isinstance(v, jcore.Literal)))
         after.update((v, keys) for v in eqn.outvars)
@@ -49,8 +52,9 @@ def _key_sets(jaxpr: jcore.Jaxpr, ctx: Context, resolved) -> Dict[Any, frozenset
     for eqn in reversed(jaxpr.eqns):
         down = frozenset().union(*(before.get(v, frozenset()) for v in eqn.outvars))
         ins = [v for v in eqn.invars if not isinstance(v, jcore.Literal)]
-        if eqn.primitive is deriv_check_p and eqn.params["check"]:  # the scaled gradient feeds it, the value not
-            ins, down = ins[:1], down | {ctx.key(*resolved[id(eqn)])}
+        if eqn.primitive is deriv_check_p:  # the scaled gradient feeds the check, the value does not
+            ins = ins[:1]
+            down = down | {ctx.key(*resolved[id(eqn)])} if eqn.params["check"] else down
         for v in ins:
             before[v] = before.get(v, frozenset()) | down
     return {v: after[v] & before[v] for v in after if v in before and after[v] & before[v]}
@@ -85,7 +89,7 @@ def profile(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *,
         fun = lambda params, points: engine.marked(params, engine.stack_points(points))  # noqa: E731
     if not callable(fun):
         raise TypeError(f"jaxamp.profile: `fun`={fun!r} must be callable or a jaxamp.Derivatives.")
-    check_amp(amp)
+    check_amp(amp, "jaxamp.profile")
     if scales is not None and not isinstance(scales, Mapping):
         if not hasattr(scales, "scales"):
             raise TypeError(f"jaxamp.profile: `scales`={scales!r} must be None, a mapping {{key: f32[]}} or an AmpState.")
@@ -95,7 +99,7 @@ def profile(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *,
         ctx = Context({}, amp)
         if not ctx.active:
             return Profile(derivatives={}, hidden={}, keys={})
-        closed, flat, _ = shared_trace(fun, args, kwargs)
+        closed, flat, _ = traced(fun, args, kwargs, amp, "jaxamp.profile")
         flat_jaxpr = jax.make_jaxpr(lambda *a: eval_jaxpr(closed.jaxpr, closed.consts, a, _inline))(*flat)
         for eqn in flat_jaxpr.jaxpr.eqns:
             if any(marks_in(j) for j in sub_jaxprs(eqn)):
@@ -164,7 +168,7 @@ def init_scalers(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *, fr
       >>> {k: float(s.scale) for k, s in scalers.items()}, scalers.rules["2"].max_scale
       ({'1': 0.5, '2': 0.5}, 1.0)
     """
-    check_amp(amp)
+    check_amp(amp, "jaxamp.init")
     check_flags("jaxamp.dropin.init_scalers", from_profile=from_profile)
     check_margin(margin_log2, "jaxamp.dropin.init_scalers")
     amp = AmpConfig() if amp is None else amp
@@ -185,3 +189,16 @@ def init_scalers(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *, fr
         return Scalers({k: start.derivative_scaler_for(k) for k in keys})
 
     return init
+
+
+def scaler_keys(fun: Callable[..., Any], amp: Optional[AmpConfig] = None) -> Callable[..., Tuple[str, ...]]:
+    """``scaler_keys(fun, amp)(*args)``: the scaler keys of the derivatives ``fun`` takes, e.g.
+    ``{k: amp.derivative_scaler_for(k).init() for k in scaler_keys(loss, amp)(params, batch)}``.
+    """
+    check_amp(amp)
+
+    def keys(*args, **kwargs) -> Tuple[str, ...]:
+        closed = traced(fun, args, kwargs, amp, "jaxamp.init")[0]
+        return tuple(k for k in Context({}, amp).keys(closed.jaxpr, inputs(closed.jaxpr)) if k != NONFINITE_VALUES)
+
+    return keys

@@ -20,18 +20,18 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
+from jaxamp import policy
 from jaxamp.config import AmpConfig, check_flags
-from jaxamp.dropin import chain
 from jaxamp.dropin.control import HANDLERS, call, full_flags
 from jaxamp.dropin.grad import check_fun
 from jaxamp.marks import (NONFINITE_VALUES, PRIMITIVES, deriv_check_p, deriv_scale_p, merge_found_inf, or_into,
                           reduce_flags, scaler_key, step_flags)
-from jaxamp.interpreter import CALL_PRIMITIVES, bind, cse, eval_jaxpr, sub_jaxprs, trace
+from jaxamp.dropin.tracing import check_amp, state_config, traced
+from jaxamp.interpreter import CALL_PRIMITIVES, bind, cse, eval_jaxpr, sub_jaxprs
 from jaxamp.nesting import NO_DERIVATIVE, Info, analyze
-from jaxamp.state import find
 from jaxamp.window import LOG2_FP16_MAX
 
-__all__ = ["scaled", "scaler_keys"]
+__all__ = ["scaled", "inputs", "marks_in", "Context"]
 
 Flags = Dict[str, jax.Array]
 
@@ -169,27 +169,6 @@ def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ct
     return outs, flags
 
 
-def shared_trace(fun: Callable, args, kwargs):
-    """:func:`trace` with the passes of ``jaxamp.grad`` chains shared (:class:`chain.Session`):
-    a first trace records the chain calls, the second shares their passes. Programs without
-    chains are traced once."""
-    session = chain.Session()
-    chain.sessions().append(session)
-    try:
-        traced = trace(fun, args, kwargs)
-        if not session.calls:
-            return traced
-        session.finish_recording()
-        return trace(fun, args, kwargs)
-    finally:
-        chain.sessions().pop()
-
-
-def check_amp(amp) -> None:
-    if amp is not None and not isinstance(amp, AmpConfig):
-        raise TypeError(f"jaxamp.scaled: `amp`={amp!r} must be an AmpConfig or None (per-order keys).")
-
-
 def scaled(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *, merge: bool = True,
            headroom: bool = False) -> Callable[..., Tuple[Any, ...]]:  # fmt: skip
     """Give the ``jaxamp.grad`` calls in ``fun`` their scales and collect their flags.
@@ -199,8 +178,9 @@ def scaled(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *, merge: b
         (directly or through ``vmap``, ``jit``, ``jacrev``, ``scan``, ``cond``, ``while``).
       amp: the scaler mode and special terms. None: per-order keys (``"1"``, ``"2"``, ...),
         or a :class:`jaxamp.Derivatives` engine's own ``amp`` when ``fun`` is the engine.
-        A config whose derivative scalers are inactive (fp32, bf16, AMP off): every scale is
-        1, nothing is checked, ``found_inf`` is empty.
+        A config whose derivative scalers are inactive (bf16, plain fp16): every scale is 1,
+        nothing is checked, ``found_inf`` is empty. AMP off (``enabled=False`` or float32):
+        ``fun`` runs as written, each ``jaxamp.grad`` as ``jax.grad``.
       merge: in float16, compute once what the program computes twice and depends on no scale
         (:func:`jaxamp.interpreter.cse`: a user's ``u(params, t, x)`` beside the primal pass of
         ``jaxamp.grad(u)``), before an outer ``jax.grad``, so the backward pass is shared too.
@@ -244,12 +224,12 @@ def scaled(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *, merge: b
         return out, flags, {k: jnp.float32(LOG2_FP16_MAX) - jnp.log2(v) for k, v in peaks.items()}
 
     def wrapped(scales: Any, *args, **kwargs):
-        ctx_amp = amp
-        if not isinstance(scales, Mapping):
-            state = find(scales, "jaxamp.scaled")  # an AmpState, or an optimizer state holding one
-            ctx_amp, scales = state.amp, state.scales
+        ctx_amp, scales = state_config(scales, amp, "jaxamp.scaled")
+        if ctx_amp is not None and ctx_amp.compute_dtype == jnp.float32:  # AMP off: fun as written
+            with policy.using(ctx_amp, "jaxamp.scaled"):  # jaxamp.grad is jax.grad under it
+                return result(fun(*args, **kwargs), {}, {})
         ctx = Context(scales, ctx_amp)
-        closed, flat, out_tree = shared_trace(fun, args, kwargs)
+        closed, flat, out_tree = traced(fun, args, kwargs, ctx_amp, "jaxamp.scaled")
         if not ctx.active and ctx_amp.loss_scaling_enabled:
             # plain fp16: every order's scale 1 through one barrier, as the scaled program's scales
             marked = analyze(closed.jaxpr, inputs(closed.jaxpr)).marks
@@ -274,16 +254,3 @@ def scaled(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *, merge: b
         return result(jax.tree_util.tree_unflatten(out_tree, outs), flags, peaks)
 
     return wrapped
-
-
-def scaler_keys(fun: Callable[..., Any], amp: Optional[AmpConfig] = None) -> Callable[..., Tuple[str, ...]]:
-    """``scaler_keys(fun, amp)(*args)``: the scaler keys of the derivatives ``fun`` takes, e.g.
-    ``{k: amp.derivative_scaler_for(k).init() for k in scaler_keys(loss, amp)(params, batch)}``.
-    """
-    check_amp(amp)
-
-    def keys(*args, **kwargs) -> Tuple[str, ...]:
-        closed = trace(fun, args, kwargs)[0]
-        return tuple(k for k in Context({}, amp).keys(closed.jaxpr, inputs(closed.jaxpr)) if k != NONFINITE_VALUES)
-
-    return keys

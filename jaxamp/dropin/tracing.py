@@ -1,0 +1,72 @@
+"""How jaxamp's entry points (``scaled``, ``profile``, ``init``) trace a user's function: its
+state and config located, the config active while tracing (``autocast`` without a config takes
+it) and checked against the program's autocast policies, the passes of ``jaxamp.grad`` chains
+shared."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Mapping, Optional
+
+import jax.numpy as jnp
+
+from jaxamp import policy
+from jaxamp.config import AmpConfig, ConfigError
+from jaxamp.dropin import chain
+from jaxamp.interpreter import trace
+from jaxamp.state import find
+
+__all__ = ["check_amp", "shared_trace", "state_config", "traced"]
+
+
+def shared_trace(fun: Callable, args, kwargs):
+    """:func:`trace` with the passes of ``jaxamp.grad`` chains shared (:class:`chain.Session`):
+    a first trace records the chain calls, the second shares their passes. Programs without
+    chains are traced once."""
+    session = chain.Session()
+    chain.sessions().append(session)
+    try:
+        traced = trace(fun, args, kwargs)
+        if not session.calls:
+            return traced
+        session.finish_recording()
+        return trace(fun, args, kwargs)
+    finally:
+        chain.sessions().pop()
+
+
+def check_amp(amp, caller: str = "jaxamp.scaled") -> None:
+    if amp is not None and not isinstance(amp, AmpConfig):
+        raise TypeError(f"{caller}: `amp`={amp!r} must be an AmpConfig or None (per-order keys).")
+
+
+def _is_scales(tree: Any) -> bool:
+    """Whether ``tree`` is ``{key: scalar}`` scales (else a state, or a slip: params first)."""
+
+    def scalar(v) -> bool:
+        return isinstance(v, (int, float)) or (hasattr(v, "shape") and jnp.shape(v) == ())
+
+    return isinstance(tree, Mapping) and all(isinstance(k, str) and scalar(v) for k, v in tree.items())
+
+
+def state_config(scales: Any, amp: Optional[AmpConfig], caller: str):
+    """``(amp, scales)`` of ``scales``: a mapping under ``amp``, or a state's own (an AmpState or
+    an optimizer state holding one), which ``amp``, when given, must agree with."""
+    if _is_scales(scales):
+        return amp, scales
+    state = find(scales, caller)
+    if amp is not None and policy.Policy.of(amp).differences(state.amp):
+        raise ConfigError(f"{caller}: `amp` has {policy.Policy.of(amp).describe()} but the `state` given has "
+                          f"{policy.Policy.of(state.amp).describe()}; the state's config is the one used. Fix: drop "
+                          "`amp` (the state carries its config) or build the state from the same AmpConfig.")
+    return state.amp, state.scales
+
+
+def traced(fun: Callable, args, kwargs, amp: Optional[AmpConfig], caller: str):
+    """:func:`shared_trace` with ``amp`` active (``autocast`` without a config takes it), the
+    program's autocast policies checked against it."""
+    with policy.using(amp, caller) if amp is not None else contextlib.nullcontext():
+        closed, flat, out_tree = shared_trace(fun, args, kwargs)
+    if amp is not None:
+        policy.check(policy.policies_in(closed), amp, caller, "the config of the `state` (or `amp`) given")
+    return closed, flat, out_tree

@@ -3,7 +3,7 @@
 The public API (docs/algorithm.md describes the algorithm; each name has its docstring):
 
   settings:     AmpConfig, ConfigError, DynamicScaler
-  state:        AmpState, init (the one way to create it)
+  state:        AmpState, init (the one way to create it), UnscaledDerivativeWarning
   train step:   value_and_grad, apply_or_skip, optimizer (optax), SkipReason
   derivatives:  grad, jacrev, jacfwd, jvp, hessian, laplacian, scaled (interprets them),
                 profile (their ranges in float16's window), NONFINITE_VALUES (the bad-values key)
@@ -28,7 +28,8 @@ from jaxamp.marks import NONFINITE_VALUES
 from jaxamp.optim import apply_or_skip, optimizer, value_and_grad
 from jaxamp.placement.rewrite import autocast
 from jaxamp.scaler import DynamicScaler
-from jaxamp.state import AmpState, init
+from jaxamp.start import UnscaledDerivativeWarning, init
+from jaxamp.state import AmpState
 from jaxamp.step import SkipReason
 
 __version__ = "0.1.0"
@@ -39,6 +40,7 @@ __all__ = [
     "DynamicScaler",
     "AmpState",
     "init",
+    "UnscaledDerivativeWarning",
     "value_and_grad",
     "apply_or_skip",
     "optimizer",

@@ -22,7 +22,8 @@ from jaxamp.config import AmpConfig, check_flags
 from jaxamp.derivatives.engine import Derivatives
 from jaxamp.optim import AmpOptimizer, optimizer as amp_optimizer, value_and_grad
 from jaxamp.scaler import exact_log2
-from jaxamp.state import AmpState, init
+from jaxamp.start import init
+from jaxamp.state import AmpState
 from jaxamp.step import AmpOptState, ScaledGrads, SkipReason, flag_set
 
 Step = Callable[["TrainState", Any], Tuple["TrainState", Dict[str, jax.Array]]]

@@ -104,11 +104,16 @@ def loop(step, params, opt_state):
     return params, np.asarray(losses)
 
 
-@pytest.mark.parametrize("network", sorted(NETWORKS))
-@pytest.mark.parametrize("amp", [jaxamp.AmpConfig(enabled=False), jaxamp.AmpConfig(dtype="float32")], ids=["off", "fp32"])
-@pytest.mark.parametrize("method", ["auto", "reverse"])
+OFF = {"off": jaxamp.AmpConfig(enabled=False), "fp32": jaxamp.AmpConfig(dtype="float32")}
+# each network and each way of turning AMP off in the fast suite; every combination under -m slow
+FAST = [("hand", "off", "auto"), ("flax", "fp32", "auto"), ("flax", "off", "reverse")]
+CASES = [pytest.param(*c, marks=() if c in FAST else pytest.mark.slow)
+         for c in [(n, a, m) for n in sorted(NETWORKS) for a in OFF for m in ("auto", "reverse")]]
+
+
+@pytest.mark.parametrize("network,amp,method", CASES)
 def test_amp_off_port_is_bit_identical_to_the_original(network, amp, method):
-    apply, params = NETWORKS[network]()
+    apply, params, amp = *NETWORKS[network](), OFF[amp]
     want_params, want_losses = run_plain(apply, params)
     got_params, got_losses = run_port(apply, params, amp, method)
     np.testing.assert_array_equal(got_losses, want_losses)

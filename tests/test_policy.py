@@ -11,7 +11,7 @@ import pytest
 
 import jaxamp
 from jaxamp import AmpConfig, ConfigError, policy
-from jaxamp.state import UnscaledDerivativeWarning
+from jaxamp import UnscaledDerivativeWarning
 
 FP16 = AmpConfig()
 F16 = jnp.dtype("float16")

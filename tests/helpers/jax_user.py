@@ -84,5 +84,5 @@ def u_xx_under_scaled(u_net: Callable, params, amp: AmpConfig, t, x):
     first layer last; forward mode carries it through the float16 layers)."""
     rev = dict(argnums=2, method="reverse")
     f = jax.vmap(jaxamp.grad(jaxamp.grad(u_net, **rev), **rev), (None, 0, 0))
-    keys = jaxamp.dropin.scaled.scaler_keys(f, amp)(params, t, x)
+    keys = jaxamp.dropin.ranges.scaler_keys(f, amp)(params, t, x)
     return jax.jit(jaxamp.scaled(f, amp))({k: 1.0 for k in keys}, params, t, x)

@@ -1,0 +1,96 @@
+"""The import graph of jaxamp/ (function-level imports included) has no cycle, neither between
+modules nor between its subpackages, and every file is short enough to read in one sitting."""
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "jaxamp"
+MAX_LINES = 300
+
+
+def modules():
+    found = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+def imports(path, known):
+    """The jaxamp modules ``path`` imports, anywhere in the file."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "jaxamp":
+            subs = {f"{node.module}.{a.name}" for a in node.names} & known
+            out |= subs if subs and len(subs) == len(node.names) else subs | {node.module}
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name in known}
+    return out
+
+
+def graph():
+    mods = modules()
+    return {m: imports(p, set(mods)) - {m} for m, p in mods.items()}
+
+
+def cycle_in(edges):
+    """One cycle of ``edges`` as a list of nodes, or None."""
+    state, stack = {}, []
+
+    def visit(u):
+        state[u] = "open"
+        stack.append(u)
+        for v in sorted(edges.get(u, ())):
+            if state.get(v) == "open":
+                return stack[stack.index(v):] + [v]
+            if v not in state:
+                found = visit(v)
+                if found:
+                    return found
+        stack.pop()
+        state[u] = "done"
+        return None
+
+    for u in sorted(edges):
+        if u not in state:
+            found = visit(u)
+            if found:
+                return found
+    return None
+
+
+def package_of(module):
+    """A subpackage's modules count as one node; a top-level module is its own."""
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def test_no_import_cycle_between_modules():
+    edges = {m: {t for t in ts if t != "jaxamp"} for m, ts in graph().items() if m != "jaxamp"}
+    # a subpackage's __init__ re-exporting its own modules is not a cycle
+    for m in edges:
+        edges[m] = {t for t in edges[m] if not t.startswith(m + ".")}
+    assert cycle_in(edges) is None, " -> ".join(cycle_in(edges))
+
+
+def test_no_import_cycle_between_subpackages():
+    edges = {}
+    for m, targets in graph().items():
+        if m == "jaxamp":
+            continue
+        src = package_of(m)
+        edges.setdefault(src, set()).update(package_of(t) for t in targets if package_of(t) not in (src, "jaxamp"))
+    assert cycle_in(edges) is None, " -> ".join(cycle_in(edges))
+
+
+def test_the_checker_finds_a_cycle():
+    assert cycle_in({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert cycle_in({"a": {"b"}, "b": set()}) is None
+
+
+@pytest.mark.parametrize("path", sorted(str(p.relative_to(ROOT.parent)) for p in modules().values()))
+def test_every_file_is_at_most_300_lines(path):
+    assert len((ROOT.parent / path).read_text().splitlines()) <= MAX_LINES

@@ -2,7 +2,7 @@
 
 Every engine is a ``jaxamp.Derivatives`` (same plan, interface, per-point scales and checks);
 the alternatives plug in as point engines, ``Derivatives(..., method=engine)`` with
-``engine(plan, f, x, scales) -> (values, scaled)`` (see ``jaxamp.derivatives.engine.PointEngine``):
+``engine(plan, f, x, scales) -> (values, scaled)`` (see ``jaxamp.engine.PointEngine``):
 
 - ``"reverse"``: ``method="reverse"`` (nested reverse mode), the reference.
 - ``"forward"``: ``method="forward"``, the default: nested ``jax.jvp``, one pass per

@@ -18,7 +18,7 @@ recommend, format_profile), :mod:`jaxamp.parallel`, :mod:`jaxamp.checkpoint`, :m
 
 from jaxamp import checkpoint, marks, models, monitor, parallel, scaler, step, train, window  # noqa: F401
 from jaxamp.config import AmpConfig, ConfigError
-from jaxamp.derivatives.engine import Derivatives
+from jaxamp.engine import Derivatives
 from jaxamp.dropin.forward import hessian, jacfwd, jvp
 from jaxamp.dropin.grad import grad, jacrev
 from jaxamp.dropin.laplacian import laplacian

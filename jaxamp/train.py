@@ -19,7 +19,7 @@ import numpy as np
 import optax
 
 from jaxamp.config import AmpConfig, check_flags
-from jaxamp.derivatives.engine import Derivatives
+from jaxamp.engine import Derivatives
 from jaxamp.optim import AmpOptimizer, optimizer as amp_optimizer, value_and_grad
 from jaxamp.scaler import exact_log2
 from jaxamp.start import init

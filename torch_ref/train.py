@@ -1,7 +1,7 @@
 """The skip-on-overflow training step in docs/algorithm.md's order ("Training step"), with
 torch.optim and clip_grad_norm_.
 
-Mirrors ``jaxamp.make_train_step``: (1) loss and derivatives with per-key overflow flags and
+Mirrors ``jaxamp.train.make_train_step``: (1) loss and derivatives with per-key overflow flags and
 the bad-values flag; (2) gradients of ``loss * loss_scale``; (3) bad values skip the update
 and change no scaler at all; (4) any derivative overflow skips the update -- parameters,
 optimizer state and loss scaler stay as they were; (5) otherwise the unscaled gradients, if

@@ -82,11 +82,8 @@ def profile(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *,
       >>> sorted(prof.keys), jaxamp.window.recommend(prof).scales_log2
       (['1', '2'], {'1': 0, '2': -3})
     """
-    from jaxamp.derivatives.engine import Derivatives
-
-    if isinstance(fun, Derivatives):
-        engine, amp = fun, fun.amp
-        fun = lambda params, points: engine.marked(params, engine.stack_points(points))  # noqa: E731
+    if callable(getattr(fun, "marked_program", None)) and isinstance(getattr(fun, "amp", None), AmpConfig):
+        fun, amp = fun.marked_program, fun.amp  # a jaxamp.Derivatives engine: its marked program
     if not callable(fun):
         raise TypeError(f"jaxamp.profile: `fun`={fun!r} must be callable or a jaxamp.Derivatives.")
     check_amp(amp, "jaxamp.profile")
@@ -103,10 +100,10 @@ def profile(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *,
         flat_jaxpr = jax.make_jaxpr(lambda *a: eval_jaxpr(closed.jaxpr, closed.consts, a, _inline))(*flat)
         for eqn in flat_jaxpr.jaxpr.eqns:
             if any(marks_in(j) for j in sub_jaxprs(eqn)):
-                raise NotImplementedError("jaxamp.dropin.profile: a jaxamp.grad inside a "
+                raise NotImplementedError("jaxamp.profile: a jaxamp.grad inside a "
                                           f"`{eqn.primitive.name}` body is not profiled; profile "
                                           "the function the loop or branch calls (or start the "
-                                          "scalers without a profile: init_scalers(..., "
+                                          "scalers without a profile: jaxamp.init(loss, amp, "
                                           "from_profile=False)).")  # fmt: skip
         resolved = analyze(flat_jaxpr.jaxpr, inputs(flat_jaxpr.jaxpr)).resolved
         ctx.scales = {k: jnp.float32(1.0) for k in ctx.keys(flat_jaxpr.jaxpr, inputs(flat_jaxpr.jaxpr))} | dict(scales or {})
@@ -169,8 +166,8 @@ def init_scalers(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *, fr
       ({'1': 0.5, '2': 0.5}, 1.0)
     """
     check_amp(amp, "jaxamp.init")
-    check_flags("jaxamp.dropin.init_scalers", from_profile=from_profile)
-    check_margin(margin_log2, "jaxamp.dropin.init_scalers")
+    check_flags("jaxamp.init", from_profile=from_profile)
+    check_margin(margin_log2, "jaxamp.init")
     amp = AmpConfig() if amp is None else amp
 
     def init(*args, **kwargs) -> Scalers:

@@ -102,6 +102,10 @@ class Derivatives:
         values = self.marked(params, x)[0]
         return {k: jnp.where(weights > 0, v, jnp.zeros_like(v)) for k, v in values.items()}
 
+    def marked_program(self, params, points) -> Tuple[Dict[str, jax.Array], Dict[str, jax.Array]]:
+        """:meth:`marked` at ``points`` as the engine takes them (what :func:`jaxamp.profile` reads)."""
+        return self.marked(params, self.stack_points(points))
+
     def marked(self, params, x: jax.Array) -> Tuple[Dict[str, jax.Array], Dict[str, jax.Array]]:
         """The derivative program of jaxamp's marks at the points ``x`` (``f32[N, n_inputs]``):
         ``(values, checked)``, the unscaled values and the checked scaled results (none for

@@ -37,6 +37,9 @@ class Checkpointer:
     """
 
     def __init__(self, directory: Union[str, os.PathLike], *, max_to_keep: Optional[int] = 3) -> None:
+        if not isinstance(directory, (str, os.PathLike)):
+            raise TypeError(f"Checkpointer: `directory`={directory!r} must be a path (a str or os.PathLike), e.g. "
+                            "Checkpointer('runs/ckpt').")
         directory = os.path.abspath(os.fspath(directory))
         if os.path.exists(directory) and not os.path.isdir(directory):
             raise ValueError(f"Checkpointer: `directory`={directory!r} exists and is not a directory.")
@@ -58,7 +61,14 @@ class Checkpointer:
         Returns:
           That step.
         """
-        step = int(state.step) if step is None else int(step)
+        if step is None and not hasattr(state, "step"):
+            raise TypeError(f"Checkpointer.save: `state` (a {type(state).__name__}) has no .step to file it under; "
+                            "pass step=, e.g. save(state, step=1000).")
+        step = state.step if step is None else step
+        if isinstance(step, bool) or not (isinstance(step, int) or jnp.ndim(step) == 0) or int(step) < 0:
+            raise ValueError(f"Checkpointer.save: `step`={step!r} must be an integer >= 0 (the number the "
+                             "checkpoint is filed under).")
+        step = int(step)
         self._manager.save(step, args=ocp.args.StandardSave(state), force=True)
         self._manager.wait_until_finished()
         return step

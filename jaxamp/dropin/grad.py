@@ -90,8 +90,14 @@ def _reverse(transform: Callable, caller: str, fun: Callable, argnums, has_aux: 
     argnums = check_wrt(caller, argnums, wrt)
     if method not in chain.METHODS:
         raise ValueError(f"{caller}: `method`={method!r} is not allowed: expected one of {list(chain.METHODS)}.")
-    plain = not has_aux and not any(options.values())
-    link = chain.extend(fun, argnums, of, wrt) if plain and method != "reverse" else None
+    plain = not has_aux and not any(options.values()) and method != "reverse"
+    link = chain.extend(fun, argnums, of, wrt) if plain else None
+    # a tuple of scalar argnums (grad(u, (1, 2)) -> (u_t, u_x)): one chain per argnum, their
+    # passes shared as those of separate grad calls at the same point
+    links: Tuple[chain.Chain, ...] = ()
+    if plain and isinstance(argnums, tuple) and caller == "jaxamp.grad":
+        names = tuple(wrt) if wrt is not None else (None,) * len(argnums)
+        links = tuple(chain.extend(fun, a, of, w) for a, w in zip(argnums, names))
 
     @functools.wraps(fun)
     def derivative(*args, **kwargs):
@@ -99,8 +105,10 @@ def _reverse(transform: Callable, caller: str, fun: Callable, argnums, has_aux: 
             return transform(fun, argnums, has_aux=has_aux, **options)(*args, **kwargs)
         if chain.eligible(link, args, kwargs):
             return _by_engine(link, args)
+        if links and all(chain.eligible(c, args, kwargs) for c in links):
+            return tuple(_by_engine(c, args) for c in links)
         if method == "forward":
-            raise ValueError(f"{caller}: method='forward' needs int `argnums` and float32 scalar arguments "
+            raise ValueError(f"{caller}: method='forward' needs scalar `argnums` and float32 scalar arguments "
                              f"there, given by position; got argnums={argnums!r}. Use method='auto'.")
         nums = argnums if isinstance(argnums, tuple) else (argnums,)
 

@@ -12,7 +12,7 @@ from jaxamp.derivatives import forward
 from jaxamp.derivatives.plan import Plan, make_plan, mark_params, parent_of, parse_name, run_marked, scaler_key
 from jaxamp.dropin.grad import grad
 from jaxamp.dropin.laplacian import laplacian
-from jaxamp.marks import NONFINITE_VALUES, deriv_check
+from jaxamp.marks import deriv_check
 
 PointFn = Callable[..., jax.Array]  # fn(params, x: f32[n_inputs]) -> f32[n_outputs]
 # engine(plan, f, x, scales) -> (values {name: f32[]}, scaled {derivative: f32[]}) at one point

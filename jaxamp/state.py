@@ -9,7 +9,6 @@ import dataclasses
 from typing import Any, Dict, Optional, Tuple
 
 import jax
-import jax.numpy as jnp
 
 from jaxamp.config import AmpConfig
 from jaxamp.scaler import DynamicScaler, Scalers, ScaleState

@@ -18,6 +18,7 @@ import jaxamp
 from jaxamp import AmpConfig, ConfigError, DynamicScaler
 from jaxamp.monitor import StallMonitor
 from jaxamp.models import FullyConnected
+from tests.helpers.files import yaml_file
 
 FP16 = AmpConfig()
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,13 +37,6 @@ def toy_state():
 def step_with(loss_fn):
     """Call one train step with ``loss_fn`` (eagerly: the contract is checked while tracing)."""
     return jaxamp.train.make_train_step(loss_fn, optax.sgd(0.1), amp=FP16)(toy_state(), {"x": jnp.ones(3)})
-
-
-def yaml_file(text):
-    path = os.path.join(tempfile.mkdtemp(), "config.yaml")
-    with open(path, "w") as f:
-        f.write(text)
-    return path
 
 
 def restore_mismatched():

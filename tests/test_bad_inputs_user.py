@@ -17,6 +17,7 @@ import pytest
 import jaxamp
 from jaxamp import AmpConfig, ConfigError
 from jaxamp import UnscaledDerivativeWarning
+from tests.helpers.files import yaml_file
 
 FP16 = AmpConfig()
 MODEL = nn.Sequential([nn.Dense(8), jnp.tanh, nn.Dense(8), jnp.tanh, nn.Dense(1)])
@@ -50,13 +51,6 @@ def as_error(fn):
             warnings.simplefilter("error", UnscaledDerivativeWarning)
             return fn()
     return call
-
-
-def yaml_file(text):
-    path = os.path.join(tempfile.mkdtemp(), "config.yaml")
-    with open(path, "w") as f:
-        f.write(text)
-    return path
 
 
 def checkpointer():

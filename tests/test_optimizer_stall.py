@@ -5,7 +5,6 @@ taken only then; a clean run says nothing; jaxamp.monitor is fed from the optimi
 import warnings
 
 import jax
-import jax.numpy as jnp
 import optax
 import pytest
 

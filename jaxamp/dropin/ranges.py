@@ -8,7 +8,7 @@ float16/bfloat16 values that depend on the key's seed and feed its check) and ``
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import jax
 import jax.numpy as jnp

@@ -12,6 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+__all__ = ["Checkpointer"]
+
 
 def _name(path: Any) -> str:
     """orbax's dotted name of a key path (``params.Dense_0.kernel``, ``amp_state.derivative.2.scale``)."""

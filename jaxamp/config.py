@@ -13,6 +13,8 @@ import jax.numpy as jnp
 
 from jaxamp.scaler import DynamicScaler, loss_scaler
 
+__all__ = ["MODES", "DTYPES", "DERIVATIVE_SCALER_KEYS", "LOSS_SCALER_KEYS", "ConfigError", "check_flags", "AmpConfig"]
+
 MODES = ("per_order_scaler", "per_term_scaler")
 DTYPES = ("float16", "bfloat16", "float32")
 # Scaler hyper-parameters a config may override (derivative max scales come from the *_log2 keys).
@@ -282,12 +284,11 @@ class AmpConfig:
         return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}  # mappings, lists
 
 
-_DATACLASS_INIT = AmpConfig.__init__
+_DATACLASS_INIT = AmpConfig.__init__  # wrapped below: a positional or unknown argument is a ConfigError
 
 
 @functools.wraps(_DATACLASS_INIT)
 def _init(self: AmpConfig, *args: Any, **kwargs: Any) -> None:
-    """The dataclass's ``__init__``; a positional or unknown argument raises a ConfigError naming it."""
     unknown = [k for k in kwargs if k not in AmpConfig.__dataclass_fields__]
     if args or unknown:
         what = f"the positional value(s) {list(args)!r}" if args else f"unknown key(s) {unknown}"

@@ -14,6 +14,8 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
+__all__ = ["Rule", "CALL_PRIMITIVES", "CUSTOM_PRIMITIVES", "eval_jaxpr", "bind", "substitute", "split_arrays", "trace", "sub_jaxpr", "custom_body", "sub_jaxprs", "cse"]
+
 Rule = Callable[[Any, List[Any]], Sequence[Any]]
 
 # Call-like primitives whose ``jaxpr`` parameter is the whole body, evaluated once.

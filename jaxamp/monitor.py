@@ -21,6 +21,8 @@ from jaxamp.config import AmpConfig
 from jaxamp.scaler import SMALLEST_NORMAL
 from jaxamp.step import SkipReason, find_opt_state
 
+__all__ = ["ADVICE", "StallWarning", "StallError", "stall_line", "report_stall", "opt_state_metrics", "MonitorState", "StallMonitor"]
+
 ADVICE = {
     SkipReason.NONFINITE_VALUES: (
         "bad values in the batch (non-finite inputs or network outputs)",

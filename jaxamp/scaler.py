@@ -14,6 +14,8 @@ from typing import Any, Dict, Iterator, Mapping, NamedTuple, Optional, Tuple
 import jax
 import jax.numpy as jnp
 
+__all__ = ["SMALLEST_NORMAL", "LOSS_SCALER_DEFAULTS", "ScaleState", "DynamicScaler", "loss_scaler", "Scalers", "exact_log2"]
+
 SMALLEST_NORMAL = 2.0**-126  # float32; the hard floor of every scale
 # The loss scaler's defaults where they differ from DynamicScaler's (docs/algorithm.md, "Defaults").
 LOSS_SCALER_DEFAULTS = MappingProxyType({"init_scale": 2.0**16, "max_scale": 2.0**30, "recover_threshold": 2.0**7})

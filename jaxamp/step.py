@@ -25,6 +25,8 @@ import jmp
 from jaxamp.marks import NONFINITE_VALUES
 from jaxamp.scaler import DynamicScaler, Scalers, ScaleState
 
+__all__ = ["Flags", "SkipReason", "encode_flag", "flag_set", "trusted_flags", "all_finite", "ScaledGrads", "loss_scaled_grad", "StepCheck", "check_step", "update_scalers", "AmpOptState", "find_opt_state", "with_opt_state"]
+
 T = TypeVar("T")
 Flags = Mapping[str, jax.Array]
 

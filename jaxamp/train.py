@@ -26,6 +26,8 @@ from jaxamp.start import init
 from jaxamp.state import AmpState
 from jaxamp.step import AmpOptState, ScaledGrads, SkipReason, flag_set
 
+__all__ = ["Step", "TrainState", "step_metrics", "AUX_CONTRACT", "torch_clip", "make_train_step"]
+
 Step = Callable[["TrainState", Any], Tuple["TrainState", Dict[str, jax.Array]]]
 
 

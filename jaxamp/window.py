@@ -15,6 +15,8 @@ import numpy as np
 
 from jaxamp.interpreter import bind, custom_body, eval_jaxpr, sub_jaxpr
 
+__all__ = ["FP16_MAX", "FP16_SMALLEST_NORMAL", "LOG2_FP16_MAX", "LOG2_FP16_SMALLEST_NORMAL", "PERCENTILES", "NOTHING_TO_CHANGE", "Range", "Profile", "value_range", "promote_to_float32", "promote_eqn", "is_low_precision", "promote_value", "Recommendation", "check_margin", "recommend", "LEGEND", "format_profile"]
+
 FP16_MAX = 65504.0
 FP16_SMALLEST_NORMAL = 2.0**-14
 LOG2_FP16_MAX = math.log2(FP16_MAX)

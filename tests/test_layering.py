@@ -94,3 +94,12 @@ def test_the_checker_finds_a_cycle():
 @pytest.mark.parametrize("path", sorted(str(p.relative_to(ROOT.parent)) for p in modules().values()))
 def test_every_file_is_at_most_300_lines(path):
     assert len((ROOT.parent / path).read_text().splitlines()) <= MAX_LINES
+
+
+@pytest.mark.parametrize("module", sorted(modules()))
+def test_every_module_declares_its_public_names(module):
+    import importlib
+
+    mod = importlib.import_module(module)
+    assert isinstance(getattr(mod, "__all__", None), (list, tuple)), f"{module} has no __all__"
+    assert [n for n in mod.__all__ if not hasattr(mod, n)] == []

@@ -6,3 +6,5 @@ docs/algorithm.md "One derivative step". Modules: :mod:`~jaxamp.derivatives.plan
 :class:`jaxamp.Derivatives` on them, and :func:`jaxamp.scaled` gives the engine's program its
 scales and collects its flags.
 """
+
+__all__: list = []

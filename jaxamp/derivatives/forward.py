@@ -18,6 +18,8 @@ from jaxamp import taylor
 from jaxamp.derivatives.plan import Path, Plan, parse_name
 from jaxamp.marks import unscale
 
+__all__ = ["SERIES_MIN_ORDER", "Levels", "Chain", "point_values", "shared_scales", "as_scaled"]
+
 # Pure derivatives of at least this order take Taylor mode (jaxamp.taylor.series); pure
 # second orders take jaxamp.taylor.second_order.
 SERIES_MIN_ORDER = 3

@@ -16,6 +16,8 @@ from jaxamp import marks
 from jaxamp.config import AmpConfig
 from jaxamp.marks import SEP
 
+__all__ = ["LAP", "Step", "Path", "parse_name", "order_of", "parent_of", "Level", "Plan", "scaler_key", "mark_params", "run_marked", "make_plan", "check_names"]
+
 LAP = "lap"  # "u__lap": the Laplacian of u; its second step's per-term key
 
 Step = Tuple[str, int]  # (scaler key, index of the input differentiated by)

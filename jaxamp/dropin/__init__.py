@@ -20,3 +20,5 @@ A ``grad``'s order (its key) is 1 + the highest order of the derivatives its fun
 depends on, read from the traced program (:mod:`jaxamp.nesting`): the same under any
 ``jax.jit``, ``jax.checkpoint``, custom derivative, loop or branch between nested ``grad`` s.
 """
+
+__all__: list = []

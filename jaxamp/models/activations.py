@@ -7,6 +7,8 @@ from typing import Callable, Dict, Optional
 import jax
 import jax.numpy as jnp
 
+__all__ = ["ACTIVATIONS", "check_activation", "apply_activation"]
+
 ACTIVATIONS: Dict[str, Callable[[jax.Array], jax.Array]] = {
     "silu": jax.nn.silu,
     "tanh": jnp.tanh,

@@ -19,6 +19,8 @@ import numpy as np
 from jaxamp.config import AmpConfig
 from jaxamp.models.fully_connected import FullyConnected
 
+__all__ = ["FREQUENCY_KINDS", "DEFAULT_FREQUENCIES", "fourier_matrix", "FourierNet"]
+
 FREQUENCY_KINDS = ("axis", "diagonal", "full", "gaussian")
 DEFAULT_FREQUENCIES: Tuple = ("axis", tuple(range(10)))
 

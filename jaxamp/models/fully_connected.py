@@ -15,6 +15,8 @@ import jax.numpy as jnp
 from jaxamp.config import AmpConfig
 from jaxamp.models.activations import apply_activation, check_activation
 
+__all__ = ["precision_fields", "WeightNormDense", "FullyConnected"]
+
 
 def precision_fields(config: AmpConfig) -> dict:
     """The precision fields of a network module (``dtype``, ``fp32_first_layer``,

@@ -14,6 +14,8 @@ from jax.extend import core as jcore
 from jaxamp.config import AmpConfig
 from jaxamp.interpreter import CUSTOM_PRIMITIVES, bind, custom_body, eval_jaxpr, sub_jaxpr
 
+__all__ = ["COMPUTE_PRIMITIVES", "ACTIVATION_PRIMITIVES", "BODY_PRIMITIVES", "Val", "merge", "primitive_counts", "Placement"]
+
 COMPUTE_PRIMITIVES = frozenset(("dot_general", "conv_general_dilated"))
 ACTIVATION_PRIMITIVES = frozenset((
     "tanh", "logistic", "sin", "cos", "tan", "asin", "acos", "atan", "atan2", "sinh", "cosh",

@@ -21,6 +21,8 @@ from jaxamp.scaler import exact_log2
 from jaxamp.marks import rescale
 from jaxamp.taylor.propagate import Application, Coefficients, Rule, inexact, multilinear
 
+__all__ = ["SCALE_AFTER_MIN_BITS", "Scales", "Ratio", "series_rule", "partitions"]
+
 # Primitives whose outputs and tangents are at least this wide (float32, float64) scale a
 # product term after the product; narrower ones rescale its tangents before it.
 SCALE_AFTER_MIN_BITS = 32

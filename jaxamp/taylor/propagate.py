@@ -14,6 +14,8 @@ from jax.extend import core as jcore
 from jaxamp import interpreter
 from jaxamp.taylor import rules
 
+__all__ = ["Coefficients", "Jet", "Application", "Rule", "propagate", "restrict", "inexact", "multilinear"]
+
 # Taylor coefficients of orders 1..K of one variable; None for an order that is identically 0.
 Coefficients = Tuple[Optional[jax.Array], ...]
 

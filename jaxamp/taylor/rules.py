@@ -14,6 +14,8 @@ from jax.extend import core as jcore
 
 from jaxamp import interpreter
 
+__all__ = ["LINEAR", "BILINEAR", "INLINED_CALLS", "degree", "body"]
+
 # Linear in their x-dependent operands (the others held fixed).
 LINEAR = frozenset(
     "add add_any sub neg convert_element_type reshape broadcast_in_dim squeeze expand_dims transpose "

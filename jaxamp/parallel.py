@@ -17,7 +17,10 @@ The global batch size must be divisible by the number of devices on the batch ax
 call ``jax.distributed.initialize()`` *before any other JAX call* in every process (on CPU, with
 ``jax_cpu_collectives_implementation="gloo"``) and run the same program everywhere: each process
 passes *its own part* of the global batch to :func:`shard_batch` and the same state to
-:func:`replicate`. Tested on fake CPU devices and 2 local processes, not on multi-node GPUs.
+:func:`replicate`. Tested on fake CPU devices and 2 local processes (tests/test_multihost.py:
+skip decisions and scales equal the 1-process run's bit for bit; params agree to rounding, as
+the float16 gradient all-reduce sums in another order), not on multi-node GPUs. The recipe,
+and what ``pmap`` users do: docs/parallel.md.
 """
 
 from __future__ import annotations

@@ -6,16 +6,13 @@ scales every :func:`jaxamp.grad` in the loss and the loss itself; :func:`optimiz
 (the AMP state lives in its state, an :class:`AmpOptState`); :func:`apply_or_skip` does the same
 for any pytrees. Every decision is a select.
 
-Why the flags travel inside the gradients (a :class:`~jaxamp.step.ScaledGrads`) and not as an
-optax extra argument: the user's step stays optax's own (``optimizer.update(grads, opt_state,
-params)``, Flax's ``TrainState.apply_gradients(grads=grads)``), and whatever the user does to the
-gradients between :func:`value_and_grad` and :func:`optimizer` is done to the flags too. They are
-float leaves, 0 when clean and +inf when set, and the gradients are zeroed when one is set
-(:mod:`jaxamp.step`): so a clip before the optimizer in ``optax.chain``, ``lax.pmean`` or
-``lax.psum`` over devices (a set flag anywhere stays set: a global OR) and any elementwise
-transformation keep them, and a clean step is clipped as the bare gradients would be. The
-gradients also record statically whether they were computed from this optimizer's state, so a
-stale state (the initial ``AmpState`` passed every step) is an error at trace time.
+The flags travel inside the gradients (a :class:`~jaxamp.step.ScaledGrads`), not as an optax
+extra argument, so the user's step stays optax's own (``optimizer.update(grads, opt_state,
+params)``, Flax's ``apply_gradients``) and whatever is done to the gradients on the way is done to
+them too: float leaves, 0 clean and +inf set, beside gradients zeroed when one is set
+(:mod:`jaxamp.step`), survive a clip before the optimizer, ``lax.pmean``/``psum`` (a global OR)
+and any elementwise transformation; a clean step is clipped as bare gradients. The gradients
+record statically whether they came from this optimizer's state: a stale state is an error.
 """
 
 from __future__ import annotations
@@ -29,6 +26,7 @@ import optax
 from jaxamp.config import check_flags
 from jaxamp.dropin.grad import check_fun
 from jaxamp.dropin.scaled import scaled
+from jaxamp.modules import filter_grad
 from jaxamp.state import AmpState, find
 from jaxamp.monitor import report_stall
 from jaxamp.step import (AmpOptState, ScaledGrads, StepCheck, check_step, encode_flag, find_opt_state, flag_set,
@@ -99,7 +97,7 @@ def value_and_grad(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] =
     Args:
       fun: ``fun(params, *args) -> loss`` (a float scalar), or ``(loss, aux)`` with
         ``has_aux=True``; its derivatives written with :func:`jaxamp.grad` and its siblings.
-      argnums, has_aux: as ``jax.value_and_grad``.
+      argnums, has_aux: as ``jax.value_and_grad``; Equinox / NNX modules as ``eqx.filter_value_and_grad`` does.
       merge: as :func:`jaxamp.scaled`.
       headroom: also return each key's headroom (``grads.headroom_log2``); off by default, as
         its values would count in a global norm of the gradients (e.g. a clip before the optimizer).
@@ -131,7 +129,7 @@ def value_and_grad(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] =
             loss, aux = _loss_of(out, has_aux, fun)
             return loss, (aux, found, room)
 
-        grads, (loss, (aux, found, room)) = loss_scaled_grad(loss_of, argnums, loss_scale)(*args)
+        grads, (loss, (aux, found, room)) = filter_grad(loss_scaled_grad, loss_of, argnums, loss_scale)(*args)
         flagged = jnp.stack([flag_set(v) for v in found.values()]).any() if found else jnp.asarray(False)
         # zeroed when a flag is set: a global norm downstream stays finite and cannot poison clean flags
         grads = jax.tree_util.tree_map(lambda g: jnp.where(flagged, jnp.zeros_like(g), g), grads)
@@ -221,8 +219,8 @@ class AmpOptimizer(optax.GradientTransformationExtraArgs):
 
 
 def optimizer(inner: optax.GradientTransformation, state: Optional[AmpState] = None, *,
-              axis_name: Optional[Any] = None, max_consecutive_skips: int = 100,
-              on_stall: str = "warn") -> AmpOptimizer:  # fmt: skip
+              axis_name: Optional[Any] = None, max_consecutive_skips: int = 100, on_stall: str = "warn",
+              skip_when_off: bool = False) -> AmpOptimizer:  # fmt: skip
     """Wrap any optax optimizer: skip the update on overflow and advance every scaler.
 
     Unlike ``optax.apply_if_finite``, a skipped step is always a zero update, inner state
@@ -238,6 +236,8 @@ def optimizer(inner: optax.GradientTransformation, state: Optional[AmpState] = N
         count reaches a multiple of it (a host callback taken only then), a positive int.
       on_stall: ``"warn"`` (a :class:`~jaxamp.monitor.StallWarning`) or ``"raise"`` (a
         :class:`~jaxamp.monitor.StallError`, surfacing from the step as a JAX runtime error).
+      skip_when_off: with AMP off (float32): False, ``inner`` as written (the user's program bit
+        for bit); True, non-finite steps still skip (``make_train_step``'s rule in every precision).
 
     Returns:
       An :class:`AmpOptimizer` whose ``update`` takes the ``ScaledGrads`` of
@@ -260,6 +260,7 @@ def optimizer(inner: optax.GradientTransformation, state: Optional[AmpState] = N
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"jaxamp.optimizer: `max_consecutive_skips`={n!r} is not allowed: expected a positive "
                          "integer (steps skipped in a row before a stall is reported), e.g. 100.")
+    check_flags("jaxamp.optimizer", skip_when_off=skip_when_off)
     if on_stall not in ON_STALL:
         raise ValueError(f"jaxamp.optimizer: `on_stall`={on_stall!r} is not allowed: expected one of {ON_STALL}.")
     inner = optax.with_extra_args_support(inner)
@@ -284,7 +285,7 @@ def optimizer(inner: optax.GradientTransformation, state: Optional[AmpState] = N
         amp, _ = locate(opt_state, "jaxamp.optimizer")
         grads = updates if isinstance(updates, ScaledGrads) else ScaledGrads(updates, {})
         new_updates, new_inner = inner.update(grads.grads, opt_state.inner, params, **extra)
-        if amp.amp.compute_dtype == jnp.float32:  # AMP off: the inner optimizer as written, no skip
+        if amp.amp.compute_dtype == jnp.float32 and not skip_when_off:  # AMP off: inner as written
             return new_updates, opt_state._replace(inner=new_inner)
         check = _decide(amp, grads, axis_name, (new_updates, new_inner))
         zeros = jax.tree_util.tree_map(jnp.zeros_like, new_updates)

@@ -254,7 +254,7 @@ def make_train_step(
             raise error(f"make_train_step: {what}.")
     check_flags("make_train_step", merge=merge, headroom=headroom)
     grad_fn = value_and_grad(loss_fn, has_aux=True, merge=merge, headroom=headroom)
-    tx = amp_optimizer(optimizer, max_consecutive_skips=max_consecutive_skips, on_stall=on_stall)
+    tx = amp_optimizer(optimizer, max_consecutive_skips=max_consecutive_skips, on_stall=on_stall, skip_when_off=True)
 
     def step(state: TrainState, batch: Any) -> Tuple[TrainState, Dict[str, jax.Array]]:
         amp_state = state.amp_state

@@ -38,7 +38,7 @@ class Fourier(nn.Module):
 
 @functools.cache
 def networks():
-    apply = jaxamp.autocast(Fourier().apply, AMP)
+    apply = jaxamp.autocast(Fourier().apply)  # under each case's config: the same placement (float16)
     fourier = (lambda p, t, x: apply(p, t, x), Fourier().init(jax.random.PRNGKey(0), 0.1, 0.2))
     _, u_net, params = make_net(AMP, layer_size=32, nr_layers=3)
     return {"fourier": fourier, "fully_connected": (u_net, params)}

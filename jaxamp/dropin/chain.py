@@ -27,14 +27,27 @@ METHODS = ("auto", "forward", "reverse")
 _PLAN_AMP = AmpConfig(mode="per_term_scaler")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Chain:
-    """A nest of ``grad`` calls: ``base`` and, innermost first, the argnum and name of each step."""
+    """A nest of ``grad`` calls: ``base`` and, innermost first, the argnum and name of each step.
+
+    Equal and hashed by the identity of ``base`` (which the chain keeps alive, so its id is not
+    reused) and the steps: a user's callable is never hashed or compared, as an Equinox or NNX
+    module holding arrays (tracers, under a trace) can be neither."""
 
     base: Callable[..., Any]
     argnums: Tuple[int, ...]
     wrts: Tuple[Optional[str], ...]
     of: Optional[str]
+
+    def _key(self) -> Tuple[Any, ...]:
+        return (id(self.base), self.argnums, self.wrts, self.of)
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, Chain) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
 
 
 def extend(fun: Callable[..., Any], argnums: Any, of: Optional[str], wrt: Any) -> Optional[Chain]:
@@ -126,8 +139,8 @@ def evaluate(chains, args: Tuple[Any, ...], base_order: int, base_term: Optional
     a chain's ``of`` names its base first. Each value is marked as its last step's derivative."""
     cols = tuple(sorted({i for c in chains for i in c.argnums}))
     inputs = tuple(f"a{i}" for i in cols)
-    bases = list(dict.fromkeys(c.base for c in chains))
-    output = {c: f"u{bases.index(c.base)}" for c in chains}
+    bases = list({id(c.base): c.base for c in chains}.values())  # by identity: a module is not hashed
+    output = {c: f"u{[id(b) for b in bases].index(id(c.base))}" for c in chains}
     tops = [_node(c, len(c.argnums), output[c]) for c in chains]
     plan = make_plan(inputs, tuple(f"u{b}" for b in range(len(bases))), tuple(dict.fromkeys(tops)), _PLAN_AMP)
     terms: Dict[str, Optional[str]] = {}  # plan parent name -> the user's name of that value

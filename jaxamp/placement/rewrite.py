@@ -29,6 +29,7 @@ from jaxamp import policy
 from jaxamp.config import AmpConfig, ConfigError
 from jaxamp.placement.rules import ACTIVATION_PRIMITIVES, COMPUTE_PRIMITIVES, Placement, Val
 from jaxamp.interpreter import bind, eval_jaxpr
+from jaxamp.modules import is_module
 
 __all__ = ["autocast", "ACTIVATION_PRIMITIVES", "COMPUTE_PRIMITIVES"]
 
@@ -37,6 +38,8 @@ def _describe(fn: Callable) -> str:
     owner = getattr(fn, "__self__", None)
     if owner is not None and hasattr(fn, "__name__"):
         return f"{type(owner).__name__}.{fn.__name__}"
+    if is_module(fn):  # its repr lists every array
+        return f"{type(fn).__name__}(...)"
     return getattr(fn, "__qualname__", None) or repr(fn)
 
 
@@ -102,7 +105,7 @@ def _config(amp: Any, name: str) -> AmpConfig:
 
 
 def autocast(fn: Callable, amp: Optional[AmpConfig] = _ACTIVE, *,
-             params_argnums: Union[int, Sequence[int]] = 0) -> Callable:  # fmt: skip
+             params_argnums: Union[int, Sequence[int], None] = None) -> Callable:  # fmt: skip
     """``fn`` with jaxamp's precision placement, by rewriting its traced program per primitive.
 
     Parameter-using matmuls/convolutions run in ``amp.compute_dtype``; the first layer and the
@@ -119,8 +122,10 @@ def autocast(fn: Callable, amp: Optional[AmpConfig] = _ACTIVE, *,
         (:func:`jaxamp.policy.active`); given, it must agree with that one
         (:func:`jaxamp.policy.check`). The output carries the policy (:func:`jaxamp.policy.mark`)
         for ``jaxamp.init`` to check against its own config.
-      params_argnums: positions of the parameter arguments (default ``0``); every other argument
-        is an input. ``()``: ``fn`` closes over its parameters (captured arrays count as such).
+      params_argnums: positions of the parameter arguments; every other argument is an input.
+        ``()``: ``fn`` closes over its parameters (captured arrays count as such). Default: ``()``
+        for an Equinox or Flax NNX module (or its method), whose arrays are its parameters
+        (``autocast(net, amp)(x)``), else ``0`` (``apply(params, x)``).
 
     Returns:
       A function with ``fn``'s signature, tracing ``fn`` once per argument structure, shapes and
@@ -144,6 +149,9 @@ def autocast(fn: Callable, amp: Optional[AmpConfig] = _ACTIVE, *,
             f"autocast: `amp`={amp!r} must be a jaxamp.AmpConfig or None; build one with "
             "AmpConfig(...) or AmpConfig.from_dict(cfg)."
         )
+    module = is_module(fn)
+    if params_argnums is None:  # a module holds its parameters: every argument is an input
+        params_argnums = () if module else 0
     argnums = _argnums(params_argnums)
     if amp is None or (amp is not _ACTIVE and amp.compute_dtype == jnp.float32):
         return fn
@@ -166,7 +174,8 @@ def autocast(fn: Callable, amp: Optional[AmpConfig] = _ACTIVE, *,
         arrays = [x for x, t in zip(leaves, traced) if t]
         types = [jax.typeof(x) for x in arrays]
         key = (config, tree, tuple(traced), tuple(x for x, t in zip(leaves, traced) if not t),
-               tuple((t.shape, t.dtype, t.weak_type) for t in types))
+               tuple((t.shape, t.dtype, t.weak_type) for t in types),
+               module and tuple(map(id, jax.tree_util.tree_leaves(fn))))  # an NNX module updated in place
         try:
             entry = cache.get(key)
         except TypeError:  # an unhashable static argument: trace every call

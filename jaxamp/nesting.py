@@ -79,7 +79,7 @@ def resolve(params: Dict[str, Any], v: Info) -> Tuple[int, Optional[str]]:
     """``(order, term)`` of a mark with ``params`` whose differentiated value has info ``v``."""
     rel = params["order"]
     if rel == 0:
-        return 0, None
+        return 0, params["term"] if not params.get("check", True) else None
     term = params["term"] if params["term"] is not None else single_name(v)
     return v.order + rel, term
 

@@ -119,3 +119,15 @@ def test_amp_off_port_is_bit_identical_to_the_original(network, amp, method):
     np.testing.assert_array_equal(got_losses, want_losses)
     for got, want in zip(jax.tree_util.tree_leaves(got_params), jax.tree_util.tree_leaves(want_params)):
         np.testing.assert_array_equal(got, want)
+
+
+def test_a_derivative_traced_with_amp_off_and_reused_under_amp_on_is_an_error():
+    """A jax.jit caches the AMP-off trace (plain JAX, unscaled): reusing it with AMP on would
+    leave that derivative unscaled, so jaxamp says so."""
+    u_x = jax.jit(jaxamp.grad(lambda p, x: jnp.tanh(p * x), 1))
+    loss = lambda p, x: u_x(p, x) ** 2  # noqa: E731
+    off = jaxamp.init(loss, jaxamp.AmpConfig(enabled=False))(2.0, 0.3)
+    value, found = jaxamp.scaled(loss)(off, 2.0, 0.3)  # traced with AMP off: cached
+    assert found == {} and np.isfinite(value)
+    with pytest.raises(jaxamp.ConfigError, match="traced with AMP off"):
+        jaxamp.init(loss, jaxamp.AmpConfig())(2.0, 0.3)

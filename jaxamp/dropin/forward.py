@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jaxamp.dropin.chain import check_output
 from jaxamp.dropin.grad import amp_off, check_fun, check_wrt, finish, jacrev, step
 from jaxamp.interpreter import substitute
-from jaxamp.marks import deriv_scale, fresh, seed
+from jaxamp.marks import AMP_OFF, deriv_scale, fresh, seed
 
 __all__ = ["jvp", "jacfwd", "hessian"]
 
@@ -51,8 +51,9 @@ def jvp(fun: Callable[..., Any], primals: Sequence[Any], tangents: Sequence[Any]
     if not isinstance(primals, (tuple, list)) or not isinstance(tangents, (tuple, list)) or len(primals) != len(tangents):
         raise TypeError(f"jaxamp.jvp: `primals` and `tangents` must be tuples of the same length, got "
                         f"{type(primals).__name__} and {type(tangents).__name__}.")  # fmt: skip
-    if amp_off():  # nothing inserted: JAX's own derivative
-        return jax.jvp(fun, primals, tangents, has_aux=has_aux)
+    if amp_off():  # JAX's own derivative, tagged (no operation)
+        out = jax.jvp(fun, primals, tangents, has_aux=has_aux)
+        return (out[0], fresh(out[1], term=AMP_OFF), *out[2:])
     out, f_jvp, aux, s = _linearized("jaxamp.jvp", fun, primals, has_aux, of, None)
     d = f_jvp(*[jax.tree_util.tree_map(lambda t: seed(t, s, jnp.result_type(t)), t) for t in tangents])
     d = finish(d, out, s, step(of, None))
@@ -85,8 +86,9 @@ def jacfwd(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_
 
     @functools.wraps(fun)
     def derivative(*args, **kwargs):
-        if amp_off():  # nothing inserted: JAX's own derivative
-            return jax.jacfwd(fun, argnums, has_aux=has_aux, holomorphic=holomorphic)(*args, **kwargs)
+        if amp_off():  # JAX's own derivative, tagged (no operation)
+            out = jax.jacfwd(fun, argnums, has_aux=has_aux, holomorphic=holomorphic)(*args, **kwargs)
+            return (fresh(out[0], term=AMP_OFF), out[1]) if has_aux else fresh(out, term=AMP_OFF)
 
         def partial(*dyn):
             return fun(*substitute(args, nums, dyn), **kwargs)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jaxamp import policy
 from jaxamp.dropin import chain
 from jaxamp.interpreter import substitute, trace
-from jaxamp.marks import deriv_check, deriv_scale, fresh, seed, unscale
+from jaxamp.marks import AMP_OFF, deriv_check, deriv_scale, fresh, seed, unscale
 from jaxamp.nesting import NO_DERIVATIVE, analyze, single_name
 
 __all__ = ["grad", "jacrev"]
@@ -101,8 +101,9 @@ def _reverse(transform: Callable, caller: str, fun: Callable, argnums, has_aux: 
 
     @functools.wraps(fun)
     def derivative(*args, **kwargs):
-        if method != "forward" and amp_off():  # nothing inserted: JAX's own derivative
-            return transform(fun, argnums, has_aux=has_aux, **options)(*args, **kwargs)
+        if method != "forward" and amp_off():  # JAX's own derivative, tagged (no operation)
+            out = transform(fun, argnums, has_aux=has_aux, **options)(*args, **kwargs)
+            return (fresh(out[0], term=AMP_OFF), out[1]) if has_aux else fresh(out, term=AMP_OFF)
         if chain.eligible(link, args, kwargs):
             return _by_engine(link, args)
         if links and all(chain.eligible(c, args, kwargs) for c in links):

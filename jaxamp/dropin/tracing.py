@@ -14,6 +14,8 @@ from jaxamp import policy
 from jaxamp.config import AmpConfig, ConfigError
 from jaxamp.dropin import chain
 from jaxamp.interpreter import trace
+from jaxamp.marks import AMP_OFF
+from jaxamp.nesting import NO_DERIVATIVE, analyze
 from jaxamp.state import find
 
 __all__ = ["check_amp", "shared_trace", "state_config", "traced"]
@@ -69,4 +71,11 @@ def traced(fun: Callable, args, kwargs, amp: Optional[AmpConfig], caller: str):
         closed, flat, out_tree = shared_trace(fun, args, kwargs)
     if amp is not None:
         policy.check(policy.policies_in(closed), amp, caller, "the config of the `state` (or `amp`) given")
+    if amp is not None and amp.compute_dtype != jnp.float32 and (0, AMP_OFF) in analyze(
+            closed.jaxpr, [NO_DERIVATIVE] * len(closed.jaxpr.invars)).marks:  # fmt: skip
+        raise ConfigError(
+            f"{caller}: the program holds a jaxamp derivative traced with AMP off (plain JAX, unscaled), "
+            f"but runs with {policy.Policy.of(amp).describe()}: a jax.jit traced it under an AMP-off state "
+            "and reuses that trace. Fix: jit the function once per config (e.g. build it inside a function "
+            "of the config), or jax.clear_caches() before switching AMP on.")
     return closed, flat, out_tree

@@ -13,7 +13,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 MAX_CHANGED, MAX_CHARS, MAX_STEP_CHANGES = 12, 100, 3
 
 
-@pytest.mark.parametrize("example", ["jax_user", "flax_user"])
+@pytest.mark.parametrize("example", ["jax_user", "flax_user", "equinox_user", "nnx_user"])
 def test_port_changes_at_most_12_short_readable_lines(example):
     added = added_lines(EXAMPLES / example / "fp32.py", EXAMPLES / example / "fp16.py")
     assert added and len(added) <= MAX_CHANGED, "\n".join(added)
@@ -21,7 +21,7 @@ def test_port_changes_at_most_12_short_readable_lines(example):
         assert len(line) <= MAX_CHARS and "lambda" not in line, line
 
 
-@pytest.mark.parametrize("example", ["jax_user", "flax_user"])
+@pytest.mark.parametrize("example", ["jax_user", "flax_user", "equinox_user", "nnx_user"])
 def test_the_train_step_changes_by_at_most_three_lines(example):
     changed = function_changes(EXAMPLES / example / "fp32.py", EXAMPLES / example / "fp16.py", "train_step")
     assert 1 <= changed <= MAX_STEP_CHANGES, changed

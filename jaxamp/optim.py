@@ -29,8 +29,8 @@ from jaxamp.dropin.scaled import scaled
 from jaxamp.modules import filter_grad
 from jaxamp.state import AmpState, find
 from jaxamp.monitor import report_stall
-from jaxamp.step import (AmpOptState, ScaledGrads, StepCheck, check_step, encode_flag, find_opt_state, flag_set,
-                         loss_scaled_grad, trusted_flags, update_scalers, with_opt_state)  # fmt: skip
+from jaxamp.step import (AmpOptState, ScaledGrads, StepCheck, check_like_params, check_step, encode_flag,
+                         find_opt_state, flag_set, loss_scaled_grad, trusted_flags, update_scalers, with_opt_state)
 
 __all__ = ["value_and_grad", "apply_or_skip", "optimizer", "AmpOptState", "AmpOptimizer", "advance", "with_amp_state",
            "replace_amp", "step_state"]
@@ -284,6 +284,7 @@ def optimizer(inner: optax.GradientTransformation, state: Optional[AmpState] = N
                 "state this optimizer returned (for Flax: ts.opt_state).")
         amp, _ = locate(opt_state, "jaxamp.optimizer")
         grads = updates if isinstance(updates, ScaledGrads) else ScaledGrads(updates, {})
+        check_like_params(grads.grads, params, "jaxamp.optimizer")
         new_updates, new_inner = inner.update(grads.grads, opt_state.inner, params, **extra)
         if amp.amp.compute_dtype == jnp.float32 and not skip_when_off:  # AMP off: inner as written
             return new_updates, opt_state._replace(inner=new_inner)

@@ -25,7 +25,7 @@ import jmp
 from jaxamp.marks import NONFINITE_VALUES
 from jaxamp.scaler import DynamicScaler, Scalers, ScaleState
 
-__all__ = ["Flags", "SkipReason", "encode_flag", "flag_set", "trusted_flags", "all_finite", "ScaledGrads", "loss_scaled_grad", "StepCheck", "check_step", "update_scalers", "AmpOptState", "find_opt_state", "with_opt_state"]
+__all__ = ["check_like_params", "Flags", "SkipReason", "encode_flag", "flag_set", "trusted_flags", "all_finite", "ScaledGrads", "loss_scaled_grad", "StepCheck", "check_step", "update_scalers", "AmpOptState", "find_opt_state", "with_opt_state"]
 
 T = TypeVar("T")
 Flags = Mapping[str, jax.Array]
@@ -287,3 +287,14 @@ def with_opt_state(tree: Any, opt: AmpOptState) -> Any:
     """``tree`` with its one :class:`AmpOptState` replaced by ``opt``."""
     is_opt = lambda x: isinstance(x, AmpOptState)  # noqa: E731
     return jax.tree_util.tree_map(lambda x: opt if is_opt(x) else x, tree, is_leaf=is_opt)
+
+
+def check_like_params(grads: Any, params: Any, caller: str) -> None:
+    """Raise unless ``grads`` has ``params``' leaves (None for a module's non-array ones): a slip of argnums."""
+    none_leaf = lambda x: x is None  # noqa: E731
+    got = jax.tree_util.tree_structure(grads, is_leaf=none_leaf)
+    want = jax.tree_util.tree_structure(params, is_leaf=none_leaf)
+    if params is not None and got.num_leaves != want.num_leaves:
+        raise TypeError(f"{caller}: the gradients have {got.num_leaves} leaves but `params` has {want.num_leaves}: "
+                        "were they taken with respect to another argument (e.g. value_and_grad(loss, argnums=1))? "
+                        "Fix: differentiate the parameters, jaxamp.value_and_grad(loss)(opt_state, params, batch).")

@@ -57,6 +57,15 @@ def checkpointer():
     return jaxamp.checkpoint.Checkpointer(tempfile.mkdtemp())
 
 
+def argnums_slip():
+    """Gradients with respect to the points (argnums=1) handed to the optimizer of the params."""
+    amp_state = jaxamp.init(loss, FP16)(PARAMS, X)
+    tx = jaxamp.optimizer(optax.adam(1e-3), amp_state)
+    opt_state = tx.init(PARAMS)
+    _, grads = jaxamp.value_and_grad(loss, argnums=1)(opt_state, PARAMS, X)
+    return tx.update(grads, opt_state, PARAMS)
+
+
 CASES = [
     # ---------------------------------------------------------------- AmpConfig from a user's config
     ("config.unknown_key", lambda: AmpConfig(**{"dtype": "float16", "precision": "fp16"}), ConfigError,
@@ -121,6 +130,8 @@ CASES = [
      ["jaxamp.value_and_grad", "got dict holding 0 AmpState(s)", "Fix: pass the state first"]),
     ("vag.plain_optax_state", lambda: jaxamp.value_and_grad(loss)(optax.adam(1e-3).init(PARAMS), PARAMS, X), TypeError,
      ["holding 0 AmpState(s)", "jaxamp.optimizer(tx, jaxamp.init(loss, amp)(params, batch))"]),
+    ("vag.argnums_slip", lambda: argnums_slip(), TypeError,
+     ["jaxamp.optimizer", "`params`", "argnums=1", "Fix: differentiate the parameters"]),
     ("scaled.state_forgotten", lambda: jaxamp.scaled(loss)(PARAMS, X), TypeError,
      ["jaxamp.scaled", "the first argument", "AmpState", "Fix: pass the state first"]),
     ("scaled.amp_ignored", lambda: jaxamp.scaled(loss, AmpConfig(dtype="bfloat16"))(state(), PARAMS, X),

@@ -106,7 +106,7 @@ def loop(step, params, opt_state):
 
 OFF = {"off": jaxamp.AmpConfig(enabled=False), "fp32": jaxamp.AmpConfig(dtype="float32")}
 # each network and each way of turning AMP off in the fast suite; every combination under -m slow
-FAST = [("hand", "off", "auto"), ("flax", "fp32", "auto")]
+FAST = [("hand", "off", "auto")]
 CASES = [pytest.param(*c, marks=() if c in FAST else pytest.mark.slow)
          for c in [(n, a, m) for n in sorted(NETWORKS) for a in OFF for m in ("auto", "reverse")]]
 

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 import jaxamp
@@ -82,6 +83,7 @@ def _loss(model, x):
     return jnp.mean(jax.vmap(jaxamp.grad(jaxamp.grad(model)))(x) ** 2) + model(0.0) ** 2
 
 
+@pytest.mark.slow  # the fast suite's budget: test_the_port_trains runs the same path
 def test_value_and_grad_of_a_module_is_module_shaped_and_trains_with_the_optimizer():
     model, amp = Net(), jaxamp.AmpConfig()
     state = jaxamp.init(_loss, amp)(model, X)

@@ -49,6 +49,7 @@ def test_the_port_trains():
     assert np.isfinite(losses).all() and losses[-10:].mean() < 0.5 * losses[:10].mean(), losses
 
 
+@pytest.mark.slow  # fast-suite budget: the port tests run this path fast
 def test_the_port_with_amp_off_is_fp32(monkeypatch):
     from examples.equinox_user import fp16, fp32
 
@@ -57,6 +58,7 @@ def test_the_port_with_amp_off_is_fp32(monkeypatch):
     np.testing.assert_allclose(ours["losses"], theirs["losses"], rtol=1e-5)
 
 
+@pytest.mark.slow  # fast-suite budget: the port tests run this path fast
 @pytest.mark.parametrize("form", ["module", "unbound", "closure"])
 def test_grad_of_a_module_equals_jax_grad_in_float32(form):
     net = net_of()
@@ -92,6 +94,7 @@ def _loss(net, x):
     return jnp.mean(jax.vmap(jaxamp.grad(jaxamp.grad(net)))(x) ** 2) + net(0.0) ** 2
 
 
+@pytest.mark.slow  # fast-suite budget: the port tests run this path fast
 def test_value_and_grad_of_a_module_is_filter_value_and_grad():
     net = net_of()
     state = jaxamp.init(_loss, jaxamp.AmpConfig())(net, X)  # nothing autocast: float32 values
@@ -104,6 +107,7 @@ def test_value_and_grad_of_a_module_is_filter_value_and_grad():
         np.testing.assert_allclose(g, t, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow  # fast-suite budget: the port tests run this path fast
 def test_optimizer_update_and_apply_updates_on_module_gradients():
     net, amp = net_of(), jaxamp.AmpConfig()
     optim = jaxamp.optimizer(optax.adam(1e-2), jaxamp.init(_loss, amp)(net, X))
@@ -123,6 +127,7 @@ def test_optimizer_update_and_apply_updates_on_module_gradients():
     assert net.activation is jax.nn.tanh  # static leaves kept
 
 
+@pytest.mark.slow  # fast-suite budget: the port tests run this path fast
 def test_unbound_method_under_value_and_grad():
     net = net_of()
 
@@ -154,6 +159,7 @@ SIBLINGS = {  # jaxamp's form and JAX's of each sibling, on a module and on its 
 }
 
 
+@pytest.mark.slow  # fast-suite budget: the port tests run this path fast
 @pytest.mark.parametrize("name", sorted(SIBLINGS))
 def test_every_sibling_takes_a_module(name):
     net = eqx.nn.MLP(2, "scalar", 8, 2, activation=jax.nn.tanh, key=jax.random.PRNGKey(1))
@@ -162,6 +168,7 @@ def test_every_sibling_takes_a_module(name):
     np.testing.assert_allclose(value, form(jax, net, z), rtol=2e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # fast-suite budget: the port tests run this path fast
 def test_value_and_grad_over_a_module_and_an_array_together():
     net, w = net_of(), jnp.float32(0.5)
 

@@ -53,6 +53,7 @@ def test_the_port_trains():
     assert np.isfinite(losses).all() and losses[-10:].mean() < 0.5 * losses[:10].mean(), losses
 
 
+@pytest.mark.slow  # fast-suite budget: the port tests run this path fast
 def test_the_port_with_amp_off_is_fp32(monkeypatch):
     from examples.nnx_user import fp16, fp32
 
@@ -61,6 +62,7 @@ def test_the_port_with_amp_off_is_fp32(monkeypatch):
     np.testing.assert_allclose(ours["losses"], theirs["losses"], rtol=1e-5)
 
 
+@pytest.mark.slow  # fast-suite budget: the port tests run this path fast
 def test_grad_of_a_module_and_of_a_merged_one_equal_jax_grad_in_float32():
     model = Net()
     graphdef, params = nnx.split(model)

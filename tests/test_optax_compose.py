@@ -154,6 +154,7 @@ PMAP_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # fast-suite budget: pmean/psum under vmap run fast
 def test_pmap_with_pmean_and_jit_over_a_sharded_batch():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

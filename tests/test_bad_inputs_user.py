@@ -59,7 +59,7 @@ def checkpointer():
 
 def argnums_slip():
     """Gradients with respect to the points (argnums=1) handed to the optimizer of the params."""
-    amp_state = jaxamp.init(loss, FP16)(PARAMS, X)
+    amp_state = jaxamp.init(loss, FP16, from_profile=False)(PARAMS, X)
     tx = jaxamp.optimizer(optax.adam(1e-3), amp_state)
     opt_state = tx.init(PARAMS)
     _, grads = jaxamp.value_and_grad(loss, argnums=1)(opt_state, PARAMS, X)

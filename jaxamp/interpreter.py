@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
-__all__ = ["Rule", "CALL_PRIMITIVES", "CUSTOM_PRIMITIVES", "eval_jaxpr", "bind", "substitute", "split_arrays", "trace", "sub_jaxpr", "custom_body", "sub_jaxprs", "cse"]
+__all__ = ["Rule", "CALL_PRIMITIVES", "CUSTOM_PRIMITIVES", "eval_jaxpr", "bind", "substitute", "split_arrays", "trace", "sub_jaxpr", "custom_body", "sub_jaxprs", "atom", "cse"]
 
 Rule = Callable[[Any, List[Any]], Sequence[Any]]
 
@@ -122,7 +122,7 @@ def sub_jaxprs(eqn) -> List[jcore.Jaxpr]:
     return [j.jaxpr if isinstance(j, jcore.ClosedJaxpr) else j for j in jcore.jaxprs_in_params(eqn.params)]
 
 
-def _atom(v) -> Any:
+def atom(v) -> Any:
     """A hashable stand-in for an equation operand: the variable itself, or a literal's value."""
     if isinstance(v, jcore.Literal):
         val = np.asarray(v.val)  # by its bits: 0.0 and -0.0 differ, as do NaN payloads
@@ -164,7 +164,7 @@ def cse(closed: jcore.ClosedJaxpr, *, held: Sequence[int] = ()) -> jcore.ClosedJ
             eqns.append(eqn)
             continue
         try:
-            key = None if eqn.effects else (eqn.primitive, tuple(map(_atom, eqn.invars)),
+            key = None if eqn.effects else (eqn.primitive, tuple(map(atom, eqn.invars)),
                                             tuple(sorted(eqn.params.items())))  # fmt: skip
             earlier = None if key is None else seen.get(key)
         except (TypeError, ValueError):  # unhashable, or compared elementwise

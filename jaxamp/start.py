@@ -12,8 +12,8 @@ import jax.numpy as jnp
 
 from jaxamp import policy
 from jaxamp.config import AmpConfig, check_flags
-from jaxamp.dropin.ranges import init_scalers
-from jaxamp.interpreter import trace
+from jaxamp.dropin.ranges import scalers_of
+from jaxamp.dropin.tracing import traced
 from jaxamp.scaler import Scalers, ScaleState
 from jaxamp.state import AmpState
 from jaxamp.window import check_margin
@@ -70,11 +70,9 @@ def init(fun: Optional[Callable[..., Any]], amp: Optional[AmpConfig] = None, *, 
     def init_state(*args, **kwargs) -> AmpState:
         found = Scalers({})  # the keys of `fun` (from its profile), then those of `keys` it lacks
         if fun is not None:
-            with policy.using(amp, "jaxamp.init"):  # autocast(apply) without amp takes init's
-                program = _trace(fun, args, kwargs)
-                policy.check(policy.policies_in(program), amp, "jaxamp.init", "the `amp` given to jaxamp.init")
-                if amp.scaler_enabled:
-                    found = init_scalers(fun, amp, from_profile=from_profile, margin_log2=margin_log2)(*args, **kwargs)
+            program, flat = _trace(fun, args, kwargs, amp)  # once: the keys and the profile read it
+            if amp.scaler_enabled:
+                found = scalers_of(program, flat, amp, from_profile=from_profile, margin_log2=margin_log2)
             if amp.scaler_enabled and not found and policy.derivative_taken(program):
                 _warn_unscaled(fun, policy.policies_in(program))
         more = {k: amp.derivative_scaler_for(k) for k in keys if k not in found} if amp.scaler_enabled else {}
@@ -90,10 +88,11 @@ def _describe(fun: Callable) -> str:
     return getattr(fun, "__qualname__", None) or type(fun).__name__
 
 
-def _trace(fun: Callable, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-    """``fun``'s program on the example arguments; called with none, a failure names the fix."""
+def _trace(fun: Callable, args: Tuple[Any, ...], kwargs: Dict[str, Any], amp: AmpConfig) -> Any:
+    """``fun``'s program and array arguments (:func:`jaxamp.dropin.tracing.traced`: ``amp``
+    active, its autocast policies checked); called with none, a failure names the fix."""
     try:
-        return trace(fun, args, kwargs)[0]
+        return traced(fun, args, kwargs, amp, "jaxamp.init", "the `amp` given to jaxamp.init")[:2]
     except TypeError as e:
         if args or kwargs:
             raise

@@ -8,8 +8,7 @@ nested calls would have reported (docs/algorithm.md, "Engines").
 from __future__ import annotations
 
 import dataclasses
-import threading
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +19,7 @@ from jaxamp.derivatives.plan import make_plan, order_of, run_marked
 from jaxamp.interpreter import bind, cse, eval_jaxpr, substitute
 from jaxamp.marks import SEP, fresh
 
-__all__ = ["Chain", "METHODS", "Session", "sessions", "check_output", "extend", "eligible", "evaluate", "shared"]
+__all__ = ["Chain", "METHODS", "check_output", "extend", "eligible", "evaluate"]
 
 METHODS = ("auto", "forward", "reverse")
 # per-term keys (the parents' plan names): the plan's own step keys, each mapped to a mark below
@@ -85,79 +84,34 @@ def _node(chain: Chain, k: int, output: str) -> str:
     return SEP.join((output,) + tuple(f"a{i}" for i in chain.argnums[:k]))
 
 
-class Session:
-    """Shared passes across the chain calls of one traced program (:func:`jaxamp.scaled`): the
-    first trace records the calls, grouped by their traced arguments; in the second, a group's
-    first call evaluates one plan for the group (a call off the record computes its own)."""
-
-    def __init__(self) -> None:
-        self.recording, self.calls, self.groups, self.index = True, [], [], 0
-        self.results: Dict[int, Dict[str, Any]] = {}
-        self.first_args: Dict[int, Tuple[Any, ...]] = {}
-
-    def finish_recording(self) -> None:
-        by_args: Dict[Any, int] = {}
-        for _, ids, _, base in self.calls:
-            self.groups.append(by_args.setdefault((ids, base), len(by_args)))
-        self.recording, self.index = False, 0
-
-
-_STATE = threading.local()
-
-
-def thread_list(name: str) -> list:
-    """This thread's list ``name`` (the stack of sessions), innermost last."""
-    return _STATE.__dict__.setdefault(name, [])
-
-
-def sessions() -> List[Session]:
-    return thread_list("sessions")
-
-
-def shared(chain: Chain, args: Tuple[Any, ...], base_order: int, base_term: Optional[str]) -> jax.Array:
-    """:func:`evaluate`, with the passes shared within the group of the current session."""
-    session, base = (sessions()[-1] if sessions() else None), (base_order, base_term)
-    if session is not None and session.recording:  # args kept alive: no id is reused
-        session.calls.append((chain, tuple(id(a) for a in args), args, base))
-    if session is None or session.recording:
-        return evaluate([chain], args, *base)[0]
-    i, session.index = session.index, session.index + 1
-    if i >= len(session.calls) or session.calls[i][0] != chain:
-        return evaluate([chain], args, *base)[0]
-    g = session.groups[i]
-    if g not in session.results:
-        members = [session.calls[j][0] for j in range(len(session.calls)) if session.groups[j] == g]
-        session.results[g], session.first_args[g] = dict(zip(members, evaluate(members, args, *base))), args
-    elif any(a is not b for a, b in zip(args, session.first_args[g])) or len(args) != len(session.first_args[g]):
-        return evaluate([chain], args, *base)[0]
-    return session.results[g][chain]
-
-
-def evaluate(chains, args: Tuple[Any, ...], base_order: int, base_term: Optional[str]) -> List[jax.Array]:
+def evaluate(chains: Sequence[Chain], base_of: Sequence[int], bases: Sequence[Callable], args: Tuple[Any, ...],
+             base_order: int, base_term: Optional[str]) -> List[jax.Array]:  # fmt: skip
     """The top derivatives of ``chains`` at the positional ``args`` by one engine plan, marked.
-    ``base_order``, ``base_term``: the order and name of the bases' values (:mod:`jaxamp.nesting`);
-    a chain's ``of`` names its base first. Each value is marked as its last step's derivative."""
+
+    ``chains[i]`` differentiates ``bases[base_of[i]]`` (a function of ``args`` returning one
+    scalar); ``base_order``, ``base_term``: the order and name of the bases' values
+    (:mod:`jaxamp.nesting`); a chain's ``of`` names its base first. Each value is marked as its
+    last step's derivative."""
     cols = tuple(sorted({i for c in chains for i in c.argnums}))
     inputs = tuple(f"a{i}" for i in cols)
-    bases = list({id(c.base): c.base for c in chains}.values())  # by identity: a module is not hashed
-    output = {c: f"u{[id(b) for b in bases].index(id(c.base))}" for c in chains}
-    tops = [_node(c, len(c.argnums), output[c]) for c in chains]
+    output = {i: f"u{b}" for i, b in enumerate(base_of)}
+    tops = [_node(c, len(c.argnums), output[i]) for i, c in enumerate(chains)]
     plan = make_plan(inputs, tuple(f"u{b}" for b in range(len(bases))), tuple(dict.fromkeys(tops)), _PLAN_AMP)
     terms: Dict[str, Optional[str]] = {}  # plan parent name -> the user's name of that value
     wrts: Dict[str, Optional[str]] = {}  # plan derivative name -> the user's name of its variable
-    for c in chains:
+    for i, c in enumerate(chains):
         term = c.of if c.of is not None else base_term  # the name of the value step k differentiates
         for k, w in enumerate(c.wrts):
-            node = _node(c, k, output[c])
+            node = _node(c, k, output[i])
             terms[node] = terms.get(node) or term
-            wrts[_node(c, k + 1, output[c])] = w
+            wrts[_node(c, k + 1, output[i])] = w
             term = SEP.join((term, w)) if term is not None and w is not None else None
     # the user's own scalars (eligible: float32), not a stack: the passes' primals are the user's calls
     x = tuple(args[i] if hasattr(args[i], "dtype") else jnp.float32(args[i]) for i in cols)
 
     def f(z):
         full = substitute(args, cols, fresh(tuple(z)))
-        return jnp.stack([jnp.asarray(check_output("jaxamp.grad", b, b(*full)), jnp.float32) for b in bases])
+        return jnp.stack([jnp.asarray(b(*full), jnp.float32) for b in bases])
 
     if len(bases) > 1:  # u and v of one network: its shared work traced once, before the passes
         f = _merged(f, x)

@@ -15,10 +15,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxamp import policy
-from jaxamp.dropin import chain
-from jaxamp.interpreter import substitute, trace
+from jaxamp.dropin import chain, chain_call
+from jaxamp.interpreter import substitute
 from jaxamp.marks import AMP_OFF, deriv_check, deriv_scale, fresh, seed, unscale
-from jaxamp.nesting import NO_DERIVATIVE, analyze, single_name
 
 __all__ = ["grad", "jacrev"]
 
@@ -75,14 +74,6 @@ def finish(d: jax.Array, value: jax.Array, s: jax.Array, marks: Dict[str, Any],
     return unscale(d, jnp.float32(1.0) / s if inv is None else inv)
 
 
-def _by_engine(link: chain.Chain, args) -> jax.Array:
-    """The chain's top derivative by the forward engine. Its steps' orders start above the
-    base's value, whose order and name :mod:`jaxamp.nesting` reads from the base's program."""
-    closed, flat, _ = trace(link.base, args, {})
-    base = analyze(closed.jaxpr, [NO_DERIVATIVE] * len(flat)).outs[0]
-    return chain.shared(link, args, base.order, single_name(base))
-
-
 def _reverse(transform: Callable, caller: str, fun: Callable, argnums, has_aux: bool, of, wrt,
              method: str = "reverse", **options) -> Callable:  # fmt: skip
     """``transform`` (jax.grad or jax.jacrev) of ``fun``, its seed scaled, its result checked."""
@@ -105,9 +96,9 @@ def _reverse(transform: Callable, caller: str, fun: Callable, argnums, has_aux: 
             out = transform(fun, argnums, has_aux=has_aux, **options)(*args, **kwargs)
             return (fresh(out[0], term=AMP_OFF), out[1]) if has_aux else fresh(out, term=AMP_OFF)
         if chain.eligible(link, args, kwargs):
-            return _by_engine(link, args)
+            return chain_call.bind_chain(link, args)
         if links and all(chain.eligible(c, args, kwargs) for c in links):
-            return tuple(_by_engine(c, args) for c in links)
+            return tuple(chain_call.bind_chain(c, args) for c in links)
         if method == "forward":
             raise ValueError(f"{caller}: method='forward' needs scalar `argnums` and float32 scalar arguments "
                              f"there, given by position; got argnums={argnums!r}. Use method='auto'.")

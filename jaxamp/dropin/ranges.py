@@ -19,11 +19,11 @@ from jaxamp.marks import NONFINITE_VALUES, deriv_check_p, deriv_scale_p
 from jaxamp.dropin.scaled import Context, inputs, marks_in
 from jaxamp.dropin.tracing import check_amp, traced
 from jaxamp.nesting import analyze
-from jaxamp.interpreter import bind, custom_body, eval_jaxpr, split_arrays, sub_jaxpr, sub_jaxprs
+from jaxamp.interpreter import bind, custom_body, eval_jaxpr, sub_jaxpr, sub_jaxprs
 from jaxamp.window import Profile, check_margin, is_low_precision, promote_eqn, promote_value, recommend, value_range
 from jaxamp.scaler import Scalers
 
-__all__ = ["profile", "init_scalers", "scaler_keys"]
+__all__ = ["profile", "profile_traced", "init_scalers", "scalers_of", "keys_of", "scaler_keys"]
 
 
 def _inline(eqn, vals):
@@ -93,53 +93,61 @@ def profile(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *,
         scales = scales.scales
 
     def prof(*args, **kwargs) -> Profile:
-        ctx = Context({}, amp)
-        if not ctx.active:
+        if not Context({}, amp).active:
             return Profile(derivatives={}, hidden={}, keys={})
         closed, flat, _ = traced(fun, args, kwargs, amp, "jaxamp.profile")
-        flat_jaxpr = jax.make_jaxpr(lambda *a: eval_jaxpr(closed.jaxpr, closed.consts, a, _inline))(*flat)
-        for eqn in flat_jaxpr.jaxpr.eqns:
-            if any(marks_in(j) for j in sub_jaxprs(eqn)):
-                raise NotImplementedError("jaxamp.profile: a jaxamp.grad inside a "
-                                          f"`{eqn.primitive.name}` body is not profiled; profile "
-                                          "the function the loop or branch calls (or start the "
-                                          "scalers without a profile: jaxamp.init(loss, amp, "
-                                          "from_profile=False)).")  # fmt: skip
-        resolved = analyze(flat_jaxpr.jaxpr, inputs(flat_jaxpr.jaxpr)).resolved
-        ctx.scales = {k: jnp.float32(1.0) for k in ctx.keys(flat_jaxpr.jaxpr, inputs(flat_jaxpr.jaxpr))} | dict(scales or {})
-        hidden_of = _key_sets(flat_jaxpr.jaxpr, ctx, resolved)
-        # "low": the derivatives held in float16/bfloat16 that "hidden" does not hold already
-        found: Dict[str, Dict[str, List[jax.Array]]] = {"derivatives": {}, "hidden": {}, "low": {}}
-
-        def record(group: str, key: str, value) -> None:
-            found[group].setdefault(key, []).append(jnp.ravel(jnp.asarray(value, jnp.float32)))
-
-        def rule(eqn, vals):
-            if eqn.primitive is deriv_scale_p:
-                outs = [ctx.scale(vals[0], *resolved[id(eqn)])]
-            elif eqn.primitive is deriv_check_p and eqn.params["check"] and eqn.params["order"] > 0:  # 0: a value check
-                outs, key, g = [promote_value(vals[0])], ctx.key(*resolved[id(eqn)]), eqn.invars[0]
-                record("derivatives", key, outs[0])
-                held = () if isinstance(g, jcore.Literal) else hidden_of.get(g, ())
-                if is_low_precision(getattr(g.aval, "dtype", None)) and key not in held:
-                    record("low", key, outs[0])
-            else:
-                outs = promote_eqn(eqn, vals)
-            for var, out in zip(eqn.outvars, outs):
-                if is_low_precision(getattr(var.aval, "dtype", None)):
-                    for key in hidden_of.get(var, ()):
-                        record("hidden", key, out)
-            return outs
-
-        consts = [promote_value(c) for c in flat_jaxpr.consts]
-        eval_jaxpr(flat_jaxpr.jaxpr, consts, [promote_value(a) for a in flat], rule, literal=promote_value)
-        ranges = {g: {k: value_range(jnp.concatenate(v)) for k, v in found[g].items()}
-                  for g in ("derivatives", "hidden")}
-        low = {k: value_range(jnp.concatenate(found["hidden"].get(k, []) + found["low"].get(k, [])))
-               for k in dict.fromkeys([*found["hidden"], *found["low"]])}
-        return Profile(derivatives=ranges["derivatives"], hidden=ranges["hidden"], keys=low)
+        return profile_traced(closed, flat, amp, scales)
 
     return prof
+
+
+def profile_traced(closed: jcore.ClosedJaxpr, flat, amp: Optional[AmpConfig],
+                   scales: Optional[Mapping[str, Any]] = None) -> Profile:  # fmt: skip
+    """:func:`profile` of a program traced by :func:`jaxamp.dropin.tracing.traced` at ``flat``."""
+    ctx = Context({}, amp)
+    if not ctx.active:
+        return Profile(derivatives={}, hidden={}, keys={})
+    flat_jaxpr = jax.make_jaxpr(lambda *a: eval_jaxpr(closed.jaxpr, closed.consts, a, _inline))(*flat)
+    for eqn in flat_jaxpr.jaxpr.eqns:
+        if any(marks_in(j) for j in sub_jaxprs(eqn)):
+            raise NotImplementedError("jaxamp.profile: a jaxamp.grad inside a "
+                                      f"`{eqn.primitive.name}` body is not profiled; profile "
+                                      "the function the loop or branch calls (or start the "
+                                      "scalers without a profile: jaxamp.init(loss, amp, "
+                                      "from_profile=False)).")  # fmt: skip
+    resolved = analyze(flat_jaxpr.jaxpr, inputs(flat_jaxpr.jaxpr)).resolved
+    ctx.scales = {k: jnp.float32(1.0) for k in ctx.keys(flat_jaxpr.jaxpr, inputs(flat_jaxpr.jaxpr))} | dict(scales or {})
+    hidden_of = _key_sets(flat_jaxpr.jaxpr, ctx, resolved)
+    # "low": the derivatives held in float16/bfloat16 that "hidden" does not hold already
+    found: Dict[str, Dict[str, List[jax.Array]]] = {"derivatives": {}, "hidden": {}, "low": {}}
+
+    def record(group: str, key: str, value) -> None:
+        found[group].setdefault(key, []).append(jnp.ravel(jnp.asarray(value, jnp.float32)))
+
+    def rule(eqn, vals):
+        if eqn.primitive is deriv_scale_p:
+            outs = [ctx.scale(vals[0], *resolved[id(eqn)])]
+        elif eqn.primitive is deriv_check_p and eqn.params["check"] and eqn.params["order"] > 0:  # 0: a value check
+            outs, key, g = [promote_value(vals[0])], ctx.key(*resolved[id(eqn)]), eqn.invars[0]
+            record("derivatives", key, outs[0])
+            held = () if isinstance(g, jcore.Literal) else hidden_of.get(g, ())
+            if is_low_precision(getattr(g.aval, "dtype", None)) and key not in held:
+                record("low", key, outs[0])
+        else:
+            outs = promote_eqn(eqn, vals)
+        for var, out in zip(eqn.outvars, outs):
+            if is_low_precision(getattr(var.aval, "dtype", None)):
+                for key in hidden_of.get(var, ()):
+                    record("hidden", key, out)
+        return outs
+
+    consts = [promote_value(c) for c in flat_jaxpr.consts]
+    eval_jaxpr(flat_jaxpr.jaxpr, consts, [promote_value(a) for a in flat], rule, literal=promote_value)
+    ranges = {g: {k: value_range(jnp.concatenate(v)) for k, v in found[g].items()}
+              for g in ("derivatives", "hidden")}
+    low = {k: value_range(jnp.concatenate(found["hidden"].get(k, []) + found["low"].get(k, [])))
+           for k in dict.fromkeys([*found["hidden"], *found["low"]])}
+    return Profile(derivatives=ranges["derivatives"], hidden=ranges["hidden"], keys=low)
 
 
 def init_scalers(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *, from_profile: bool = True,
@@ -171,21 +179,28 @@ def init_scalers(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *, fr
     amp = AmpConfig() if amp is None else amp
 
     def init(*args, **kwargs) -> Scalers:
-        keys = scaler_keys(fun, amp)(*args, **kwargs)
-        start = amp  # the config whose rules start the keys
-        if from_profile and keys:
-            arrays, rebuild = split_arrays(args, kwargs)
-
-            def profiled(arrays):
-                a, kw = rebuild(arrays)
-                return profile(fun, amp)(*a, **kw)
-
-            prof = jax.jit(profiled)(arrays)
-            rec = recommend(prof, margin_log2=margin_log2, default_max_scale_log2=amp.default_max_scale_log2)
-            start = rec.apply(amp)
-        return Scalers({k: start.derivative_scaler_for(k) for k in keys})
+        closed, flat, _ = traced(fun, args, kwargs, amp, "jaxamp.init")
+        return scalers_of(closed, flat, amp, from_profile=from_profile, margin_log2=margin_log2)
 
     return init
+
+
+def scalers_of(closed: jcore.ClosedJaxpr, flat, amp: AmpConfig, *, from_profile: bool = True,
+               margin_log2: int = 2) -> Scalers:  # fmt: skip
+    """:func:`init_scalers` of a program traced by :func:`jaxamp.dropin.tracing.traced` at
+    ``flat`` (the profile compiled once, the program not traced again)."""
+    keys = keys_of(closed, amp)
+    start = amp  # the config whose rules start the keys
+    if from_profile and keys:
+        prof = jax.jit(lambda arrays: profile_traced(closed, arrays, amp))(flat)
+        rec = recommend(prof, margin_log2=margin_log2, default_max_scale_log2=amp.default_max_scale_log2)
+        start = rec.apply(amp)
+    return Scalers({k: start.derivative_scaler_for(k) for k in keys})
+
+
+def keys_of(closed: jcore.ClosedJaxpr, amp: Optional[AmpConfig]) -> Tuple[str, ...]:
+    """The scaler keys of a traced program's derivatives (``"nonfinite_values"`` left out)."""
+    return tuple(k for k in Context({}, amp).keys(closed.jaxpr, inputs(closed.jaxpr)) if k != NONFINITE_VALUES)
 
 
 def scaler_keys(fun: Callable[..., Any], amp: Optional[AmpConfig] = None) -> Callable[..., Tuple[str, ...]]:
@@ -195,7 +210,6 @@ def scaler_keys(fun: Callable[..., Any], amp: Optional[AmpConfig] = None) -> Cal
     check_amp(amp)
 
     def keys(*args, **kwargs) -> Tuple[str, ...]:
-        closed = traced(fun, args, kwargs, amp, "jaxamp.init")[0]
-        return tuple(k for k in Context({}, amp).keys(closed.jaxpr, inputs(closed.jaxpr)) if k != NONFINITE_VALUES)
+        return keys_of(traced(fun, args, kwargs, amp, "jaxamp.init")[0], amp)
 
     return keys

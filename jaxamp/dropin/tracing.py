@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from jaxamp import policy
 from jaxamp.config import AmpConfig, ConfigError
-from jaxamp.dropin import chain
+from jaxamp.dropin import chain_call
 from jaxamp.interpreter import trace
 from jaxamp.marks import AMP_OFF
 from jaxamp.nesting import NO_DERIVATIVE, analyze
@@ -22,19 +22,10 @@ __all__ = ["check_amp", "shared_trace", "state_config", "traced"]
 
 
 def shared_trace(fun: Callable, args, kwargs):
-    """:func:`trace` with the passes of ``jaxamp.grad`` chains shared (:class:`chain.Session`):
-    a first trace records the chain calls, the second shares their passes. Programs without
-    chains are traced once."""
-    session = chain.Session()
-    chain.sessions().append(session)
-    try:
-        traced = trace(fun, args, kwargs)
-        if not session.calls:
-            return traced
-        session.finish_recording()
-        return trace(fun, args, kwargs)
-    finally:
-        chain.sessions().pop()
+    """:func:`trace`, once, with the ``jaxamp.grad`` chains of each jaxpr that differentiate the
+    same arguments computed by one plan (:func:`chain_call.expand`)."""
+    closed, flat, out_tree = trace(fun, args, kwargs)
+    return chain_call.expand(closed), flat, out_tree
 
 
 def check_amp(amp, caller: str = "jaxamp.scaled") -> None:
@@ -64,13 +55,14 @@ def state_config(scales: Any, amp: Optional[AmpConfig], caller: str):
     return state.amp, state.scales
 
 
-def traced(fun: Callable, args, kwargs, amp: Optional[AmpConfig], caller: str):
+def traced(fun: Callable, args, kwargs, amp: Optional[AmpConfig], caller: str,
+           against: str = "the config of the `state` (or `amp`) given"):  # fmt: skip
     """:func:`shared_trace` with ``amp`` active (``autocast`` without a config takes it), the
     program's autocast policies checked against it."""
     with policy.using(amp, caller) if amp is not None else contextlib.nullcontext():
         closed, flat, out_tree = shared_trace(fun, args, kwargs)
     if amp is not None:
-        policy.check(policy.policies_in(closed), amp, caller, "the config of the `state` (or `amp`) given")
+        policy.check(policy.policies_in(closed), amp, caller, against)
     if amp is not None and amp.compute_dtype != jnp.float32 and (0, AMP_OFF) in analyze(
             closed.jaxpr, [NO_DERIVATIVE] * len(closed.jaxpr.invars)).marks:  # fmt: skip
         raise ConfigError(

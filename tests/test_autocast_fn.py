@@ -296,6 +296,7 @@ def test_inlines_jit_and_custom_vjp_bodies_and_keeps_relu_rule():
     assert all(bool(jnp.all(jnp.isfinite(l))) for l in jax.tree_util.tree_leaves(g))
 
 
+@pytest.mark.slow  # fast-suite budget: the property keeps a fast test in this file
 def test_convolutions():
     class ConvNet(nn.Module):
         @nn.compact

@@ -5,6 +5,7 @@ XLA's FLOPs of the differentiated program (one backward pass where two were writ
 """
 
 import jax
+import pytest
 import jax.numpy as jnp
 import numpy as np
 
@@ -60,6 +61,7 @@ def _net(p, t, x):
     return (h @ p[-1].astype(jnp.float16)).astype(jnp.float32)
 
 
+@pytest.mark.slow  # fast-suite budget: the property keeps a fast test in this file
 def test_a_users_own_call_beside_its_derivatives_costs_no_extra_backward_pass():
     """u(p, t, x) beside jaxamp.grad(u): with the merge, the step costs what the derivatives
     alone cost; written without the merge, the extra primal and its backward pass show."""

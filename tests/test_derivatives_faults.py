@@ -135,6 +135,7 @@ def test_mask_nonfinite_points_must_be_a_bool():
         wave_engine(mask_nonfinite_points="yes")
 
 
+@pytest.mark.slow  # fast-suite budget: the property keeps a fast test in this file
 def test_per_term_paths_share_one_pass():
     """Per-term paths along the same inputs (u__x__x, v__x__x, and p__x along a prefix) share
     one pass: the per-term trace holds as many primal ``sin`` evaluations as the per-order one

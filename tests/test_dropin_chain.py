@@ -52,6 +52,7 @@ def test_binary_scales_change_no_bit_of_a_float32_program():
     assert sorted(found) == ["1", "2", "nonfinite_values"] and not any(map(bool, found.values()))
 
 
+@pytest.mark.slow  # fast-suite budget: the property keeps a fast test in this file
 def test_weight_gradients_equal_jax_and_reverse_gradients_match_on_float16():
     def loss(g):
         return lambda p: jnp.mean(residual(g)(p, T, X) ** 2)

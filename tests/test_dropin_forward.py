@@ -91,6 +91,7 @@ def test_float16_jacfwd_gives_the_engines_values_and_flags(net):
                 np.testing.assert_allclose(ours, expected, atol=FP16_ROUNDING * np.max(np.abs(expected)), err_msg=name)
 
 
+@pytest.mark.slow  # fast-suite budget: the property keeps a fast test in this file
 def test_jacrev_of_the_parameters_around_scaled_jacfwd(net):
     """NTK-style: the parameter Jacobian of per-point u_xx by jacfwd(grad) inside scaled equals
     the one of nested jax.grad at scale 1, to float16 rounding."""
@@ -116,7 +117,25 @@ def test_errors_name_the_argument(small):
         jaxamp.jacfwd(_u, 1, wrt=("x",))
     with pytest.raises(TypeError, match="jaxamp.jvp: `primals` and `tangents` must be tuples of the same length"):
         jaxamp.jvp(lambda z: z, (xy,), ())
-    with pytest.raises(TypeError, match="jaxamp.jacfwd: argument 0 .* must be an array or a number, got dict"):
-        jaxamp.jacfwd(_u, 0)(p, xy)
+    with pytest.raises(TypeError, match="jaxamp.jacfwd: argument 0 .* must hold only float or complex arrays"):
+        jaxamp.jacfwd(_u, 0)({"w": jnp.arange(3)}, xy)
     with pytest.raises(TypeError, match="jaxamp.jacrev: `fun`=.* must return one array, got dict"):
         jaxamp.jacrev(lambda p, xy: {"u": _u(p, xy)}, 1)(p, xy)
+
+
+@pytest.mark.parametrize("argnums", [1, (0, 1)])
+def test_pytree_arguments_give_jax_structure_and_values(argnums):
+    """jacfwd and hessian over dict arguments: jax.jacfwd's / jax.hessian's nested structure and
+    values, scaled and checked under scaled (keys 1 and 2)."""
+    f = lambda p, x: jnp.sin(p["a"] * x["u"]).sum() * x["v"] ** 2
+    p, x = {"a": jnp.float32(2.0)}, {"u": jnp.array([0.3, -0.2]), "v": jnp.float32(3.0)}
+    for ours, theirs in ((jaxamp.jacfwd, jax.jacfwd), (jaxamp.hessian, jax.hessian)):
+        got, want = ours(f, argnums=argnums)(p, x), theirs(f, argnums=argnums)(p, x)
+        assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+        for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    scaled_h, found_inf = jaxamp.scaled(jaxamp.hessian(f, argnums=argnums))({"1": 2.0**-3, "2": 2.0**-6}, p, x)
+    assert sorted(found_inf) == ["1", "2", "nonfinite_values"]
+    want = jax.hessian(f, argnums=argnums)(p, x)
+    for a, b in zip(jax.tree_util.tree_leaves(scaled_h), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)

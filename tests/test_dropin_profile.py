@@ -42,6 +42,7 @@ def _max(r):
     return float(r.log2_max)
 
 
+@pytest.mark.slow  # fast-suite budget: the property keeps a fast test in this file
 def test_derivatives_are_the_engines_scaled_derivatives(net, profiler):
     fn, _, params = net
     amp = jaxamp.AmpConfig()
@@ -168,6 +169,7 @@ def _length_scaled_net(in_float16: bool, length: float = 0.002):
     return amp, batched(u_net, NAMES), params, points(64, scale=length)
 
 
+@pytest.mark.slow  # fast-suite budget: the property keeps a fast test in this file
 def test_a_derivative_large_only_in_float32_lowers_no_start_scale():
     """u_xx = L^2 net'' with L = 1/0.002 applied in float32: the float32 derivative passes
     65504 while every float16 value stays small. The profile reports the derivative, fits only

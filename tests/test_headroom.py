@@ -131,6 +131,7 @@ def test_make_train_step_reports_headroom_per_key_without_recompiling(amp, shift
     np.testing.assert_allclose(float(metrics["headroom_log2/1"]), LOG2_FP16_MAX - math.log2(a * 10.0), atol=1e-3)
 
 
+@pytest.mark.slow  # fast-suite budget: the property keeps a fast test in this file
 def test_headroom_is_off_by_default_and_value_and_grad_reads_the_states_scales():
     state, step, loss_fn = _problem(headroom=False)
     _, metrics = jax.jit(step)(state, POINTS[:64])

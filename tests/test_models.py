@@ -29,6 +29,7 @@ def make(amp, **kw):
     return model, params
 
 
+@pytest.mark.slow  # fast-suite budget: the property keeps a fast test in this file
 def test_params_are_f32_and_outputs_f32_for_every_dtype():
     for dtype in ("float16", "bfloat16", "float32"):
         model, params = make(jaxamp.AmpConfig(dtype=dtype))

@@ -161,6 +161,7 @@ def test_the_library_imports_only_its_dependencies():
     assert used <= core, used - core
 
 
+@pytest.mark.slow  # fast-suite budget: the property keeps a fast test in this file
 def test_the_test_extra_installs_what_the_tests_import():
     """``pip install -e ".[test]"`` (plus ``[torch]`` for tests/parity) is enough for tests/ and
     the examples they run."""

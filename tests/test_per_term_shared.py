@@ -121,6 +121,7 @@ def test_equal_scales_flag_what_the_own_passes_flag(setup, own_passes):
         assert _flags(found) - {NONFINITE_VALUES} == _own_keys(engines["forward"], own_passes(scales)) != set()
 
 
+@pytest.mark.slow  # fast-suite budget: the property keeps a fast test in this file
 def test_flags_are_sound_for_random_scales(setup, own_passes):
     """Over many scale assignments (2**-4 to 2**20 per key): every key the shared passes flag
     is a real overflow, and every term no flag guards has finite values close to float32's."""

@@ -86,8 +86,8 @@ def assert_one_program(net, path, options):
 
 
 # The fast suite's budget: on one network, the default nest, hessian (jacfwd of jacrev), jvp
-# and laplacian; every path on both networks with -m slow.
-FAST = ("auto", "hessian", "jvp", "laplacian")
+# and laplacian (hessian with -m slow); every path on both networks with -m slow.
+FAST = ("auto", "jvp", "laplacian")
 CASES = [(net, p) if net == "fully_connected" and p in FAST else pytest.param(net, p, marks=pytest.mark.slow)
          for net in ("fully_connected", "fourier") for p in PATHS]
 

@@ -64,6 +64,7 @@ def make_loss(amp):
     return loss
 
 
+@pytest.mark.slow  # fast-suite budget: the property keeps a fast test in this file
 def test_fp32_means_off_values_and_grads_are_jax_s():
     amp = jaxamp.AmpConfig(enabled=False)
     loss = make_loss(amp)
@@ -139,6 +140,7 @@ def test_optimizer_skips_with_a_zero_update_and_the_inner_state_unchanged():
     assert float(after.amp.loss_scale) == float(opt_state.amp.loss_scale) / 2
 
 
+@pytest.mark.slow  # fast-suite budget: the property keeps a fast test in this file
 def test_flax_train_state_needs_no_new_field():
     amp = jaxamp.AmpConfig()
     loss = make_loss(amp)
@@ -255,6 +257,7 @@ def test_a_profile_of_float32_only_large_derivatives_starts_every_key_at_its_max
     assert {k: float(s) for k, s in state.scales.items()} == {"1": 1.0, "2": 1.0}
 
 
+@pytest.mark.slow  # fast-suite budget: the property keeps a fast test in this file
 def test_non_array_arguments_pass_through_as_in_jax_grad():
     """A loss taking the network's ``apply_fn`` (flax's TrainState pattern), a string and a
     Python int used in Python control flow: every jaxamp entry point passes them to the loss as

@@ -21,12 +21,17 @@ from jaxamp.marks import AMP_OFF, deriv_scale, fresh, seed
 __all__ = ["jvp", "jacfwd", "hessian"]
 
 
-def _linearized(caller: str, fun: Callable, primals: Sequence[Any], has_aux: bool, of: Optional[str], wrt: Any):
-    """``(out, f_jvp, aux, s)``: ``fun`` linearized at ``primals`` and the scale of its key."""
+def _linearized(caller: str, fun: Callable, primals: Sequence[Any], has_aux: bool, of: Optional[str], wrt: Any,
+                tree: bool = False):  # fmt: skip
+    """``(out, f_jvp, aux, s)``: ``fun`` linearized at ``primals`` and the scale of its key (one
+    array out; ``tree``: a pytree of arrays, the scale that of its first leaf's step)."""
     linear = jax.linearize(lambda *p: fun(*fresh(p)), *primals, has_aux=has_aux)
     out, f_jvp, aux = linear if has_aux else (*linear, None)
-    check_output(caller, fun, out, scalar=False)
-    s = deriv_scale(out, **step(of, wrt))
+    leaves = jax.tree_util.tree_leaves(out)
+    if tree and not (leaves and all(hasattr(v, "dtype") for v in leaves)):
+        raise TypeError(f"{caller}: `fun`={fun!r} must return an array or a pytree of arrays, got {out!r}.")
+    check_output(caller, fun, leaves[0] if tree else out, scalar=False)
+    s = deriv_scale(leaves[0] if tree else out, **step(of, wrt))
     return out, f_jvp, aux, jnp.reshape(s, (-1,))[0] if jnp.size(s) else jnp.float32(1.0)
 
 
@@ -66,7 +71,9 @@ def jacfwd(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_
     """``jax.jacfwd`` of a function returning one array, with scaled tangent seeds.
 
     Args:
-      fun, argnums, has_aux, holomorphic: as ``jax.jacfwd`` (array arguments at ``argnums``).
+      fun, argnums, has_aux, holomorphic: as ``jax.jacfwd``: arrays or pytrees of arrays at
+        ``argnums``, an array or a pytree of arrays out (one scale for the step: its first
+        output leaf's key).
       of, wrt: names, as :func:`jaxamp.dropin.grad`.
 
     Returns:
@@ -93,25 +100,38 @@ def jacfwd(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_
         def partial(*dyn):
             return fun(*substitute(args, nums, dyn), **kwargs)
 
-        for i in nums:
-            if not hasattr(args[i], "dtype") and not isinstance(args[i], (int, float, complex)):
-                raise TypeError(f"jaxamp.jacfwd: argument {i} (in `argnums`) must be an array or a number, "
-                                f"got {type(args[i]).__name__}; use jax.jacfwd for pytree arguments.")  # fmt: skip
-        dyn = [jnp.asarray(args[i]) for i in nums]
-        if holomorphic and not all(jnp.iscomplexobj(a) for a in dyn):
+        dyn = [jax.tree_util.tree_map(jnp.asarray, args[i]) for i in nums]
+        for i, a in zip(nums, dyn):
+            if not all(jnp.issubdtype(leaf.dtype, jnp.inexact) for leaf in jax.tree_util.tree_leaves(a)):
+                raise TypeError(f"jaxamp.jacfwd: argument {i} (in `argnums`) must hold only float or complex "
+                                f"arrays (as jax.jacfwd), got {args[i]!r}.")  # fmt: skip
+        if holomorphic and not all(jnp.iscomplexobj(a) for a in jax.tree_util.tree_leaves(dyn)):
             raise TypeError("jaxamp.jacfwd: holomorphic=True needs complex arguments at `argnums`.")
         names = wrt if isinstance(argnums, tuple) and wrt is not None else (wrt,) * len(nums)
-        out, f_jvp, aux, s = _linearized("jaxamp.jacfwd", partial, dyn, has_aux, of, wrt)
+        out, f_jvp, aux, s = _linearized("jaxamp.jacfwd", partial, dyn, has_aux, of, wrt, tree=True)
+        outs, out_tree = jax.tree_util.tree_flatten(out)
         jacs = []
         for j, a in enumerate(dyn):
-            def column(e, j=j):
-                return f_jvp(*[seed(e, s, e.dtype) if k == j else jnp.zeros_like(b) for k, b in enumerate(dyn)])
+            leaves, in_tree = jax.tree_util.tree_flatten(a)
+            per_leaf = []  # per input leaf: the output leaves' Jacobians
+            for li, leaf in enumerate(leaves):
+                def column(e, j=j, li=li):
+                    tangent = [jnp.zeros_like(b) for b in leaves]
+                    tangent[li] = seed(e, s, e.dtype)
+                    full = [jax.tree_util.tree_map(jnp.zeros_like, b) for b in dyn]
+                    full[j] = jax.tree_util.tree_unflatten(in_tree, tangent)
+                    return jax.tree_util.tree_leaves(f_jvp(*full))
 
-            basis = jnp.eye(a.size, dtype=a.dtype).reshape((a.size,) + a.shape)
-            cols = jax.vmap(column)(basis)  # [a.size, *out.shape]
-            jac = jnp.moveaxis(cols, 0, -1).reshape(out.shape + a.shape)
-            jacs.append(finish(jac, out, s, step(of, names[j])))
-        result = tuple(jacs) if isinstance(argnums, tuple) else jacs[0]
+                basis = jnp.eye(leaf.size, dtype=leaf.dtype).reshape((leaf.size,) + leaf.shape)
+                cols = jax.vmap(column)(basis)  # per output leaf: [leaf.size, *o.shape]
+                per_leaf.append([finish(jnp.moveaxis(c, 0, -1).reshape(o.shape + leaf.shape), o, s, step(of, names[j]))
+                                 for c, o in zip(cols, outs)])  # fmt: skip
+            jacs.append([jax.tree_util.tree_unflatten(in_tree, [per_leaf[li][o] for li in range(len(leaves))])
+                         for o in range(len(outs))])  # fmt: skip
+        # jax.jacfwd's structure: the output's tree, each leaf the argument's tree (a tuple of
+        # them for a tuple `argnums`)
+        result = jax.tree_util.tree_unflatten(out_tree, [tuple(j[o] for j in jacs) if isinstance(argnums, tuple)
+                                                         else jacs[0][o] for o in range(len(outs))])  # fmt: skip
         return (result, aux) if has_aux else result
 
     return derivative
@@ -123,7 +143,8 @@ def hessian(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has
     """``jax.hessian``: :func:`jacfwd` of :func:`jaxamp.jacrev` (keys of orders 1 and 2).
 
     Args:
-      fun, argnums, has_aux, holomorphic: as ``jax.hessian`` (``fun`` returns one array).
+      fun, argnums, has_aux, holomorphic: as ``jax.hessian`` (``fun`` returns one array; pytree
+        arguments give jax.hessian's nested structure).
       of, wrt: names, as :func:`jaxamp.grad`.
 
     Returns:

@@ -20,6 +20,7 @@ from jaxamp import interpreter
 from jaxamp.derivatives.plan import LAP
 from jaxamp.dropin.grad import check_fun
 from jaxamp.marks import SEP, deriv_check, deriv_scale, fresh, seed
+from jaxamp.dropin import chain_call
 from jaxamp.nesting import NO_DERIVATIVE, analyze, single_name
 from jaxamp.taylor.collapsed import propagate_jaxpr
 
@@ -147,7 +148,7 @@ def laplacian(fun: Callable[..., Any], argnums: int = 0, *, of: Optional[str] = 
             return fun(*interpreter.substitute(args, (pos,), (jnp.reshape(fresh(zv), x.shape),)), **kwargs)
 
         xv = jnp.reshape(x, (d,))
-        closed = jax.make_jaxpr(flat)(xv)
+        closed = chain_call.expand(jax.make_jaxpr(flat)(xv))  # nests of jaxamp.grad in fun computed
         avals = closed.out_avals
         if len(avals) != 1 or avals[0].shape != () or not jnp.issubdtype(avals[0].dtype, jnp.inexact):
             got = ", ".join(f"{a.dtype}{list(a.shape)}" for a in avals)

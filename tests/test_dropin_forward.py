@@ -123,7 +123,7 @@ def test_errors_name_the_argument(small):
         jaxamp.jacrev(lambda p, xy: {"u": _u(p, xy)}, 1)(p, xy)
 
 
-@pytest.mark.parametrize("argnums", [1, (0, 1)])
+@pytest.mark.parametrize("argnums", [1, pytest.param((0, 1), marks=pytest.mark.slow)])
 def test_pytree_arguments_give_jax_structure_and_values(argnums):
     """jacfwd and hessian over dict arguments: jax.jacfwd's / jax.hessian's nested structure and
     values, scaled and checked under scaled (keys 1 and 2)."""

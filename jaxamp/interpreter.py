@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from typing import Any, Callable, List, Optional, Sequence
 
+import weakref
+
 import jax
 import numpy as np
 from jax.extend import core as jcore
 
-__all__ = ["Rule", "CALL_PRIMITIVES", "CUSTOM_PRIMITIVES", "eval_jaxpr", "bind", "substitute", "split_arrays", "trace", "sub_jaxpr", "custom_body", "sub_jaxprs", "atom", "cse"]
+__all__ = ["Rule", "CALL_PRIMITIVES", "CUSTOM_PRIMITIVES", "eval_jaxpr", "bind", "substitute", "split_arrays", "trace", "sub_jaxpr", "custom_body", "sub_jaxprs", "holds", "atom", "cse"]
 
 Rule = Callable[[Any, List[Any]], Sequence[Any]]
 
@@ -120,6 +122,18 @@ def custom_body(eqn) -> Optional[jcore.ClosedJaxpr]:
 def sub_jaxprs(eqn) -> List[jcore.Jaxpr]:
     """Every jaxpr in ``eqn``'s parameters (bodies of calls, loops, branches), open."""
     return [j.jaxpr if isinstance(j, jcore.ClosedJaxpr) else j for j in jcore.jaxprs_in_params(eqn.params)]
+
+
+_HOLDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def holds(jaxpr: jcore.Jaxpr, primitives: frozenset) -> bool:
+    """Whether ``jaxpr`` or one of its bodies applies one of ``primitives`` (cached per jaxpr)."""
+    cache = _HOLDS.setdefault(jaxpr, {})
+    if primitives not in cache:
+        cache[primitives] = any(eqn.primitive in primitives or any(holds(j, primitives) for j in sub_jaxprs(eqn))
+                                for eqn in jaxpr.eqns)  # fmt: skip
+    return cache[primitives]
 
 
 def atom(v) -> Any:

@@ -14,7 +14,6 @@ the user's function is traced once and nothing hangs on tracing order or object 
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import jax
@@ -24,7 +23,7 @@ from jax.interpreters import ad, batching, mlir
 
 from jaxamp.dropin import chain
 from jaxamp.dropin.control import HANDLERS, call
-from jaxamp.interpreter import CALL_PRIMITIVES, atom, bind, eval_jaxpr, split_arrays, sub_jaxprs, trace
+from jaxamp.interpreter import CALL_PRIMITIVES, atom, bind, eval_jaxpr, holds, split_arrays, sub_jaxprs, trace
 from jaxamp.nesting import NO_DERIVATIVE, analyze, single_name
 
 __all__ = ["chain_p", "bind_chain", "expand", "has_chains"]
@@ -100,16 +99,9 @@ ad.primitive_jvps[chain_p] = _jvp
 batching.primitive_batchers[chain_p] = _batch
 mlir.register_lowering(chain_p, mlir.lower_fun(_impl, multiple_results=False))
 
-_HAS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
 def has_chains(jaxpr: jcore.Jaxpr) -> bool:
     """Whether ``jaxpr`` or one of its bodies holds a ``chain_p`` equation (cached)."""
-    cached = _HAS.get(jaxpr)
-    if cached is None:
-        cached = _HAS[jaxpr] = any(eqn.primitive is chain_p or any(has_chains(j) for j in sub_jaxprs(eqn))
-                                   for eqn in jaxpr.eqns)  # fmt: skip
-    return cached
+    return holds(jaxpr, frozenset((chain_p,)))
 
 
 def expand(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:

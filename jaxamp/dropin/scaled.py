@@ -13,7 +13,6 @@ not); ``found_inf["nonfinite_values"]``, bad values (:func:`jaxamp.marks.step_fl
 from __future__ import annotations
 
 import copy
-import weakref
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import jax
@@ -27,7 +26,7 @@ from jaxamp.dropin.grad import check_fun
 from jaxamp.marks import (NONFINITE_VALUES, PRIMITIVES, deriv_check_p, deriv_scale_p, merge_found_inf, or_into,
                           reduce_flags, scaler_key, step_flags)
 from jaxamp.dropin.tracing import check_amp, state_config, traced
-from jaxamp.interpreter import CALL_PRIMITIVES, bind, cse, eval_jaxpr, sub_jaxprs
+from jaxamp.interpreter import CALL_PRIMITIVES, bind, cse, eval_jaxpr, holds, sub_jaxprs
 from jaxamp.nesting import NO_DERIVATIVE, Info, analyze
 from jaxamp.window import LOG2_FP16_MAX
 
@@ -35,16 +34,9 @@ __all__ = ["scaled", "inputs", "marks_in", "Context"]
 
 Flags = Dict[str, jax.Array]
 
-_MARKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
 def marks_in(jaxpr: jcore.Jaxpr) -> bool:
     """Whether ``jaxpr`` or one of its sub-jaxprs holds a jaxamp mark (cached)."""
-    cached = _MARKED.get(jaxpr)
-    if cached is None:
-        cached = _MARKED[jaxpr] = any(eqn.primitive in PRIMITIVES or any(marks_in(j) for j in sub_jaxprs(eqn))
-                                      for eqn in jaxpr.eqns)  # fmt: skip
-    return cached
+    return holds(jaxpr, PRIMITIVES)
 
 
 def inputs(jaxpr: jcore.Jaxpr) -> List[Info]:

@@ -26,7 +26,7 @@ import optax
 from jaxamp.config import check_flags
 from jaxamp.dropin.grad import check_fun
 from jaxamp.dropin.scaled import scaled
-from jaxamp.modules import filter_grad
+from jaxamp.modules import filter_grad, unfiltered
 from jaxamp.state import AmpState, find
 from jaxamp.monitor import report_stall
 from jaxamp.step import (AmpOptState, ScaledGrads, StepCheck, check_like_params, check_step, encode_flag,
@@ -283,7 +283,7 @@ def optimizer(inner: optax.GradientTransformation, state: Optional[AmpState] = N
                 "stays at its first scales. Fix: jaxamp.value_and_grad(loss)(opt_state, params, ...) with the "
                 "state this optimizer returned (for Flax: ts.opt_state).")
         amp, _ = locate(opt_state, "jaxamp.optimizer")
-        grads = updates if isinstance(updates, ScaledGrads) else ScaledGrads(updates, {})
+        grads = updates if isinstance(updates, ScaledGrads) else ScaledGrads(unfiltered(updates, "jaxamp.optimizer"), {})
         check_like_params(grads.grads, params, "jaxamp.optimizer")
         new_updates, new_inner = inner.update(grads.grads, opt_state.inner, params, **extra)
         if amp.amp.compute_dtype == jnp.float32 and not skip_when_off:  # AMP off: inner as written

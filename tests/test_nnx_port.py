@@ -119,3 +119,17 @@ def test_autocast_of_a_module_needs_no_params_argnums_and_sees_in_place_updates(
     assert "f16[16,16]" in str(jax.make_jaxpr(ours)(0.3))  # the hidden layer in float16
     model.body.layers[-1].bias[...] = model.body.layers[-1].bias[...] + 1.0  # nnx.update-style, in place
     assert abs(float(ours(0.3)) - float(model(0.3))) < 1e-2  # not the cached program of the old values
+
+
+def test_nnx_optimizer_dropping_the_flags_is_an_error_naming_the_functional_form():
+    """nnx.Optimizer.update filters the gradients to nnx.Param variables, which drops jaxamp's
+    overflow flags: an error before any update, not a step that could never be skipped."""
+    model, amp = Net(), jaxamp.AmpConfig()
+    state = jaxamp.init(_loss, amp, from_profile=False)(model, X)
+    optimizer = nnx.Optimizer(model, jaxamp.optimizer(optax.adam(1e-3), state), wrt=nnx.Param)
+    _, grads = jaxamp.value_and_grad(_loss)(optimizer, model, X)
+    before = jax.tree.leaves(nnx.state(model, nnx.Param))
+    with pytest.raises(TypeError, match=r"without their overflow flags.*nnx.Optimizer.update.*optax.apply_updates"):
+        optimizer.update(model, grads)
+    for a, b in zip(before, jax.tree.leaves(nnx.state(model, nnx.Param))):
+        np.testing.assert_array_equal(a, b)

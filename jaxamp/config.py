@@ -26,8 +26,7 @@ _DERIVATIVE_DEFAULTS = MappingProxyType({f.name: f.default for f in dataclasses.
 _LOG2_RANGE = (-126, 127)
 
 
-def _mapping_like(value: Any) -> bool:
-    """A ``Mapping``, or an object with ``keys()`` and ``[]`` (ml_collections' ConfigDict is not a Mapping)."""
+def _mapping_like(value: Any) -> bool:  # ml_collections' ConfigDict has keys() and [] but is not a Mapping
     return isinstance(value, Mapping) or (hasattr(value, "keys") and hasattr(value, "__getitem__"))
 
 
@@ -130,14 +129,14 @@ class AmpConfig:
       derivative_scaler: overrides of the derivative scalers' hyper-parameters.
       loss_scaler: overrides of the weight-gradient loss scaler's hyper-parameters.
       derivative_scaling: scale the input derivatives; False with float16: the loss scaler only.
+      tensor_scaling: per-tensor power-of-two scales for autocast's float16 matmuls (:mod:`jaxamp.tensor_scale`).
 
     A bad value raises :class:`ConfigError` naming the key, the value and what is allowed.
 
     Example:
       >>> from jaxamp import AmpConfig
       >>> amp = AmpConfig(dtype="float16", custom_max_scales_log2={2: 3}, custom_init_scales_log2={2: -4})
-      >>> rule = amp.derivative_scaler_for("2")
-      >>> rule.max_scale, rule.init_scale
+      >>> amp.derivative_scaler_for("2").max_scale, amp.derivative_scaler_for("2").init_scale
       (8.0, 0.0625)
     """
 
@@ -153,11 +152,12 @@ class AmpConfig:
     derivative_scaler: Mapping[str, float] = dataclasses.field(default_factory=dict)
     loss_scaler: Mapping[str, float] = dataclasses.field(default_factory=dict)
     derivative_scaling: bool = True
+    tensor_scaling: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", _dtype_name(self.dtype))  # jnp.float16 -> "float16"
         choices = {"mode": MODES, "dtype": DTYPES}  # the others are flags
-        for key in ("enabled", "derivative_scaling", "mode", "dtype", "autocast_activation", "autocast_firstlayer"):
+        for key in [f.name for f in dataclasses.fields(self) if f.type in ("bool", "str")]:  # flags and choices
             value = getattr(self, key)
             if key in choices and value not in choices[key]:
                 _fail(key, value, f"one of {list(choices[key])}")

@@ -13,6 +13,7 @@ from jax.extend import core as jcore
 
 from jaxamp.config import AmpConfig
 from jaxamp.interpreter import CUSTOM_PRIMITIVES, bind, custom_body, eval_jaxpr, sub_jaxpr
+from jaxamp.tensor_scale import scaled_dot
 
 __all__ = ["COMPUTE_PRIMITIVES", "ACTIVATION_PRIMITIVES", "BODY_PRIMITIVES", "Val", "merge", "primitive_counts", "Placement"]
 
@@ -59,6 +60,8 @@ class Placement:
         self.dtype = amp.compute_dtype
         self.firstlayer = amp.autocast_firstlayer
         self.activation = amp.autocast_activation
+        # per-tensor scales where a matmul's operands are float16 (jaxamp.tensor_scale)
+        self.tensor_scaling = amp.tensor_scaling and self.dtype == jnp.float16
         self.counts: Dict[str, int] = collections.Counter()
 
     def __call__(self, eqn: jcore.JaxprEqn, invals: List[Val]) -> List[Val]:
@@ -94,7 +97,11 @@ class Placement:
         return [flags._replace(x=o) for o in outs]
 
     def _lowered(self, eqn: jcore.JaxprEqn, xs: List[Any]) -> List[Any]:
-        """``eqn`` in the compute dtype: floating operands cast at use, results cast back."""
+        """``eqn`` in the compute dtype: floating operands cast at use, results cast back (a
+        matmul with per-tensor scaling: :func:`jaxamp.tensor_scale.scaled_dot`)."""
+        if self.tensor_scaling and eqn.primitive.name == "dot_general" and all(_floating(jnp.result_type(x)) for x in xs):
+            out = scaled_dot(*xs, eqn.params["dimension_numbers"], self.dtype)
+            return [jax.lax.convert_element_type(out, eqn.outvars[0].aval.dtype)]
         xs = [jax.lax.convert_element_type(x, self.dtype) if _floating(jnp.result_type(x)) else x for x in xs]
         if eqn.params.get("preferred_element_type") is not None:
             eqn = eqn.replace(params={**eqn.params, "preferred_element_type": self.dtype})

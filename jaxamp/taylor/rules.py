@@ -23,7 +23,7 @@ LINEAR = frozenset(
     "dynamic_update_slice gather".split()
 )
 # Linear in each operand: linear when one operand depends on x, degree 2 when two do.
-BILINEAR = frozenset(("mul", "dot_general"))
+BILINEAR = frozenset(("mul", "dot_general", "jaxamp_scaled_dot"))  # the last: jaxamp.tensor_scale
 # Call-like primitives whose body is interpreted equation by equation. Rematerialised bodies
 # (remat/checkpoint) are differentiated whole, so that their rematerialisation policy still
 # applies to the weight gradient taken through the Taylor coefficients.

@@ -1,0 +1,150 @@
+"""Per-tensor scaling (jaxamp.tensor_scale, AmpConfig(tensor_scaling=True)).
+
+Oracles: binary scaling commutes with rounding for normal numbers, so a per-tensor scaled
+float16 product equals the unscaled float16 product (float32 accumulation) bit for bit while
+the operands stay normal; JAX's own float32 derivatives, to float16 rounding; plain float16,
+which flushes a tiny tangent that the per-tensor scale keeps.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import jaxamp
+from jaxamp.tensor_scale import scale_for, scaled_dot
+
+MM = (((1,), (0,)), ((), ()))  # a @ b
+VM = (((0,), (0,)), ((), ()))  # x @ b for a vector x
+
+
+def plain16(a, b, dims=MM):
+    return lax.dot_general(a.astype(jnp.float16), b.astype(jnp.float16), dims, preferred_element_type=jnp.float32)
+
+
+def operands(seed=0, shape=((4, 5), (5, 3))):
+    ka, kb = jax.random.split(jax.random.PRNGKey(seed))
+    return jax.random.normal(ka, shape[0]), jax.random.normal(kb, shape[1])
+
+
+def test_scales_are_powers_of_two_that_fill_the_window_and_one_for_zero_or_nonfinite():
+    for v in (3e-7, 0.5, 1.0, 700.0, 6e4):
+        s = float(scale_for(jnp.array([v, -v / 3]), jnp.float16))
+        assert s == 2.0 ** round(np.log2(s))
+        assert 2.0**13 <= v * s <= 2.0**14
+    for v in (0.0, np.inf, np.nan):
+        assert float(scale_for(jnp.array([v, 0.0]), jnp.float16)) == 1.0
+
+
+def test_normal_operands_give_the_float16_product_bit_for_bit_at_any_binary_scale():
+    a, b = operands()
+    ref = plain16(a, b)
+    np.testing.assert_array_equal(scaled_dot(a, b, MM), ref)
+    for ka, kb in ((-10, 5), (7, -3), (0, 12)):
+        np.testing.assert_array_equal(scaled_dot(a * 2.0**ka, b * 2.0**kb, MM), ref * 2.0 ** (ka + kb))
+
+
+def test_tiny_and_huge_operands_keep_their_digits_where_float16_loses_them():
+    a, b = operands(1)
+    exact = (a * 1e-7) @ b
+    got, plain = scaled_dot(a * 1e-7, b, MM), plain16(a * 1e-7, b)
+    assert float(jnp.max(jnp.abs(got - exact) / jnp.max(jnp.abs(exact)))) < 2e-3
+    assert float(jnp.max(jnp.abs(plain - exact) / jnp.max(jnp.abs(exact)))) > 2e-2  # subnormals
+    big = scaled_dot(a * 1e6, b, MM)
+    assert bool(jnp.all(jnp.isfinite(big))) and not bool(jnp.all(jnp.isfinite(plain16(a * 1e6, b))))
+
+
+def test_inf_and_nan_operands_stay_visible():
+    a, b = operands(2)
+    assert not bool(jnp.all(jnp.isfinite(scaled_dot(a.at[0, 0].set(jnp.inf), b, MM)[0])))
+    assert bool(jnp.isnan(scaled_dot(a, b.at[1, 1].set(jnp.nan), MM)[:, 1]).all())
+
+
+def test_transformations_agree_with_float32_to_float16_rounding():
+    a, b = operands(3, ((7, 5), (5, 3)))
+    f = lambda x: jnp.tanh(scaled_dot(x, b, VM)).sum()  # noqa: E731
+    g = lambda x: jnp.tanh(x @ b).sum()  # noqa: E731
+    tol = dict(rtol=5e-3, atol=5e-3)
+    np.testing.assert_allclose(jax.vmap(lambda x: scaled_dot(x, b, VM))(a), a @ b, **tol)
+    np.testing.assert_allclose(jax.jit(jax.grad(f))(a[0]), jax.grad(g)(a[0]), **tol)
+    np.testing.assert_allclose(jax.jacfwd(jax.grad(f))(a[0]), jax.hessian(g)(a[0]), **tol)
+    np.testing.assert_allclose(jax.vmap(jax.grad(f))(a), jax.vmap(jax.grad(g))(a), **tol)
+    w_grad = jax.grad(lambda w: jnp.sum(scaled_dot(a, w, MM) ** 2))(b)
+    np.testing.assert_allclose(w_grad, jax.grad(lambda w: jnp.sum((a @ w) ** 2))(b), rtol=5e-3, atol=5e-2)
+
+
+def test_a_tangent_gets_its_own_scale():
+    """A tangent 1e-7 times the value: plain float16 flushes it, the tangent's own scale keeps it."""
+    a, b = operands(4)
+    ta = a[::-1] * 1e-7
+    exact = jax.jvp(lambda x: x @ b, (a,), (ta,))[1]
+    ours = jax.jvp(lambda x: scaled_dot(x, b, MM), (a,), (ta,))[1]
+    plain = jax.jvp(lambda x: plain16(x, b), (a,), (ta,))[1]
+    err = lambda t: float(jnp.max(jnp.abs(t - exact)) / jnp.max(jnp.abs(exact)))  # noqa: E731
+    assert err(ours) < 2e-3 < 2e-2 < err(plain)
+
+
+def mlp(p, x):
+    h = jnp.tanh(x * p["w1"] + p["b1"])
+    h = jnp.tanh(h @ p["w2"] + p["b2"])  # the first layer on the inputs: float32
+    h = jnp.tanh(h @ p["w3"] + p["b3"])
+    return h @ p["w4"]
+
+
+def params(width=16):
+    k = jax.random.split(jax.random.PRNGKey(5), 4)
+    return {"w1": jax.random.normal(k[0], (width,)), "b1": jnp.zeros(width),
+            "w2": jax.random.normal(k[1], (width, width)) / 4, "b2": jnp.zeros(width),
+            "w3": jax.random.normal(k[2], (width, width)) / 4, "b3": jnp.zeros(width),
+            "w4": jax.random.normal(k[3], (width,)) / 4}
+
+
+def test_autocast_with_tensor_scaling_matches_float32_and_off_is_unchanged():
+    p, x = params(), jnp.float32(0.3)
+    on, off = jaxamp.AmpConfig(tensor_scaling=True), jaxamp.AmpConfig()
+    net_on, net_off = jaxamp.autocast(mlp, on), jaxamp.autocast(mlp, off)
+    assert "jaxamp_scaled_dot" in str(jax.make_jaxpr(net_on)(p, x))
+    assert "jaxamp_scaled_dot" not in str(jax.make_jaxpr(net_off)(p, x))
+    u_xx = lambda net: jaxamp.grad(jaxamp.grad(net, 1), 1)  # noqa: E731
+    want, want_xx = mlp(p, x), jax.grad(jax.grad(mlp, 1), 1)(p, x)
+    for amp, net in ((on, net_on), (off, net_off)):
+        np.testing.assert_allclose(net(p, x), want, rtol=5e-3, atol=5e-3)
+        got_xx, found = jaxamp.scaled(u_xx(net), amp)({"1": 1.0, "2": 1.0}, p, x)
+        np.testing.assert_allclose(got_xx, want_xx, rtol=1e-2, atol=1e-2)
+        assert not any(bool(v) for v in found.values())
+
+
+def test_the_user_step_trains_with_tensor_scaling():
+    amp = jaxamp.AmpConfig(tensor_scaling=True)
+    net = jaxamp.autocast(mlp, amp)
+    xs = jnp.linspace(0.0, 1.0, 32)
+
+    def loss(p, xs):
+        u_xx = jax.vmap(jaxamp.grad(jaxamp.grad(net, 1), 1), (None, 0))(p, xs)
+        return jnp.mean((u_xx + jnp.sin(xs)) ** 2)
+
+    import optax
+
+    state = jaxamp.init(loss, amp)(params(), xs)
+    opt = jaxamp.optimizer(optax.adam(3e-3), state)
+    p, opt_state = params(), opt.init(params())
+
+    @jax.jit
+    def step(p, opt_state):
+        value, grads = jaxamp.value_and_grad(loss)(opt_state, p, xs)
+        updates, opt_state = opt.update(grads, opt_state, p)
+        return optax.apply_updates(p, updates), opt_state, value
+
+    first = None
+    for _ in range(30):
+        p, opt_state, value = step(p, opt_state)
+        first = float(value) if first is None else first
+    assert np.isfinite(float(value)) and float(value) < first
+
+
+def test_bad_values_are_config_errors():
+    with pytest.raises(jaxamp.ConfigError, match=r"amp.tensor_scaling='yes' is not allowed: expected true or false"):
+        jaxamp.AmpConfig(tensor_scaling="yes")
+    with pytest.raises(ValueError, match="`role`='grad' is not allowed"):
+        scaled_dot(jnp.ones((2, 2)), jnp.ones((2, 2)), MM, role="grad")

@@ -11,12 +11,14 @@ from typing import Any, Callable, Mapping, Optional, Tuple, Union
 
 import jax.numpy as jnp
 
+from jaxamp.config_values import dtype_name, mapping_like, plain
 from jaxamp.scaler import DynamicScaler, loss_scaler
+from jaxamp.tensor_scale import FP8_FORMATS
 
 __all__ = ["MODES", "DTYPES", "DERIVATIVE_SCALER_KEYS", "LOSS_SCALER_KEYS", "ConfigError", "check_flags", "AmpConfig"]
 
 MODES = ("per_order_scaler", "per_term_scaler")
-DTYPES = ("float16", "bfloat16", "float32")
+DTYPES = ("float16", "bfloat16", "float32", "float8")
 # Scaler hyper-parameters a config may override (derivative max scales come from the *_log2 keys).
 DERIVATIVE_SCALER_KEYS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "recover_threshold",
                           "recover_growth_interval", "min_scale")
@@ -24,32 +26,6 @@ LOSS_SCALER_KEYS = DERIVATIVE_SCALER_KEYS + ("max_scale",)
 _DERIVATIVE_DEFAULTS = MappingProxyType({f.name: f.default for f in dataclasses.fields(DynamicScaler)})
 # float32's exponent range: a max scale of 2**k must be a normal, finite float32.
 _LOG2_RANGE = (-126, 127)
-
-
-def _mapping_like(value: Any) -> bool:  # ml_collections' ConfigDict has keys() and [] but is not a Mapping
-    return isinstance(value, Mapping) or (hasattr(value, "keys") and hasattr(value, "__getitem__"))
-
-
-def _dtype_name(value: Any) -> Any:
-    """The name of a float16/bfloat16/float32 dtype object (jnp.float16, np.dtype("float16")); else ``value``."""
-    try:
-        name = value if isinstance(value, str) else jnp.dtype(value).name
-    except (TypeError, ValueError):
-        return value
-    return name if name in DTYPES else value
-
-
-def _plain(value: Any) -> Any:
-    """Nested plain dicts and lists from any mapping-like config (dict, ConfigDict, DictConfig)."""
-    if hasattr(value, "_metadata") and type(value).__module__.startswith("omegaconf"):
-        from omegaconf import OmegaConf
-
-        value = OmegaConf.to_container(value, resolve=True)
-    if _mapping_like(value):
-        return {k: _plain(value[k]) for k in value.keys()}
-    if isinstance(value, (list, tuple)) or type(value).__name__ == "ListConfig":
-        return [_plain(v) for v in value]
-    return value
 
 
 class ConfigError(ValueError):
@@ -75,7 +51,7 @@ def _check_log2(key: str, value: Any, what: str = "max scale") -> None:
 
 def _scaler_overrides(amp: Any, key: str, allowed_keys: Tuple[str, ...]) -> None:
     """Validate ``amp.<key>`` {hyper-parameter: value} (any mapping-like value), store it read-only."""
-    value = _plain(getattr(amp, key))
+    value = plain(getattr(amp, key))
     if not isinstance(value, Mapping):
         _fail(key, value, f"a mapping with keys among {list(allowed_keys)}")
     for name in value:
@@ -96,7 +72,7 @@ def _build(section: str, make: Callable[[], DynamicScaler], note: str) -> None:
 
 def _per_key(amp: Any, field: str, what: str) -> Mapping[str, int]:
     """Validate ``amp.<field>`` ``{order or term name: int exponent}`` (any mapping-like value), store it with str keys."""
-    value = _plain(getattr(amp, field))
+    value = plain(getattr(amp, field))
     if not isinstance(value, Mapping):
         _fail(field, value, "a mapping {key: int}")
     for key, exp in value.items():
@@ -129,7 +105,10 @@ class AmpConfig:
       derivative_scaler: overrides of the derivative scalers' hyper-parameters.
       loss_scaler: overrides of the weight-gradient loss scaler's hyper-parameters.
       derivative_scaling: scale the input derivatives; False with float16: the loss scaler only.
-      tensor_scaling: per-tensor power-of-two scales for autocast's float16 matmuls (:mod:`jaxamp.tensor_scale`).
+      dtype ``"float8"``: autocast's matmuls take FP8 operands (:data:`jaxamp.tensor_scale.FP8_FORMATS`
+        per role), everything else runs as for ``"float16"`` (scalers included).
+      tensor_scaling: per-tensor power-of-two scales for autocast's float16 / FP8 matmul operands
+        (:mod:`jaxamp.tensor_scale`); None (default): on for ``"float8"``, off otherwise.
 
     A bad value raises :class:`ConfigError` naming the key, the value and what is allowed.
 
@@ -152,10 +131,14 @@ class AmpConfig:
     derivative_scaler: Mapping[str, float] = dataclasses.field(default_factory=dict)
     loss_scaler: Mapping[str, float] = dataclasses.field(default_factory=dict)
     derivative_scaling: bool = True
-    tensor_scaling: bool = False
+    tensor_scaling: Optional[bool] = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "dtype", _dtype_name(self.dtype))  # jnp.float16 -> "float16"
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))  # jnp.float16 -> "float16"
+        if self.tensor_scaling is not None and not isinstance(self.tensor_scaling, bool):
+            _fail("tensor_scaling", self.tensor_scaling, "true, false or null (on for float8)")
+        object.__setattr__(self, "tensor_scaling", self.dtype == "float8" if self.tensor_scaling is None
+                           else self.tensor_scaling)  # fmt: skip
         choices = {"mode": MODES, "dtype": DTYPES}  # the others are flags
         for key in [f.name for f in dataclasses.fields(self) if f.type in ("bool", "str")]:  # flags and choices
             value = getattr(self, key)
@@ -172,7 +155,7 @@ class AmpConfig:
             if value > (top := self.max_scale_log2(key)):
                 _fail(f"custom_init_scales_log2[{key!r}]", value, f"an integer exponent in [{_LOG2_RANGE[0]}, {top}]"
                       f" (a key starts at or below its max scale 2**amp.{where[key]} = 2**{top})")
-        terms = _plain(self.special_terms)  # a ListConfig as a list
+        terms = plain(self.special_terms)  # a ListConfig as a list
         if isinstance(terms, str) or not all(isinstance(t, str) and t for t in terms):
             _fail("special_terms", terms, "a list of non-empty variable names (str)")
         object.__setattr__(self, "special_terms", tuple(terms))
@@ -195,13 +178,22 @@ class AmpConfig:
 
     @property
     def loss_scaling_enabled(self) -> bool:
-        """True when the weight-gradient loss scaler acts: AMP on and dtype float16."""
-        return self.enabled and self.dtype == "float16"
+        """True when the weight-gradient loss scaler acts: AMP on and dtype float16 (or float8)."""
+        return self.enabled and self.dtype in ("float16", "float8")
 
     @property
     def compute_dtype(self) -> jnp.dtype:
-        """The dtype matmuls run in (float32 when AMP is off)."""
-        return jnp.dtype(self.dtype if self.enabled else "float32")
+        """The dtype low-precision work runs in (float32 when AMP is off; float16 for float8,
+        whose matmul operands take :attr:`matmul_formats`)."""
+        return jnp.dtype(("float16" if self.dtype == "float8" else self.dtype) if self.enabled else "float32")
+
+    @property
+    def matmul_formats(self) -> Optional[Tuple[str, str, str]]:
+        """The formats of autocast's matmul operands (value, tangent, cotangent) when they differ
+        from plain casts to :attr:`compute_dtype` (per-tensor scaling or FP8), else None."""
+        if not self.enabled or self.dtype not in ("float16", "float8") or not (self.tensor_scaling or self.dtype == "float8"):
+            return None
+        return FP8_FORMATS if self.dtype == "float8" else ("float16",) * 3
 
     def max_scale_log2(self, key: str) -> int:
         """The exponent of ``key``'s max scale: its custom value, else ``default_max_scale_log2``."""
@@ -252,7 +244,7 @@ class AmpConfig:
           >>> AmpConfig.from_dict({"amp": {"dtype": "bfloat16"}}).dtype
           'bfloat16'
         """
-        values = {} if values is None else _plain(values)
+        values = {} if values is None else plain(values)
         entry = isinstance(values, dict) and set(values) == {"amp"}  # {"amp": {keys}}
         values = (values["amp"] or {}) if entry else values
         if not isinstance(values, dict):
@@ -281,7 +273,7 @@ class AmpConfig:
 
     def to_dict(self) -> dict:
         """Plain ``{key: value}`` that :meth:`from_dict` takes back."""
-        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}  # mappings, lists
+        return {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self)}  # mappings, lists
 
 
 _DATACLASS_INIT = AmpConfig.__init__  # wrapped below: a positional or unknown argument is a ConfigError

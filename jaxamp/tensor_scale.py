@@ -1,19 +1,20 @@
 """Per-tensor scaling: each low-precision matmul operand carries its own power-of-two scale.
 
-``scaled_dot(a, b, dimension_numbers, dtype)`` is ``lax.dot_general`` whose operands are each
+``scaled_dot(a, b, dimension_numbers, formats)`` is ``lax.dot_general`` whose operands are each
 multiplied by the scale :func:`scale_for` chooses from that operand's own magnitude, cast to
-``dtype`` (float16), multiplied with float32 accumulation, and unscaled in float32. It is one
+their role's format (float16, or FP8: :data:`FP8_FORMATS`), multiplied with float32
+accumulation, and unscaled in float32. It is one
 primitive, ``scaled_dot_p``, bilinear like ``dot_general``: its JVP multiplies the tangents as
 ``scaled_dot`` again (``role="tangent"``) and its transpose the cotangents
 (``role="cotangent"``), so derivative tangents and cotangents get scales from their own
 magnitudes, not from the values'. Under ``vmap`` each example's operands keep their own scale.
 
-A scale is a power of two, so while an operand stays in ``dtype``'s normal range the product is
+A scale is a power of two, so while an operand stays in its format's normal range the product is
 the unscaled one bit for bit (binary scaling commutes with rounding); what changes is that a
 tangent of 1e-7 or a value of 1e6 is brought into the window instead of flushing to zero or
 overflowing. A zero or non-finite operand keeps scale 1: an inf or NaN stays visible to the
-derivative scalers' checks. ``jaxamp.autocast`` uses it for its float16 matmuls when
-``AmpConfig(tensor_scaling=True)``.
+derivative scalers' checks. ``jaxamp.autocast`` uses it for its matmuls with
+``AmpConfig(tensor_scaling=True)`` (float16) and ``AmpConfig(dtype="float8")``.
 """
 
 from __future__ import annotations
@@ -27,9 +28,13 @@ from jax import lax
 from jax.extend import core as jcore
 from jax.interpreters import ad, batching, mlir
 
-__all__ = ["ROLES", "MARGIN_LOG2", "scale_for", "scaled_dot", "scaled_dot_p"]
+__all__ = ["ROLES", "FP8_FORMATS", "MARGIN_LOG2", "scale_for", "scaled_dot", "scaled_dot_p"]
 
 ROLES = ("value", "tangent", "cotangent")
+# The FP8 recipe's operand formats per role: the network's values keep float16's 10 mantissa
+# bits; a derivative tangent, rescaled per tensor, needs precision more than range (E4M3); the
+# weight-gradient cotangents, range (E5M2), as in FP8 training of large models.
+FP8_FORMATS = ("float16", "float8_e4m3fn", "float8_e5m2")
 # Powers of two kept free below the format's largest power of two: the scaled operand's largest
 # entry lands in [2**(emax - MARGIN_LOG2 - 1), 2**(emax - MARGIN_LOG2)].
 MARGIN_LOG2 = 1
@@ -53,23 +58,26 @@ def scale_for(x: jax.Array, dtype: Any) -> jax.Array:
     return jnp.ldexp(jnp.float32(1.0), jnp.where(ok, e, 0.0).astype(jnp.int32))  # exactly 2**e
 
 
-def _impl(a, b, *, dimension_numbers, dtype, role):
-    del role  # the same rule for every role; kept for what a profile or a per-role format reads
-    sa, sb = scale_for(a, dtype), scale_for(b, dtype)
+def _impl(a, b, *, dimension_numbers, formats, scaling, role):
+    dtype = jnp.dtype(formats[ROLES.index(role)])
+    one = jnp.float32(1.0)
+    sa, sb = (scale_for(a, dtype), scale_for(b, dtype)) if scaling else (one, one)
     low_a = (a.astype(jnp.float32) * sa).astype(dtype)
     low_b = (b.astype(jnp.float32) * sb).astype(dtype)
     out = lax.dot_general(low_a, low_b, dimension_numbers, preferred_element_type=jnp.float32)
     return out * (1.0 / (sa * sb))
 
 
-def scaled_dot(a: jax.Array, b: jax.Array, dimension_numbers, dtype: Any = jnp.float16,
-               role: str = "value") -> jax.Array:  # fmt: skip
-    """``lax.dot_general(a, b, dimension_numbers)`` in ``dtype`` with per-tensor scales, float32 out.
+def scaled_dot(a: jax.Array, b: jax.Array, dimension_numbers, formats: Sequence[Any] = ("float16",) * 3,
+               role: str = "value", *, scaling: bool = True) -> jax.Array:  # fmt: skip
+    """``lax.dot_general(a, b, dimension_numbers)`` on low-precision operands with per-tensor
+    scales, float32 out.
 
     Args:
       a, b, dimension_numbers: as ``lax.dot_general``.
-      dtype: the operands' low-precision format (float16).
-      role: ``"value"``, ``"tangent"`` or ``"cotangent"`` (what the operands are).
+      formats: the operands' format per role (value, tangent, cotangent): float16 or FP8.
+      role: ``"value"``, ``"tangent"`` or ``"cotangent"`` (what ``a`` and ``b`` are).
+      scaling: False: plain casts to the formats (scale 1), the baseline.
 
     Returns:
       The float32 product, unscaled.
@@ -83,7 +91,9 @@ def scaled_dot(a: jax.Array, b: jax.Array, dimension_numbers, dtype: Any = jnp.f
     """
     if role not in ROLES:
         raise ValueError(f"jaxamp.tensor_scale.scaled_dot: `role`={role!r} is not allowed: expected one of {ROLES}.")
-    return scaled_dot_p.bind(a, b, dimension_numbers=_dims(dimension_numbers), dtype=jnp.dtype(dtype), role=role)
+    names = tuple(jnp.dtype(f).name for f in formats)
+    return scaled_dot_p.bind(a, b, dimension_numbers=_dims(dimension_numbers), formats=names, scaling=bool(scaling),
+                             role=role)  # fmt: skip
 
 
 def _dims(dimension_numbers) -> Tuple[Tuple[Tuple[int, ...], ...], ...]:
@@ -91,16 +101,16 @@ def _dims(dimension_numbers) -> Tuple[Tuple[Tuple[int, ...], ...], ...]:
     return ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))
 
 
-def _abstract(a, b, *, dimension_numbers, dtype, role):
+def _abstract(a, b, *, dimension_numbers, formats, scaling, role):
     out = jax.eval_shape(lambda x, y: lax.dot_general(x, y, dimension_numbers, preferred_element_type=jnp.float32),
                          jax.ShapeDtypeStruct(a.shape, a.dtype), jax.ShapeDtypeStruct(b.shape, b.dtype))
     return jax.core.ShapedArray(out.shape, jnp.float32)
 
 
-def _jvp(primals, tangents, *, dimension_numbers, dtype, role):
+def _jvp(primals, tangents, *, dimension_numbers, formats, scaling, role):
     a, b = primals
     ta, tb = tangents
-    params = dict(dimension_numbers=dimension_numbers, dtype=dtype)
+    params = dict(dimension_numbers=dimension_numbers, formats=formats, scaling=scaling)
     out = scaled_dot_p.bind(a, b, role=role, **params)
     parts = []
     if not isinstance(ta, ad.Zero):
@@ -116,7 +126,7 @@ def _remaining(n: int, *removed: Sequence[int]) -> list:
     return [i for i in range(n) if i not in drop]
 
 
-def _transpose_lhs(g, x_aval, y, dimension_numbers, dtype, swap: bool = False):
+def _transpose_lhs(g, x_aval, y, dimension_numbers, params, swap: bool = False):
     """The cotangent of the left operand (as ``lax``'s dot_general transpose), as a scaled_dot."""
     (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
     x_kept = _remaining(len(x_aval.shape), x_contract, x_batch)
@@ -130,24 +140,25 @@ def _transpose_lhs(g, x_aval, y, dimension_numbers, dtype, swap: bool = False):
     dims = ((tuple(ans_y), tuple(y_kept)), (tuple(ans_batch), tuple(y_batch)))
     x_contract_sorted_by_y = list(np.take(x_contract, np.argsort(y_contract)))
     out_axes = np.argsort(list(x_batch) + x_kept + x_contract_sorted_by_y)
-    out = scaled_dot_p.bind(g, y, dimension_numbers=dims, dtype=dtype, role="cotangent")
+    out = scaled_dot_p.bind(g, y, dimension_numbers=dims, role="cotangent", **params)
     return lax.transpose(out, tuple(int(i) for i in out_axes)).astype(x_aval.dtype)
 
 
-def _transpose(g, a, b, *, dimension_numbers, dtype, role):
+def _transpose(g, a, b, *, dimension_numbers, formats, scaling, role):
     if isinstance(g, ad.Zero):
         return [None, None]
     (lc, rc), (lb, rb) = dimension_numbers
     ct_a = ct_b = None
+    params = dict(formats=formats, scaling=scaling)
     if ad.is_undefined_primal(a):
-        ct_a = _transpose_lhs(g, a.aval, b, dimension_numbers, dtype)
+        ct_a = _transpose_lhs(g, a.aval, b, dimension_numbers, params)
     if ad.is_undefined_primal(b):
-        ct_b = _transpose_lhs(g, b.aval, a, ((rc, lc), (rb, lb)), dtype, swap=True)
+        ct_b = _transpose_lhs(g, b.aval, a, ((rc, lc), (rb, lb)), params, swap=True)
     return [ct_a, ct_b]
 
 
-def _batch(args, dims, *, dimension_numbers, dtype, role):
-    fn = lambda a, b: _impl(a, b, dimension_numbers=dimension_numbers, dtype=dtype, role=role)  # noqa: E731
+def _batch(args, dims, **params):
+    fn = lambda a, b: _impl(a, b, **params)  # noqa: E731
     return jax.vmap(fn, in_axes=tuple(dims))(*args), 0  # each example's operands: their own scales
 
 

@@ -96,7 +96,7 @@ def loss_with_unknown_key(params, batch):
 
 CASES = [
     # ---------------------------------------------------------------- AmpConfig keys
-    ("amp.dtype", lambda: AmpConfig(dtype="float8"), ConfigError, ["amp.dtype", "'float8'", "'float16', 'bfloat16'"]),
+    ("amp.dtype", lambda: AmpConfig(dtype="float64"), ConfigError, ["amp.dtype", "'float64'", "'float16', 'bfloat16'"]),
     ("amp.mode", lambda: AmpConfig(mode="per_layer"), ConfigError, ["amp.mode", "'per_layer'", "per_order_scaler"]),
     ("amp.enabled", lambda: AmpConfig(enabled="yes"), ConfigError, ["amp.enabled", "'yes'", "true or false"]),
     ("amp.derivative_scaling", lambda: AmpConfig(derivative_scaling=1), ConfigError,

@@ -73,7 +73,7 @@ CASES = [
     ("config.positional", lambda: AmpConfig("float16"), ConfigError,
      ["positional value(s) ['float16']", "by name, e.g. AmpConfig(**config.amp)"]),
     ("config.dtype_alias", lambda: AmpConfig(dtype="fp16"), ConfigError,
-     ["amp.dtype='fp16'", "one of ['float16', 'bfloat16', 'float32']"]),
+     ["amp.dtype='fp16'", "one of ['float16', 'bfloat16', 'float32', 'float8']"]),
     ("config.dtype_float64", lambda: AmpConfig(dtype=jnp.float64), ConfigError,
      ["amp.dtype=<class 'jax.numpy.float64'>", "'float16'"]),
     ("config.enabled_string", lambda: AmpConfig(enabled="false"), ConfigError, ["amp.enabled='false'", "true or false"]),

@@ -44,7 +44,7 @@ def test_from_yaml_with_amp_section(tmp_path):
 @pytest.mark.parametrize(
     "values, fragment",
     [
-        ({"dtype": "float8"}, "amp.dtype='float8' is not allowed: expected one of ['float16', 'bfloat16', 'float32']"),
+        ({"dtype": "float64"}, "amp.dtype='float64' is not allowed: expected one of ['float16', 'bfloat16', 'float32', 'float8']"),
         ({"mode": "per_layer"}, "amp.mode='per_layer' is not allowed"),
         ({"enabled": "yes"}, "amp.enabled='yes' is not allowed: expected true or false"),
         ({"default_max_scale_log2": 1.5}, "amp.default_max_scale_log2=1.5"),
@@ -201,8 +201,8 @@ def test_malformed_yaml_names_the_file_and_line(tmp_path):
     with pytest.raises(ConfigError) as e:
         AmpConfig.from_yaml(path)
     assert f"{path}, line 3: not valid YAML" in str(e.value)
-    path.write_text("amp:\n  dtype: float8\n")
-    with pytest.raises(ConfigError, match=f"{path}: amp.dtype='float8' is not allowed"):
+    path.write_text("amp:\n  dtype: fp8\n")
+    with pytest.raises(ConfigError, match=f"{path}: amp.dtype='fp8' is not allowed"):
         AmpConfig.from_yaml(path)
 
 

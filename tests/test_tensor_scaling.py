@@ -143,8 +143,24 @@ def test_the_user_step_trains_with_tensor_scaling():
     assert np.isfinite(float(value)) and float(value) < first
 
 
+def test_fp8_recipe_trains_derivatives_to_float8_rounding_and_plain_fp8_is_the_same_program_unscaled():
+    p, x = params(), jnp.float32(0.3)
+    recipe, plain = jaxamp.AmpConfig(dtype="float8"), jaxamp.AmpConfig(dtype="float8", tensor_scaling=False)
+    assert recipe.tensor_scaling and not plain.tensor_scaling and recipe.scaler_enabled
+    want_x = jax.grad(mlp, 1)(p, x)
+    got_x, found = jaxamp.scaled(jaxamp.grad(jaxamp.autocast(mlp, recipe), 1), recipe)({"1": 1.0}, p, x)
+    np.testing.assert_allclose(got_x, want_x, rtol=0.1, atol=0.05)  # E4M3 tangents: 3 mantissa bits
+    assert "float8_e4m3fn" in str(jax.make_jaxpr(jaxamp.grad(jaxamp.autocast(mlp, plain), 1))(p, x))
+    # a tangent 1e-6 times smaller: the recipe's scale keeps it, plain FP8 flushes it
+    tiny = lambda q: {**q, "w1": q["w1"] * 1e-6}  # noqa: E731
+    want = jax.grad(mlp, 1)(tiny(p), x)
+    for amp, ok in ((recipe, True), (plain, False)):
+        got, _ = jaxamp.scaled(jaxamp.grad(jaxamp.autocast(mlp, amp), 1), amp)({"1": 1.0}, tiny(p), x)
+        assert (abs(float(got) - float(want)) < 0.1 * abs(float(want))) == ok, (amp, got, want)
+
+
 def test_bad_values_are_config_errors():
-    with pytest.raises(jaxamp.ConfigError, match=r"amp.tensor_scaling='yes' is not allowed: expected true or false"):
+    with pytest.raises(jaxamp.ConfigError, match=r"amp.tensor_scaling='yes' is not allowed: expected true, false"):
         jaxamp.AmpConfig(tensor_scaling="yes")
     with pytest.raises(ValueError, match="`role`='grad' is not allowed"):
         scaled_dot(jnp.ones((2, 2)), jnp.ones((2, 2)), MM, role="grad")

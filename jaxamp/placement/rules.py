@@ -60,8 +60,8 @@ class Placement:
         self.dtype = amp.compute_dtype
         self.firstlayer = amp.autocast_firstlayer
         self.activation = amp.autocast_activation
-        # per-tensor scales where a matmul's operands are float16 (jaxamp.tensor_scale)
-        self.tensor_scaling = amp.tensor_scaling and self.dtype == jnp.float16
+        # per-tensor scales and/or FP8 operands for matmuls (jaxamp.tensor_scale); None: plain casts
+        self.formats, self.tensor_scaling = amp.matmul_formats, amp.tensor_scaling
         self.counts: Dict[str, int] = collections.Counter()
 
     def __call__(self, eqn: jcore.JaxprEqn, invals: List[Val]) -> List[Val]:
@@ -99,8 +99,8 @@ class Placement:
     def _lowered(self, eqn: jcore.JaxprEqn, xs: List[Any]) -> List[Any]:
         """``eqn`` in the compute dtype: floating operands cast at use, results cast back (a
         matmul with per-tensor scaling: :func:`jaxamp.tensor_scale.scaled_dot`)."""
-        if self.tensor_scaling and eqn.primitive.name == "dot_general" and all(_floating(jnp.result_type(x)) for x in xs):
-            out = scaled_dot(*xs, eqn.params["dimension_numbers"], self.dtype)
+        if self.formats and eqn.primitive.name == "dot_general" and all(_floating(jnp.result_type(x)) for x in xs):
+            out = scaled_dot(*xs, eqn.params["dimension_numbers"], self.formats, scaling=self.tensor_scaling)
             return [jax.lax.convert_element_type(out, eqn.outvars[0].aval.dtype)]
         xs = [jax.lax.convert_element_type(x, self.dtype) if _floating(jnp.result_type(x)) else x for x in xs]
         if eqn.params.get("preferred_element_type") is not None:

@@ -3,18 +3,19 @@
 ``scaled_dot(a, b, dimension_numbers, formats)`` is ``lax.dot_general`` whose operands are each
 multiplied by the scale :func:`scale_for` chooses from that operand's own magnitude, cast to
 their role's format (float16, or FP8: :data:`FP8_FORMATS`), multiplied with float32
-accumulation, and unscaled in float32. It is one
-primitive, ``scaled_dot_p``, bilinear like ``dot_general``: its JVP multiplies the tangents as
+accumulation, and unscaled in float32. It is one primitive, ``scaled_dot_p``, bilinear like
+``dot_general``: its JVP multiplies the tangents as
 ``scaled_dot`` again (``role="tangent"``) and its transpose the cotangents
 (``role="cotangent"``), so derivative tangents and cotangents get scales from their own
-magnitudes, not from the values'. Under ``vmap`` each example's operands keep their own scale.
+magnitudes, not from the values'.
 
 A scale is a power of two, so while an operand stays in its format's normal range the product is
 the unscaled one bit for bit (binary scaling commutes with rounding); what changes is that a
 tangent of 1e-7 or a value of 1e6 is brought into the window instead of flushing to zero or
 overflowing. A zero or non-finite operand keeps scale 1: an inf or NaN stays visible to the
-derivative scalers' checks. ``jaxamp.autocast`` uses it for its matmuls with
-``AmpConfig(tensor_scaling=True)`` (float16) and ``AmpConfig(dtype="float8")``.
+derivative scalers' checks. Under ``vmap`` the batched operand has one scale. ``jaxamp.autocast``
+uses it for its matmuls with ``AmpConfig(tensor_scaling=True)`` (float16) and
+``AmpConfig(dtype="float8")``.
 """
 
 from __future__ import annotations
@@ -157,9 +158,23 @@ def _transpose(g, a, b, *, dimension_numbers, formats, scaling, role):
     return [ct_a, ct_b]
 
 
-def _batch(args, dims, **params):
-    fn = lambda a, b: _impl(a, b, **params)  # noqa: E731
-    return jax.vmap(fn, in_axes=tuple(dims))(*args), 0  # each example's operands: their own scales
+def _batch(args, dims, *, dimension_numbers, **params):
+    """The batch axis as a dot_general batch (both batched) or free (one batched) dimension: the
+    scale is then that of the whole batched operand, and the equation stays ``scaled_dot_p``,
+    so derivatives taken after ``vmap`` still scale their tangents and cotangents."""
+    (a, b), (da, db) = args, dims
+    a = a if da is None else jnp.moveaxis(a, da, 0)
+    b = b if db is None else jnp.moveaxis(b, db, 0)
+    (lc, rc), (lb, rb) = dimension_numbers
+    up = lambda axes, on: tuple(i + 1 for i in axes) if on else tuple(axes)  # noqa: E731
+    lc, lb, rc, rb = up(lc, da is not None), up(lb, da is not None), up(rc, db is not None), up(rb, db is not None)
+    if da is not None and db is not None:
+        dims_out, out_dim = ((lc, rc), ((0,) + lb, (0,) + rb)), 0
+    elif da is not None:  # lhs axis 0 is its first free dimension: right after the batch dims
+        dims_out, out_dim = ((lc, rc), (lb, rb)), len(lb)
+    else:  # rhs axis 0: after the batch dims and the lhs free dims
+        dims_out, out_dim = ((lc, rc), (lb, rb)), len(lb) + a.ndim - len(lc) - len(lb)
+    return scaled_dot_p.bind(a, b, dimension_numbers=dims_out, **params), out_dim
 
 
 scaled_dot_p.def_impl(_impl)

@@ -70,6 +70,10 @@ def test_transformations_agree_with_float32_to_float16_rounding():
     np.testing.assert_allclose(jax.jit(jax.grad(f))(a[0]), jax.grad(g)(a[0]), **tol)
     np.testing.assert_allclose(jax.jacfwd(jax.grad(f))(a[0]), jax.hessian(g)(a[0]), **tol)
     np.testing.assert_allclose(jax.vmap(jax.grad(f))(a), jax.vmap(jax.grad(g))(a), **tol)
+    ab = jax.random.normal(jax.random.PRNGKey(9), (7, 5, 3))
+    for fn, axes, want in ((lambda x, y: scaled_dot(x, y, VM), (0, 0), jnp.einsum("bj,bjk->bk", a, ab)),
+                           (lambda y: scaled_dot(a[0], y, VM), (0,), jnp.einsum("j,bjk->bk", a[0], ab))):
+        np.testing.assert_allclose(jax.vmap(fn, axes)(*([a, ab] if len(axes) == 2 else [ab])), want, **tol)
     w_grad = jax.grad(lambda w: jnp.sum(scaled_dot(a, w, MM) ** 2))(b)
     np.testing.assert_allclose(w_grad, jax.grad(lambda w: jnp.sum((a @ w) ** 2))(b), rtol=5e-3, atol=5e-2)
 

@@ -9,9 +9,10 @@ It stands alone (never imports jax or jaxamp) and mirrors jaxamp file for file:
   conversion:   flax_to_torch, torch_to_flax       (weight transfer, weight norm's (v, g)),
                 scale_states_from_jax, scale_states_to_jax (scaler states, bit for bit)
   models:       torch_ref.models.FullyConnected
+  per-tensor:   torch_ref.tensor_scale (scale_for, scaled_matmul)
 """
 
-from torch_ref import models
+from torch_ref import models, tensor_scale
 from torch_ref.config import AmpSettings, as_settings
 from torch_ref.convert import flax_to_torch, scale_states_from_jax, scale_states_to_jax, torch_to_flax
 from torch_ref.derivatives import NONFINITE_VALUES, Derivatives, merge_found_inf
@@ -22,5 +23,5 @@ from torch_ref.train import (APPLIED, SKIP_DERIVATIVE_OVERFLOW, SKIP_NONFINITE_G
 __all__ = [
     "AmpSettings", "as_settings", "DynamicScaler", "ScaleState", "loss_scaler",
     "Derivatives", "merge_found_inf", "TrainState", "make_train_step", "APPLIED",
-    "SKIP_DERIVATIVE_OVERFLOW", "SKIP_NONFINITE_GRADS", "SKIP_NONFINITE_VALUES", "NONFINITE_VALUES", "flax_to_torch", "torch_to_flax", "scale_states_from_jax", "scale_states_to_jax", "models",
+    "SKIP_DERIVATIVE_OVERFLOW", "SKIP_NONFINITE_GRADS", "SKIP_NONFINITE_VALUES", "NONFINITE_VALUES", "flax_to_torch", "torch_to_flax", "scale_states_from_jax", "scale_states_to_jax", "models", "tensor_scale",
 ]

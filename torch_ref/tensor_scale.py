@@ -1,0 +1,32 @@
+"""The per-tensor scale rule (jaxamp.tensor_scale) in PyTorch: a power-of-two scale per matmul
+operand from its own amax, the scaled operands cast to float16 or FP8, the product accumulated
+in float32 and unscaled. Written from docs/algorithm.md's rule, not from jaxamp's code."""
+
+import math
+
+import torch
+
+__all__ = ["ROLES", "FP8_FORMATS", "MARGIN_LOG2", "scale_for", "scaled_matmul"]
+
+ROLES = ("value", "tangent", "cotangent")
+FP8_FORMATS = (torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
+MARGIN_LOG2 = 1
+
+
+def scale_for(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """2**e with ``max|x| * 2**e`` in ``(2**(emax - MARGIN_LOG2 - 1), 2**(emax - MARGIN_LOG2)]``,
+    e clipped to [-126, 126]; 1 for an all-zero or non-finite ``x``."""
+    amax = x.detach().abs().max().float() if x.numel() else torch.tensor(0.0)
+    if not bool(torch.isfinite(amax)) or float(amax) == 0.0:
+        return torch.tensor(1.0)
+    emax = math.floor(math.log2(torch.finfo(dtype).max))
+    e = min(max(emax - MARGIN_LOG2 - math.ceil(math.log2(float(amax))), -126), 126)
+    return torch.tensor(2.0**e, dtype=torch.float32)
+
+
+def scaled_matmul(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """``a @ b`` on operands scaled and cast to ``dtype``, accumulated in float32, unscaled."""
+    sa, sb = scale_for(a, dtype), scale_for(b, dtype)
+    low_a = (a.float() * sa).to(dtype).float()
+    low_b = (b.float() * sb).to(dtype).float()
+    return (low_a @ low_b) * (1.0 / (sa * sb))

@@ -7,14 +7,13 @@ fp16, the FP8 recipe (``dtype="float8"``: per-tensor scales, DerivScaler) and pl
 Each variant runs examples/jax_user (fp32.py, or the port fp16.py, whose every layer is float16:
 ``autocast_firstlayer=True``) at ``--domain-scale 0.02`` and reports its relative L2 error and
 its ratio to fp32's at the same seed. The port builds its config with ``jaxamp.AmpConfig(...)``;
-a variant's extra keys are given by calling it with those keys added (``with_keys``).
+a variant's keys replace the port's (``with_keys``).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import time
 from typing import Any, Dict, Iterator
@@ -32,15 +31,18 @@ VARIANTS: Dict[str, Dict[str, Any]] = {
     "fp16_plain": {},
     "fp8_recipe": {"dtype": "float8"},
     "fp8_plain": {"dtype": "float8", "tensor_scaling": False},
+    # ablation: the port's first layer (Fourier features of the physical length scale) in float32
+    "fp8_recipe_first_fp32": {"dtype": "float8", "autocast_firstlayer": False},
+    "fp16_plain_first_fp32": {"autocast_firstlayer": False},
 }
-PLAIN = ("fp16_tensor_only", "fp16_plain", "fp8_plain")  # the port's --plain-fp16: no derivative scaling
+PLAIN = ("fp16_tensor_only", "fp16_plain", "fp8_plain", "fp16_plain_first_fp32")  # the port's --plain-fp16: no derivative scaling
 
 
 @contextlib.contextmanager
 def with_keys(**keys: Any) -> Iterator[None]:
-    """``jaxamp.AmpConfig(...)`` called by the example gets ``keys`` too, for this block."""
+    """``jaxamp.AmpConfig(...)`` called by the example gets ``keys`` (over its own), for this block."""
     original = jaxamp.AmpConfig
-    jaxamp.AmpConfig = functools.partial(original, **keys)
+    jaxamp.AmpConfig = lambda **given: original(**{**given, **keys})
     try:
         yield
     finally:

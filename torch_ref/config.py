@@ -34,8 +34,12 @@ class AmpSettings:
     derivative_scaler: Mapping[str, float] = dataclasses.field(default_factory=dict)
     loss_scaler: Mapping[str, float] = dataclasses.field(default_factory=dict)
     derivative_scaling: bool = True
+    tensor_scaling: bool = False  # the rule is torch_ref.tensor_scale; the reference trains without it
 
     def __post_init__(self) -> None:
+        if self.tensor_scaling is not False:
+            raise ValueError(f"amp.tensor_scaling={self.tensor_scaling!r} is not supported by torch_ref's training "
+                             "(its per-tensor rule is torch_ref.tensor_scale): expected false.")
         for key in ("enabled", "autocast_activation", "autocast_firstlayer", "derivative_scaling"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"amp.{key}={getattr(self, key)!r} is not allowed: expected true or false.")

@@ -22,5 +22,5 @@ def test_profile_prints_the_table_and_a_recommendation(capsys):
 
 
 def test_profile_rejects_a_bad_config(capsys):
-    assert cli.main(["--config", "burgers", "amp.dtype=float8"]) == 2
+    assert cli.main(["--config", "burgers", "amp.dtype=float64"]) == 2
     assert "amp.dtype" in capsys.readouterr().err

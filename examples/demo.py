@@ -183,6 +183,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "version it came from, between the report markers of PATH (e.g. docs/demonstration.md)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
+    origin = provenance()  # the code the runs import: the commit when they start, not when they end
     try:
         rows = run_demo(args.config, args.seeds, args.modes, args.workdir, args.overrides,
                         progress=not args.no_progress, plots=not args.no_plots)
@@ -195,7 +196,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(table)
     if args.report:
         command = "python -m examples.demo " + " ".join(sys.argv[1:] if argv is None else argv)
-        write_report(args.report, table, command, provenance())
+        write_report(args.report, table, command, origin)
         print(f"report: {os.path.abspath(args.report)}")
     print(outputs_line(args.workdir) + "; each run in seed<seed>/<mode>/, comparison.png per seed")
     print(table_verdict(rows))

@@ -1,7 +1,8 @@
 """Entry points: ``python -m benchmarks --preset {smoke,cpu,gpu} [--out results.json]`` (the LDC
 step in every precision mode, engines, memory) and ``python -m benchmarks matrix [--quick]``
 (the DerivScaler's cost over a matrix of PINN problems, :mod:`benchmarks.matrix`) and
-``python -m benchmarks roofline`` (XLA cost per mode and a GPU prediction, :mod:`benchmarks.roofline`)."""
+``python -m benchmarks roofline`` (XLA cost per mode and a GPU prediction, :mod:`benchmarks.roofline`) and
+``python -m benchmarks peers`` (the Laplacian vs folx and jax.hessian, :mod:`benchmarks.peers`)."""
 
 import sys
 
@@ -10,6 +11,10 @@ if __name__ == "__main__":
         from benchmarks.matrix import main as matrix_main
 
         matrix_main(sys.argv[2:])
+    elif sys.argv[1:2] == ["peers"]:
+        from benchmarks.peers import main as peers_main
+
+        peers_main(sys.argv[2:])
     elif sys.argv[1:2] == ["roofline"]:
         from benchmarks.roofline import main as roofline_main
 

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-pytest.importorskip("folx")
+import folx  # noqa: E402,F401  (the test extra installs it)
 
 from benchmarks import peers  # noqa: E402
 from benchmarks.laplacian import init_mlp  # noqa: E402

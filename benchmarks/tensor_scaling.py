@@ -16,12 +16,11 @@ import argparse
 import contextlib
 import json
 import time
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator
 
 import jax
 
 import jaxamp
-import jaxamp.config
 from benchmarks.timing import device_info
 
 VARIANTS: Dict[str, Dict[str, Any]] = {
@@ -36,13 +35,8 @@ VARIANTS: Dict[str, Dict[str, Any]] = {
     "fp8_recipe_first_fp32": {"dtype": "float8", "autocast_firstlayer": False},
     "fp16_plain_first_fp32": {"autocast_firstlayer": False},
     # ablation per operand role: the FP8 recipe with one role's operands in float16 instead
-    "fp8_recipe_tangent_fp16": {"dtype": "float8"},
-    "fp8_recipe_cotangent_fp16": {"dtype": "float8"},
-}
-# The variants whose matmul formats (value, tangent, cotangent) replace the FP8 recipe's.
-FORMATS: Dict[str, Tuple[str, str, str]] = {
-    "fp8_recipe_tangent_fp16": ("float16", "float16", "float8_e5m2"),
-    "fp8_recipe_cotangent_fp16": ("float16", "float8_e4m3fn", "float16"),
+    "fp8_recipe_tangent_fp16": {"dtype": "float8", "float8_formats": {"tangent": "float16"}},
+    "fp8_recipe_cotangent_fp16": {"dtype": "float8", "float8_formats": {"cotangent": "float16"}},
 }
 PLAIN = ("fp16_tensor_only", "fp16_plain", "fp8_plain", "fp16_plain_first_fp32")  # the port's --plain-fp16: no derivative scaling
 
@@ -58,17 +52,6 @@ def with_keys(**keys: Any) -> Iterator[None]:
         jaxamp.AmpConfig = original
 
 
-@contextlib.contextmanager
-def with_formats(formats: Optional[Tuple[str, str, str]]) -> Iterator[None]:
-    """The FP8 recipe's per-role formats are ``formats`` for this block (None: unchanged)."""
-    original = jaxamp.config.FP8_FORMATS
-    jaxamp.config.FP8_FORMATS = original if formats is None else formats
-    try:
-        yield
-    finally:
-        jaxamp.config.FP8_FORMATS = original
-
-
 def run(variant: str, seed: int, steps: int) -> Dict[str, Any]:
     from examples.jax_user import fp16, fp32
 
@@ -78,7 +61,7 @@ def run(variant: str, seed: int, steps: int) -> Dict[str, Any]:
         with jax.default_matmul_precision("highest"):
             out = fp32.main(argv)
     else:
-        with with_keys(**VARIANTS[variant]), with_formats(FORMATS.get(variant)):
+        with with_keys(**VARIANTS[variant]):
             out = fp16.main(argv + (["--plain-fp16"] if variant in PLAIN else []))
     return {**out, "seconds": time.perf_counter() - start}
 

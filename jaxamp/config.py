@@ -11,9 +11,10 @@ from typing import Any, Callable, Mapping, Optional, Tuple, Union
 
 import jax.numpy as jnp
 
-from jaxamp.config_values import dtype_name, mapping_like, plain
+from jaxamp.config_values import (LOG2_RANGE, ConfigError, check_flags, check_log2, dtype_name, fail, float8_formats,
+                                   per_key, plain, scaler_overrides)
 from jaxamp.scaler import DynamicScaler, loss_scaler
-from jaxamp.tensor_scale import FP8_FORMATS
+from jaxamp.tensor_scale import FP8_FORMATS, ROLES
 
 __all__ = ["MODES", "DTYPES", "DERIVATIVE_SCALER_KEYS", "LOSS_SCALER_KEYS", "ConfigError", "check_flags", "AmpConfig"]
 
@@ -24,42 +25,6 @@ DERIVATIVE_SCALER_KEYS = ("init_scale", "growth_factor", "backoff_factor", "grow
                           "recover_growth_interval", "min_scale")
 LOSS_SCALER_KEYS = DERIVATIVE_SCALER_KEYS + ("max_scale",)
 _DERIVATIVE_DEFAULTS = MappingProxyType({f.name: f.default for f in dataclasses.fields(DynamicScaler)})
-# float32's exponent range: a max scale of 2**k must be a normal, finite float32.
-_LOG2_RANGE = (-126, 127)
-
-
-class ConfigError(ValueError):
-    """A bad configuration value. The message names the key, the value and what is allowed."""
-
-
-def check_flags(caller: str, **flags: Any) -> None:
-    """Raise a TypeError naming the first of the arguments ``flags`` that is not True or False."""
-    for name, flag in flags.items():
-        if not isinstance(flag, bool):
-            raise TypeError(f"{caller}: `{name}`={flag!r} must be True or False.")
-
-
-def _fail(key: str, value: Any, allowed: str) -> None:
-    raise ConfigError(f"amp.{key}={value!r} is not allowed: expected {allowed}.")
-
-
-def _check_log2(key: str, value: Any, what: str = "max scale") -> None:
-    lo, hi = _LOG2_RANGE
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        _fail(key, value, f"an integer exponent in [{lo}, {hi}] ({what} = 2**value)")
-
-
-def _scaler_overrides(amp: Any, key: str, allowed_keys: Tuple[str, ...]) -> None:
-    """Validate ``amp.<key>`` {hyper-parameter: value} (any mapping-like value), store it read-only."""
-    value = plain(getattr(amp, key))
-    if not isinstance(value, Mapping):
-        _fail(key, value, f"a mapping with keys among {list(allowed_keys)}")
-    for name in value:
-        if name not in allowed_keys:
-            _fail(f"{key}.{name}", value[name], f"one of the keys {list(allowed_keys)} (unknown key)")
-    object.__setattr__(amp, key, MappingProxyType(dict(value)))
-
-
 def _build(section: str, make: Callable[[], DynamicScaler], note: str) -> None:
     """Build a scaler rule; its error is re-worded with the config keys and ``note``."""
     try:
@@ -68,22 +33,6 @@ def _build(section: str, make: Callable[[], DynamicScaler], note: str) -> None:
         msg = re.sub(r"`(\w+)`", lambda m: f"amp.{section}.{m.group(1)}", str(e).removeprefix("DynamicScaler: "))
         involved = "max_scale" in msg or ("init_scale" in msg and "init_scale =" in note)
         raise ConfigError(msg.rstrip(".") + (note if involved else "") + ".") from None
-
-
-def _per_key(amp: Any, field: str, what: str) -> Mapping[str, int]:
-    """Validate ``amp.<field>`` ``{order or term name: int exponent}`` (any mapping-like value), store it with str keys."""
-    value = plain(getattr(amp, field))
-    if not isinstance(value, Mapping):
-        _fail(field, value, "a mapping {key: int}")
-    for key, exp in value.items():
-        _check_log2(f"{field}[{key!r}]", exp, what)
-    for key in value:
-        if isinstance(key, bool) or not isinstance(key, (int, str)) or str(key) == "":
-            _fail(field, key, "keys that are an order (int >= 1) or a term name (str)")
-        if isinstance(key, int) and key < 1:
-            _fail(field, key, "an order >= 1")
-    object.__setattr__(amp, field, MappingProxyType({str(k): v for k, v in value.items()}))
-    return getattr(amp, field)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -109,6 +58,9 @@ class AmpConfig:
         per role), everything else runs as for ``"float16"`` (scalers included).
       tensor_scaling: per-tensor power-of-two scales for autocast's float16 / FP8 matmul operands
         (:mod:`jaxamp.tensor_scale`); None (default): on for ``"float8"``, off otherwise.
+      float8_formats: with dtype ``"float8"``, overrides of the recipe's operand format per role,
+        e.g. ``{"tangent": "float8_e5m2"}``: roles ``"value"``, ``"tangent"``, ``"cotangent"``,
+        formats ``"float16"``, ``"float8_e4m3fn"``, ``"float8_e5m2"`` (the rest keep the recipe's).
 
     A bad value raises :class:`ConfigError` naming the key, the value and what is allowed.
 
@@ -132,35 +84,37 @@ class AmpConfig:
     loss_scaler: Mapping[str, float] = dataclasses.field(default_factory=dict)
     derivative_scaling: bool = True
     tensor_scaling: Optional[bool] = None
+    float8_formats: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", dtype_name(self.dtype))  # jnp.float16 -> "float16"
         if self.tensor_scaling is not None and not isinstance(self.tensor_scaling, bool):
-            _fail("tensor_scaling", self.tensor_scaling, "true, false or null (on for float8)")
+            fail("tensor_scaling", self.tensor_scaling, "true, false or null (on for float8)")
         object.__setattr__(self, "tensor_scaling", self.dtype == "float8" if self.tensor_scaling is None
                            else self.tensor_scaling)  # fmt: skip
+        float8_formats(self)
         choices = {"mode": MODES, "dtype": DTYPES}  # the others are flags
         for key in [f.name for f in dataclasses.fields(self) if f.type in ("bool", "str")]:  # flags and choices
             value = getattr(self, key)
             if key in choices and value not in choices[key]:
-                _fail(key, value, f"one of {list(choices[key])}")
+                fail(key, value, f"one of {list(choices[key])}")
             if key not in choices and not isinstance(value, bool):
-                _fail(key, value, "true or false")
-        _check_log2("default_max_scale_log2", self.default_max_scale_log2)
-        custom = _per_key(self, "custom_max_scales_log2", "max scale")
-        inits = _per_key(self, "custom_init_scales_log2", "init scale")
+                fail(key, value, "true or false")
+        check_log2("default_max_scale_log2", self.default_max_scale_log2)
+        custom = per_key(self, "custom_max_scales_log2", "max scale")
+        inits = per_key(self, "custom_init_scales_log2", "init scale")
         where = {k: f"custom_max_scales_log2[{k!r}]" if k in custom else "default_max_scale_log2"
                  for k in ("__default__", *custom, *inits)}  # where each key's max scale comes from
         for key, value in inits.items():  # a start above the key's max scale: name both
             if value > (top := self.max_scale_log2(key)):
-                _fail(f"custom_init_scales_log2[{key!r}]", value, f"an integer exponent in [{_LOG2_RANGE[0]}, {top}]"
+                fail(f"custom_init_scales_log2[{key!r}]", value, f"an integer exponent in [{LOG2_RANGE[0]}, {top}]"
                       f" (a key starts at or below its max scale 2**amp.{where[key]} = 2**{top})")
         terms = plain(self.special_terms)  # a ListConfig as a list
         if isinstance(terms, str) or not all(isinstance(t, str) and t for t in terms):
-            _fail("special_terms", terms, "a list of non-empty variable names (str)")
+            fail("special_terms", terms, "a list of non-empty variable names (str)")
         object.__setattr__(self, "special_terms", tuple(terms))
-        _scaler_overrides(self, "derivative_scaler", DERIVATIVE_SCALER_KEYS)
-        _scaler_overrides(self, "loss_scaler", LOSS_SCALER_KEYS)
+        scaler_overrides(self, "derivative_scaler", DERIVATIVE_SCALER_KEYS)
+        scaler_overrides(self, "loss_scaler", LOSS_SCALER_KEYS)
         # Build every scaler once so that a bad hyper-parameter fails here, not mid-run.
         for key in where:
             start = f", init_scale = 2**amp.custom_init_scales_log2[{key!r}]" if key in inits else ""
@@ -193,7 +147,9 @@ class AmpConfig:
         from plain casts to :attr:`compute_dtype` (per-tensor scaling or FP8), else None."""
         if not self.enabled or self.dtype not in ("float16", "float8") or not (self.tensor_scaling or self.dtype == "float8"):
             return None
-        return FP8_FORMATS if self.dtype == "float8" else ("float16",) * 3
+        if self.dtype != "float8":
+            return ("float16",) * 3
+        return tuple(self.float8_formats.get(role, fmt) for role, fmt in zip(ROLES, FP8_FORMATS))
 
     def max_scale_log2(self, key: str) -> int:
         """The exponent of ``key``'s max scale: its custom value, else ``default_max_scale_log2``."""

@@ -168,3 +168,25 @@ def test_bad_values_are_config_errors():
         jaxamp.AmpConfig(tensor_scaling="yes")
     with pytest.raises(ValueError, match="`role`='grad' is not allowed"):
         scaled_dot(jnp.ones((2, 2)), jnp.ones((2, 2)), MM, role="grad")
+
+
+def test_float8_formats_override_one_role_of_the_recipe():
+    amp = jaxamp.AmpConfig(dtype="float8", float8_formats={"tangent": "float16"})
+    assert amp.matmul_formats == ("float16", "float16", "float8_e5m2")
+    assert jaxamp.AmpConfig.from_dict(amp.to_dict()).matmul_formats == amp.matmul_formats
+    p, x = params(), jnp.float32(0.3)
+    program = str(jax.make_jaxpr(jaxamp.grad(jaxamp.autocast(mlp, amp), 1))(p, x))
+    assert "float8_e4m3fn" not in program  # the tangents' matmuls now take float16 operands
+    recipe = str(jax.make_jaxpr(jaxamp.grad(jaxamp.autocast(mlp, jaxamp.AmpConfig(dtype="float8")), 1))(p, x))
+    assert "float8_e4m3fn" in recipe
+
+
+@pytest.mark.parametrize("keys, match", [
+    ({"float8_formats": {"tangent": "float16"}}, r"amp.float8_formats=.* expected \{\} with dtype 'float16'"),
+    ({"dtype": "float8", "float8_formats": {"grad": "float16"}}, r"amp.float8_formats.grad='float16' .*\(unknown role\)"),
+    ({"dtype": "float8", "float8_formats": {"tangent": "int8"}}, r"amp.float8_formats.tangent='int8' .* one of"),
+    ({"dtype": "float8", "float8_formats": ["float16"]}, r"amp.float8_formats=\['float16'\] .* a mapping"),
+])
+def test_bad_float8_formats_are_config_errors(keys, match):
+    with pytest.raises(jaxamp.ConfigError, match=match):
+        jaxamp.AmpConfig(**keys)

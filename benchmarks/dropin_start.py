@@ -1,6 +1,6 @@
 """What starting the drop-in port from its profile costs: examples/jax_user/fp16.py, timed.
 
-Runs the port (``--domain-scale 0.02`` by default) with ``jaxamp.dropin.ranges.init_scalers``
+Runs the port (``--domain-scale 0.02`` by default) with ``jaxamp._src.core.profile.init_scalers``
 wrapped to time it (trace, compile and run, once, with its result fetched), and the whole
 run; writes one JSON record.
 
@@ -24,7 +24,7 @@ def main(argv=None) -> dict:
     p.add_argument("--domain-scale", type=float, default=0.02)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    record, original = {}, jaxamp.dropin.ranges.init_scalers
+    record, original = {}, jaxamp._src.core.profile.init_scalers
 
     def timed(fun, amp=None, **options):
         init = original(fun, amp, **options)

@@ -2,7 +2,7 @@
 
 Every engine is a ``jaxamp.Derivatives`` (same plan, interface, per-point scales and checks);
 the alternatives plug in as point engines, ``Derivatives(..., method=engine)`` with
-``engine(plan, f, x, scales) -> (values, scaled)`` (see ``jaxamp.engine.PointEngine``):
+``engine(plan, f, x, scales) -> (values, scaled)`` (see ``jaxamp._src.derivatives.engine.PointEngine``):
 
 - ``"reverse"``: ``method="reverse"`` (nested reverse mode), the reference.
 - ``"forward"``: ``method="forward"``, the default: nested ``jax.jvp``, one pass per
@@ -30,8 +30,8 @@ import jax.numpy as jnp
 from jax.experimental import jet as jet_mod
 
 import jaxamp
-from jaxamp.derivatives import forward
-from jaxamp.derivatives.plan import Plan, parse_name
+from jaxamp._src.derivatives import forward_engine as forward
+from jaxamp._src.derivatives.plan import Plan, parse_name
 
 KINDS = ("reverse", "forward", "fwd_nested", "fwd_over_rev", "jet")
 Values = Tuple[Dict[str, jax.Array], Dict[str, jax.Array]]

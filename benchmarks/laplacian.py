@@ -4,7 +4,7 @@
 
 A plain tanh MLP (``--layers`` x ``--width``, float32) evaluated at ``--points`` points
 (``vmap``); for each input dimension ``d`` in ``--dims`` and each method of
-:func:`jaxamp.dropin.laplacian` (``reverse``: diagonal of ``jax.hessian``; ``forward``: nested
+:func:`jaxamp.laplacian` (``reverse``: diagonal of ``jax.hessian``; ``forward``: nested
 ``jax.jvp``; ``taylor``: one second-order Taylor propagation per direction; ``collapsed``: one
 summed second-order propagation), three workloads:
 
@@ -43,7 +43,7 @@ import numpy as np
 
 import jaxamp
 from benchmarks import timing
-from jaxamp.dropin.laplacian import laplacian
+from jaxamp import laplacian
 
 METHODS = ("reverse", "forward", "taylor", "collapsed")
 UNCOLLAPSED = ("reverse", "forward", "taylor")

@@ -25,7 +25,7 @@ from typing import Any, Dict
 import jax
 
 from benchmarks import timing
-from jaxamp.dropin import chain
+from jaxamp._src.derivatives import chain
 
 WANTED = ("train_step", "update_weights")
 

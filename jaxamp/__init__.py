@@ -10,29 +10,36 @@ The public API (docs/algorithm.md describes the algorithm; each name has its doc
   networks:     autocast (precision placement for any network)
   engine:       Derivatives (named derivatives of a per-point network)
 
-Modules for more: :mod:`jaxamp.models` (FullyConnected, FourierNet), :mod:`jaxamp.train`
-(TrainState, make_train_step for Derivatives engines), :mod:`jaxamp.window` (Range,
-recommend, format_profile), :mod:`jaxamp.parallel`, :mod:`jaxamp.checkpoint`, :mod:`jaxamp.monitor`,
-:mod:`jaxamp.step` (the step's pieces), :mod:`jaxamp.scaler`.
+Public modules for more: :mod:`jaxamp.models` (FullyConnected, FourierNet), :mod:`jaxamp.train`
+(TrainState, make_train_step), :mod:`jaxamp.window` (Range, recommend, format_profile),
+:mod:`jaxamp.parallel`, :mod:`jaxamp.checkpoint`, :mod:`jaxamp.monitor`, :mod:`jaxamp.step` (the
+step's pieces), :mod:`jaxamp.scaler`, :mod:`jaxamp.taylor` (Taylor mode), :mod:`jaxamp.tensor_scale`
+(per-tensor scaling). The implementation lives in ``jaxamp._src`` (no stable names there).
 """
 
-from jaxamp import checkpoint, marks, models, monitor, parallel, scaler, step, train, window  # noqa: F401
-from jaxamp.config import AmpConfig, ConfigError
-from jaxamp.engine import Derivatives
-from jaxamp.dropin.forward import hessian, jacfwd, jvp
-from jaxamp.dropin.grad import grad, jacrev
-from jaxamp.dropin.laplacian import laplacian
-from jaxamp.dropin.ranges import profile
-from jaxamp.dropin.scaled import scaled
-from jaxamp.marks import NONFINITE_VALUES
-from jaxamp.optim import apply_or_skip, optimizer, value_and_grad
-from jaxamp.placement.rewrite import autocast
-from jaxamp.scaler import DynamicScaler
-from jaxamp.start import UnscaledDerivativeWarning, init
-from jaxamp.state import AmpState
-from jaxamp.step import SkipReason
+from jaxamp import checkpoint, models, monitor, parallel, scaler, step, taylor, tensor_scale, train, window  # noqa: F401
+from jaxamp._src.scaling.config import AmpConfig, ConfigError
+from jaxamp._src.derivatives.engine import Derivatives
+from jaxamp._src.derivatives.forward import hessian, jacfwd, jvp
+from jaxamp._src.derivatives.grad import grad, jacrev
+from jaxamp._src.derivatives.laplacian import laplacian
+from jaxamp._src.core.profile import profile
+from jaxamp._src.core.scaled import scaled
+from jaxamp._src.core.marks import NONFINITE_VALUES
+from jaxamp._src.training.optim import apply_or_skip, optimizer, value_and_grad
+from jaxamp._src.placement.rewrite import autocast
+from jaxamp._src.scaling.scaler import DynamicScaler
+from jaxamp._src.training.start import UnscaledDerivativeWarning, init
+from jaxamp._src.scaling.state import AmpState
+from jaxamp._src.training.step import SkipReason
 
 __version__ = "0.1.0"
+
+# The public classes print under the name users import them by (jaxamp.AmpConfig, not their home
+# in jaxamp._src), in reprs and error messages alike.
+for _public in (AmpConfig, ConfigError, DynamicScaler, AmpState, Derivatives, SkipReason, UnscaledDerivativeWarning):
+    _public.__module__ = __name__
+del _public
 
 __all__ = [
     "AmpConfig",

@@ -46,8 +46,8 @@ import optax  # noqa: E402
 
 import jaxamp  # noqa: E402
 from jaxamp import parallel  # noqa: E402
-from jaxamp.derivatives.plan import mark_params  # noqa: E402
-from jaxamp.marks import deriv_check  # noqa: E402
+from jaxamp._src.derivatives.plan import mark_params  # noqa: E402
+from jaxamp._src.core.marks import deriv_check  # noqa: E402
 from jaxamp.models import FullyConnected  # noqa: E402
 
 GLOBAL_BATCH = 64

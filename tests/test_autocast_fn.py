@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from jaxamp import AmpConfig
-from jaxamp.placement.rewrite import autocast
+from jaxamp._src.placement.rewrite import autocast
 from jaxamp.models import FourierNet, FullyConnected
-from jaxamp.models.fourier_net import fourier_matrix
+from jaxamp._src.models.fourier_net import fourier_matrix
 
 FREQS = ("axis", (0.0, 1.0, 2.0))
 WIDTH, DEPTH, N_OUT = 16, 3, 2

@@ -90,7 +90,7 @@ def loss_with_unknown_engine(params, batch):
 
 def loss_with_unknown_key(params, batch):
     """Raises a flag of key "2" (a check mark of order 2) that no scaler of the state has."""
-    jaxamp.marks.deriv_check(jnp.float32(0.0), jnp.float32(0.0), order=2, term=None)
+    jaxamp._src.core.marks.deriv_check(jnp.float32(0.0), jnp.float32(0.0), order=2, term=None)
     return jnp.sum(params["w"]), {}
 
 

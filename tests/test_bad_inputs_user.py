@@ -91,7 +91,7 @@ CASES = [
     ("init.amp_dict", lambda: jaxamp.init(loss, {"dtype": "float16"}), TypeError,
      ["`amp`={'dtype': 'float16'}", "must be an AmpConfig", "AmpConfig(**config.amp)"]),
     ("init.amp_class", lambda: jaxamp.init(loss, AmpConfig), TypeError,
-     ["`amp`=<class 'jaxamp.config.AmpConfig'>", "build one with AmpConfig(...)"]),
+     ["`amp`=<class 'jaxamp.AmpConfig'>", "build one with AmpConfig(...)"]),
     ("init.loss_value", lambda: jaxamp.init(loss(PARAMS, X), FP16), TypeError,
      ["`fun`=Array(", "must be callable", "jaxamp.init(loss, amp)(params, batch)"]),
     ("init.no_arguments", lambda: jaxamp.init(loss, FP16)(), TypeError,
@@ -122,7 +122,7 @@ CASES = [
     ("autocast.amp_string", lambda: jaxamp.autocast(MODEL.apply, "float16"), TypeError,
      ["`amp`='float16'", "AmpConfig(...) or AmpConfig.from_dict(cfg)"]),
     ("autocast.no_amp_outside", lambda: jaxamp.autocast(MODEL.apply)(PARAMS, X), ConfigError,
-     ["autocast(Sequential.apply) was given no `amp`", "jaxamp.policy.using(amp)", "autocast(fn, amp)"]),
+     ["autocast(Sequential.apply) was given no `amp`", "jaxamp._src.core.policy.using(amp)", "autocast(fn, amp)"]),
     ("autocast.params_argnums", lambda: jaxamp.autocast(MODEL.apply, FP16, params_argnums="params"), ValueError,
      ["`params_argnums`='params'", "an int >= 0", "0 for apply_fn(params, x)"]),
     # ---------------------------------------------------------------- value_and_grad / scaled / profile

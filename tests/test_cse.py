@@ -1,4 +1,4 @@
-"""jaxamp.interpreter.cse: repeated scale-free work removed before differentiation.
+"""jaxamp._src.core.interpreter.cse: repeated scale-free work removed before differentiation.
 
 Oracles: the program's own values (a merge never changes one), the count of equations, and
 XLA's FLOPs of the differentiated program (one backward pass where two were written).
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxamp
-from jaxamp.interpreter import bind, cse, eval_jaxpr
+from jaxamp._src.core.interpreter import bind, cse, eval_jaxpr
 
 
 def _run(closed, *args):

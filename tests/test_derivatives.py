@@ -13,13 +13,13 @@ STRICT_FP16 = {"xla_allow_excess_precision": False}  # fp16 ops round to fp16, n
 
 # jaxamp's engines and the benchmark-only forward-over-reverse engine (a point engine plugged
 # into jaxamp.Derivatives through its documented `method=callable` extension point).
-KINDS = jaxamp.engine.METHODS + ("fwd_over_rev",)
+KINDS = jaxamp._src.derivatives.engine.METHODS + ("fwd_over_rev",)
 # The default engine runs in the fast suite; the reference and benchmark-only engines with -m slow.
 FAST_KINDS = [k if k == "forward" else pytest.param(k, marks=pytest.mark.slow) for k in KINDS]
 
 
 def engine(kind, fn, **kw):
-    if kind in jaxamp.engine.METHODS:
+    if kind in jaxamp._src.derivatives.engine.METHODS:
         return jaxamp.Derivatives(fn, **kw, method=kind)
     return E.make_engine(kind, fn, **kw)
 

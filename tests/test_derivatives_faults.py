@@ -44,7 +44,7 @@ INF_OUT = jnp.array([[20.0]], jnp.float32)  # v = inf there, v_x = 0
 FAST_METHOD = ["forward", pytest.param("reverse", marks=pytest.mark.slow)]
 
 
-@pytest.mark.parametrize("method", jaxamp.engine.METHODS)
+@pytest.mark.parametrize("method", jaxamp._src.derivatives.engine.METHODS)
 @pytest.mark.parametrize(
     "points, scales, expected",
     [

@@ -1,4 +1,4 @@
-"""Nested jaxamp.grad along scalar inputs runs as one engine plan (jaxamp.dropin.chain).
+"""Nested jaxamp.grad along scalar inputs runs as one engine plan (jaxamp._src.derivatives.chain).
 
 Oracles: JAX's nested jax.grad (float32 values to rounding), the binary-scaling identity (scales
 2^k change no bit of a float32 program's values), method="reverse" on the same float16 network

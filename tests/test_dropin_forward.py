@@ -1,4 +1,4 @@
-"""jaxamp.dropin's siblings of grad: jacrev, jacfwd, jvp, hessian.
+"""jaxamp._src.derivatives's siblings of grad: jacrev, jacfwd, jvp, hessian.
 
 Oracles: outside ``scaled`` they are JAX's functions (to float32 rounding: forward mode goes
 through ``jax.linearize``); on a float32 network, scales ``2**k`` give bit-identical values
@@ -49,10 +49,10 @@ def test_keys_and_binary_scaling_on_float32(small):
     lap = lambda p, xy: jnp.trace(jaxamp.hessian(_u, 1)(p, xy))  # noqa: E731
     fwd2 = lambda p, xy: jaxamp.jacfwd(jaxamp.jacfwd(_u, 1), 1)(p, xy)  # noqa: E731
     third = lambda p, xy: jaxamp.jacfwd(jaxamp.hessian(_u, 1), 1)(p, xy)  # noqa: E731
-    assert jaxamp.dropin.ranges.scaler_keys(lap)(p, xy) == jaxamp.dropin.ranges.scaler_keys(fwd2)(p, xy) == ("1", "2")
-    assert jaxamp.dropin.ranges.scaler_keys(third)(p, xy) == ("1", "2", "3")
+    assert jaxamp._src.core.profile.scaler_keys(lap)(p, xy) == jaxamp._src.core.profile.scaler_keys(fwd2)(p, xy) == ("1", "2")
+    assert jaxamp._src.core.profile.scaler_keys(third)(p, xy) == ("1", "2", "3")
     named = lambda p, xy: jaxamp.hessian(_u, 1, of="u", wrt="xy")(p, xy)  # noqa: E731
-    assert jaxamp.dropin.ranges.scaler_keys(named, jaxamp.AmpConfig(mode="per_term_scaler"))(p, xy) == ("u", "u__xy")
+    assert jaxamp._src.core.profile.scaler_keys(named, jaxamp.AmpConfig(mode="per_term_scaler"))(p, xy) == ("u", "u__xy")
     for fn in (lap, fwd2):
         run = jax.jit(jaxamp.scaled(fn))
         one, found = run({"1": 1.0, "2": 1.0}, p, xy)

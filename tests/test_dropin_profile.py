@@ -1,4 +1,4 @@
-"""jaxamp.dropin.ranges.profile / init_scalers: the float16 range of a jaxamp.grad program, per key.
+"""jaxamp.profile / init_scalers: the float16 range of a jaxamp.grad program, per key.
 
 Oracles: the scaled derivatives it reports are the engine's (``Derivatives(method="reverse")``,
 same network, every float16 operation promoted to float32); what it reports for a key scales
@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 import jaxamp
-from jaxamp.dropin import ranges
-from jaxamp.dropin.ranges import scaler_keys
+from jaxamp._src.core import profile as ranges
+from jaxamp._src.core.profile import scaler_keys
 from jaxamp.models import FullyConnected
-from jaxamp.window import LOG2_FP16_MAX, promote_to_float32, recommend, value_range
+from jaxamp._src.core.window import LOG2_FP16_MAX, promote_to_float32, recommend, value_range
 from tests.helpers.jax_user import INPUTS, batched, make_net, nested, physical_fourier_net, points
 
 NAMES = ("u__t", "u__x__x")
@@ -95,7 +95,7 @@ def test_recommended_start_scales_remove_the_overflows_of_scale_one():
     values, found = run({"1": 1.0, "2": 1.0}, params, pts["t"], pts["x"])
     assert bool(found["2"])
     prof = jax.jit(jaxamp.profile(f, amp))(params, pts["t"], pts["x"])
-    assert _max(prof.hidden["2"]) > jaxamp.window.LOG2_FP16_MAX
+    assert _max(prof.hidden["2"]) > LOG2_FP16_MAX
     rec = recommend(prof)
     assert rec.scales_log2["2"] < 0
     values, found = run({k: 2.0 ** rec.scales_log2[k] for k in ("1", "2")}, params, pts["t"], pts["x"])

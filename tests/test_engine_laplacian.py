@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jaxamp
-from jaxamp.marks import NONFINITE_VALUES
+from jaxamp._src.core.marks import NONFINITE_VALUES
 from tests.helpers.taylor import STRICT_FP16
 
 INPUTS, OUTPUTS = ("t", "x", "y"), ("u", "v")

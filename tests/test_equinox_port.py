@@ -17,7 +17,7 @@ import optax
 import pytest
 
 import jaxamp
-from jaxamp.dropin.chain import Chain
+from jaxamp._src.derivatives.chain import Chain
 from tests.helpers.port_diff import added_lines
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "equinox_user"

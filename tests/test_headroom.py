@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import jaxamp
-from jaxamp.window import LOG2_FP16_MAX
+from jaxamp._src.core.window import LOG2_FP16_MAX
 
 POINTS = jnp.linspace(0.0, 1.0, 1001)[:, None]  # dense enough to reach sin's peaks
 

@@ -1,5 +1,5 @@
-"""jaxamp's one interpreter, tested directly: :func:`jaxamp.interpreter.eval_jaxpr` with the
-rule :func:`~jaxamp.interpreter.bind` is the program as written, and :func:`jaxamp.scaled`'s
+"""jaxamp's one interpreter, tested directly: :func:`jaxamp._src.core.interpreter.eval_jaxpr` with the
+rule :func:`~jaxamp._src.core.interpreter.bind` is the program as written, and :func:`jaxamp.scaled`'s
 rule turns the two marks into scales and flags.
 
 Oracles: the traced function itself (bit-identical outputs, under ``jit``, ``custom_jvp``,
@@ -15,8 +15,8 @@ import pytest
 from jax import lax
 
 import jaxamp
-from jaxamp.interpreter import bind, custom_body, eval_jaxpr, sub_jaxpr, sub_jaxprs
-from jaxamp.marks import NONFINITE_VALUES, deriv_check, deriv_scale
+from jaxamp._src.core.interpreter import bind, custom_body, eval_jaxpr, sub_jaxpr, sub_jaxprs
+from jaxamp._src.core.marks import NONFINITE_VALUES, deriv_check, deriv_scale
 
 
 @jax.custom_jvp

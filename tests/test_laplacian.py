@@ -1,4 +1,4 @@
-"""jaxamp.dropin.laplacian: the scaled Laplacian by collapsed Taylor mode, and its baselines.
+"""jaxamp._src.derivatives.laplacian: the scaled Laplacian by collapsed Taylor mode, and its baselines.
 
 Oracles: ``jnp.trace(jax.hessian(f))`` (float32 to rounding, float64 to 1e-12) and the sum of
 :func:`jaxamp.taylor.second_order` over the directions; every method gives the same value. On
@@ -16,10 +16,10 @@ from jax import lax
 
 import jaxamp
 from jaxamp import taylor
-from jaxamp.dropin.laplacian import METHODS, laplacian
-from jaxamp.dropin.ranges import scaler_keys
-from jaxamp.marks import NONFINITE_VALUES
-from jaxamp.taylor.collapsed import collapsed_second_order
+from jaxamp._src.derivatives.laplacian import METHODS, laplacian
+from jaxamp._src.core.profile import scaler_keys
+from jaxamp._src.core.marks import NONFINITE_VALUES
+from jaxamp._src.taylor.collapsed import collapsed_second_order
 
 SCALES = {"1": 2.0**-3, "2": 2.0**-7}
 ONES = {"1": 1.0, "2": 1.0}

@@ -63,9 +63,9 @@ def cycle_in(edges):
 
 
 def package_of(module):
-    """A subpackage's modules count as one node; a top-level module is its own."""
+    """A subpackage's modules count as one node (a layer of ``jaxamp._src``); a top-level module is its own."""
     parts = module.split(".")
-    return ".".join(parts[:2])
+    return ".".join(parts[:3] if parts[:2] == ["jaxamp", "_src"] else parts[:2])
 
 
 def test_no_import_cycle_between_modules():
@@ -103,3 +103,34 @@ def test_every_module_declares_its_public_names(module):
     mod = importlib.import_module(module)
     assert isinstance(getattr(mod, "__all__", None), (list, tuple)), f"{module} has no __all__"
     assert [n for n in mod.__all__ if not hasattr(mod, n)] == []
+
+
+# jaxamp/_src's layers, lowest first: a module imports from its own layer or a lower one only.
+LAYERS = ("scaling", "core", "taylor", "derivatives", "placement", "training", "models")
+
+
+def layer_of(module):
+    """The layer index of a ``jaxamp._src`` module; the public modules sit above every layer."""
+    parts = module.split(".")
+    if parts[:2] != ["jaxamp", "_src"]:
+        return len(LAYERS)
+    return LAYERS.index(parts[2]) if len(parts) > 2 else -1
+
+
+def test_every_import_points_to_its_own_layer_or_a_lower_one():
+    up = sorted(f"{m} -> {t}" for m, ts in graph().items() for t in ts
+                if m.startswith("jaxamp._src.") and layer_of(t) > layer_of(m))  # fmt: skip
+    assert up == []
+
+
+def test_every_src_module_is_in_a_layer_and_the_public_modules_only_re_export():
+    assert {m.split(".")[2] for m in modules() if m.startswith("jaxamp._src.")} == set(LAYERS)
+    for m, path in modules().items():
+        if m.startswith("jaxamp._src") or m == "jaxamp":
+            continue
+        body = [n for n in ast.parse(path.read_text()).body if not isinstance(n, ast.Expr)]  # docstring
+        assert all(isinstance(n, (ast.ImportFrom, ast.Assign, ast.AnnAssign)) for n in body), m
+
+
+def test_the_layer_checker_finds_an_upward_import():
+    assert layer_of("jaxamp._src.core.scaled") < layer_of("jaxamp._src.derivatives.grad") < layer_of("jaxamp.train")

@@ -88,3 +88,25 @@ def test_bad_model_settings(kw, fragment):
     with pytest.raises((ValueError, TypeError)) as e:
         model.init(jax.random.PRNGKey(0), jnp.zeros(1))
     assert fragment in str(e.value)
+
+
+@pytest.mark.parametrize("keys, formats, rtol", [
+    ({"tensor_scaling": True}, {"float16"}, 0.01),
+    ({"dtype": "float8"}, {"float16", "float8_e4m3fn"}, 0.25),  # tangents E4M3: 3 mantissa bits
+])
+def test_per_tensor_scaling_and_fp8_configs_reach_the_models_matmuls(keys, formats, rtol):
+    amp = jaxamp.AmpConfig(**keys)
+    net = FullyConnected.from_amp(amp, 1, layer_size=16, nr_layers=2, activation="tanh")
+    plain = FullyConnected.from_amp(jaxamp.AmpConfig(), 1, layer_size=16, nr_layers=2, activation="tanh")
+    x = jnp.array([[0.3, -0.2]])
+    params = plain.init(jax.random.PRNGKey(0), x)
+    u_x = lambda m: lambda p, x: jax.jvp(lambda x: m.apply(p, x), (x,), (jnp.ones_like(x),))[1]  # noqa: E731
+    program = str(jax.make_jaxpr(u_x(net))(params, x))
+    # the second hidden layer and the output layer, each for the values and their tangents; the
+    # first layer stays float32
+    assert program.count("jaxamp_scaled_dot") == 4 and program.count("role=tangent") == 2
+    assert all(f in program for f in formats)
+    assert "jaxamp_scaled_dot" not in str(jax.make_jaxpr(u_x(plain))(params, x))
+    want = u_x(FullyConnected.from_amp(jaxamp.AmpConfig(enabled=False), 1, layer_size=16, nr_layers=2,
+                                       activation="tanh"))(params, x)  # fmt: skip
+    np.testing.assert_allclose(u_x(net)(params, x), want, rtol=rtol)

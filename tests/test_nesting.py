@@ -1,4 +1,4 @@
-"""A derivative's order and name come from the traced program (jaxamp.nesting), not from calls
+"""A derivative's order and name come from the traced program (jaxamp._src.core.nesting), not from calls
 made while tracing: the same keys under jit (cached or not), remat, custom_jvp, scan and cond."""
 
 import jax

@@ -53,7 +53,7 @@ def test_a_clean_2000_step_run_says_nothing():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _, opt_state = run(tx, {}, 2000)
-    assert int(jaxamp.optim.find_opt_state(opt_state).consecutive_skips) == 0
+    assert int(jaxamp._src.training.optim.find_opt_state(opt_state).consecutive_skips) == 0
 
 
 def make_train(max_skips=100):

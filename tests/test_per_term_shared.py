@@ -154,7 +154,7 @@ def test_flags_are_sound_for_random_scales(setup, own_passes):
 
 
 def test_shared_scales_take_the_smallest_ratio_per_step():
-    from jaxamp.derivatives.forward import shared_scales
+    from jaxamp._src.derivatives.forward_engine import shared_scales
 
     per_path = [[jnp.float32(1.0), jnp.float32(1.0)], [jnp.float32(0.25), jnp.float32(0.5)]]
     c1, c2 = shared_scales(per_path)

@@ -1,5 +1,5 @@
 """One declaration of the AMP policy: autocast's config travels in the traced program
-(jaxamp.policy) and jaxamp.init checks it, or autocast takes init's config."""
+(jaxamp._src.core.policy) and jaxamp.init checks it, or autocast takes init's config."""
 
 import warnings
 
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import jaxamp
-from jaxamp import AmpConfig, ConfigError, policy
+from jaxamp import AmpConfig, ConfigError
+from jaxamp._src.core import policy
 from jaxamp import UnscaledDerivativeWarning
 
 FP16 = AmpConfig()
@@ -38,7 +39,7 @@ def dot_dtypes(jaxpr):
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "dot_general":
             found.append(eqn.invars[0].aval.dtype)
-        for sub in jaxamp.interpreter.sub_jaxprs(eqn):
+        for sub in jaxamp._src.core.interpreter.sub_jaxprs(eqn):
             found += dot_dtypes(sub)
     return found
 
@@ -164,7 +165,7 @@ def test_a_nested_autocast_takes_the_outer_config_or_is_checked_against_it():
 
 def test_autocast_without_amp_outside_any_jaxamp_call_is_an_error():
     with pytest.raises(ConfigError, match=r"autocast\(mlp\) was given no `amp`.*outside every jaxamp call.*"
-                                          r"jaxamp.policy.using\(amp\).*autocast\(fn, amp\)"):
+                                          r"jaxamp._src.core.policy.using\(amp\).*autocast\(fn, amp\)"):
         jaxamp.autocast(mlp)(W, jnp.ones((3, 2)))
 
 

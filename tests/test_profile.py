@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 import jaxamp
-from jaxamp.window import LOG2_FP16_MAX, NOTHING_TO_CHANGE, promote_to_float32, recommend, value_range
+from jaxamp._src.core.window import LOG2_FP16_MAX, NOTHING_TO_CHANGE, promote_to_float32, recommend, value_range
 
 
 def profile(eng, params, points, scales=None):

@@ -5,7 +5,7 @@ import re
 import numpy as np
 import pytest
 
-from jaxamp.window import LEGEND, PERCENTILES, Profile, format_profile, value_range
+from jaxamp._src.core.window import LEGEND, PERCENTILES, Profile, format_profile, value_range
 
 COLUMNS = ("log2 max", "p1", "p50", "p99", "<normal", ">max", "up", "down")
 

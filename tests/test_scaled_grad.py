@@ -1,4 +1,4 @@
-"""jaxamp.dropin.grad + scaled against the Derivatives engine on the same float16 network.
+"""jaxamp._src.derivatives.grad + scaled against the Derivatives engine on the same float16 network.
 
 What is compared: ``dropin.grad`` nested as a JAX user writes it, under ``vmap`` (and
 ``jit``, ``jacrev``, control flow), against ``Derivatives(method="reverse")``, whose graph is
@@ -56,7 +56,7 @@ def test_values_and_flags_equal_reverse_engine_op_by_op(net, mode):
     names = [n for n in engine.names if "__" in n]
     values, found = jaxamp.scaled(engine)(scales, params, points())
     ours, our_found = jaxamp.scaled(batched(u_net, names), amp)(scales, params, points())
-    assert sorted(jaxamp.dropin.ranges.scaler_keys(batched(u_net, names), amp)(params, points())) == sorted(engine.scaler_keys)
+    assert sorted(jaxamp._src.core.profile.scaler_keys(batched(u_net, names), amp)(params, points())) == sorted(engine.scaler_keys)
     if mode == "per_term_scaler":
         assert set(engine.scaler_keys) == {"u", "u__t", "u__x", "u__x__x"}
     for n in names:
@@ -220,11 +220,11 @@ def test_orders_names_aux_and_argnums():
     f = lambda a, b: jnp.sin(a) * b**3  # noqa: E731
     g1 = jaxamp.grad(f, 1, of="f", wrt="b")
     sum_of_orders = lambda a, b: g1(a, b) + jaxamp.grad(g1, 1, wrt="b")(a, b)  # noqa: E731
-    assert jaxamp.dropin.ranges.scaler_keys(jaxamp.grad(sum_of_orders, 0))(1.0, 2.0) == ("1", "2", "3")
+    assert jaxamp._src.core.profile.scaler_keys(jaxamp.grad(sum_of_orders, 0))(1.0, 2.0) == ("1", "2", "3")
     per_term = jaxamp.AmpConfig(mode="per_term_scaler")
-    assert jaxamp.dropin.ranges.scaler_keys(jaxamp.grad(g1, 1, wrt="b"), per_term)(1.0, 2.0) == ("f", "f__b")
+    assert jaxamp._src.core.profile.scaler_keys(jaxamp.grad(g1, 1, wrt="b"), per_term)(1.0, 2.0) == ("f", "f__b")
     special = jaxamp.AmpConfig(special_terms=("f__b",))
-    assert jaxamp.dropin.ranges.scaler_keys(jaxamp.grad(g1, 0), special)(1.0, 2.0) == ("1", "f__b")
+    assert jaxamp._src.core.profile.scaler_keys(jaxamp.grad(g1, 0), special)(1.0, 2.0) == ("1", "f__b")
     (ga, gb), aux = jaxamp.grad(lambda a, b: (f(a, b), a), (0, 1), has_aux=True, wrt=("a", "b"))(1.0, 2.0)
     np.testing.assert_allclose([ga, gb, aux], [np.cos(1.0) * 8, np.sin(1.0) * 12, 1.0], rtol=1e-6)
     out, found = jaxamp.scaled(g1)({"1": 2.0**-10}, 1.0, 2.0)

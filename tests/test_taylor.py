@@ -11,7 +11,7 @@ import pytest
 import jaxamp
 from jaxamp import taylor
 from jaxamp.models import FullyConnected
-from jaxamp.taylor import faa_di_bruno, rules
+from jaxamp._src.taylor import faa_di_bruno, rules
 from tests.helpers.taylor import FUNCTIONS, STRICT_FP16, cost, fp16_net, nested_second
 
 

@@ -9,9 +9,9 @@ import pytest
 
 import jaxamp
 from jaxamp import taylor
-from jaxamp.derivatives import forward
+from jaxamp._src.derivatives import forward_engine as forward
 from jaxamp.models import FullyConnected
-from jaxamp.taylor import faa_di_bruno
+from jaxamp._src.taylor import faa_di_bruno
 from tests.helpers.taylor import FUNCTIONS, STRICT_FP16, fp16_net, nested_series
 
 SCALES = (2.0**-1, 2.0**-3, 0.3, 2.0**-6)  # a non-power of two among them: exact in fp32 anyway

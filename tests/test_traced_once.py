@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import jaxamp
-from jaxamp.dropin.tracing import shared_trace
+from jaxamp._src.core.tracing import shared_trace
 
 SCALES = {"1": 2.0**-3, "2": 2.0**-5}
 

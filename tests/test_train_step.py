@@ -41,8 +41,8 @@ def inject(hit, order):
     at order 0 a checked value that is NaN where ``hit`` (bad values)."""
     if order == 0:
         v = jnp.where(hit, jnp.nan, 0.0)
-        return jaxamp.marks.deriv_check(v, v, order=0, term=None)
-    return jaxamp.marks.deriv_check(jnp.where(hit, jnp.inf, 0.0), jnp.float32(0.0), order=order, term=None)
+        return jaxamp._src.core.marks.deriv_check(v, v, order=0, term=None)
+    return jaxamp._src.core.marks.deriv_check(jnp.where(hit, jnp.inf, 0.0), jnp.float32(0.0), order=order, term=None)
 
 
 def toy_loss(params, batch):

@@ -72,7 +72,7 @@ def test_fp32_means_off_values_and_grads_are_jax_s():
     assert state.scales == {} and state.loss_rule is None and float(state.loss_scale) == 1.0
     assert amp.make_loss_scaler() is None and jaxamp.AmpConfig(dtype="float32").make_loss_scaler() is None
     value, grads = jax.jit(jaxamp.value_and_grad(loss))(state, PARAMS, T, X)
-    with jaxamp.policy.using(amp):  # the user's program: every jaxamp.grad is jax.grad
+    with jaxamp._src.core.policy.using(amp):  # the user's program: every jaxamp.grad is jax.grad
         ref_value, ref_grads = jax.jit(jax.value_and_grad(loss))(PARAMS, T, X)
     assert grads.found_inf == {}
     np.testing.assert_array_equal(value, ref_value)

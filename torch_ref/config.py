@@ -35,11 +35,15 @@ class AmpSettings:
     loss_scaler: Mapping[str, float] = dataclasses.field(default_factory=dict)
     derivative_scaling: bool = True
     tensor_scaling: bool = False  # the rule is torch_ref.tensor_scale; the reference trains without it
+    float8_formats: Mapping[str, str] = dataclasses.field(default_factory=dict)  # likewise: no FP8 training
 
     def __post_init__(self) -> None:
         if self.tensor_scaling is not False:
             raise ValueError(f"amp.tensor_scaling={self.tensor_scaling!r} is not supported by torch_ref's training "
                              "(its per-tensor rule is torch_ref.tensor_scale): expected false.")
+        if dict(self.float8_formats):
+            raise ValueError(f"amp.float8_formats={dict(self.float8_formats)!r} is not supported by torch_ref's training "
+                             "(it trains without FP8): expected {}.")
         for key in ("enabled", "autocast_activation", "autocast_firstlayer", "derivative_scaling"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"amp.{key}={getattr(self, key)!r} is not allowed: expected true or false.")

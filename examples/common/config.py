@@ -89,7 +89,7 @@ COMMON_CHECKS: Dict[str, Check] = {
 
 
 def _frequencies_ok(spec: Any) -> bool:
-    from jaxamp.models.fourier_net import fourier_matrix
+    from jaxamp.models import fourier_matrix
 
     try:
         fourier_matrix(2, spec)

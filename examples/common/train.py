@@ -30,7 +30,7 @@ from examples.common.records import (
 from examples.common.stall import make_monitor, monitored_step, stop_line
 from examples.common.tensorboard import TensorBoardLog, skip_counts
 from jaxamp.models import FullyConnected
-from jaxamp.models.fourier_net import FourierNet
+from jaxamp.models import FourierNet
 
 
 def build_model(cfg: Mapping[str, Any], amp: jaxamp.AmpConfig, n_out: int):

@@ -7,7 +7,7 @@ import pytest
 
 import jaxamp
 from jaxamp.models import FullyConnected
-from jaxamp.models.fourier_net import FourierNet, fourier_matrix
+from jaxamp._src.models.fourier_net import FourierNet, fourier_matrix
 
 
 def test_frequency_layouts():

@@ -1,7 +1,7 @@
 """Builders for the drop-in tests: one network seen two ways.
 
 ``engine_fn(params, x_vec) -> f32[1]`` as :class:`jaxamp.Derivatives` takes it, and the
-scalar ``u_net(params, *coords)`` a JAX user writes, with nested :func:`jaxamp.dropin.grad`
+scalar ``u_net(params, *coords)`` a JAX user writes, with nested :func:`jaxamp._src.derivatives.grad`
 for a derivative name like ``"u__x__y"``.
 """
 
@@ -66,7 +66,7 @@ def points(n: int = 8, seed: int = 1, scale: float = 1.0):
 def physical_fourier_net(amp: AmpConfig, *, c: float = 0.02, seed: int = 0) -> Tuple[Callable, dict]:
     """``(u_net, params)``: examples/jax_user's MLP on physical inputs, its Fourier features
     ``cos(z @ b), sin(z @ b)`` with ``b ~ N(0, (2 pi / c)^2)`` (the length scale in the first
-    layer's weights, as jaxpi's FourierEmbs), under :func:`jaxamp.dropin.autocast`."""
+    layer's weights, as jaxpi's FourierEmbs), under :func:`jaxamp._src.derivatives.autocast`."""
     from examples.jax_user.fp32 import MLP
 
     model = MLP(fourier_sigma=2 * jnp.pi / c)
@@ -84,5 +84,5 @@ def u_xx_under_scaled(u_net: Callable, params, amp: AmpConfig, t, x):
     first layer last; forward mode carries it through the float16 layers)."""
     rev = dict(argnums=2, method="reverse")
     f = jax.vmap(jaxamp.grad(jaxamp.grad(u_net, **rev), **rev), (None, 0, 0))
-    keys = jaxamp.dropin.ranges.scaler_keys(f, amp)(params, t, x)
+    keys = jaxamp._src.core.profile.scaler_keys(f, amp)(params, t, x)
     return jax.jit(jaxamp.scaled(f, amp))({k: 1.0 for k in keys}, params, t, x)

@@ -27,8 +27,8 @@ import torch
 
 import jaxamp
 import torch_ref
-from jaxamp.derivatives.plan import mark_params
-from jaxamp.marks import deriv_check
+from jaxamp._src.derivatives.plan import mark_params
+from jaxamp._src.core.marks import deriv_check
 from tests.helpers.parity import NO_EXCESS, build_pair, torch_twin
 
 N_INTERIOR = 32

@@ -1,0 +1,124 @@
+"""How :func:`jaxamp._src.core.scaled` evaluates programs around ``dropin.grad`` calls.
+
+One ``rule(eqn, invals, ctx, bodies) -> (outs, flags)`` per higher-order primitive (``bodies``:
+the infos of each body's inputs, :attr:`jaxamp._src.core.nesting.Analysis.bodies`): call bodies are
+inlined; loops, branches, ``jax.checkpoint`` and ``shard_map`` are rebuilt with the flags as
+extra outputs.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxamp._src.core.interpreter import custom_body, sub_jaxpr
+
+__all__ = ["HANDLERS", "call", "full_flags"]
+
+
+def full_flags(flags: Mapping[str, jax.Array], keys: Sequence[str]) -> Dict[str, jax.Array]:
+    """``{key: bool[]}`` for every key, False where ``flags`` has none."""
+    return {k: jnp.asarray(flags.get(k, False), bool) for k in keys}
+
+
+def call(eqn, invals, ctx, bodies):
+    """A ``jit``/``closed_call`` body, or a custom-derivative call's primal body, inlined:
+    ``(outs, flags)`` (a custom rule around jaxamp.grad would not see the scales)."""
+    body = sub_jaxpr(eqn) or custom_body(eqn)
+    return ctx.evaluate(body.jaxpr, body.consts, invals, ctx, bodies[0])
+
+
+def _flagged(jaxpr, consts, infos, ctx) -> Callable:
+    """The body as a function of its operands, returning ``(outs, flags of every key)``."""
+    keys = ctx.keys(jaxpr, infos)
+
+    def fn(*args):
+        outs, fl = ctx.evaluate(jaxpr, consts, args, ctx, infos)
+        return outs, full_flags(fl, keys)
+
+    return fn
+
+
+def _scan(eqn, invals, ctx, bodies):
+    p = eqn.params
+    body, nc, nk = p["jaxpr"], p["num_consts"], p["num_carry"]
+    consts, init, xs = invals[:nc], invals[nc : nc + nk], invals[nc + nk :]
+    keys = ctx.keys(body.jaxpr, bodies[0])
+
+    def step(carry, x):
+        vals, fl = carry
+        outs, new = ctx.evaluate(body.jaxpr, body.consts, [*consts, *vals, *x], ctx, bodies[0])
+        return (outs[:nk], {k: fl[k] | new.get(k, False) for k in keys}), outs[nk:]
+
+    (final, fl), ys = lax.scan(step, (list(init), full_flags({}, keys)), list(xs), length=p["length"],
+                               reverse=p["reverse"], unroll=p["unroll"])
+    return [*final, *ys], fl
+
+
+def _while(eqn, invals, ctx, bodies):
+    p = eqn.params
+    cond, body, cn, bn = p["cond_jaxpr"], p["body_jaxpr"], p["cond_nconsts"], p["body_nconsts"]
+    cconsts, bconsts, init = invals[:cn], invals[cn : cn + bn], invals[cn + bn :]
+    keys = ctx.keys(body.jaxpr, bodies[1])
+
+    def cond_fn(carry):
+        return ctx.evaluate(cond.jaxpr, cond.consts, [*cconsts, *carry[0]], ctx, bodies[0])[0][0]
+
+    def body_fn(carry):
+        vals, fl = carry
+        outs, new = ctx.evaluate(body.jaxpr, body.consts, [*bconsts, *vals], ctx, bodies[1])
+        return outs, {k: fl[k] | new.get(k, False) for k in keys}
+
+    return lax.while_loop(cond_fn, body_fn, (list(init), full_flags({}, keys)))
+
+
+def _cond(eqn, invals, ctx, bodies):
+    branches = eqn.params["branches"]
+    keys = list(dict.fromkeys(k for b, i in zip(branches, bodies) for k in ctx.keys(b.jaxpr, i)))
+
+    def branch_fn(b, infos):
+        def fn(*args):
+            outs, fl = ctx.evaluate(b.jaxpr, b.consts, args, ctx, infos)
+            return outs, full_flags(fl, keys)
+
+        return fn
+
+    return lax.switch(invals[0], [branch_fn(b, i) for b, i in zip(branches, bodies)], *invals[1:])
+
+
+def _remat(eqn, invals, ctx, bodies):
+    # jax.checkpoint keeps its rematerialization: the rewritten body is checkpointed again
+    p = eqn.params
+    fn = _flagged(p["jaxpr"], (), bodies[0], ctx)
+    return jax.checkpoint(fn, prevent_cse=p["prevent_cse"], policy=p["policy"])(*invals)
+
+
+def _shard_map(eqn, invals, ctx, bodies):
+    # Re-stage through jax.shard_map with one more, replicated output per flag: each flag is
+    # ORed over the manual mesh axes inside the body. (jax.pmap is a shard_map too.)
+    p = eqn.params
+    body, axes = p["jaxpr"], tuple(p["newly_manual_axes"])
+    keys = ctx.keys(body, bodies[0])
+
+    def local(*args):
+        outs, fl = ctx.evaluate(body, (), args, ctx, bodies[0])
+        return outs, {k: lax.psum(v.astype(jnp.int32), axes) > 0 for k, v in full_flags(fl, keys).items()}
+
+    out_specs = (list(p["out_specs"]), {k: jax.sharding.PartitionSpec() for k in keys})
+    mapped = jax.shard_map(local, mesh=p["mesh"], in_specs=tuple(p["in_specs"]), out_specs=out_specs,
+                           axis_names=set(axes), check_vma=p["check_vma"])  # fmt: skip
+    return jax.jit(mapped)(*invals)
+
+
+HANDLERS: Dict[str, Callable] = {
+    "remat2": _remat,
+    "shard_map": _shard_map,
+    "custom_jvp_call": call,
+    "custom_vjp_call": call,
+    "scan": _scan,
+    "while": _while,
+    "cond": _cond,
+}

@@ -1,0 +1,195 @@
+"""One jaxpr interpreter for every program rewrite in jaxamp.
+
+Taylor propagation, precision placement and the scale/flag plumbing are each :func:`eval_jaxpr`
+with its own *rule* ``rule(eqn, invals) -> outvals``; :func:`bind` evaluates an equation as
+written, :func:`sub_jaxpr` exposes call bodies, :func:`cse` removes repeated work,
+:func:`trace` makes the jaxpr of a function over its array arguments.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional, Sequence
+
+import weakref
+
+import jax
+import numpy as np
+from jax.extend import core as jcore
+
+__all__ = ["Rule", "CALL_PRIMITIVES", "CUSTOM_PRIMITIVES", "eval_jaxpr", "bind", "substitute", "split_arrays", "trace", "sub_jaxpr", "custom_body", "sub_jaxprs", "holds", "atom", "cse"]
+
+Rule = Callable[[Any, List[Any]], Sequence[Any]]
+
+# Call-like primitives whose ``jaxpr`` parameter is the whole body, evaluated once.
+CALL_PRIMITIVES = frozenset(("pjit", "jit", "closed_call", "core_call", "remat", "checkpoint"))
+# Functions with a custom derivative rule: ``call_jaxpr`` is the primal body.
+CUSTOM_PRIMITIVES = frozenset(("custom_jvp_call", "custom_vjp_call"))
+
+
+def eval_jaxpr(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], rule: Rule, *,
+               literal: Callable[[Any], Any] = lambda x: x) -> List[Any]:
+    """Evaluate ``jaxpr`` on ``args`` equation by equation through ``rule``.
+
+    Args:
+      jaxpr, consts, args: an open jaxpr and the values of its constvars and invars.
+      rule: ``rule(eqn, invals) -> outvals``; literal: maps a literal's constant to a value.
+
+    Returns:
+      The values of ``jaxpr.outvars``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxamp._src.core.interpreter import bind, eval_jaxpr
+      >>> closed = jax.make_jaxpr(lambda x: jnp.sin(x) * 2.0)(1.0)
+      >>> [y] = eval_jaxpr(closed.jaxpr, closed.consts, [jnp.float32(1.0)], bind)  # as written: sin(1) * 2
+      >>> round(float(y), 4)
+      1.6829
+    """
+    if len(consts) != len(jaxpr.constvars) or len(args) != len(jaxpr.invars):
+        raise ValueError(f"eval_jaxpr: got {len(consts)} consts and {len(args)} args for a jaxpr "
+                         f"with {len(jaxpr.constvars)} constvars and {len(jaxpr.invars)} invars.")  # fmt: skip
+    env = dict(zip([*jaxpr.constvars, *jaxpr.invars], [*consts, *args]))
+
+    def read(v):
+        return literal(v.val) if isinstance(v, jcore.Literal) else env[v]
+
+    for eqn in jaxpr.eqns:
+        outs = rule(eqn, [read(v) for v in eqn.invars])
+        for v, out in zip(eqn.outvars, outs):
+            if not isinstance(v, jcore.DropVar):
+                env[v] = out
+    return [read(v) for v in jaxpr.outvars]
+
+
+def bind(eqn, vals: Sequence[Any]) -> List[Any]:
+    """Evaluate one equation on ``vals`` as the program wrote it; always a list of outputs."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    with eqn.ctx.manager:
+        out = eqn.primitive.bind(*vals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def substitute(values: Sequence[Any], slots: Sequence[int], new: Sequence[Any]) -> List[Any]:
+    """``values`` as a list with ``new[j]`` at position ``slots[j]``."""
+    full = list(values)
+    for slot, value in zip(slots, new):
+        full[slot] = value
+    return full
+
+
+def split_arrays(args, kwargs):
+    """``(arrays, rebuild)``: the array leaves of ``(args, kwargs)``, and ``rebuild(arrays) ->
+    (args, kwargs)`` with the other leaves (functions such as a Flax ``apply_fn``, modules,
+    strings, Python numbers) as passed: only arrays are traced, as ``jax.grad`` traces only
+    the arguments it differentiates."""
+    leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs))
+    slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (jax.Array, np.ndarray, np.generic))]
+
+    def rebuild(arrays):
+        return jax.tree_util.tree_unflatten(in_tree, substitute(leaves, slots, arrays))
+
+    return [leaves[i] for i in slots], rebuild
+
+
+def trace(fun: Callable, args, kwargs):
+    """``(jaxpr, array leaves, output tree)`` of ``fun(*args, **kwargs)`` (:func:`split_arrays`)."""
+    flat, rebuild = split_arrays(args, kwargs)
+
+    def flat_fun(*arrays):
+        a, kw = rebuild(arrays)
+        return fun(*a, **kw)
+
+    closed, shape = jax.make_jaxpr(flat_fun, return_shape=True)(*flat)
+    return closed, flat, jax.tree_util.tree_structure(shape)
+
+
+def _closed(body) -> Optional[jcore.ClosedJaxpr]:
+    if isinstance(body, jcore.Jaxpr):
+        return jcore.ClosedJaxpr(body, ())
+    return body if isinstance(body, jcore.ClosedJaxpr) else None
+
+
+def sub_jaxpr(eqn) -> Optional[jcore.ClosedJaxpr]:
+    """The body of a call-like equation (``jit``, ``closed_call``, ``remat``), else None."""
+    return _closed(eqn.params.get("jaxpr")) if eqn.primitive.name in CALL_PRIMITIVES else None
+
+
+def custom_body(eqn) -> Optional[jcore.ClosedJaxpr]:
+    """The primal body of a ``custom_jvp``/``custom_vjp`` call (its rule is not kept), else None."""
+    return _closed(eqn.params["call_jaxpr"]) if eqn.primitive.name in CUSTOM_PRIMITIVES else None
+
+
+def sub_jaxprs(eqn) -> List[jcore.Jaxpr]:
+    """Every jaxpr in ``eqn``'s parameters (bodies of calls, loops, branches), open."""
+    return [j.jaxpr if isinstance(j, jcore.ClosedJaxpr) else j for j in jcore.jaxprs_in_params(eqn.params)]
+
+
+_HOLDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def holds(jaxpr: jcore.Jaxpr, primitives: frozenset) -> bool:
+    """Whether ``jaxpr`` or one of its bodies applies one of ``primitives`` (cached per jaxpr)."""
+    cache = _HOLDS.setdefault(jaxpr, {})
+    if primitives not in cache:
+        cache[primitives] = any(eqn.primitive in primitives or any(holds(j, primitives) for j in sub_jaxprs(eqn))
+                                for eqn in jaxpr.eqns)  # fmt: skip
+    return cache[primitives]
+
+
+def atom(v) -> Any:
+    """A hashable stand-in for an equation operand: the variable itself, or a literal's value."""
+    if isinstance(v, jcore.Literal):
+        val = np.asarray(v.val)  # by its bits: 0.0 and -0.0 differ, as do NaN payloads
+        return ("literal", str(v.aval), val.dtype.str, val.shape, val.tobytes())
+    return v
+
+
+def cse(closed: jcore.ClosedJaxpr, *, held: Sequence[int] = ()) -> jcore.ClosedJaxpr:
+    """``closed`` with every equation that repeats an earlier one removed (common subexpressions).
+
+    Two equations repeat when they apply the same primitive with the same parameters to the
+    same operands and have no effects (a user's ``u`` beside a derivative pass's primal of ``u``).
+
+    Args:
+      closed: the program.
+      held: positions of inputs whose dependent equations are never merged (the derivative
+        scales: merged uses at different powers of them would round differently).
+
+    Returns:
+      The program without the repeated equations (``closed`` itself when none repeats).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxamp._src.core.interpreter import cse
+      >>> closed = jax.make_jaxpr(lambda x: jnp.sin(x) + jnp.sin(x))(1.0)
+      >>> len(closed.jaxpr.eqns), len(cse(closed).jaxpr.eqns)
+      (3, 2)
+    """
+    jaxpr, env, seen, eqns = closed.jaxpr, {}, {}, []
+    tainted = {jaxpr.invars[i] for i in held}
+
+    def read(v):
+        return v if isinstance(v, jcore.Literal) else env.get(v, v)
+
+    for eqn in jaxpr.eqns:
+        eqn = eqn.replace(invars=[read(v) for v in eqn.invars])
+        if any(not isinstance(v, jcore.Literal) and v in tainted for v in eqn.invars):
+            tainted.update(eqn.outvars)
+            eqns.append(eqn)
+            continue
+        try:
+            key = None if eqn.effects else (eqn.primitive, tuple(map(atom, eqn.invars)),
+                                            tuple(sorted(eqn.params.items())))  # fmt: skip
+            earlier = None if key is None else seen.get(key)
+        except (TypeError, ValueError):  # unhashable, or compared elementwise
+            key = earlier = None
+        if earlier is not None:
+            env.update(zip(eqn.outvars, earlier))
+            continue
+        if key is not None and not any(isinstance(v, jcore.DropVar) for v in eqn.outvars):
+            seen[key] = eqn.outvars
+        eqns.append(eqn)
+    if len(eqns) == len(jaxpr.eqns):
+        return closed
+    new = jaxpr.replace(eqns=eqns, outvars=[read(v) for v in jaxpr.outvars])
+    return jcore.ClosedJaxpr(new, closed.consts)

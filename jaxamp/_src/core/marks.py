@@ -1,0 +1,235 @@
+"""The one home of a scaled derivative step: its marks, its key rule, its check and its unscale.
+
+Every jaxamp path writes a scaled step (docs/algorithm.md, "One derivative step") with
+``deriv_scale_p(v)``, the scale of the derivative of ``v``, and ``deriv_check_p(g, v)``, which
+marks ``g``, the scaled derivative of ``v``, for the overflow check; both carry a static
+``order`` relative to ``v``'s (:mod:`jaxamp._src.core.nesting` reads the step's order from the program),
+``term`` and ``wrt``. Outside :func:`jaxamp.scaled`, which interprets them, they are inert.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Mapping, MutableMapping, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jcore
+from jax.interpreters import ad, batching, mlir
+
+__all__ = ["SEP", "NONFINITE_VALUES", "AMP_OFF", "scaler_key", "step_flags", "seed", "rescale", "unscale", "or_into", "merge_found_inf",
+           "reduce_flags", "deriv_scale_p", "deriv_check_p", "deriv_scale", "deriv_check", "fresh", "PRIMITIVES"]
+
+SEP = "__"  # "u__x" is du/dx, "u__x__y" is d/dy(du/dx)
+# Reserved key of found_inf: True when an input, a network output or a value below a
+# derivative is non-finite (bad values: no scale can cure them).
+NONFINITE_VALUES = "nonfinite_values"
+# The term of the tag on a derivative traced with AMP off (plain JAX, unscaled): a program run
+# with AMP on that holds one reuses that trace (a jax.jit cache) and would go unscaled.
+AMP_OFF = "jaxamp_amp_off"
+
+
+def scaler_key(amp, order: int, term: Optional[str]) -> str:
+    """The scaler key of a step of ``order`` that differentiates the value named ``term``.
+
+    Args:
+      amp: an :class:`~jaxamp.AmpConfig`, or None (per-order keys).
+      order: the derivative order the step produces (1 for a first derivative; 0: a value check).
+      term: the name of the differentiated value, or None when it is unnamed.
+
+    Returns:
+      ``str(order)``; per term or for a special term ``term``; at order 0 :data:`NONFINITE_VALUES`.
+
+    Example:
+      >>> import jaxamp
+      >>> scaler_key(jaxamp.AmpConfig(), 2, "u__x"), scaler_key(jaxamp.AmpConfig(special_terms=("nu",)), 1, "nu")
+      ('2', 'nu')
+    """
+    if order == 0:  # a value check (bad values only): no scaler guards it
+        return NONFINITE_VALUES
+    if amp is not None and (amp.mode == "per_term_scaler" or term in amp.special_terms):
+        if term is None:
+            raise ValueError(f"jaxamp: a derivative of order {order} differentiates an unnamed "
+                             f"value, but amp.mode={amp.mode!r} keys scalers by name; name it with "
+                             "jaxamp.grad(fun, argnums, of='u', wrt='x'), or build the "
+                             "jaxamp.Derivatives engine with this amp.")  # fmt: skip
+        return term
+    return str(order)
+
+
+def step_flags(g: jax.Array, below_ok: jax.Array) -> jax.Array:
+    """Per point: the scaled result ``g`` of a step is non-finite while the values below it are
+    finite (``below_ok``), a true overflow; ``g``'s axes beyond ``below_ok``'s are reduced."""
+    bad_g = ~jnp.isfinite(g)
+    if bad_g.ndim > jnp.ndim(below_ok):
+        bad_g = jnp.any(bad_g, axis=tuple(range(jnp.ndim(below_ok), bad_g.ndim)))
+    return bad_g & below_ok
+
+
+def seed(t: jax.Array, s: jax.Array, dtype: Optional[Any] = None) -> jax.Array:
+    """``t * s`` computed in (at least) float32 (step 1 of a derivative step: the seed's factor);
+    cast to ``dtype`` when given (a tangent in its primal's dtype), else in that wide dtype."""
+    wide = jnp.promote_types(jnp.result_type(t) if dtype is None else dtype, jnp.float32)
+    out = jnp.asarray(t, wide) * jnp.asarray(s).astype(wide)
+    return out if dtype is None else out.astype(dtype)
+
+
+def rescale(t: jax.Array, factors: Sequence[Any]) -> jax.Array:
+    """``t * factors[0] * factors[1] * ...`` in (at least) float32, float64 staying float64,
+    rounded once back to ``t``'s dtype: the factors' product may leave float32's range where
+    each partial product does not.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> rescale(jnp.ones(2, jnp.float16), (jnp.float32(2.0**20), jnp.float32(2.0**-16)))
+      Array([16., 16.], dtype=float16)
+    """
+    wide = jnp.promote_types(t.dtype, jnp.float32)
+    out = t.astype(wide)
+    for r in factors:
+        out = out * jnp.asarray(r).astype(wide)
+    return out.astype(t.dtype)
+
+
+def unscale(g: jax.Array, inv: jax.Array) -> jax.Array:
+    """``g * inv`` by :func:`rescale` (step 4 of a derivative step); ``inv`` broadcasts over
+    ``g``'s trailing axes (one factor per value: a Jacobian's rows)."""
+    if not jnp.issubdtype(g.dtype, jnp.inexact):  # float0 gradients of integers (allow_int)
+        return g
+    return rescale(g, (jnp.reshape(inv, jnp.shape(inv) + (1,) * (g.ndim - jnp.ndim(inv))),))
+
+
+def or_into(flags: MutableMapping[str, jax.Array], key: str, hit) -> None:
+    """``flags[key] |= hit`` (set when absent): the one way flags are merged."""
+    flags[key] = hit if key not in flags else flags[key] | hit
+
+
+def merge_found_inf(*flags: Mapping[str, jax.Array]) -> Dict[str, jax.Array]:
+    """OR together several ``found_inf`` dicts (keys may overlap).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> merge_found_inf({"2": jnp.array(False)}, {"2": jnp.array(True), "1": jnp.array(False)})["2"]
+      Array(True, dtype=bool)
+    """
+    out: Dict[str, jax.Array] = {}
+    for f in flags:
+        for k, v in f.items():
+            or_into(out, k, v)
+    return out
+
+
+def reduce_flags(pending: Mapping[str, List[jax.Array]]) -> Dict[str, jax.Array]:
+    """``{key: bool[]}``, any of each key's per-point flags. The flags of one shape are ORed
+    elementwise per key and stacked, so that one reduction over the points serves every key
+    (one reduction per check costs a kernel each; a boolean OR also reduces across devices).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> out = reduce_flags({"1": [jnp.array([False, True])], "2": [jnp.zeros(3, bool)]})
+      >>> {k: bool(v) for k, v in out.items()}
+      {'1': True, '2': False}
+    """
+    by_size: Dict[int, Dict[str, jax.Array]] = {}
+    for key, hits in pending.items():
+        for hit in hits:
+            hit = jnp.ravel(hit)
+            or_into(by_size.setdefault(hit.size, {}), key, hit)
+    flags: Dict[str, jax.Array] = {}
+    for group in by_size.values():
+        found = jnp.any(jnp.stack(list(group.values())), axis=1)
+        for i, key in enumerate(group):
+            or_into(flags, key, found[i])
+    return flags
+
+
+# ---------------------------------------------------------------- deriv_scale_p
+# deriv_scale_p(v) -> f32 array of v's shape, every entry the key's scale; params order (relative
+# to v's: jaxamp._src.core.nesting), term, wrt. With v as operand
+# the scale is batched wherever v is: one seed per point under vmap, as the Derivatives engine.
+deriv_scale_p = jcore.Primitive("jaxamp_deriv_scale")
+
+
+def _scale_impl(v, **_):
+    return jnp.ones(jnp.shape(v), jnp.float32)
+
+
+def _scale_jvp(primals, tangents, **params):
+    out = deriv_scale_p.bind(*primals, **params)
+    return out, ad.Zero(jax.core.ShapedArray(jnp.shape(out), jnp.float32))
+
+
+def _scale_batch(args, dims, **params):
+    return deriv_scale_p.bind(*args, **params), dims[0]
+
+
+deriv_scale_p.def_impl(_scale_impl)
+deriv_scale_p.def_abstract_eval(lambda v, **_: jax.core.ShapedArray(v.shape, jnp.float32))
+ad.primitive_jvps[deriv_scale_p] = _scale_jvp
+batching.primitive_batchers[deriv_scale_p] = _scale_batch
+mlir.register_lowering(deriv_scale_p, mlir.lower_fun(_scale_impl, multiple_results=False))
+
+# ---------------------------------------------------------------- deriv_check_p
+# deriv_check_p(g, v) -> g, the scaled gradient of v (one scalar per point): a key overflows
+# where v is finite and g is not; a non-finite v is a bad value. At order 0, v = g is a value
+# the program holds. The batching rule keeps v.shape == g.shape[:v.ndim] (batch dims lead).
+deriv_check_p = jcore.Primitive("jaxamp_deriv_check")
+
+
+def _check_impl(g, v, **_):
+    return g
+
+
+def _check_jvp(primals, tangents, **params):
+    # The primal is checked; the tangent passes through unchecked (a derivative of this
+    # derivative is checked by its own deriv_check_p), so no transpose rule is needed.
+    (g, v), (g_dot, _) = primals, tangents
+    out = deriv_check_p.bind(g, v, **params)
+    if type(g_dot) is ad.Zero:
+        return out, ad.Zero(jax.core.ShapedArray(g.shape, g_dot.aval.dtype))
+    return out, g_dot
+
+
+def _check_batch(args, dims, **params):
+    (g, v), (dg, dv) = args, dims
+    size = g.shape[dg] if dg is not None else v.shape[dv]  # None: not batched
+    g, v = batching.bdim_at_front(g, dg, size), batching.bdim_at_front(v, dv, size)
+    return deriv_check_p.bind(g, v, **params), 0
+
+
+deriv_check_p.def_impl(_check_impl)
+deriv_check_p.def_abstract_eval(lambda g, v, **_: jax.core.ShapedArray(g.shape, g.dtype))
+ad.primitive_jvps[deriv_check_p] = _check_jvp
+batching.primitive_batchers[deriv_check_p] = _check_batch
+mlir.register_lowering(deriv_check_p, mlir.lower_fun(_check_impl, multiple_results=False))
+
+PRIMITIVES = frozenset((deriv_scale_p, deriv_check_p))
+
+
+def deriv_scale(v: jax.Array, *, order: int, term: Optional[str], wrt: Optional[str] = None) -> jax.Array:
+    """The scale of a derivative ``order`` steps above ``v`` (f32, ``v``'s shape); 1.0 outside
+    ``scaled``. ``term``: the differentiated value's name (None: from the program); ``wrt``:
+    the variable's name (None: unnamed). :mod:`jaxamp._src.core.nesting` gives the step's order."""
+    return deriv_scale_p.bind(v, order=order, term=term, wrt=wrt)
+
+
+def fresh(x: Any, *, term: Optional[str] = None) -> Any:
+    """``x`` (a pytree) marked as the variable a derivative is taken along: whatever derivatives
+    ``x`` was computed from, a step along it differentiates the function, not ``x``
+    (:mod:`jaxamp._src.core.nesting`). Identity on values (no operation in the compiled program); non-float
+    leaves pass as they are. ``term=`` :data:`AMP_OFF` marks a derivative JAX took unscaled
+    because AMP was off when it was traced."""
+
+    def one(a):
+        if not hasattr(a, "dtype") or not jnp.issubdtype(jnp.result_type(a), jnp.inexact):
+            return a
+        return deriv_check_p.bind(a, a, order=0, term=term, wrt=None, check=False)
+
+    return jax.tree_util.tree_map(one, x)
+
+
+def deriv_check(g: jax.Array, v: jax.Array, *, order: int, term: Optional[str], wrt: Optional[str] = None,
+                check: bool = True) -> jax.Array:  # fmt: skip
+    """``g``, the scaled derivative ``order`` steps above ``v``, marked for the overflow check of
+    its key (``order`` 0: ``g`` is a value, checked for bad values). ``check=False`` only
+    names ``g`` as that derivative (its order and name for the marks above it)."""
+    return deriv_check_p.bind(g, v, order=order, term=term, wrt=wrt, check=check)

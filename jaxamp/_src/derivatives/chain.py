@@ -1,0 +1,129 @@
+"""Nested :func:`jaxamp.grad` along per-point scalar inputs, computed by the Derivatives engine.
+
+A user's ``grad(grad(u_net, 2), 2)(params, t, x)`` with scalar ``t, x`` is one *chain*, the
+plan of one named derivative (``u__a2__a2``), its steps marked with the orders and names the
+nested calls would have reported (docs/algorithm.md, "Engines").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxamp._src.scaling.config import AmpConfig
+from jaxamp._src.derivatives import forward_engine as forward
+from jaxamp._src.derivatives.plan import make_plan, order_of, run_marked
+from jaxamp._src.core.interpreter import bind, cse, eval_jaxpr, substitute
+from jaxamp._src.core.marks import SEP, fresh
+
+__all__ = ["Chain", "METHODS", "check_output", "extend", "eligible", "evaluate"]
+
+METHODS = ("auto", "forward", "reverse")
+# per-term keys (the parents' plan names): the plan's own step keys, each mapped to a mark below
+_PLAN_AMP = AmpConfig(mode="per_term_scaler")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Chain:
+    """A nest of ``grad`` calls: ``base`` and, innermost first, the argnum and name of each step.
+
+    Equal and hashed by the identity of ``base`` (which the chain keeps alive, so its id is not
+    reused) and the steps: a user's callable is never hashed or compared, as an Equinox or NNX
+    module holding arrays (tracers, under a trace) can be neither."""
+
+    base: Callable[..., Any]
+    argnums: Tuple[int, ...]
+    wrts: Tuple[Optional[str], ...]
+    of: Optional[str]
+
+    def _key(self) -> Tuple[Any, ...]:
+        return (id(self.base), self.argnums, self.wrts, self.of)
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, Chain) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+
+def extend(fun: Callable[..., Any], argnums: Any, of: Optional[str], wrt: Any) -> Optional[Chain]:
+    """The chain of ``grad(fun, argnums)``: ``fun``'s chain one step longer, a new one, or None."""
+    if not isinstance(argnums, int) or isinstance(argnums, bool):
+        return None
+    inner: Optional[Chain] = getattr(fun, "_jaxamp_chain", None)
+    if inner is not None and of is None:
+        return Chain(inner.base, inner.argnums + (argnums,), inner.wrts + (wrt,), inner.of)
+    return Chain(fun, (argnums,), (wrt,), of)
+
+
+def eligible(chain: Optional[Chain], args: Tuple[Any, ...], kwargs: dict) -> bool:
+    """Whether every argument ``chain`` differentiates is a float32 scalar given by position."""
+    if chain is None or kwargs:
+        return False
+    return all(i < len(args) and (hasattr(args[i], "dtype") or isinstance(args[i], float))
+               and jnp.shape(args[i]) == () and jnp.result_type(args[i]) == jnp.float32
+               for i in set(chain.argnums))
+
+
+def check_output(caller: str, fun: Callable, out: Any, *, scalar: bool = True) -> Any:
+    """``out`` if it is one array, a scalar unless ``scalar`` is False; else a TypeError (for a
+    vector where a scalar is needed, one that names the way out: jacrev)."""
+    if not hasattr(out, "dtype"):
+        raise TypeError(f"{caller}: `fun`={fun!r} must return one array, got {type(out).__name__}.")
+    if scalar and jnp.shape(out) != ():
+        raise TypeError(f"{caller}: `fun`={fun!r} returned shape {jnp.shape(out)}; grad needs a scalar output. "
+                        "For a vector-valued function use jaxamp.jacrev (or jaxamp.jacfwd).")
+    return out
+
+
+def _node(chain: Chain, k: int, output: str) -> str:
+    """The plan name (``u0__a2__a2``) of the value ``k`` steps of ``chain`` above ``output``."""
+    return SEP.join((output,) + tuple(f"a{i}" for i in chain.argnums[:k]))
+
+
+def evaluate(chains: Sequence[Chain], base_of: Sequence[int], bases: Sequence[Callable], args: Tuple[Any, ...],
+             base_order: int, base_term: Optional[str]) -> List[jax.Array]:  # fmt: skip
+    """The top derivatives of ``chains`` at the positional ``args`` by one engine plan, marked.
+
+    ``chains[i]`` differentiates ``bases[base_of[i]]`` (a function of ``args`` returning one
+    scalar); ``base_order``, ``base_term``: the order and name of the bases' values
+    (:mod:`jaxamp._src.core.nesting`); a chain's ``of`` names its base first. Each value is marked as its
+    last step's derivative."""
+    cols = tuple(sorted({i for c in chains for i in c.argnums}))
+    inputs = tuple(f"a{i}" for i in cols)
+    output = {i: f"u{b}" for i, b in enumerate(base_of)}
+    tops = [_node(c, len(c.argnums), output[i]) for i, c in enumerate(chains)]
+    plan = make_plan(inputs, tuple(f"u{b}" for b in range(len(bases))), tuple(dict.fromkeys(tops)), _PLAN_AMP)
+    terms: Dict[str, Optional[str]] = {}  # plan parent name -> the user's name of that value
+    wrts: Dict[str, Optional[str]] = {}  # plan derivative name -> the user's name of its variable
+    for i, c in enumerate(chains):
+        term = c.of if c.of is not None else base_term  # the name of the value step k differentiates
+        for k, w in enumerate(c.wrts):
+            node = _node(c, k, output[i])
+            terms[node] = terms.get(node) or term
+            wrts[_node(c, k + 1, output[i])] = w
+            term = SEP.join((term, w)) if term is not None and w is not None else None
+    # the user's own scalars (eligible: float32), not a stack: the passes' primals are the user's calls
+    x = tuple(args[i] if hasattr(args[i], "dtype") else jnp.float32(args[i]) for i in cols)
+
+    def f(z):
+        full = substitute(args, cols, fresh(tuple(z)))
+        return jnp.stack([jnp.asarray(b(*full), jnp.float32) for b in bases])
+
+    if len(bases) > 1:  # u and v of one network: its shared work traced once, before the passes
+        f = _merged(f, x)
+    # per-term plan keys are the parents' plan names: each becomes the mark of its step (a
+    # scale's order is relative to the point, of order 0: the base's order is added here)
+    marks_of = {k: dict(order=base_order + order_of(k) + 1, term=terms.get(k)) for k in plan.step_keys}
+    values, _ = run_marked(plan, forward.point_values, f, x, marks_of, wrts)
+    return [values[top] for top in tops]
+
+
+def _merged(f: Callable, x: Tuple[jax.Array, ...]) -> Callable:
+    """``f`` with the work its bases repeat done once (:func:`jaxamp._src.core.interpreter.cse`: the
+    bases are functions of the point only, no scale enters them)."""
+    closed = cse(jax.make_jaxpr(f)(x))
+    return lambda z: eval_jaxpr(closed.jaxpr, closed.consts, list(z), bind)[0]

@@ -1,0 +1,208 @@
+"""A nest of :func:`jaxamp.grad` along scalar arguments as one equation of the program.
+
+``grad(grad(u, 2), 2)(p, t, x)`` binds ``chain_p``: its operands are the closure constants and
+the array arguments of ``u``'s traced body, its parameters the chain (:class:`chain.Chain`),
+that body and the order and name of the body's value. Outside jaxamp's entry points any use of
+it (eager, ``jit``, ``vmap``, ``jvp``) runs that one chain by the Derivatives engine; ``vmap``
+keeps the equation, recording its batch axes, so the program still shows it.
+
+:func:`expand`, run on each program :func:`jaxamp.scaled`, :func:`jaxamp.profile` and
+:func:`jaxamp.init` trace, replaces the chain equations of one jaxpr that differentiate the same
+arguments by one plan (the passes of ``u_x`` and ``u_xx`` shared): planned from the jaxpr, so
+the user's function is traced once and nothing hangs on tracing order or object identity.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jcore
+from jax.interpreters import ad, batching, mlir
+
+from jaxamp._src.core.tracing import register_pass
+from jaxamp._src.derivatives import chain
+from jaxamp._src.core.control import HANDLERS, call
+from jaxamp._src.core.interpreter import CALL_PRIMITIVES, atom, bind, eval_jaxpr, holds, split_arrays, sub_jaxprs, trace
+from jaxamp._src.core.nesting import NO_DERIVATIVE, analyze, single_name
+
+__all__ = ["chain_p", "bind_chain", "expand", "has_chains"]
+
+chain_p = jcore.Primitive("jaxamp_chain")
+
+
+def bind_chain(link: chain.Chain, args: Tuple[Any, ...]) -> jax.Array:
+    """The top derivative of ``link`` at the positional ``args`` (:func:`chain.eligible`), as
+    one ``chain_p`` equation over the traced body of ``link.base``."""
+    cols = set(link.argnums)
+    args = tuple(jnp.float32(a) if i in cols and not hasattr(a, "dtype") else a for i, a in enumerate(args))
+    closed, flat, _ = trace(lambda *a: chain.check_output("jaxamp.grad", link.base, link.base(*a)), args, {})
+    closed = expand(closed)
+    base = analyze(closed.jaxpr, [NO_DERIVATIVE] * len(flat)).outs[0]
+    # each differentiated argument is one array leaf: its position among the body's arguments
+    starts, n = [], 0
+    for a in args:
+        starts.append(n)
+        n += len(split_arrays((a,), {})[0])
+    flat_link = chain.Chain(link.base, tuple(starts[i] for i in link.argnums), link.wrts, link.of)
+    params = dict(link=flat_link, body=closed.jaxpr, n_consts=len(closed.consts), base_order=base.order,
+                  base_term=single_name(base), levels=(), shape=())  # fmt: skip
+    return chain_p.bind(*closed.consts, *flat, **params)
+
+
+def _run(members: Sequence[Dict[str, Any]], base_of: Sequence[int], consts: Sequence[Sequence[Any]],
+         args: Sequence[Any]) -> List[jax.Array]:  # fmt: skip
+    """The top derivatives of ``members`` (chain equations' params) at ``args``: one plan, the
+    ``b``-th base evaluated on ``consts[b]``; batched as the members' ``levels`` record."""
+    first = members[0]
+    bodies = [next(m["body"] for m, b in zip(members, base_of) if b == i) for i in range(len(consts))]
+    links = [m["link"] for m in members]
+
+    def fn(args, consts):
+        bases = [_body_fn(body, c) for body, c in zip(bodies, consts)]
+        return chain.evaluate(links, base_of, bases, tuple(args), first["base_order"], first["base_term"])
+
+    for k in range(len(first["levels"])):  # innermost first: each vmap maps one recorded axis
+        n = first["n_consts"]
+        arg_axes = list(first["levels"][k][n:])
+        const_axes = [list(next(m for m, b in zip(members, base_of) if b == i)["levels"][k][:len(c)])
+                      for i, c in enumerate(consts)]  # fmt: skip
+        fn = jax.vmap(fn, in_axes=(arg_axes, const_axes))
+    return fn(list(args), [list(c) for c in consts])
+
+
+def _body_fn(body: jcore.Jaxpr, consts: Sequence[Any]):
+    return lambda *a: eval_jaxpr(body, consts, a, bind)[0]
+
+
+def _impl(*operands, **params):
+    n = params["n_consts"]
+    return _run([params], [0], [operands[:n]], operands[n:])[0]
+
+
+def _batch(vals, dims, **params):
+    size = next(v.shape[d] for v, d in zip(vals, dims) if d is not None)
+    vals = [v if d is None else jnp.moveaxis(v, d, 0) for v, d in zip(vals, dims)]
+    level = tuple(None if d is None else 0 for d in dims)
+    out = chain_p.bind(*vals, **{**params, "levels": params["levels"] + (level,), "shape": (size,) + params["shape"]})
+    return out, 0
+
+
+def _jvp(primals, tangents, **params):
+    tangents = [ad.instantiate_zeros(t) for t in tangents]
+    return jax.jvp(lambda *ops: _impl(*ops, **params), list(primals), tangents)
+
+
+chain_p.def_impl(_impl)
+chain_p.def_abstract_eval(lambda *_, shape, **__: jax.core.ShapedArray(shape, jnp.float32))
+ad.primitive_jvps[chain_p] = _jvp
+batching.primitive_batchers[chain_p] = _batch
+mlir.register_lowering(chain_p, mlir.lower_fun(_impl, multiple_results=False))
+
+def has_chains(jaxpr: jcore.Jaxpr) -> bool:
+    """Whether ``jaxpr`` or one of its bodies holds a ``chain_p`` equation (cached)."""
+    return holds(jaxpr, frozenset((chain_p,)))
+
+
+@register_pass
+def expand(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
+    """``closed`` with its chain equations computed, those of one jaxpr at the same arguments by
+    one plan (``closed`` itself when it holds none)."""
+    if not has_chains(closed.jaxpr):
+        return closed
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
+             for v in closed.jaxpr.invars]  # fmt: skip
+    return jax.make_jaxpr(lambda *a: _evaluate(closed.jaxpr, closed.consts, a, None, None)[0])(*avals)
+
+
+def _group_key(eqn) -> Optional[Tuple[Any, ...]]:
+    """Chains with equal keys differentiate the same values the same way: one plan computes
+    them. None: this chain is planned alone (a level batching none of its arguments: the
+    level's vmap could be another chain's)."""
+    p = eqn.params
+    n, levels = p["n_consts"], p["levels"]
+    if any(all(a is None for a in level[n:]) for level in levels):
+        return None
+    return (tuple(atom(v) for v in eqn.invars[n:]), p["base_order"], p["base_term"],
+            tuple(level[n:] for level in levels))  # fmt: skip
+
+
+def _groups(jaxpr: jcore.Jaxpr) -> Dict[int, List[int]]:
+    """``{first: [members]}``: the chain equations (by index) planned with the chain at
+    ``first``; a member joins only if all its operands exist there."""
+    defined = {v: -1 for v in [*jaxpr.constvars, *jaxpr.invars]}
+    for i, eqn in enumerate(jaxpr.eqns):
+        defined.update((v, i) for v in eqn.outvars)
+    open_groups: Dict[Any, List[int]] = {}
+    groups: Dict[int, List[int]] = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        if eqn.primitive is not chain_p:
+            continue
+        key = _group_key(eqn)
+        first = open_groups.get(key, [None])[0] if key is not None else None
+        if first is not None and all(isinstance(v, jcore.Literal) or defined[v] < first for v in eqn.invars):
+            groups[first].append(i)
+            continue
+        groups[i] = [i]
+        if key is not None:
+            open_groups[key] = [i]
+    return groups
+
+
+class _Expanding:
+    """The context :mod:`jaxamp._src.core.control`'s body rules get from :func:`expand`: bodies
+    evaluated with their chains computed, no flags."""
+
+    def evaluate(self, jaxpr, consts, args, ctx, infos):
+        return _evaluate(jaxpr, consts, args, ctx, infos)
+
+    def keys(self, jaxpr, infos) -> List[str]:
+        return []
+
+    def in_body(self) -> "_Expanding":
+        return self
+
+
+def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx, infos):
+    groups = _groups(jaxpr)
+    env = dict(zip([*jaxpr.constvars, *jaxpr.invars], [*consts, *args]))
+    done: Dict[int, jax.Array] = {}
+
+    def read(v):
+        return v.val if isinstance(v, jcore.Literal) else env[v]
+
+    for i, eqn in enumerate(jaxpr.eqns):
+        if eqn.primitive is chain_p:
+            if i in groups:
+                done.update(zip(groups[i], _run_group([jaxpr.eqns[j] for j in groups[i]], read)))
+            outs = [done.pop(i)]
+        elif any(has_chains(j) for j in sub_jaxprs(eqn)):
+            handler = HANDLERS.get(eqn.primitive.name, call if eqn.primitive.name in CALL_PRIMITIVES else None)
+            if handler is None:
+                raise NotImplementedError(
+                    f"jaxamp: a nest of jaxamp.grad inside a `{eqn.primitive.name}` is not supported; supported are "
+                    f"{sorted(set(HANDLERS) | CALL_PRIMITIVES)}. Move it out, or use jaxamp.grad(..., method='reverse').")
+            outs = handler(eqn, [read(v) for v in eqn.invars], _Expanding(), [None] * 8)[0]
+        else:
+            outs = bind(eqn, [read(v) for v in eqn.invars])
+        for v, out in zip(eqn.outvars, outs):
+            if not isinstance(v, jcore.DropVar):
+                env[v] = out
+    return [read(v) for v in jaxpr.outvars], {}
+
+
+def _run_group(eqns, read) -> List[jax.Array]:
+    """One plan for the chain equations ``eqns``; a base is shared by members with the same
+    function and the same closure constants."""
+    members, base_of, consts, seen = [], [], [], {}
+    for eqn in eqns:
+        p, n = eqn.params, eqn.params["n_consts"]
+        key = (id(p["link"].base), tuple(atom(v) for v in eqn.invars[:n]), tuple(lv[:n] for lv in p["levels"]))
+        if key not in seen:
+            seen[key] = len(consts)
+            consts.append([read(v) for v in eqn.invars[:n]])
+        members.append(p)
+        base_of.append(seen[key])
+    n = eqns[0].params["n_consts"]
+    return _run(members, base_of, consts, [read(v) for v in eqns[0].invars[n:]])

@@ -1,0 +1,157 @@
+"""``jaxamp._src.derivatives.grad``: ``jax.grad`` whose seed carries the derivative scale of its order.
+
+Each call differentiates ``fun(*args) * s`` (``s``: its key's ``deriv_scale_p``), marks the
+scaled gradient for the check (``deriv_check_p``) and multiplies it by ``1/s`` in float32. Its
+marks are one step above ``fun``'s value: :mod:`jaxamp._src.core.nesting` reads the order and the name
+from the program (1 + the highest order of the derivatives the value depends on).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
+
+import jax
+import jax.numpy as jnp
+
+from jaxamp._src.core import policy
+from jaxamp._src.core.checks import check_fun, check_name, check_wrt
+from jaxamp._src.derivatives import chain, chain_call
+from jaxamp._src.core.interpreter import substitute
+from jaxamp._src.core.marks import AMP_OFF, deriv_check, deriv_scale, fresh, seed, unscale
+
+__all__ = ["grad", "jacrev"]
+
+def amp_off() -> bool:
+    """Whether the jaxamp call tracing this derivative runs with AMP off (``enabled=False`` or
+    float32): ``grad`` is then ``jax.grad`` (unless ``method="forward"``), so the program is the
+    user's as written, bit for bit."""
+    amp = policy.active()
+    return amp is not None and amp.compute_dtype == jnp.float32
+
+
+def step(of: Optional[str], wrt: Any) -> Dict[str, Any]:
+    """The marks' parameters of one derivative step of the value named ``of`` (None: its name
+    from the program) along the variable named ``wrt`` (a string, else unnamed)."""
+    return dict(order=1, term=of, wrt=wrt if isinstance(wrt, str) else None)
+
+
+def finish(d: jax.Array, value: jax.Array, s: jax.Array, marks: Dict[str, Any],
+           inv: Optional[jax.Array] = None) -> jax.Array:  # fmt: skip
+    """The scaled derivative ``d`` of ``value`` checked under ``marks`` (:func:`step`) and unscaled
+    by ``inv`` (default ``1 / s``); float0 gradients (allow_int) pass unchecked."""
+    if not jnp.issubdtype(d.dtype, jnp.inexact):
+        return d
+    d = deriv_check(d, value, **marks)
+    return unscale(d, jnp.float32(1.0) / s if inv is None else inv)
+
+
+def _reverse(transform: Callable, caller: str, fun: Callable, argnums, has_aux: bool, of, wrt,
+             method: str = "reverse", **options) -> Callable:  # fmt: skip
+    """``transform`` (jax.grad or jax.jacrev) of ``fun``, its seed scaled, its result checked."""
+    check_fun(caller, fun, of)
+    argnums = check_wrt(caller, argnums, wrt)
+    if method not in chain.METHODS:
+        raise ValueError(f"{caller}: `method`={method!r} is not allowed: expected one of {list(chain.METHODS)}.")
+    plain = not has_aux and not any(options.values()) and method != "reverse"
+    link = chain.extend(fun, argnums, of, wrt) if plain else None
+    # a tuple of scalar argnums (grad(u, (1, 2)) -> (u_t, u_x)): one chain per argnum, their
+    # passes shared as those of separate grad calls at the same point
+    links: Tuple[chain.Chain, ...] = ()
+    if plain and isinstance(argnums, tuple) and caller == "jaxamp.grad":
+        names = tuple(wrt) if wrt is not None else (None,) * len(argnums)
+        links = tuple(chain.extend(fun, a, of, w) for a, w in zip(argnums, names))
+
+    @functools.wraps(fun)
+    def derivative(*args, **kwargs):
+        if method != "forward" and amp_off():  # JAX's own derivative, tagged (no operation)
+            out = transform(fun, argnums, has_aux=has_aux, **options)(*args, **kwargs)
+            return (fresh(out[0], term=AMP_OFF), out[1]) if has_aux else fresh(out, term=AMP_OFF)
+        if chain.eligible(link, args, kwargs):
+            return chain_call.bind_chain(link, args)
+        if links and all(chain.eligible(c, args, kwargs) for c in links):
+            return tuple(chain_call.bind_chain(c, args) for c in links)
+        if method == "forward":
+            raise ValueError(f"{caller}: method='forward' needs scalar `argnums` and float32 scalar arguments "
+                             f"there, given by position; got argnums={argnums!r}. Use method='auto'.")
+        nums = argnums if isinstance(argnums, tuple) else (argnums,)
+
+        def seeded(*a, **kw):
+            out = fun(*substitute(a, nums, [fresh(a[i]) for i in nums]), **kw)
+            out, aux = out if has_aux else (out, None)
+            chain.check_output(caller, fun, out, scalar=caller == "jaxamp.grad")
+            s = deriv_scale(out, **step(of, wrt))
+            return seed(out, s), (out, s, aux)
+
+        grads, (value, s, aux) = transform(seeded, argnums, has_aux=True, **options)(*args, **kwargs)
+        inv = jnp.float32(1.0) / s
+
+        def checked(tree, name):
+            return jax.tree_util.tree_map(lambda d: finish(d, value, s, step(of, name), inv), tree)
+
+        if isinstance(argnums, tuple):  # one name per argnum
+            names = wrt if wrt is not None and not isinstance(wrt, str) else (None,) * len(argnums)
+            grads = tuple(checked(g, n) for g, n in zip(grads, names))
+        else:
+            grads = checked(grads, wrt)
+        return (grads, aux) if has_aux else grads
+
+    if link is not None:
+        derivative._jaxamp_chain = link  # an outer grad along a scalar extends this chain
+    return derivative
+
+
+def grad(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_aux: bool = False,
+         holomorphic: bool = False, allow_int: bool = False, *, of: Optional[str] = None,
+         wrt: Optional[Union[str, Sequence[str]]] = None, method: str = "auto") -> Callable[..., Any]:
+    """``jax.grad`` with a derivative scale on the seed and an overflow check on the result.
+
+    Args:
+      fun, argnums, has_aux, holomorphic, allow_int: as ``jax.grad``.
+      of: the name of ``fun``'s value (``"u"``), for per-term keys and special terms; default:
+        the name of the inner ``grad`` ``fun`` calls (``"u__x"``), if any.
+      wrt: the differentiated argument's name (``"x"``), one per entry of a tuple ``argnums``.
+      method: ``"auto"`` (default): a nest of ``grad`` steps along float32 scalar arguments
+        runs as one Derivatives plan (:mod:`jaxamp._src.derivatives.chain`), other calls in reverse mode,
+        and every call in reverse mode with AMP off (the user's ``jax.grad`` program, bit for bit);
+        ``"reverse"``: nested ``jax.grad`` always; ``"forward"``: an error where no chain runs.
+
+    Returns:
+      A function with ``jax.grad``'s outputs: under :func:`jaxamp._src.core.scaled` seeded with its
+      key's scale and checked for inf/NaN; outside, plain JAX derivatives (scale 1, unchecked).
+
+    Example:
+      >>> import jax.numpy as jnp, jaxamp
+      >>> u_net = lambda p, t, x: jnp.sin(p * x) * jnp.exp(-t)
+      >>> u_x = grad(u_net, argnums=2, of="u", wrt="x")
+      >>> u_xx = grad(u_x, argnums=2, wrt="x")                   # key "2" ("u__x" per term)
+      >>> residual = lambda p, t, x: u_xx(p, t, x) + p**2 * u_net(p, t, x)
+      >>> r, found_inf = jaxamp.scaled(residual)({"1": 1.0, "2": 2.0**-4}, 3.0, 0.0, 0.2)
+      >>> abs(float(r)) < 1e-5, sorted(found_inf)
+      (True, ['1', '2', 'nonfinite_values'])
+    """
+    return _reverse(jax.grad, "jaxamp.grad", fun, argnums, has_aux, of, wrt, method, holomorphic=holomorphic,
+                    allow_int=allow_int)
+
+
+def jacrev(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_aux: bool = False,
+           holomorphic: bool = False, allow_int: bool = False, *, of: Optional[str] = None,
+           wrt: Optional[Union[str, Sequence[str]]] = None) -> Callable[..., Any]:
+    """``jax.jacrev`` of a function returning one array, scaled and checked as :func:`grad`.
+
+    Args:
+      fun, argnums, has_aux, holomorphic, allow_int: as ``jax.jacrev`` (``fun`` returns one array).
+      of, wrt: names, as :func:`grad`.
+
+    Returns:
+      A function with ``jax.jacrev``'s outputs, scaled and checked under ``scaled``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> u_net = lambda p, xy: jnp.stack([p * xy[0], xy[1] ** 2])
+      >>> jacrev(u_net, argnums=1, of="u", wrt="x")(2.0, jnp.array([1.0, 3.0]))
+      Array([[2., 0.],
+             [0., 6.]], dtype=float32)
+    """
+    return _reverse(jax.jacrev, "jaxamp.jacrev", fun, argnums, has_aux, of, wrt, holomorphic=holomorphic,
+                    allow_int=allow_int)

@@ -1,0 +1,238 @@
+""":func:`autocast`: the placement of :class:`jaxamp.models.FullyConnected` for any JAX network
+(torch.autocast's op lists, applied to the traced program by :func:`jaxamp._src.core.interpreter.eval_jaxpr`).
+
+* matmuls/convolutions using a parameter run in ``amp.compute_dtype``, operands cast at use and
+  the result cast back (exact ``f16 -> f32 -> f16`` casts, fused by XLA); the first layer on the
+  inputs unless ``amp.autocast_firstlayer``, and parameter-free ones (``x @ F``), run as written;
+* :data:`ACTIVATION_PRIMITIVES` after a compute-dtype layer run in it if ``amp.autocast_activation``;
+* everything else, bias adds included (FullyConnected's agree bitwise for zero biases), as written.
+  ``jit`` bodies are inlined; ``checkpoint``/``cond``/``scan``/``while`` bodies rewritten (carries'
+  flags widened until stable); custom-derivative functions inlined only if they hold something to
+  move; matmuls left in other higher-order primitives are warned about.
+
+The result composes with ``jax.jit``, ``jax.vmap``, ``jax.grad`` and ``jax.jacrev``/``jax.jacfwd``.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import warnings
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jcore
+
+from jaxamp._src.core import policy
+from jaxamp._src.scaling.config import AmpConfig, ConfigError
+from jaxamp._src.placement.rules import ACTIVATION_PRIMITIVES, COMPUTE_PRIMITIVES, Placement, Val
+from jaxamp._src.core.interpreter import bind, eval_jaxpr
+from jaxamp._src.core.modules import is_module
+
+__all__ = ["autocast", "ACTIVATION_PRIMITIVES", "COMPUTE_PRIMITIVES"]
+
+
+def _describe(fn: Callable) -> str:
+    owner = getattr(fn, "__self__", None)
+    if owner is not None and hasattr(fn, "__name__"):
+        return f"{type(owner).__name__}.{fn.__name__}"
+    if is_module(fn):  # its repr lists every array
+        return f"{type(fn).__name__}(...)"
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+def _argnums(value: Union[int, Sequence[int]]) -> Tuple[int, ...]:
+    nums = (value,) if isinstance(value, int) and not isinstance(value, bool) else value
+    try:
+        nums = tuple(nums)
+    except TypeError:
+        nums = None
+    if nums is None or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in nums):
+        raise ValueError(
+            f"autocast: `params_argnums`={value!r} must be an int >= 0 or a sequence of them: the "
+            "positions of fn's parameter arguments, e.g. 0 for apply_fn(params, x)."
+        )
+    return nums
+
+
+# `amp` omitted: each call runs under the config of the jaxamp call it is traced in.
+_ACTIVE: Any = object()
+
+
+def _flax_module(fn: Any) -> bool:
+    """Whether ``fn`` is a Flax linen module (checked only when Flax is imported already)."""
+    linen = sys.modules.get("flax.linen")
+    return linen is not None and isinstance(fn, linen.Module)
+
+
+def _check_flax(fn: Any) -> None:
+    """A Flax module, or a method of it other than ``apply``, in place of ``model.apply``."""
+    owner = getattr(fn, "__self__", None)
+    if _flax_module(fn) or (_flax_module(owner) and getattr(fn, "__name__", None) != "apply"):
+        given = f"{type(fn).__name__}(...)" if _flax_module(fn) else _describe(fn)
+        raise TypeError(
+            f"autocast: `fn`={given} is a Flax module or one of its methods, not a function of the parameters. "
+            "Fix: pass its apply function, autocast(model.apply, amp), and call it as apply(params, x)."
+        )
+
+
+def _check_flax_args(fn: Callable, args: Tuple[Any, ...], argnums: Tuple[int, ...]) -> None:
+    """A Flax ``model.apply`` takes its variables first: an array there is the inputs (swapped)."""
+    if _flax_module(getattr(fn, "__self__", None)) and args and argnums == (0,) and _is_array(args[0]):
+        raise TypeError(
+            f"autocast({_describe(fn)}): the first argument, `params`, is an array of shape {jnp.shape(args[0])}, "
+            "not the variables dict of model.init. Fix: call it as apply(params, x), the parameters first."
+        )
+
+
+def _config(amp: Any, name: str) -> AmpConfig:
+    """The config one call runs under: ``amp``, checked against the active one, or the active one."""
+    current = policy.active()
+    if amp is not _ACTIVE:
+        if current is not None:
+            policy.check([policy.Policy.of(amp, name)], current, "jaxamp.autocast",
+                         f"the config of {policy.active_caller()}, which it runs in,")
+        return amp
+    if current is None:
+        raise ConfigError(
+            f"autocast({name}) was given no `amp` and runs outside every jaxamp call, so it has no "
+            "config to take. Fix: call it inside jaxamp.init / jaxamp.scaled / jaxamp.value_and_grad "
+            "(their amp is taken), inside `with jaxamp._src.core.policy.using(amp):`, or pass it: autocast(fn, amp)."
+        )
+    return current
+
+
+def autocast(fn: Callable, amp: Optional[AmpConfig] = _ACTIVE, *,
+             params_argnums: Union[int, Sequence[int], None] = None) -> Callable:  # fmt: skip
+    """``fn`` with jaxamp's precision placement, by rewriting its traced program per primitive.
+
+    Parameter-using matmuls/convolutions run in ``amp.compute_dtype``; the first layer and the
+    activations stay float32 unless ``amp.autocast_firstlayer`` / ``amp.autocast_activation``
+    (the module docstring has the full rule). A Flax ``nn.Dense`` with ``dtype=None`` is
+    rewritten as well.
+
+    Args:
+      fn: the network function, e.g. ``model.apply``. Array and number leaves of its arguments
+        are traced, other leaves (bools, strings, functions) are static. Outputs keep ``fn``'s
+        dtypes.
+      amp: the settings. ``None``, ``amp.enabled=False`` or ``amp.dtype="float32"`` return ``fn``.
+        Omitted: each call takes the config of the jaxamp call it runs in
+        (:func:`jaxamp._src.core.policy.active`); given, it must agree with that one
+        (:func:`jaxamp._src.core.policy.check`). The output carries the policy (:func:`jaxamp._src.core.policy.mark`)
+        for ``jaxamp.init`` to check against its own config.
+      params_argnums: positions of the parameter arguments; every other argument is an input.
+        ``()``: ``fn`` closes over its parameters (captured arrays count as such). Default: ``()``
+        for an Equinox or Flax NNX module (or its method), whose arrays are its parameters
+        (``autocast(net, amp)(x)``), else ``0`` (``apply(params, x)``).
+
+    Returns:
+      A function with ``fn``'s signature, tracing ``fn`` once per argument structure, shapes and
+      dtypes. It raises ``ValueError`` naming ``fn`` when nothing runs in the compute dtype.
+
+    Example:
+      >>> import flax.linen as nn, jax, jax.numpy as jnp
+      >>> from jaxamp import AmpConfig, autocast
+      >>> model = nn.Sequential([nn.Dense(64), jnp.tanh, nn.Dense(64), jnp.tanh, nn.Dense(1)])
+      >>> params = model.init(jax.random.PRNGKey(0), jnp.ones((8, 2)))
+      >>> apply = autocast(model.apply, AmpConfig(dtype="float16"))
+      >>> apply(params, jnp.ones((8, 2))).dtype  # layers 2 and 3 ran in float16
+      dtype('float32')
+    """
+    _check_flax(fn)
+    if not callable(fn):
+        raise TypeError(f"autocast: `fn`={fn!r} must be callable (the network's apply function); pass the "
+                        "function itself, e.g. autocast(model.apply, amp), not its output.")
+    if amp is not None and amp is not _ACTIVE and not isinstance(amp, AmpConfig):
+        raise TypeError(
+            f"autocast: `amp`={amp!r} must be a jaxamp.AmpConfig or None; build one with "
+            "AmpConfig(...) or AmpConfig.from_dict(cfg)."
+        )
+    module = is_module(fn)
+    if params_argnums is None:  # a module holds its parameters: every argument is an input
+        params_argnums = () if module else 0
+    argnums = _argnums(params_argnums)
+    if amp is None or (amp is not _ACTIVE and amp.compute_dtype == jnp.float32):
+        return fn
+    cache: Dict[Any, Tuple[jcore.ClosedJaxpr, Any]] = {}
+    name = _describe(fn)
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        config = _config(amp, name)
+        _check_flax_args(fn, args, argnums)
+        if config.compute_dtype == jnp.float32:  # the active config is AMP off: fn as written
+            return fn(*args, **kwargs)
+        if argnums and max(argnums) >= len(args):
+            raise ValueError(
+                f"autocast({_describe(fn)}): `params_argnums`={params_argnums!r} names an argument "
+                f"beyond the {len(args)} positional arguments given; pass the parameters positionally."
+            )
+        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+        traced = [_is_array(x) for x in leaves]
+        arrays = [x for x, t in zip(leaves, traced) if t]
+        types = [jax.typeof(x) for x in arrays]
+        key = (config, tree, tuple(traced), tuple(x for x, t in zip(leaves, traced) if not t),
+               tuple((t.shape, t.dtype, t.weak_type) for t in types),
+               module and tuple(map(id, jax.tree_util.tree_leaves(fn))))  # an NNX module updated in place
+        try:
+            entry = cache.get(key)
+        except TypeError:  # an unhashable static argument: trace every call
+            key, entry = None, None
+        if entry is None:
+            is_param = [i in argnums for i, a in enumerate(args) for _ in jax.tree_util.tree_leaves(a)]
+            is_param += [False] * (len(leaves) - len(is_param))
+
+            def call(*xs):
+                it = iter(xs)
+                full = [next(it) if t else x for x, t in zip(leaves, traced)]
+                args, kwargs = jax.tree_util.tree_unflatten(tree, full)
+                return fn(*args, **kwargs)
+
+            with policy.using(config, f"autocast({name})"):  # a nested autocast(g) takes this config
+                entry = _rewrite(fn, call, config, types, [p for p, t in zip(is_param, traced) if t], argnums)
+            if key is not None and not any(isinstance(c, jax.core.Tracer) for c in entry[0].consts):
+                cache[key] = entry  # a closure over an outer tracer is traced again next call
+        closed, out_tree = entry
+        outs = jax.tree_util.tree_unflatten(out_tree, eval_jaxpr(closed.jaxpr, closed.consts, arrays, bind))
+        return policy.mark(outs, policy.Policy.of(config, name))  # the program carries its policy
+
+    return wrapped
+
+
+def _is_array(x: Any) -> bool:
+    """Traced argument leaves: arrays and numbers; the others (bools, strings, functions) are static."""
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex)) and not isinstance(x, bool)
+
+
+def _rewrite(fn: Callable, call: Callable, amp: AmpConfig, types: Sequence[Any], is_param: Sequence[bool],
+             argnums: Tuple[int, ...]) -> Tuple[jcore.ClosedJaxpr, Any]:
+    """The placed program of ``call`` (``fn`` on array leaves of ``types``) and its output tree."""
+    specs = [jax.ShapeDtypeStruct(t.shape, t.dtype, weak_type=t.weak_type) for t in types]
+    out_trees = []
+
+    def flat_fn(*leaves):
+        outs, out_tree = jax.tree_util.tree_flatten(call(*leaves))
+        out_trees.append(out_tree)
+        return outs
+
+    program, rule = jax.make_jaxpr(flat_fn)(*specs), Placement(amp)
+    flags = [Val(None, inputs=not p, params=p) for p in is_param]
+    rewritten, _ = rule.placed(program, flags, Val(None, params=not argnums))
+    found = ", ".join(f"{n} {why}" for why, n in sorted(rule.counts.items())) or "none"
+    if rule.counts["compute dtype"] and any("left as written" in why for why in rule.counts):
+        warnings.warn(
+            f"autocast: some matmuls of `fn`={_describe(fn)} stay as written ({found}): autocast "
+            "does not rewrite the bodies of these primitives.", stacklevel=3,
+        )
+    if not rule.counts["compute dtype"]:
+        raise ValueError(
+            f"autocast: nothing in `fn`={_describe(fn)} runs in {amp.compute_dtype} (amp.dtype="
+            f"{amp.dtype!r}). Matmuls/convolutions found: {found}. Only a matmul that uses a "
+            f"parameter (arguments at params_argnums={argnums}) and is "
+            "not the first layer on the inputs is moved. Fix: pass params_argnums= naming the "
+            "parameter arguments, set amp.autocast_firstlayer=True for a one-layer model, or call "
+            "fn without autocast."
+        )
+    return rewritten, out_trees[0]

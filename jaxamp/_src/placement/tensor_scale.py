@@ -1,0 +1,182 @@
+"""Per-tensor scaling: each low-precision matmul operand carries its own power-of-two scale.
+
+``scaled_dot(a, b, dimension_numbers, formats)`` is ``lax.dot_general`` whose operands are each
+multiplied by the scale :func:`scale_for` chooses from that operand's own magnitude, cast to
+their role's format (float16, or FP8: :data:`FP8_FORMATS`), multiplied with float32
+accumulation, and unscaled in float32. It is one primitive, ``scaled_dot_p``, bilinear like
+``dot_general``: its JVP multiplies the tangents as
+``scaled_dot`` again (``role="tangent"``) and its transpose the cotangents
+(``role="cotangent"``), so derivative tangents and cotangents get scales from their own
+magnitudes, not from the values'.
+
+A scale is a power of two, so while an operand stays in its format's normal range the product is
+the unscaled one bit for bit (binary scaling commutes with rounding); what changes is that a
+tangent of 1e-7 or a value of 1e6 is brought into the window instead of flushing to zero or
+overflowing. A zero or non-finite operand keeps scale 1: an inf or NaN stays visible to the
+derivative scalers' checks. Under ``vmap`` the batched operand has one scale. ``jaxamp.autocast``
+uses it for its matmuls with ``AmpConfig(tensor_scaling=True)`` (float16) and
+``AmpConfig(dtype="float8")``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jcore
+from jax.interpreters import ad, batching, mlir
+
+from jaxamp._src.scaling.config_values import FP8_FORMATS, ROLES
+
+__all__ = ["ROLES", "FP8_FORMATS", "MARGIN_LOG2", "scale_for", "scaled_dot", "scaled_dot_p"]
+
+# Powers of two kept free below the format's largest power of two: the scaled operand's largest
+# entry lands in [2**(emax - MARGIN_LOG2 - 1), 2**(emax - MARGIN_LOG2)].
+MARGIN_LOG2 = 1
+
+scaled_dot_p = jcore.Primitive("jaxamp_scaled_dot")
+
+
+def scale_for(x: jax.Array, dtype: Any) -> jax.Array:
+    """The power-of-two scale (float32 scalar) that puts ``max|x|`` just under ``dtype``'s
+    largest power of two, ``MARGIN_LOG2`` below it; 1 for an all-zero or non-finite ``x``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> float(scale_for(jnp.array([3e-6, -1e-6]), jnp.float16)) == 2.0**32  # 3e-6 * 2**32 is about 2**13.6
+      True
+    """
+    amax = jnp.max(jnp.abs(x)).astype(jnp.float32) if jnp.size(x) else jnp.float32(0.0)
+    emax = int(np.floor(np.log2(float(jnp.finfo(dtype).max))))
+    e = jnp.clip(emax - MARGIN_LOG2 - jnp.ceil(jnp.log2(amax)), -126, 126)
+    ok = jnp.isfinite(amax) & (amax > 0)
+    return jnp.ldexp(jnp.float32(1.0), jnp.where(ok, e, 0.0).astype(jnp.int32))  # exactly 2**e
+
+
+def _impl(a, b, *, dimension_numbers, formats, scaling, role):
+    dtype = jnp.dtype(formats[ROLES.index(role)])
+    one = jnp.float32(1.0)
+    sa, sb = (scale_for(a, dtype), scale_for(b, dtype)) if scaling else (one, one)
+    low_a = (a.astype(jnp.float32) * sa).astype(dtype)
+    low_b = (b.astype(jnp.float32) * sb).astype(dtype)
+    out = lax.dot_general(low_a, low_b, dimension_numbers, preferred_element_type=jnp.float32)
+    return out * (1.0 / (sa * sb))
+
+
+def scaled_dot(a: jax.Array, b: jax.Array, dimension_numbers, formats: Sequence[Any] = ("float16",) * 3,
+               role: str = "value", *, scaling: bool = True) -> jax.Array:  # fmt: skip
+    """``lax.dot_general(a, b, dimension_numbers)`` on low-precision operands with per-tensor
+    scales, float32 out.
+
+    Args:
+      a, b, dimension_numbers: as ``lax.dot_general``.
+      formats: the operands' format per role (value, tangent, cotangent): float16 or FP8.
+      role: ``"value"``, ``"tangent"`` or ``"cotangent"`` (what ``a`` and ``b`` are).
+      scaling: False: plain casts to the formats (scale 1), the baseline.
+
+    Returns:
+      The float32 product, unscaled.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> a, b = jnp.full((2, 3), 1e-6), jnp.ones((3, 2))
+      >>> dims = (((1,), (0,)), ((), ()))
+      >>> round(float(scaled_dot(a, b, dims)[0, 0]) / 3e-6, 3)  # float16 holds 1e-6 only as a subnormal
+      1.0
+    """
+    if role not in ROLES:
+        raise ValueError(f"jaxamp.tensor_scale.scaled_dot: `role`={role!r} is not allowed: expected one of {ROLES}.")
+    names = tuple(jnp.dtype(f).name for f in formats)
+    return scaled_dot_p.bind(a, b, dimension_numbers=_dims(dimension_numbers), formats=names, scaling=bool(scaling),
+                             role=role)  # fmt: skip
+
+
+def _dims(dimension_numbers) -> Tuple[Tuple[Tuple[int, ...], ...], ...]:
+    (lc, rc), (lb, rb) = dimension_numbers
+    return ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))
+
+
+def _abstract(a, b, *, dimension_numbers, formats, scaling, role):
+    out = jax.eval_shape(lambda x, y: lax.dot_general(x, y, dimension_numbers, preferred_element_type=jnp.float32),
+                         jax.ShapeDtypeStruct(a.shape, a.dtype), jax.ShapeDtypeStruct(b.shape, b.dtype))
+    return jax.core.ShapedArray(out.shape, jnp.float32)
+
+
+def _jvp(primals, tangents, *, dimension_numbers, formats, scaling, role):
+    a, b = primals
+    ta, tb = tangents
+    params = dict(dimension_numbers=dimension_numbers, formats=formats, scaling=scaling)
+    out = scaled_dot_p.bind(a, b, role=role, **params)
+    parts = []
+    if not isinstance(ta, ad.Zero):
+        parts.append(scaled_dot_p.bind(ta, b, role="tangent", **params))
+    if not isinstance(tb, ad.Zero):
+        parts.append(scaled_dot_p.bind(a, tb, role="tangent", **params))
+    tangent = parts[0] if len(parts) == 1 else parts[0] + parts[1]
+    return out, tangent
+
+
+def _remaining(n: int, *removed: Sequence[int]) -> list:
+    drop = {i for r in removed for i in r}
+    return [i for i in range(n) if i not in drop]
+
+
+def _transpose_lhs(g, x_aval, y, dimension_numbers, params, swap: bool = False):
+    """The cotangent of the left operand (as ``lax``'s dot_general transpose), as a scaled_dot."""
+    (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
+    x_kept = _remaining(len(x_aval.shape), x_contract, x_batch)
+    y_kept = _remaining(np.ndim(y), y_contract, y_batch)
+    nb = len(x_batch)
+    ans_batch = list(range(nb))
+    if swap:
+        ans_y = list(range(nb, nb + len(y_kept)))
+    else:
+        ans_y = list(range(nb + len(x_kept), nb + len(x_kept) + len(y_kept)))
+    dims = ((tuple(ans_y), tuple(y_kept)), (tuple(ans_batch), tuple(y_batch)))
+    x_contract_sorted_by_y = list(np.take(x_contract, np.argsort(y_contract)))
+    out_axes = np.argsort(list(x_batch) + x_kept + x_contract_sorted_by_y)
+    out = scaled_dot_p.bind(g, y, dimension_numbers=dims, role="cotangent", **params)
+    return lax.transpose(out, tuple(int(i) for i in out_axes)).astype(x_aval.dtype)
+
+
+def _transpose(g, a, b, *, dimension_numbers, formats, scaling, role):
+    if isinstance(g, ad.Zero):
+        return [None, None]
+    (lc, rc), (lb, rb) = dimension_numbers
+    ct_a = ct_b = None
+    params = dict(formats=formats, scaling=scaling)
+    if ad.is_undefined_primal(a):
+        ct_a = _transpose_lhs(g, a.aval, b, dimension_numbers, params)
+    if ad.is_undefined_primal(b):
+        ct_b = _transpose_lhs(g, b.aval, a, ((rc, lc), (rb, lb)), params, swap=True)
+    return [ct_a, ct_b]
+
+
+def _batch(args, dims, *, dimension_numbers, **params):
+    """The batch axis as a dot_general batch (both batched) or free (one batched) dimension: the
+    scale is then that of the whole batched operand, and the equation stays ``scaled_dot_p``,
+    so derivatives taken after ``vmap`` still scale their tangents and cotangents."""
+    (a, b), (da, db) = args, dims
+    a = a if da is None else jnp.moveaxis(a, da, 0)
+    b = b if db is None else jnp.moveaxis(b, db, 0)
+    (lc, rc), (lb, rb) = dimension_numbers
+    up = lambda axes, on: tuple(i + 1 for i in axes) if on else tuple(axes)  # noqa: E731
+    lc, lb, rc, rb = up(lc, da is not None), up(lb, da is not None), up(rc, db is not None), up(rb, db is not None)
+    if da is not None and db is not None:
+        dims_out, out_dim = ((lc, rc), ((0,) + lb, (0,) + rb)), 0
+    elif da is not None:  # lhs axis 0 is its first free dimension: right after the batch dims
+        dims_out, out_dim = ((lc, rc), (lb, rb)), len(lb)
+    else:  # rhs axis 0: after the batch dims and the lhs free dims
+        dims_out, out_dim = ((lc, rc), (lb, rb)), len(lb) + a.ndim - len(lc) - len(lb)
+    return scaled_dot_p.bind(a, b, dimension_numbers=dims_out, **params), out_dim
+
+
+scaled_dot_p.def_impl(_impl)
+scaled_dot_p.def_abstract_eval(_abstract)
+ad.primitive_jvps[scaled_dot_p] = _jvp
+ad.primitive_transposes[scaled_dot_p] = _transpose
+batching.primitive_batchers[scaled_dot_p] = _batch
+mlir.register_lowering(scaled_dot_p, mlir.lower_fun(_impl, multiple_results=False))

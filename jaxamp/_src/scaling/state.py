@@ -1,0 +1,75 @@
+"""`AmpState`: every scaler of a run in one pytree (rules static); :func:`jaxamp.init` is the one
+way to create it. Without derivative scaling it has no derivative scalers; without loss scaling
+its loss scale stays 1. :func:`find` locates it in an optimizer state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Optional, Tuple
+
+import jax
+
+from jaxamp._src.scaling.config import AmpConfig
+from jaxamp._src.scaling.scaler import DynamicScaler, Scalers, ScaleState
+
+__all__ = ["AmpState", "find"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(eq=False)
+class AmpState:
+    """The scalers of a run: derivative scalers per key and the loss scaler, with their rules.
+
+    Create it with :func:`init`. Attributes: ``amp``, the :class:`~jaxamp.AmpConfig` (static);
+    ``derivative``, a :class:`~jaxamp.scaler.Scalers`; ``loss``, the loss scaler's ``ScaleState``
+    (scale 1 when loss scaling is off); ``loss_rule``, its ``DynamicScaler`` or None (static).
+
+    Example:
+      >>> import jaxamp
+      >>> state = jaxamp.init(None, jaxamp.AmpConfig(enabled=False))()
+      >>> state.scales, float(state.loss_scale)
+      ({}, 1.0)
+    """
+
+    amp: AmpConfig = dataclasses.field(metadata=dict(static=True))
+    derivative: Scalers
+    loss: ScaleState
+    loss_rule: Optional[DynamicScaler] = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def scales(self) -> Dict[str, jax.Array]:
+        """``{key: f32[]}``: the current derivative scales (empty when scaling is off)."""
+        return self.derivative.scales
+
+    @property
+    def loss_scale(self) -> jax.Array:
+        """``f32[]``: the current loss scale (1 when loss scaling is off)."""
+        return self.loss.scale
+
+    def replace(self, *, derivative: Optional[Scalers] = None, loss: Optional[ScaleState] = None) -> "AmpState":
+        """A copy with new scaler states (the rules stay)."""
+        return AmpState(self.amp, self.derivative if derivative is None else derivative,
+                        self.loss if loss is None else loss, self.loss_rule)  # fmt: skip
+
+    def __repr__(self) -> str:
+        return f"AmpState(scales={self.scales!r}, loss_scale={self.loss_scale!r})"
+
+
+def find(tree: Any, caller: str) -> AmpState:
+    """The one :class:`AmpState` in ``tree`` (an AmpState, or an optimizer state holding one)."""
+    if isinstance(tree, AmpState):
+        return tree
+    found: Tuple[AmpState, ...] = tuple(x for x in jax.tree_util.tree_leaves(
+        tree, is_leaf=lambda x: isinstance(x, AmpState)) if isinstance(x, AmpState))  # fmt: skip
+    if len(found) != 1:
+        # The likely slips: the state forgotten (the parameters come first), a plain optax state.
+        hint = (" Fix: pass the state first, e.g. value_and_grad(loss)(opt_state, params, batch)"
+                " with opt_state from jaxamp.optimizer(tx, jaxamp.init(loss, amp)(params, batch)).init(params).")
+        raise TypeError(
+            f"{caller}: the first argument (`state`, or `scales` for jaxamp.scaled) must be a jaxamp.AmpState "
+            f"(from jaxamp.init) or an optimizer state holding exactly one (from jaxamp.optimizer), or for "
+            f"jaxamp.scaled a mapping {{key: scale}}; got {type(tree).__name__} holding {len(found)} AmpState(s)."
+            + (hint if not found else "")
+        )
+    return found[0]

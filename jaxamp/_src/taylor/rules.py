@@ -1,0 +1,58 @@
+"""What the Taylor interpreter knows about primitives, in one table.
+
+A primitive's *degree* in its ``x``-dependent operands is the highest order of its derivatives in
+them that is not identically zero; it bounds the nonzero terms of Faa di Bruno's formula
+(:mod:`jaxamp._src.taylor.faa_di_bruno`): 1 (linear) has no product terms, 2 keeps products of two
+coefficients, ``None`` keeps every term. Call-like primitives are entered (:func:`body`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from jax.extend import core as jcore
+
+from jaxamp._src.core import interpreter
+
+__all__ = ["LINEAR", "BILINEAR", "INLINED_CALLS", "degree", "body"]
+
+# Linear in their x-dependent operands (the others held fixed).
+LINEAR = frozenset(
+    "add add_any sub neg convert_element_type reshape broadcast_in_dim squeeze expand_dims transpose "
+    "slice concatenate reduce_sum copy real imag conj pad rev select_n dynamic_slice "
+    "dynamic_update_slice gather".split()
+)
+# Linear in each operand: linear when one operand depends on x, degree 2 when two do.
+BILINEAR = frozenset(("mul", "dot_general", "jaxamp_scaled_dot"))  # the last: jaxamp.tensor_scale
+# Call-like primitives whose body is interpreted equation by equation. Rematerialised bodies
+# (remat/checkpoint) are differentiated whole, so that their rematerialisation policy still
+# applies to the weight gradient taken through the Taylor coefficients.
+INLINED_CALLS = interpreter.CALL_PRIMITIVES - {"remat", "checkpoint"}
+
+
+def degree(name: str, n_dependent: int) -> Optional[int]:
+    """The degree of primitive ``name`` in its ``n_dependent >= 1`` x-dependent operands, or
+    ``None`` when no derivative order is known to vanish.
+
+    Example:
+      >>> from jaxamp._src.taylor.rules import degree
+      >>> degree("mul", 1), degree("mul", 2), degree("tanh", 1)
+      (1, 2, None)
+    """
+    if name in LINEAR or (name in BILINEAR and n_dependent == 1):
+        return 1
+    return 2 if name in BILINEAR else None
+
+
+def body(eqn: jcore.JaxprEqn) -> Optional[jcore.ClosedJaxpr]:
+    """The body evaluated in place of an :data:`INLINED_CALLS` equation (e.g. a ``jit``-ed
+    function such as flax's activations), else None.
+
+    Example:
+      >>> import jax
+      >>> from jaxamp._src.taylor.rules import body
+      >>> eqn = jax.make_jaxpr(jax.jit(lambda x: x + 1))(1.0).jaxpr.eqns[0]
+      >>> body(eqn) is not None
+      True
+    """
+    return interpreter.sub_jaxpr(eqn) if eqn.primitive.name in INLINED_CALLS else None

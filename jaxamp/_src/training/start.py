@@ -1,0 +1,115 @@
+"""``jaxamp.init``, the one constructor of an :class:`~jaxamp.AmpState`: a program's scaler keys
+and their start scales from a float32 profile (:mod:`jaxamp._src.core.profile`), its autocast
+policies checked against the config, a ``jax.grad`` left in a float16 loss warned of.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+
+import jax.numpy as jnp
+
+from jaxamp._src.core import policy
+from jaxamp._src.scaling.config import AmpConfig, check_flags
+from jaxamp._src.core.profile import scalers_of
+from jaxamp._src.core.tracing import traced
+from jaxamp._src.scaling.scaler import Scalers, ScaleState
+from jaxamp._src.scaling.state import AmpState
+from jaxamp._src.core.window import check_margin
+
+__all__ = ["init", "UnscaledDerivativeWarning"]
+
+
+class UnscaledDerivativeWarning(UserWarning):
+    """A loss takes a derivative through a float16 ``autocast`` network with no jaxamp derivative."""
+
+
+def init(fun: Optional[Callable[..., Any]], amp: Optional[AmpConfig] = None, *, keys: Sequence[str] = (),
+         from_profile: bool = True, margin_log2: int = 2) -> Callable[..., AmpState]:  # fmt: skip
+    """The :class:`AmpState` of a program written with :func:`jaxamp.grad` and its siblings.
+
+    Args:
+      fun: the function whose derivatives the scalers guard, called on example arguments to find
+        its scaler keys; None: no derivative scalers but ``keys``'.
+      amp: the settings (None: ``AmpConfig()``).
+      from_profile: start each derivative scaler where a float32 profile of ``fun`` at scale 1
+        puts it (:func:`jaxamp.window.recommend`); False: at the configured ``init_scale``.
+      margin_log2: powers of two kept free below 65504 when starting from the profile.
+      keys: more scaler keys, started at their configured rule (e.g. an engine's ``scaler_keys``).
+
+    Returns:
+      ``init_state(*args, **kwargs) -> AmpState``, called on example arguments as for ``fun``.
+      It traces ``fun`` with ``amp`` active (:func:`jaxamp._src.core.policy.using`: ``autocast(apply)``
+      without ``amp`` takes it) and raises a :class:`~jaxamp.ConfigError` if an ``autocast`` in
+      ``fun`` runs under another ``enabled`` / ``dtype`` / ``derivative_scaling``; it warns
+      (:class:`UnscaledDerivativeWarning`) if ``fun`` differentiates a float16 ``autocast``
+      network but takes no :func:`jaxamp.grad` while derivative scaling is on.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxamp
+      >>> u = lambda p, x: jnp.sin(p * x)
+      >>> loss = lambda p, x: jaxamp.grad(jaxamp.grad(u, 1), 1)(p, x) ** 2
+      >>> state = jaxamp.init(loss, jaxamp.AmpConfig(), from_profile=False)(1.0, 0.5)
+      >>> sorted(state.scales)
+      ['1', '2']
+    """
+    amp = AmpConfig() if amp is None else amp
+    if not isinstance(amp, AmpConfig):
+        raise TypeError(f"jaxamp.init: `amp`={amp!r} must be an AmpConfig or None; build one with "
+                        "AmpConfig(...), AmpConfig(**config.amp) or AmpConfig.from_dict(cfg).")
+    if fun is not None and not callable(fun):
+        raise TypeError(f"jaxamp.init: `fun`={fun!r} must be callable (the loss whose derivatives are scaled) or "
+                        "None; pass the function itself and call the result on example arguments: "
+                        "jaxamp.init(loss, amp)(params, batch).")
+    if isinstance(keys, str) or not all(isinstance(k, str) for k in keys):
+        raise TypeError(f"jaxamp.init: `keys`={keys!r} must be a list of scaler keys (strings).")
+    check_flags("jaxamp.init", from_profile=from_profile)
+    check_margin(margin_log2, "jaxamp.init")  # here, not after tracing and profiling the loss
+
+    def init_state(*args, **kwargs) -> AmpState:
+        found = Scalers({})  # the keys of `fun` (from its profile), then those of `keys` it lacks
+        if fun is not None:
+            program, flat = _trace(fun, args, kwargs, amp)  # once: the keys and the profile read it
+            if amp.scaler_enabled:
+                found = scalers_of(program, flat, amp, from_profile=from_profile, margin_log2=margin_log2)
+            if amp.scaler_enabled and not found and policy.derivative_taken(program):
+                _warn_unscaled(fun, policy.policies_in(program))
+        more = {k: amp.derivative_scaler_for(k) for k in keys if k not in found} if amp.scaler_enabled else {}
+        derivative = Scalers({**found.rules, **more}, {**found, **{k: r.init() for k, r in more.items()}})
+        rule = amp.make_loss_scaler()
+        off = ScaleState(jnp.asarray(1.0, jnp.float32), jnp.asarray(0, jnp.int32))
+        return AmpState(amp, derivative, off if rule is None else rule.init(), rule)
+
+    return init_state
+
+
+def _describe(fun: Callable) -> str:
+    return getattr(fun, "__qualname__", None) or type(fun).__name__
+
+
+def _trace(fun: Callable, args: Tuple[Any, ...], kwargs: Dict[str, Any], amp: AmpConfig) -> Any:
+    """``fun``'s program and array arguments (:func:`jaxamp._src.core.tracing.traced`: ``amp``
+    active, its autocast policies checked); called with none, a failure names the fix."""
+    try:
+        return traced(fun, args, kwargs, amp, "jaxamp.init", "the `amp` given to jaxamp.init")[:2]
+    except TypeError as e:
+        if args or kwargs:
+            raise
+        raise TypeError(f"jaxamp.init: `fun`={_describe(fun)} failed on no arguments ({e}). jaxamp.init(fun, amp) "
+                        "returns a builder: call it on example arguments as for fun, e.g. "
+                        "jaxamp.init(loss, amp)(params, batch).") from None
+
+
+def _warn_unscaled(fun: Callable, policies: Sequence[policy.Policy]) -> None:
+    """The most likely slip of a port: ``jax.grad`` left in a float16 loss (no scaler, no word)."""
+    nets = ", ".join(f"autocast({p.fn})" for p in policies)
+    warnings.warn(
+        f"jaxamp.init: `fun`={_describe(fun)} differentiates {nets}, which runs in float16, but takes "
+        "no jaxamp derivative, so the state has no derivative scaler: a jax.grad / jax.jacrev / "
+        "jax.hessian is probably left in the loss, and its derivatives run in float16 unscaled (they "
+        "may overflow: NaN losses, every step skipped). Fix: use jaxamp.grad / jaxamp.jacrev / "
+        "jaxamp.jacfwd / jaxamp.hessian (same signatures) for the input derivatives, or pass "
+        "AmpConfig(derivative_scaling=False) to both autocast and jaxamp.init for loss scaling only.",
+        UnscaledDerivativeWarning, stacklevel=3,
+    )

@@ -248,3 +248,21 @@ def test_bad_inputs_name_the_argument():
             laplacian(mlp, 1, indices=bad)
     with pytest.raises(TypeError, match="`of`="):
         laplacian(mlp, 1, of="")
+
+
+def _eqns(jaxpr):
+    return len(jaxpr.eqns) + sum(_eqns(j) for e in jaxpr.eqns for j in jax.core.jaxprs_in_params(e.params))
+
+
+def test_directions_are_one_batch_and_the_first_layer_maps_the_seeds_once():
+    """The collapsed Laplacian's program does not grow with d, and under vmap over points the
+    seed directions pass the first (linear) layer once: a [d, width] product, not one per point."""
+    sizes, firsts = [], []
+    for d in (4, 12):
+        params = init(d)
+        program = jax.make_jaxpr(jax.vmap(laplacian(mlp, 1), (None, 0)))(params, points(d, n=8))
+        sizes.append(_eqns(program.jaxpr))
+        firsts.append([e for e in program.jaxpr.eqns if e.primitive.name == "dot_general"
+                       and sorted(e.outvars[0].aval.shape) == sorted((d, 16))])  # W times the seeds  # fmt: skip
+    assert sizes[0] == sizes[1]
+    assert all(len(f) == 1 for f in firsts)

@@ -9,7 +9,7 @@ marks ``g``, the scaled derivative of ``v``, for the overflow check; both carry 
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, MutableMapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, MutableMapping, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -144,13 +144,19 @@ def reduce_flags(pending: Mapping[str, List[jax.Array]]) -> Dict[str, jax.Array]
 
 # ---------------------------------------------------------------- deriv_scale_p
 # deriv_scale_p(v) -> f32 array of v's shape, every entry the key's scale; params order (relative
-# to v's: jaxamp._src.core.nesting), term, wrt. With v as operand
-# the scale is batched wherever v is: one seed per point under vmap, as the Derivatives engine.
+# to v's: jaxamp._src.core.nesting), term, wrt, scalar. With v as operand the scale is batched
+# wherever v is: one seed per point under vmap, as the Derivatives engine. scalar=True: one f32[]
+# scale, never batched (a key has one scale): seeds built from it stay unbatched under vmap, so a
+# linear first layer maps them once, not once per point (jaxamp.laplacian).
 deriv_scale_p = jcore.Primitive("jaxamp_deriv_scale")
 
 
-def _scale_impl(v, **_):
-    return jnp.ones(jnp.shape(v), jnp.float32)
+def _scale_shape(v, scalar: bool = False, **_) -> Tuple[int, ...]:
+    return () if scalar else tuple(jnp.shape(v))
+
+
+def _scale_impl(v, **params):
+    return jnp.ones(_scale_shape(v, **params), jnp.float32)
 
 
 def _scale_jvp(primals, tangents, **params):
@@ -159,11 +165,11 @@ def _scale_jvp(primals, tangents, **params):
 
 
 def _scale_batch(args, dims, **params):
-    return deriv_scale_p.bind(*args, **params), dims[0]
+    return deriv_scale_p.bind(*args, **params), None if params.get("scalar") else dims[0]
 
 
 deriv_scale_p.def_impl(_scale_impl)
-deriv_scale_p.def_abstract_eval(lambda v, **_: jax.core.ShapedArray(v.shape, jnp.float32))
+deriv_scale_p.def_abstract_eval(lambda v, **params: jax.core.ShapedArray(_scale_shape(v, **params), jnp.float32))
 ad.primitive_jvps[deriv_scale_p] = _scale_jvp
 batching.primitive_batchers[deriv_scale_p] = _scale_batch
 mlir.register_lowering(deriv_scale_p, mlir.lower_fun(_scale_impl, multiple_results=False))
@@ -205,10 +211,14 @@ mlir.register_lowering(deriv_check_p, mlir.lower_fun(_check_impl, multiple_resul
 PRIMITIVES = frozenset((deriv_scale_p, deriv_check_p))
 
 
-def deriv_scale(v: jax.Array, *, order: int, term: Optional[str], wrt: Optional[str] = None) -> jax.Array:
-    """The scale of a derivative ``order`` steps above ``v`` (f32, ``v``'s shape); 1.0 outside
-    ``scaled``. ``term``: the differentiated value's name (None: from the program); ``wrt``:
-    the variable's name (None: unnamed). :mod:`jaxamp._src.core.nesting` gives the step's order."""
+def deriv_scale(v: jax.Array, *, order: int, term: Optional[str], wrt: Optional[str] = None,
+                scalar: bool = False) -> jax.Array:  # fmt: skip
+    """The scale of a derivative ``order`` steps above ``v`` (f32, ``v``'s shape, or ``()`` with
+    ``scalar``: unbatched under vmap); 1.0 outside ``scaled``. ``term``: the differentiated
+    value's name (None: from the program); ``wrt``: the variable's name (None: unnamed).
+    :mod:`jaxamp._src.core.nesting` gives the step's order."""
+    if scalar:
+        return deriv_scale_p.bind(v, order=order, term=term, wrt=wrt, scalar=True)
     return deriv_scale_p.bind(v, order=order, term=term, wrt=wrt)
 
 

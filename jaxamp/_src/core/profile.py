@@ -126,7 +126,7 @@ def profile_traced(closed: jcore.ClosedJaxpr, flat, amp: Optional[AmpConfig],
 
     def rule(eqn, vals):
         if eqn.primitive is deriv_scale_p:
-            outs = [ctx.scale(vals[0], *resolved[id(eqn)])]
+            outs = [ctx.scale(eqn.outvars[0].aval.shape, *resolved[id(eqn)])]
         elif eqn.primitive is deriv_check_p and eqn.params["check"] and eqn.params["order"] > 0:  # 0: a value check
             outs, key, g = [promote_value(vals[0])], ctx.key(*resolved[id(eqn)]), eqn.invars[0]
             record("derivatives", key, outs[0])

@@ -76,11 +76,12 @@ class Context:
         keys = _ordered(self.key(o, t) for o, t in marked if o > 0)
         return keys + [NONFINITE_VALUES] if marked else []
 
-    def scale(self, v, order: int, term: Optional[str]) -> jax.Array:
+    def scale(self, shape: Tuple[int, ...], order: int, term: Optional[str]) -> jax.Array:
+        """The scale of ``(order, term)``'s key as float32 of ``shape`` (the mark's output)."""
         if not self.active:
             if str(order) in self.scales:  # plain fp16: scale 1 through the scaled graph
-                return jnp.broadcast_to(self.scales[str(order)], jnp.shape(v))
-            return jnp.ones(jnp.shape(v), jnp.float32)  # fp32, bf16, AMP off: nothing multiplies
+                return jnp.broadcast_to(self.scales[str(order)], shape)
+            return jnp.ones(shape, jnp.float32)  # fp32, bf16, AMP off: nothing multiplies
         key = self.key(order, term)
         if key not in self.scales:
             raise KeyError(
@@ -88,7 +89,7 @@ class Context:
                 f"term {term!r}) but `scales` has only the keys {sorted(self.scales)}; pass a scale for "
                 f"every key of jaxamp.init(fun, amp)(*args) (AmpState.scales)."
             )
-        return jnp.broadcast_to(jnp.asarray(self.scales[key], jnp.float32), jnp.shape(v))
+        return jnp.broadcast_to(jnp.asarray(self.scales[key], jnp.float32), shape)
 
 
 def _ordered(keys) -> List[str]:
@@ -135,7 +136,7 @@ def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ct
     def rule(eqn, invals):
         prim = eqn.primitive
         if prim is deriv_scale_p:
-            return [ctx.scale(invals[0], *analysis.resolved[id(eqn)])]
+            return [ctx.scale(eqn.outvars[0].aval.shape, *analysis.resolved[id(eqn)])]
         if prim is deriv_check_p:
             if eqn.params["check"]:
                 _check(ctx, *invals, *analysis.resolved[id(eqn)])

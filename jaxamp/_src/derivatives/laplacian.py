@@ -162,7 +162,8 @@ def laplacian(fun: Callable[..., Any], argnums: int = 0, *, of: Optional[str] = 
             return interpreter.eval_jaxpr(closed.jaxpr, closed.consts, [zv], interpreter.bind)[0]
 
         y = g(xv)
-        s1, s2 = deriv_scale(y, **keys["first"]), deriv_scale(y, **keys["second"])
+        # one f32[] scale per key, unbatched under vmap: the seeds enter a linear first layer once
+        s1, s2 = deriv_scale(y, scalar=True, **keys["first"]), deriv_scale(y, scalar=True, **keys["second"])
         basis = jnp.asarray(np.eye(d)[list(idx)], xv.dtype)
         first, second = METHODS[method](closed, g, xv, basis, s1, s2)
         deriv_check(first, y, **keys["first"])  # the first-order tangents: flags only

@@ -2,8 +2,10 @@
 
 ``out2 = g'(z) z2 + g''(z)[z1, z1]`` is linear in ``z2``, so only ``z2 = sum_i z2_i`` is propagated,
 beside one ``z1_i`` per direction: linear primitives take ``A z2``; elementwise ones
-``g'(z) z2 + g''(z) * sum_i z1_i**2``; others a nested ``jax.jvp`` per direction (unrolled, not
-under ``jax.vmap``: docs/benchmarks.md). Call and custom-derivative primal bodies are entered.
+``g'(z) z2 + g''(z) * sum_i z1_i**2``; others a nested ``jax.jvp`` per direction. The directions
+are one batch (``jax.vmap`` of each rule over the leading axis of the stacked ``z1``), so the
+program and its compile time do not grow with their number. Call and custom-derivative primal
+bodies are entered.
 Scaling as :func:`jaxamp.taylor.second_order`: seeds carry ``S_1``, product terms ``(S_2 / S_1,
 1 / S_1)``, in float32 after the product or as two powers of two on float16 tangents before it.
 """
@@ -33,8 +35,8 @@ ELEMENTWISE = frozenset(
 
 
 class CJet(NamedTuple):
-    """A value, its first-order coefficients (a tuple, one per direction) and its summed
-    second-order one; None where identically zero."""
+    """A value, its first-order coefficients (stacked: ``[D, *value.shape]``, one row per
+    direction) and its summed second-order one; None where identically zero."""
 
     value: Any
     first: Optional[jax.Array] = None
@@ -64,8 +66,7 @@ def _rule(eqn: jcore.JaxprEqn, invals: List[CJet], ratio: Optional[Ratio]) -> Li
     first = second = None
     if ones:
         f1, p1 = _restrict(eqn, values, ones, keep), tuple(values[i] for i in ones)
-        per = [jax.jvp(f1, p1, ts)[1] for ts in zip(*[invals[i].first for i in ones])]
-        first = [tuple(p[n] for p in per) for n in range(len(keep))]
+        first = jax.vmap(lambda *ts: jax.jvp(f1, p1, ts)[1])(*[invals[i].first for i in ones])
     if twos:
         f2 = _restrict(eqn, values, twos, keep)
         second = jax.jvp(f2, tuple(values[i] for i in twos), tuple(invals[i].second for i in twos))[1]
@@ -90,11 +91,11 @@ def _quadratic(eqn, f1: Callable, p1: Tuple[Any, ...], firsts: List[jax.Array], 
         return t if h is None else rescale(t, (h,))
 
     if eqn.primitive.name in ELEMENTWISE and len(p1) == 1 and all(o.shape == p1[0].shape for o in outs):
-        squares = sum(pre(a, heads[0]) * pre(a, heads[1]) for a in firsts[0])
+        squares = jnp.sum(pre(firsts[0], heads[0]) * pre(firsts[0], heads[1]), axis=0)
         q = multilinear(f1, p1, [(jnp.ones_like(p1[0]),), (squares,)])
-    else:  # one nested jvp per direction
-        per = [multilinear(f1, p1, [tuple(pre(t, h) for t in ts) for h in heads]) for ts in zip(*firsts)]
-        q = [sum(p[n] for p in per) for n in range(len(outs))]
+    else:  # a nested jvp per direction, the directions batched
+        per = jax.vmap(lambda *ts: multilinear(f1, p1, [tuple(pre(t, h) for t in ts) for h in heads]))(*firsts)
+        q = [jnp.sum(p, axis=0) for p in per]
     if ratio is not None and wide:
         q = [rescale(v, ratio.factors) for v in q]
     return q
@@ -126,8 +127,8 @@ def propagate_jaxpr(closed: jcore.ClosedJaxpr, x: jax.Array, tangents: jax.Array
     """
     scaling = None if ratio is None else Ratio(tuple(ratio) if isinstance(ratio, (tuple, list)) else (ratio,))
     d = tangents.shape[0]
-    (out,) = _run(closed, [CJet(x, tuple(tangents[i] for i in range(d)))], scaling)
-    first = jnp.zeros((d,) + jnp.shape(out.value), out.value.dtype) if out.first is None else jnp.stack(out.first)
+    (out,) = _run(closed, [CJet(x, tangents)], scaling)
+    first = jnp.zeros((d,) + jnp.shape(out.value), out.value.dtype) if out.first is None else out.first
     second = jnp.zeros_like(out.value) if out.second is None else out.second
     return out.value, first, second
 

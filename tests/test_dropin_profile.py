@@ -191,3 +191,16 @@ def test_a_derivative_large_only_in_float32_lowers_no_start_scale():
     prof = jax.jit(jaxamp.profile(fn, amp))(params, pts)
     assert _max(prof.keys["2"]) > LOG2_FP16_MAX
     assert recommend(prof).scales_log2["2"] < 0
+
+
+def test_a_state_brings_its_config_to_the_profile():
+    u = lambda p, t, x: jnp.tanh((p * x + t).astype(jnp.float16)).astype(jnp.float32)  # noqa: E731
+
+    def losses(p, t, x):
+        u_xx = jaxamp.grad(jaxamp.grad(u, 2, of="u", wrt="x"), 2, wrt="x")
+        return jax.vmap(u_xx, (None, 0, 0))(p, t, x) + jax.vmap(jaxamp.grad(u, 1, of="u", wrt="t"), (None, 0, 0))(p, t, x)
+
+    args = (3.0, jnp.linspace(0.0, 1.0, 8), jnp.linspace(0.0, 0.1, 8))
+    state = jaxamp.init(losses, jaxamp.AmpConfig(mode="per_term_scaler"))(*args)
+    assert sorted(jaxamp.profile(losses, scales=state)(*args).keys) == sorted(state.scales) == ["u", "u__x"]
+    assert sorted(jaxamp.profile(losses, jaxamp.AmpConfig())(*args).keys) == ["1", "2"]

@@ -17,7 +17,7 @@ from jax.extend import core as jcore
 from jaxamp._src.scaling.config import AmpConfig, check_flags
 from jaxamp._src.core.marks import NONFINITE_VALUES, deriv_check_p, deriv_scale_p
 from jaxamp._src.core.scaled import Context, inputs, marks_in
-from jaxamp._src.core.tracing import check_amp, traced
+from jaxamp._src.core.tracing import check_amp, state_config, traced
 from jaxamp._src.core.nesting import analyze
 from jaxamp._src.core.interpreter import bind, custom_body, eval_jaxpr, sub_jaxpr, sub_jaxprs
 from jaxamp._src.core.window import Profile, check_margin, is_low_precision, promote_eqn, promote_value, recommend, value_range
@@ -68,7 +68,9 @@ def profile(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *,
       fun: a function taking derivatives with :func:`jaxamp.grad` and its siblings (not inside
         ``scan``/``while``/``cond`` bodies), or a :class:`jaxamp.Derivatives` engine.
       amp: as for :func:`jaxamp.scaled`.
-      scales: ``{key: f32[]}`` or an :class:`~jaxamp.AmpState`; None: every key at 1.
+      scales: ``{key: f32[]}`` under ``amp``, or an :class:`~jaxamp.AmpState` (or an optimizer
+        state holding one), whose config is then the one used (as for :func:`jaxamp.scaled`);
+        None: every key at 1.
 
     Returns:
       ``prof(*args, **kwargs) -> Profile`` with ``derivatives``, ``hidden`` and ``keys`` per key
@@ -87,10 +89,12 @@ def profile(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *,
     if not callable(fun):
         raise TypeError(f"jaxamp.profile: `fun`={fun!r} must be callable or a jaxamp.Derivatives.")
     check_amp(amp, "jaxamp.profile")
-    if scales is not None and not isinstance(scales, Mapping):
-        if not hasattr(scales, "scales"):
-            raise TypeError(f"jaxamp.profile: `scales`={scales!r} must be None, a mapping {{key: f32[]}} or an AmpState.")
-        scales = scales.scales
+    if scales is not None:  # a state (or an optimizer state holding one) brings its config
+        try:
+            amp, scales = state_config(scales, amp, "jaxamp.profile")
+        except TypeError:
+            raise TypeError(f"jaxamp.profile: `scales`={scales!r} must be None, a mapping {{key: f32[]}}, an AmpState "
+                            "or an optimizer state holding one (jaxamp.optimizer).") from None
 
     def prof(*args, **kwargs) -> Profile:
         if not Context({}, amp).active:

@@ -16,7 +16,7 @@ from jax.extend import core as jcore
 
 from jaxamp._src.scaling.config import AmpConfig, check_flags
 from jaxamp._src.core.marks import NONFINITE_VALUES, deriv_check_p, deriv_scale_p
-from jaxamp._src.core.scaled import Context, inputs, marks_in
+from jaxamp._src.core.scaled import Context, Recorder, evaluate, inputs, marks_in
 from jaxamp._src.core.tracing import check_amp, state_config, traced
 from jaxamp._src.core.nesting import analyze
 from jaxamp._src.core.interpreter import bind, custom_body, eval_jaxpr, sub_jaxpr, sub_jaxprs
@@ -58,6 +58,36 @@ def _key_sets(jaxpr: jcore.Jaxpr, ctx: Context, resolved) -> Dict[Any, frozenset
         for v in ins:
             before[v] = before.get(v, frozenset()) | down
     return {v: after[v] & before[v] for v in after if v in before and after[v] & before[v]}
+
+
+class _Ranges(Recorder):
+    """The recording mode of :func:`jaxamp._src.core.scaled.evaluate` for a profile: every
+    equation promoted to float32; the checked derivatives (``derivatives``; ``low`` where held
+    in float16/bfloat16 and not under ``hidden`` already) and the float16/bfloat16 values that
+    depend on a key's seed and feed its check (``hidden``) recorded per key."""
+
+    def __init__(self, hidden_of: Dict[Any, frozenset]) -> None:
+        self.hidden_of = hidden_of
+        self.found: Dict[str, Dict[str, List[jax.Array]]] = {"derivatives": {}, "hidden": {}, "low": {}}
+
+    def record(self, group: str, key: str, value) -> None:
+        self.found[group].setdefault(key, []).append(jnp.ravel(jnp.asarray(value, jnp.float32)))
+
+    def bind(self, eqn: jcore.JaxprEqn, invals: List[Any]) -> List[Any]:
+        return promote_eqn(eqn, invals)
+
+    def derivative(self, eqn: jcore.JaxprEqn, key: str, g: Any) -> None:
+        self.record("derivatives", key, g)
+        var = eqn.invars[0]
+        held = () if isinstance(var, jcore.Literal) else self.hidden_of.get(var, ())
+        if is_low_precision(getattr(var.aval, "dtype", None)) and key not in held:
+            self.record("low", key, g)
+
+    def outputs(self, eqn: jcore.JaxprEqn, outs: List[Any]) -> None:
+        for var, out in zip(eqn.outvars, outs):
+            if is_low_precision(getattr(var.aval, "dtype", None)):
+                for key in self.hidden_of.get(var, ()):
+                    self.record("hidden", key, out)
 
 
 def profile(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *,
@@ -121,32 +151,11 @@ def profile_traced(closed: jcore.ClosedJaxpr, flat, amp: Optional[AmpConfig],
                                       "from_profile=False)).")  # fmt: skip
     resolved = analyze(flat_jaxpr.jaxpr, inputs(flat_jaxpr.jaxpr)).resolved
     ctx.scales = {k: jnp.float32(1.0) for k in ctx.keys(flat_jaxpr.jaxpr, inputs(flat_jaxpr.jaxpr))} | dict(scales or {})
-    hidden_of = _key_sets(flat_jaxpr.jaxpr, ctx, resolved)
-    # "low": the derivatives held in float16/bfloat16 that "hidden" does not hold already
-    found: Dict[str, Dict[str, List[jax.Array]]] = {"derivatives": {}, "hidden": {}, "low": {}}
-
-    def record(group: str, key: str, value) -> None:
-        found[group].setdefault(key, []).append(jnp.ravel(jnp.asarray(value, jnp.float32)))
-
-    def rule(eqn, vals):
-        if eqn.primitive is deriv_scale_p:
-            outs = [ctx.scale(eqn.outvars[0].aval.shape, *resolved[id(eqn)])]
-        elif eqn.primitive is deriv_check_p and eqn.params["check"] and eqn.params["order"] > 0:  # 0: a value check
-            outs, key, g = [promote_value(vals[0])], ctx.key(*resolved[id(eqn)]), eqn.invars[0]
-            record("derivatives", key, outs[0])
-            held = () if isinstance(g, jcore.Literal) else hidden_of.get(g, ())
-            if is_low_precision(getattr(g.aval, "dtype", None)) and key not in held:
-                record("low", key, outs[0])
-        else:
-            outs = promote_eqn(eqn, vals)
-        for var, out in zip(eqn.outvars, outs):
-            if is_low_precision(getattr(var.aval, "dtype", None)):
-                for key in hidden_of.get(var, ()):
-                    record("hidden", key, out)
-        return outs
-
+    ctx.recorder = recorder = _Ranges(_key_sets(flat_jaxpr.jaxpr, ctx, resolved))
     consts = [promote_value(c) for c in flat_jaxpr.consts]
-    eval_jaxpr(flat_jaxpr.jaxpr, consts, [promote_value(a) for a in flat], rule, literal=promote_value)
+    evaluate(flat_jaxpr.jaxpr, consts, [promote_value(a) for a in flat], ctx, inputs(flat_jaxpr.jaxpr),
+             literal=promote_value)  # fmt: skip
+    found = recorder.found
     ranges = {g: {k: value_range(jnp.concatenate(v)) for k, v in found[g].items()}
               for g in ("derivatives", "hidden")}
     low = {k: value_range(jnp.concatenate(found["hidden"].get(k, []) + found["low"].get(k, [])))

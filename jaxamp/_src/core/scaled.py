@@ -30,7 +30,7 @@ from jaxamp._src.core.interpreter import CALL_PRIMITIVES, bind, cse, eval_jaxpr,
 from jaxamp._src.core.nesting import NO_DERIVATIVE, Info, analyze
 from jaxamp._src.core.window import LOG2_FP16_MAX
 
-__all__ = ["scaled", "inputs", "marks_in", "Context"]
+__all__ = ["scaled", "evaluate", "inputs", "marks_in", "Context", "Recorder"]
 
 Flags = Dict[str, jax.Array]
 
@@ -51,13 +51,16 @@ class Context:
         self.amp = amp
         self.active = amp is None or amp.scaler_enabled
         self.scales = _opaque(scales) if self.active else {}
-        self.evaluate = _evaluate  # for the control-flow rules (jaxamp._src.core.control)
+        self.evaluate = evaluate  # for the control-flow rules (jaxamp._src.core.control)
         # {key: f32[]} the largest |scaled derivative| checked under each key (the headroom's
         # peak); None inside loop, branch, remat and shard_map bodies (their own traces)
         self.peaks: Optional[Dict[str, jax.Array]] = {}
         # {key: [per-point flags]} of this trace's checks, inlined bodies' too; reduced once by
-        # the outermost _evaluate
+        # the outermost evaluate
         self.pending: Optional[Dict[str, List[jax.Array]]] = None
+        # recording mode (jaxamp.profile): evaluates every equation through the recorder, which
+        # sees each checked derivative and each equation's outputs
+        self.recorder: Optional[Recorder] = None
 
     def in_body(self) -> "Context":
         """This context for a body traced on its own (a loop's, a branch's)."""
@@ -90,6 +93,21 @@ class Context:
                 f"every key of jaxamp.init(fun, amp)(*args) (AmpState.scales)."
             )
         return jnp.broadcast_to(jnp.asarray(self.scales[key], jnp.float32), shape)
+
+
+class Recorder:
+    """What :func:`evaluate` calls in recording mode (``Context.recorder``): ``bind`` evaluates
+    an equation without a mark, ``derivative`` sees a checked derivative of a key, ``outputs``
+    every equation's outputs."""
+
+    def bind(self, eqn: jcore.JaxprEqn, invals: List[Any]) -> List[Any]:
+        return bind(eqn, invals)
+
+    def derivative(self, eqn: jcore.JaxprEqn, key: str, g: Any) -> None:
+        pass
+
+    def outputs(self, eqn: jcore.JaxprEqn, outs: List[Any]) -> None:
+        pass
 
 
 def _ordered(keys) -> List[str]:
@@ -126,23 +144,37 @@ def _check(ctx: Context, g, v, order: int, term: Optional[str]) -> None:
         pending.setdefault(NONFINITE_VALUES, []).append(~finite_v)
 
 
-def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: Context,
-              infos: Sequence[Info]) -> Tuple[List, Flags]:  # fmt: skip
+def evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: Context,
+             infos: Sequence[Info], literal: Callable[[Any], Any] = lambda x: x) -> Tuple[List, Flags]:  # fmt: skip
+    """The one interpreter of the marks: ``jaxpr`` on ``args`` with every ``deriv_scale_p`` its
+    key's scale from ``ctx`` and every ``deriv_check_p``'s flags collected; ``(outs, found_inf)``.
+    In recording mode (``ctx.recorder``) the recorder evaluates the other equations and sees
+    the checked derivatives (:func:`jaxamp.profile`)."""
     flags: Flags = {}
     owner = ctx.pending is None  # the outermost evaluation of this trace reduces the checks
     pending = ctx.pending = {} if owner else ctx.pending
     analysis = analyze(jaxpr, infos)
+    recorder = ctx.recorder
 
     def rule(eqn, invals):
+        outs = marked(eqn, invals)
+        if recorder is not None:
+            recorder.outputs(eqn, outs)
+        return outs
+
+    def marked(eqn, invals):
         prim = eqn.primitive
         if prim is deriv_scale_p:
             return [ctx.scale(eqn.outvars[0].aval.shape, *analysis.resolved[id(eqn)])]
         if prim is deriv_check_p:
+            order, term = analysis.resolved[id(eqn)]
             if eqn.params["check"]:
-                _check(ctx, *invals, *analysis.resolved[id(eqn)])
+                _check(ctx, *invals, order, term)
+                if recorder is not None and order > 0:  # order 0: a value check
+                    recorder.derivative(eqn, ctx.key(order, term), invals[0])
             return [invals[0]]
-        if not any(marks_in(j) for j in sub_jaxprs(eqn)):
-            return bind(eqn, invals)  # fast path: nothing of ours inside
+        if not any(marks_in(j) for j in sub_jaxprs(eqn)):  # fast path: nothing of ours inside
+            return bind(eqn, invals) if recorder is None else recorder.bind(eqn, invals)
         handler = HANDLERS.get(prim.name, call if prim.name in CALL_PRIMITIVES else None)
         if handler is None:
             raise NotImplementedError(
@@ -155,7 +187,7 @@ def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ct
             or_into(flags, k, v)
         return outs
 
-    outs = eval_jaxpr(jaxpr, consts, args, rule)
+    outs = eval_jaxpr(jaxpr, consts, args, rule, literal=literal)
     if owner:
         ctx.pending = None
         flags = merge_found_inf(flags, reduce_flags(pending))
@@ -229,13 +261,13 @@ def scaled(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *, merge: b
             ctx.scales = _opaque({k: 1.0 for k in _ordered(str(o) for o, _ in marked if o > 0)})
         keys = ctx.keys(closed.jaxpr, inputs(closed.jaxpr))
         if not (merge and ctx.scales):  # fp32, bf16, AMP off: the program as JAX would run it
-            outs, flags = _evaluate(closed.jaxpr, closed.consts, flat, ctx, inputs(closed.jaxpr))
+            outs, flags = evaluate(closed.jaxpr, closed.consts, flat, ctx, inputs(closed.jaxpr))
             return result(jax.tree_util.tree_unflatten(out_tree, outs), full_flags(flags, keys), ctx.peaks)
         names, scale_vals = list(ctx.scales), list(ctx.scales.values())
 
         def program(vals, *leaves):
             ctx.scales, ctx.peaks = dict(zip(names, vals)), {}
-            outs, flags = _evaluate(closed.jaxpr, closed.consts, leaves, ctx, inputs(closed.jaxpr))
+            outs, flags = evaluate(closed.jaxpr, closed.consts, leaves, ctx, inputs(closed.jaxpr))
             return outs, full_flags(flags, keys), ctx.peaks
 
         # The rewritten program without its repeated scale-free work, before an outer

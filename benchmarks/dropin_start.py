@@ -1,8 +1,8 @@
 """What starting the drop-in port from its profile costs: examples/jax_user/fp16.py, timed.
 
-Runs the port (``--domain-scale 0.02`` by default) with ``jaxamp._src.core.profile.init_scalers``
-wrapped to time it (trace, compile and run, once, with its result fetched), and the whole
-run; writes one JSON record.
+Runs the port (``--domain-scale 0.02`` by default) with ``jaxamp.init`` wrapped to time it
+(trace, profile, compile and run, once, with its result fetched), and the whole run; writes one
+JSON record.
 
     python -m benchmarks.dropin_start --steps 1500 --out benchmarks/results/dropin-start.json
 """
@@ -24,27 +24,27 @@ def main(argv=None) -> dict:
     p.add_argument("--domain-scale", type=float, default=0.02)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    record, original = {}, jaxamp._src.core.profile.init_scalers
+    record, original = {}, jaxamp.init
 
     def timed(fun, amp=None, **options):
         init = original(fun, amp, **options)
 
         def run(*a, **kw):
             start = time.perf_counter()
-            scalers = jax.block_until_ready(init(*a, **kw))
-            record["init_scalers_s"] = time.perf_counter() - start
-            record["start_scales_log2"] = {k: float(jax.numpy.log2(v)) for k, v in scalers.scales.items()}
-            return scalers
+            state = jax.block_until_ready(init(*a, **kw))
+            record["init_s"] = time.perf_counter() - start
+            record["start_scales_log2"] = {k: float(jax.numpy.log2(v)) for k, v in state.scales.items()}
+            return state
 
         return run
 
-    fp16.dropin.init_scalers = timed
+    jaxamp.init = timed  # the port calls jaxamp.init once
     try:
         start = time.perf_counter()
         result = fp16.main(["--steps", str(args.steps), "--domain-scale", str(args.domain_scale)])
         record["run_s"] = time.perf_counter() - start
     finally:
-        fp16.dropin.init_scalers = original
+        jaxamp.init = original
     record.update(result, steps=args.steps, domain_scale=args.domain_scale, jax=jax.__version__,
                   machine=platform.machine(), processor=platform.processor() or platform.platform())  # fmt: skip
     print(json.dumps(record, indent=1))

@@ -2,7 +2,7 @@
 
 Every engine is a ``jaxamp.Derivatives`` (same plan, interface, per-point scales and checks);
 the alternatives plug in as point engines, ``Derivatives(..., method=engine)`` with
-``engine(plan, f, x, scales) -> (values, scaled)`` (see ``jaxamp._src.derivatives.engine.PointEngine``):
+``engine(plan, f, x, scales) -> (values, scaled)`` (see ``jaxamp.plan.PointEngine``):
 
 - ``"reverse"``: ``method="reverse"`` (nested reverse mode), the reference.
 - ``"forward"``: ``method="forward"``, the default: nested ``jax.jvp``, one pass per
@@ -30,14 +30,13 @@ import jax.numpy as jnp
 from jax.experimental import jet as jet_mod
 
 import jaxamp
-from jaxamp._src.derivatives import forward_engine as forward
-from jaxamp._src.derivatives.plan import Plan, parse_name
+from jaxamp.plan import Plan, parse_name, point_values
 
 KINDS = ("reverse", "forward", "fwd_nested", "fwd_over_rev", "jet")
 Values = Tuple[Dict[str, jax.Array], Dict[str, jax.Array]]
 
 # The forward engine with Taylor mode never taken: pure orders >= 3 by nested jax.jvp.
-forward_nested = functools.partial(forward.point_values, series_min_order=1 << 30)
+forward_nested = functools.partial(point_values, series_min_order=1 << 30)
 
 
 def forward_over_reverse(plan: Plan, f: Callable[[jax.Array], jax.Array], x: jax.Array,

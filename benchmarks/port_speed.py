@@ -6,7 +6,8 @@ each variant, timed interleaved in one process (the ports' code unchanged).
 Variants: ``fp32`` (fp32.py: nested ``jax.grad``, float32, matmul precision "highest"),
 ``fp16_plain`` (fp16.py ``--plain-fp16``: no derivative scaling), ``fp16`` (fp16.py: the
 DerivScaler, ``jaxamp.grad`` choosing its method) and ``fp16_reverse`` (fp16.py with every
-``jaxamp.grad`` chain in nested reverse mode: what the drop-in computed before it chose methods).
+``jaxamp.grad`` call given ``method="reverse"``: nested reverse mode, what the drop-in computed
+before it chose methods).
 Each port runs ``--warm-steps`` steps (tracing, compiling, the profile start); the jitted
 ``train_step`` and ``update_weights`` (``jax.jacrev`` of the per-term losses over the params,
 the gradient-norm loss weights) are captured with their last arguments and timed on them.
@@ -18,14 +19,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import re
 from typing import Any, Dict
 
 import jax
 
+import jaxamp
 from benchmarks import timing
-from jaxamp._src.derivatives import chain
 
 WANTED = ("train_step", "update_weights")
 
@@ -68,9 +70,9 @@ def run_port(variant: str, warm: int) -> Dict[str, Any]:
 
     store: Dict[str, Any] = {}
     argv = ["--steps", str(warm), "--domain-scale", "0.02"]
-    eligible = chain.eligible
-    if variant == "fp16_reverse":
-        chain.eligible = lambda *a: False
+    grad = jaxamp.grad
+    if variant == "fp16_reverse":  # the port calls jaxamp.grad inside main: every call in reverse mode
+        jaxamp.grad = functools.partial(grad, method="reverse")
     try:
         with capture(store):
             if variant == "fp32":
@@ -79,7 +81,7 @@ def run_port(variant: str, warm: int) -> Dict[str, Any]:
             else:
                 fp16.main(argv + (["--plain-fp16"] if variant == "fp16_plain" else []))
     finally:
-        chain.eligible = eligible
+        jaxamp.grad = grad
     return store
 
 

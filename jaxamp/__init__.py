@@ -13,11 +13,12 @@ The public API (docs/algorithm.md describes the algorithm; each name has its doc
 Public modules for more: :mod:`jaxamp.models` (FullyConnected, FourierNet), :mod:`jaxamp.train`
 (TrainState, make_train_step), :mod:`jaxamp.window` (Range, recommend, format_profile),
 :mod:`jaxamp.parallel`, :mod:`jaxamp.checkpoint`, :mod:`jaxamp.monitor`, :mod:`jaxamp.step` (the
-step's pieces), :mod:`jaxamp.scaler`, :mod:`jaxamp.taylor` (Taylor mode), :mod:`jaxamp.tensor_scale`
+step's pieces), :mod:`jaxamp.scaler`, :mod:`jaxamp.plan` (custom point engines), :mod:`jaxamp.taylor` (Taylor mode), :mod:`jaxamp.tensor_scale`
 (per-tensor scaling). The implementation lives in ``jaxamp._src`` (no stable names there).
 """
 
-from jaxamp import checkpoint, models, monitor, parallel, scaler, step, taylor, tensor_scale, train, window  # noqa: F401
+from jaxamp import checkpoint, models, monitor, parallel, plan, scaler, step, taylor, tensor_scale, train  # noqa: F401
+from jaxamp import window  # noqa: F401
 from jaxamp._src.scaling.config import AmpConfig, ConfigError
 from jaxamp._src.derivatives.engine import Derivatives
 from jaxamp._src.derivatives.forward import hessian, jacfwd, jvp

@@ -129,3 +129,21 @@ def test_method_errors():
         jaxamp.grad(u, 2, method="taylor")
     with pytest.raises(ValueError, match="method='forward'"):
         jaxamp.grad(lambda p, xy: jnp.sum(xy**2), 1, method="forward")(P, jnp.ones(2))
+
+
+def test_a_wrapper_of_a_grad_is_not_that_grad():
+    """functools.wraps copies a function's attributes: an outer jaxamp.grad must still
+    differentiate the wrapper (a reverse-mode grad, a jacfwd, the user's own), not extend the
+    chain of the grad it wraps."""
+    import functools
+
+    u = lambda p, t, x: jnp.sin(p * x) * jnp.exp(-t)  # noqa: E731
+    u_x = jaxamp.grad(u, 2)
+    doubled = functools.wraps(u_x)(lambda *a: 2.0 * u_x(*a))
+    cases = {
+        "reverse": (jaxamp.grad(jaxamp.grad(u_x, 2, method="reverse"), 2), jax.grad(jax.grad(jax.grad(u, 2), 2), 2)),
+        "jacfwd": (jaxamp.grad(jaxamp.jacfwd(u_x, 2), 2), jax.grad(jax.grad(jax.grad(u, 2), 2), 2)),
+        "wrapped": (jaxamp.grad(doubled, 2), lambda *a: 2.0 * jax.grad(jax.grad(u, 2), 2)(*a)),
+    }
+    for name, (ours, want) in cases.items():
+        np.testing.assert_allclose(ours(2.0, 0.1, 0.3), want(2.0, 0.1, 0.3), rtol=1e-5, err_msg=name)

@@ -8,6 +8,7 @@ nested calls would have reported (docs/algorithm.md, "Engines").
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import jax
@@ -19,7 +20,7 @@ from jaxamp._src.derivatives.plan import make_plan, order_of, run_marked
 from jaxamp._src.core.interpreter import bind, cse, eval_jaxpr, substitute
 from jaxamp._src.core.marks import SEP, fresh
 
-__all__ = ["Chain", "METHODS", "check_output", "extend", "eligible", "evaluate"]
+__all__ = ["Chain", "METHODS", "check_output", "register", "link_of", "extend", "eligible", "evaluate"]
 
 METHODS = ("auto", "forward", "reverse")
 # per-term keys (the parents' plan names): the plan's own step keys, each mapped to a mark below
@@ -49,11 +50,30 @@ class Chain:
         return hash(self._key())
 
 
+# The chain each jaxamp.grad derivative function computes, by the function's identity: a wrapper
+# of it (functools.wraps copies attributes: another jaxamp transform, autocast, the user's own)
+# is not that derivative, so it starts a chain of its own.
+_LINKS: "weakref.WeakKeyDictionary[Callable[..., Any], Chain]" = weakref.WeakKeyDictionary()
+
+
+def register(derivative: Callable[..., Any], link: Chain) -> None:
+    """Record ``derivative`` (a ``jaxamp.grad`` function) as computing ``link``."""
+    _LINKS[derivative] = link
+
+
+def link_of(fun: Any) -> Optional[Chain]:
+    """The chain ``fun`` computes if it is a ``jaxamp.grad`` function registered as one, else None."""
+    try:
+        return _LINKS.get(fun)
+    except TypeError:  # not weak-referenceable or not hashable: not one of ours
+        return None
+
+
 def extend(fun: Callable[..., Any], argnums: Any, of: Optional[str], wrt: Any) -> Optional[Chain]:
     """The chain of ``grad(fun, argnums)``: ``fun``'s chain one step longer, a new one, or None."""
     if not isinstance(argnums, int) or isinstance(argnums, bool):
         return None
-    inner: Optional[Chain] = getattr(fun, "_jaxamp_chain", None)
+    inner = link_of(fun)
     if inner is not None and of is None:
         return Chain(inner.base, inner.argnums + (argnums,), inner.wrts + (wrt,), inner.of)
     return Chain(fun, (argnums,), (wrt,), of)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxamp._src.core import policy
-from jaxamp._src.core.checks import check_fun, check_name, check_wrt
+from jaxamp._src.core.checks import check_fun, check_wrt
 from jaxamp._src.derivatives import chain, chain_call
 from jaxamp._src.core.interpreter import substitute
 from jaxamp._src.core.marks import AMP_OFF, deriv_check, deriv_scale, fresh, seed, unscale
@@ -97,7 +97,7 @@ def _reverse(transform: Callable, caller: str, fun: Callable, argnums, has_aux: 
         return (grads, aux) if has_aux else grads
 
     if link is not None:
-        derivative._jaxamp_chain = link  # an outer grad along a scalar extends this chain
+        chain.register(derivative, link)  # an outer grad along a scalar extends this chain
     return derivative
 
 

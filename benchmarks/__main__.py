@@ -2,7 +2,8 @@
 step in every precision mode, engines, memory) and ``python -m benchmarks matrix [--quick]``
 (the DerivScaler's cost over a matrix of PINN problems, :mod:`benchmarks.matrix`) and
 ``python -m benchmarks roofline`` (XLA cost per mode and a GPU prediction, :mod:`benchmarks.roofline`) and
-``python -m benchmarks peers`` (the Laplacian vs folx and jax.hessian, :mod:`benchmarks.peers`)."""
+``python -m benchmarks peers`` (the Laplacian vs folx and jax.hessian, :mod:`benchmarks.peers`) and
+``python -m benchmarks idioms`` (every way of writing derivatives vs the engine, :mod:`benchmarks.idioms`)."""
 
 import sys
 
@@ -15,6 +16,10 @@ if __name__ == "__main__":
         from benchmarks.peers import main as peers_main
 
         peers_main(sys.argv[2:])
+    elif sys.argv[1:2] == ["idioms"]:
+        from benchmarks.idioms import main as idioms_main
+
+        idioms_main(sys.argv[2:])
     elif sys.argv[1:2] == ["roofline"]:
         from benchmarks.roofline import main as roofline_main
 

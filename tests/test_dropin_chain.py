@@ -147,3 +147,14 @@ def test_a_wrapper_of_a_grad_is_not_that_grad():
     }
     for name, (ours, want) in cases.items():
         np.testing.assert_allclose(ours(2.0, 0.1, 0.3), want(2.0, 0.1, 0.3), rtol=1e-5, err_msg=name)
+
+
+def test_has_aux_takes_the_chain_path_with_jax_values_and_aux():
+    u = lambda p, t, x: (jnp.sin(p * x) * jnp.exp(-t), {"u": jnp.sin(p * x) * jnp.exp(-t)})  # noqa: E731
+    for argnums in (2, (1, 2)):
+        ours, want = jaxamp.grad(u, argnums, has_aux=True), jax.grad(u, argnums, has_aux=True)
+        assert "jaxamp_chain" in str(jax.make_jaxpr(ours)(2.0, 0.1, 0.3))
+        for a, b in zip(jax.tree_util.tree_leaves(ours(2.0, 0.1, 0.3)), jax.tree_util.tree_leaves(want(2.0, 0.1, 0.3))):
+            np.testing.assert_allclose(a, b, rtol=1e-6)
+    with pytest.raises(TypeError, match="has_aux=True requires `fun` to return a pair"):
+        jaxamp.grad(lambda p, t, x: p * x, 2, has_aux=True)(2.0, 0.1, 0.3)

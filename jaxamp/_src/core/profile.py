@@ -123,8 +123,8 @@ def profile(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *,
         try:
             amp, scales = state_config(scales, amp, "jaxamp.profile")
         except TypeError:
-            raise TypeError(f"jaxamp.profile: `scales`={scales!r} must be None, a mapping {{key: f32[]}}, an AmpState "
-                            "or an optimizer state holding one (jaxamp.optimizer).") from None
+            raise TypeError(f"jaxamp.profile: `scales`={scales!r} must be None, a mapping {{key: f32[]}} or an AmpState "
+                            "(or an optimizer state holding one: jaxamp.optimizer).") from None
 
     def prof(*args, **kwargs) -> Profile:
         if not Context({}, amp).active:

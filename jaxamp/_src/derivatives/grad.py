@@ -46,6 +46,19 @@ def finish(d: jax.Array, value: jax.Array, s: jax.Array, marks: Dict[str, Any],
     return unscale(d, jnp.float32(1.0) / s if inv is None else inv)
 
 
+def _pair(caller: str, out: Any) -> Tuple[Any, Any]:
+    """``(value, aux)`` of a ``has_aux`` function's output, else the TypeError jax.grad gives."""
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        raise TypeError(f"{caller}: has_aux=True requires `fun` to return a pair (value, aux), got "
+                        f"{type(out).__name__}.")  # fmt: skip
+    return out[0], out[1]
+
+
+def _value_of(caller: str, fun: Callable) -> Callable:
+    """``fun``'s value, the first of the pair a ``has_aux`` function returns."""
+    return lambda *args, **kwargs: _pair(caller, fun(*args, **kwargs))[0]
+
+
 def _reverse(transform: Callable, caller: str, fun: Callable, argnums, has_aux: bool, of, wrt,
              method: str = "reverse", **options) -> Callable:  # fmt: skip
     """``transform`` (jax.grad or jax.jacrev) of ``fun``, its seed scaled, its result checked."""
@@ -53,24 +66,30 @@ def _reverse(transform: Callable, caller: str, fun: Callable, argnums, has_aux: 
     argnums = check_wrt(caller, argnums, wrt)
     if method not in chain.METHODS:
         raise ValueError(f"{caller}: `method`={method!r} is not allowed: expected one of {list(chain.METHODS)}.")
-    plain = not has_aux and not any(options.values()) and method != "reverse"
-    link = chain.extend(fun, argnums, of, wrt) if plain else None
+    chained = not any(options.values()) and method != "reverse" and (not has_aux or caller == "jaxamp.grad")
+    # has_aux: the chain differentiates fun's value (its first output); the aux is fun's own
+    base = _value_of(caller, fun) if has_aux else fun
+    link = chain.extend(base, argnums, of, wrt) if chained else None
     # a tuple of scalar argnums (grad(u, (1, 2)) -> (u_t, u_x)): one chain per argnum, their
     # passes shared as those of separate grad calls at the same point
     links: Tuple[chain.Chain, ...] = ()
-    if plain and isinstance(argnums, tuple) and caller == "jaxamp.grad":
+    if chained and isinstance(argnums, tuple) and caller == "jaxamp.grad":
         names = tuple(wrt) if wrt is not None else (None,) * len(argnums)
-        links = tuple(chain.extend(fun, a, of, w) for a, w in zip(argnums, names))
+        links = tuple(chain.extend(base, a, of, w) for a, w in zip(argnums, names))
+
+    def chains(args) -> Any:  # the chains' derivatives at args (and fun's aux)
+        d = tuple(chain_call.bind_chain(c, args) for c in links) if links else chain_call.bind_chain(link, args)
+        if not has_aux:
+            return d
+        return d, _pair(caller, fun(*args))[1]  # the aux at the point (its forward pass merged with the chain's)
 
     @functools.wraps(fun)
     def derivative(*args, **kwargs):
         if method != "forward" and amp_off():  # JAX's own derivative, tagged (no operation)
             out = transform(fun, argnums, has_aux=has_aux, **options)(*args, **kwargs)
             return (fresh(out[0], term=AMP_OFF), out[1]) if has_aux else fresh(out, term=AMP_OFF)
-        if chain.eligible(link, args, kwargs):
-            return chain_call.bind_chain(link, args)
-        if links and all(chain.eligible(c, args, kwargs) for c in links):
-            return tuple(chain_call.bind_chain(c, args) for c in links)
+        if chain.eligible(link, args, kwargs) or (links and all(chain.eligible(c, args, kwargs) for c in links)):
+            return chains(args)
         if method == "forward":
             raise ValueError(f"{caller}: method='forward' needs scalar `argnums` and float32 scalar arguments "
                              f"there, given by position; got argnums={argnums!r}. Use method='auto'.")
@@ -96,7 +115,7 @@ def _reverse(transform: Callable, caller: str, fun: Callable, argnums, has_aux: 
             grads = checked(grads, wrt)
         return (grads, aux) if has_aux else grads
 
-    if link is not None:
+    if link is not None and not has_aux:
         chain.register(derivative, link)  # an outer grad along a scalar extends this chain
     return derivative
 

@@ -66,7 +66,9 @@ VARIANTS: Dict[str, Dict[str, Any]] = {
     "fp8_tangent_fp16": {"dtype": "float8", "float8_formats": {"tangent": "float16"}},
     "fp8_cotangent_fp16": {"dtype": "float8", "float8_formats": {"cotangent": "float16"}},
     "fp8_value_e4m3": {"dtype": "float8", "float8_formats": {"value": "float8_e4m3fn"}},
-    "fp8_value_e4m3_tangent_e5m2": {"dtype": "float8", "float8_formats": {"value": "float8_e4m3fn", "tangent": "float8_e5m2"}},
+    "fp8_cotangent_e4m3": {"dtype": "float8", "float8_formats": {"cotangent": "float8_e4m3fn"}},
+    # two roles changed: tangents float16 and cotangents E4M3 (per-tensor scales give them the range)
+    "fp8_tangent_fp16_cotangent_e4m3": {"dtype": "float8", "float8_formats": {"tangent": "float16", "cotangent": "float8_e4m3fn"}},
     # the first layer (the one carrying the physical length scale) in float32
     "fp8_recipe_first_fp32": {"dtype": "float8", "autocast_firstlayer": False},
     "fp16_plain_first_fp32": {"derivative_scaling": False, "autocast_firstlayer": False},

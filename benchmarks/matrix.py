@@ -8,7 +8,8 @@ compiled on shared weights and points, and measured:
   activations float32) and ``all_fp16`` (``autocast_activation=True,
   autocast_firstlayer=True``: everything float16);
 - modes: ``plain`` (``derivative_scaling=False``: plain fp16, the loss scaler only),
-  ``per_order`` (the default DerivScaler) and ``per_term`` (``mode="per_term_scaler"``);
+  ``per_order`` (the default DerivScaler), ``per_term`` (``mode="per_term_scaler"``) and
+  ``tensor`` (per order with per-tensor scaling of every float16 matmul operand);
   network, engine, state and step all take the case's ``AmpConfig``.
 
 Reported per case: step time (wall clock; process CPU time next to it, which other
@@ -49,6 +50,7 @@ MODES = {
     "plain": dict(derivative_scaling=False),
     "per_order": dict(mode="per_order_scaler"),
     "per_term": dict(mode="per_term_scaler"),
+    "tensor": dict(mode="per_order_scaler", tensor_scaling=True),  # per order + per-tensor scales
 }
 # Network and batch per preset: LAYERS x WIDTH tanh, N interior and NB boundary points.
 PRESETS = {

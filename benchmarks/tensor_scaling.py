@@ -13,9 +13,10 @@ Problems (``--problem``; ``--steps`` replaces each one's default step count):
 - ``ldc_demo``: examples.ldc with ``examples/configs/ldc_demo.yaml`` (the CPU cavity
   demonstration: 0.05 m box, Re 10; scripts/demo.sh); default 3000 steps (the demo runs 10 000).
   Its network is built in float32 and placed by ``jaxamp.autocast`` (``--ldc-placement
-  autocast``, :func:`autocast_placement`): the modules' own dtype fields, which the demo uses
-  (``--ldc-placement modules``), run float16 whatever ``tensor_scaling`` and ``dtype="float8"``
-  say (the same bits as fp16 with the DerivScaler).
+  autocast``, :func:`autocast_placement`; the tables of docs/tensor_scaling.md). The demo's own
+  placement, the modules' dtype fields (``--ldc-placement modules``), ran float16 whatever
+  ``tensor_scaling`` and ``dtype="float8"`` said up to eda1c05 (the same bits as fp16 with the
+  DerivScaler); jaxamp.models takes both since 6167fd4.
 - ``flax_poisson``: examples/flax_user (Poisson on a 2 mm plate, Flax TrainState, the Laplacian
   by ``jaxamp.hessian``); default 1500 steps.
 
@@ -260,26 +261,47 @@ def _fmt_err(r: Dict[str, Any]) -> str:
     return f"{e:.3g} ({x:.2f})" if x is not None else f"{e:.3g}"
 
 
+def formats(keys: Dict[str, Any], default: Optional[Dict[str, str]] = None) -> Optional[Dict[str, str]]:
+    """The matmul operand format per role of a variant's keys (None unless ``dtype="float8"``)."""
+    if keys.get("dtype") != "float8":
+        return None
+    return {**(default or FP8_DEFAULT_ROLES), **keys.get("float8_formats", {})}
+
+
 def summary(runs: Sequence[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
-    """Per variant: its error over fp32 per (problem, seed), and the median over all of them."""
+    """Per variant: its error over fp32 per (problem, seed), the median of the seeds per problem,
+    and the median and max over every problem and seed."""
     out: Dict[str, Dict[str, Any]] = {}
     for r in runs:
         if r.get("over_fp32") is None:
             continue
-        d = out.setdefault(r["variant"], {"over_fp32": {}})
+        d = out.setdefault(r["variant"], {"formats": r.get("formats"), "over_fp32": {}})
         d["over_fp32"][f"{r['problem']}/{r['seed']}"] = r["over_fp32"]
     for d in out.values():
-        xs = [x if math.isfinite(x) else math.inf for x in d["over_fp32"].values()]
+        by_problem: Dict[str, List[float]] = {}
+        for key, x in d["over_fp32"].items():
+            by_problem.setdefault(key.rsplit("/", 1)[0], []).append(x)
+        d["median_over_fp32_per_problem"] = {p: statistics.median(xs) for p, xs in by_problem.items()}
+        xs = list(d["over_fp32"].values())
         d["median_over_fp32"] = statistics.median(xs)
         d["max_over_fp32"] = max(xs)
     return out
 
 
+_SHORT = {"float16": "fp16", "float8_e4m3fn": "E4M3", "float8_e5m2": "E5M2"}
+
+
+def _fmt_ratio(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.2f}" if x < 100 else f"{x:.0f}"
+
+
 def tables(runs: Sequence[Dict[str, Any]]) -> str:
     """Markdown: one table per problem (variant x seed: error (x fp32), skipped steps, final
-    log2 scales), then the median over fp32 per variant over every problem and seed."""
+    log2 scales), then per variant the median error over fp32 of the seeds per problem and over
+    every problem and seed (with the FP8 variants' operand formats: the role ablation)."""
     lines: List[str] = []
-    for problem in dict.fromkeys(r["problem"] for r in runs):
+    problems = list(dict.fromkeys(r["problem"] for r in runs))
+    for problem in problems:
         rows = [r for r in runs if r["problem"] == problem]
         seeds = list(dict.fromkeys(r["seed"] for r in rows))
         steps = sorted({r["steps"] for r in rows})
@@ -297,18 +319,27 @@ def tables(runs: Sequence[Dict[str, Any]]) -> str:
         lines.append("")
     summ = summary(runs)
     if summ:
-        lines += ["**Error over fp32, every problem and seed**", "",
-                  "| variant | median | max | runs |", "|---|---|---|---|"]
-        for v, d in sorted(summ.items(), key=lambda kv: kv[1]["median_over_fp32"]):
-            lines.append(f"| {v} | {d['median_over_fp32']:.3g} | {d['max_over_fp32']:.3g} | {len(d['over_fp32'])} |")
+        lines += ["**Error over fp32**: median of the seeds per problem; median and max over every problem and seed "
+                  "(FP8 variants: the matmul operand format per role, value / tangent / cotangent)", "",
+                  "| variant | formats | " + " | ".join(problems) + " | median | max | runs |",
+                  "|---|---|" + "---|" * len(problems) + "---|---|---|"]
+        for v, d in sorted(summ.items(), key=lambda kv: (kv[1]["median_over_fp32"], kv[0])):
+            f = d["formats"]
+            fmt = " / ".join(_SHORT.get(f[role], f[role]) for role in ROLES) if f else "-"
+            per = [d["median_over_fp32_per_problem"].get(p) for p in problems]
+            lines.append(f"| {v} | {fmt} | " + " | ".join(_fmt_ratio(x) for x in per)
+                         + f" | {_fmt_ratio(d['median_over_fp32'])} | {_fmt_ratio(d['max_over_fp32'])} | {len(d['over_fp32'])} |")
     return "\n".join(lines) + "\n"
 
 
 def _load_runs(paths: Sequence[str]) -> List[Dict[str, Any]]:
+    """The runs of result files; a run's ``formats`` from the recipe its file was measured with."""
     runs: List[Dict[str, Any]] = []
     for p in paths:
         with open(p) as f:
-            runs += json.load(f)["runs"]
+            record = json.load(f)
+        default = record.get("info", {}).get("fp8_default_roles")
+        runs += [{"formats": formats(r.get("keys", {}), default), **r} for r in record["runs"]]
     return runs
 
 
@@ -322,8 +353,8 @@ def main(argv=None) -> Dict[str, Any]:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(DEFAULT_VARIANTS))
     ap.add_argument("--ldc-placement", choices=("autocast", "modules"), default="autocast",
-                    help="ldc_demo's network: float32 modules under jaxamp.autocast (default; the placement that "
-                    "applies tensor_scaling and FP8), or the modules' own dtype fields (the demo's; they ignore both)")
+                    help="ldc_demo's network: float32 modules under jaxamp.autocast (default, as measured), or the "
+                    "modules' own dtype fields (the demo's; they ignore tensor_scaling and FP8 before 6167fd4)")
     ap.add_argument("--out", default=None, help="JSON file, rewritten after every run")
     ap.add_argument("--tables", nargs="+", metavar="JSON", default=None,
                     help="print the markdown tables of these result files and exit (runs nothing)")
@@ -349,7 +380,7 @@ def main(argv=None) -> Dict[str, Any]:
                 base = out["error"] if variant == "fp32" else base
                 over = None if base is None else (out["error"] / base if math.isfinite(out["error"]) else math.inf)
                 row = {"problem": problem, "steps": steps, "seed": seed, "variant": variant, "keys": VARIANTS[variant],
-                       **out, "over_fp32": over}  # fmt: skip
+                       "formats": formats(VARIANTS[variant]), **out, "over_fp32": over}  # fmt: skip
                 record["runs"].append(row)
                 print(json.dumps(row), flush=True)
                 if args.out:

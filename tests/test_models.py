@@ -92,7 +92,7 @@ def test_bad_model_settings(kw, fragment):
 
 @pytest.mark.parametrize("keys, formats, rtol", [
     ({"tensor_scaling": True}, {"float16"}, 0.01),
-    ({"dtype": "float8"}, {"float16", "float8_e4m3fn"}, 0.25),  # tangents E4M3: 3 mantissa bits
+    ({"dtype": "float8", "float8_formats": {"tangent": "float8_e4m3fn"}}, {"float16", "float8_e4m3fn"}, 0.25),
 ])
 def test_per_tensor_scaling_and_fp8_configs_reach_the_models_matmuls(keys, formats, rtol):
     amp = jaxamp.AmpConfig(**keys)

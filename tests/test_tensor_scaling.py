@@ -149,7 +149,9 @@ def test_the_user_step_trains_with_tensor_scaling():
 
 def test_fp8_recipe_trains_derivatives_to_float8_rounding_and_plain_fp8_is_the_same_program_unscaled():
     p, x = params(), jnp.float32(0.3)
-    recipe, plain = jaxamp.AmpConfig(dtype="float8"), jaxamp.AmpConfig(dtype="float8", tensor_scaling=False)
+    e4m3 = {"tangent": "float8_e4m3fn"}  # the derivative tangents in FP8 (the default keeps them float16)
+    recipe = jaxamp.AmpConfig(dtype="float8", float8_formats=e4m3)
+    plain = jaxamp.AmpConfig(dtype="float8", tensor_scaling=False, float8_formats=e4m3)
     assert recipe.tensor_scaling and not plain.tensor_scaling and recipe.scaler_enabled
     want_x = jax.grad(mlp, 1)(p, x)
     got_x, found = jaxamp.scaled(jaxamp.grad(jaxamp.autocast(mlp, recipe), 1), recipe)({"1": 1.0}, p, x)
@@ -170,15 +172,28 @@ def test_bad_values_are_config_errors():
         scaled_dot(jnp.ones((2, 2)), jnp.ones((2, 2)), MM, role="grad")
 
 
+def _lowered(fun, *args) -> str:
+    """The StableHLO of ``fun`` (scaled_dot's casts to the operands' formats are in it)."""
+    return jax.jit(fun).lower(*args).as_text()
+
+
 def test_float8_formats_override_one_role_of_the_recipe():
-    amp = jaxamp.AmpConfig(dtype="float8", float8_formats={"tangent": "float16"})
-    assert amp.matmul_formats == ("float16", "float16", "float8_e5m2")
+    amp = jaxamp.AmpConfig(dtype="float8", float8_formats={"tangent": "float8_e5m2"})
+    assert amp.matmul_formats == ("float16", "float8_e5m2", "float8_e4m3fn")
     assert jaxamp.AmpConfig.from_dict(amp.to_dict()).matmul_formats == amp.matmul_formats
     p, x = params(), jnp.float32(0.3)
-    program = str(jax.make_jaxpr(jaxamp.grad(jaxamp.autocast(mlp, amp), 1))(p, x))
-    assert "float8_e4m3fn" not in program  # the tangents' matmuls now take float16 operands
-    recipe = str(jax.make_jaxpr(jaxamp.grad(jaxamp.autocast(mlp, jaxamp.AmpConfig(dtype="float8")), 1))(p, x))
-    assert "float8_e4m3fn" in recipe
+    program = _lowered(jaxamp.grad(jaxamp.autocast(mlp, amp), 1), p, x)
+    assert "f8E5M2" in program and "f8E4M3FN" not in program  # the tangents' matmuls take E5M2 operands
+    recipe = _lowered(jaxamp.grad(jaxamp.autocast(mlp, jaxamp.AmpConfig(dtype="float8")), 1), p, x)
+    assert "f8E" not in recipe  # the recipe keeps values and tangents in float16
+
+
+def test_the_fp8_recipe_puts_the_backward_passes_in_e4m3():
+    amp = jaxamp.AmpConfig(dtype="float8")
+    assert amp.matmul_formats == ("float16", "float16", "float8_e4m3fn")
+    net, p, x = jaxamp.autocast(mlp, amp), params(), jnp.float32(0.3)
+    weight_grad = _lowered(jax.grad(lambda q: jaxamp.grad(net, 1)(q, x)), p)
+    assert "f8E4M3FN" in weight_grad and "f8E5M2" not in weight_grad
 
 
 @pytest.mark.parametrize("keys, match", [

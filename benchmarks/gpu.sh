@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# GPU check of docs/benchmarks.md ("The GPU case on paper"), < 8 min on one H100/H200 with compilation:
+# GPU check of docs/benchmarks.md ("The GPU case on paper"), < 11 min on one H100/H200 with compilation:
 #  1. the 6x512 LDC step (interior/lid/no-slip 4000/1000/1000) in fp32_highest, bf16, fp16_plain,
 #     fp16_noscale and fp16_scaled_order: XLA's cost on the GPU, the roofline prediction, and the
 #     measured step times and speed-ups over fp32 (python -m benchmarks roofline --time), <= 4 min;
 #  2. the problem matrix at its GPU preset (python -m benchmarks matrix --preset gpu), <= 3 min;
-#     the JSON is written after every problem, so a cut run keeps what it measured.
+#     the JSON is written after every problem, so a cut run keeps what it measured;
+#  3. the same LDC step with per-tensor scaling: fp16_scaled_order, fp16_tensor and the FP8 modes
+#     fp8_default (cotangents E4M3) and fp8_all (tangents and cotangents E4M3), <= 3 min
+#     (docs/tensor_scaling.md, "Roofline projection (H200, on paper)").
 # Needs a Python with jax[cuda12] and this checkout installed: pip install -e '.[cuda12]'.
 # Usage: benchmarks/gpu.sh [DIR]   (default DIR: benchmarks/results; tables on stdout)
 set -euo pipefail
@@ -23,4 +26,7 @@ timeout 240 "$PY" -m benchmarks roofline --time --reps 20 --inner 5 --out "$DIR/
   || { echo "gpu.sh: roofline stopped (status $?)" >&2; status=1; }
 timeout 180 "$PY" -m benchmarks matrix --preset gpu --problems unsteady_ns cavity ks poisson1d \
   --out "$DIR/matrix-gpu-$DATE.json" || { echo "gpu.sh: matrix stopped (status $?)" >&2; status=1; }
+timeout 180 "$PY" -m benchmarks roofline --time --reps 20 --inner 5 \
+  --modes fp16_scaled_order fp16_tensor fp8_default fp8_all --out "$DIR/roofline-fp8-gpu-$DATE.json" \
+  || { echo "gpu.sh: roofline (FP8) stopped (status $?)" >&2; status=1; }
 exit "$status"

@@ -16,6 +16,18 @@ Modes (see :data:`MODES`): the same step, weights and points, in
 - ``fp16_noscale``: like ``fp16_scaled_order`` (first layer float32) but
   ``derivative_scaling=False``: isolates the scalers' own cost;
 - ``fp16_scaled_order`` / ``fp16_scaled_term``: DerivScaler, per-order / per-term.
+
+and, with per-tensor scaling of the matmul operands (``jaxamp.tensor_scale``; not in
+:data:`MODES`, the default set of the runner's presets, but in :data:`ALL_MODES`):
+
+- ``fp16_tensor``: ``fp16_scaled_order`` plus ``tensor_scaling=True`` (float16 operands, each
+  with its own power-of-two scale);
+- ``fp8_default``: ``dtype="float8"``, the FP8 recipe as it ships: operands by role
+  value / tangent / cotangent in float16 / float16 / E4M3 (FP8 in the backward matmuls only);
+- ``fp8_all``: the same with ``float8_formats={"tangent": "float8_e4m3fn"}``: every derivative
+  matmul in E4M3 (tangents and cotangents), values float16.
+
+(The name ``fp8`` alone is kept unknown: ``fp8_default`` says which recipe.)
 """
 
 from __future__ import annotations
@@ -52,6 +64,8 @@ MODES: Tuple[str, ...] = (
     "fp16_scaled_order",
     "fp16_scaled_term",
 )
+TENSOR_MODES: Tuple[str, ...] = ("fp16_tensor", "fp8_default", "fp8_all")
+ALL_MODES: Tuple[str, ...] = MODES + TENSOR_MODES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +128,12 @@ def mode_settings(mode: str) -> Tuple[jaxamp.AmpConfig, jaxamp.AmpConfig, jaxamp
     if mode == "fp16_scaled_term":
         term = jaxamp.AmpConfig(dtype="float16", mode="per_term_scaler")
         return term, term, term, "default"
-    raise ValueError(f"ldc: mode={mode!r} is not known: expected one of {list(MODES)}.")
+    if mode in TENSOR_MODES:
+        kw = {"fp16_tensor": dict(dtype="float16", tensor_scaling=True), "fp8_default": dict(dtype="float8"),
+              "fp8_all": dict(dtype="float8", float8_formats={"tangent": "float8_e4m3fn"})}[mode]  # fmt: skip
+        amp = jaxamp.AmpConfig(**kw)
+        return amp, amp, amp, "default"
+    raise ValueError(f"ldc: mode={mode!r} is not known: expected one of {list(ALL_MODES)}.")
 
 
 def make_points(size: LDCSize, seed: int = 0) -> Dict[str, jax.Array]:

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from jax.extend import core as jcore
 
 import jaxamp
 from jaxamp import taylor
@@ -251,7 +252,7 @@ def test_bad_inputs_name_the_argument():
 
 
 def _eqns(jaxpr):
-    return len(jaxpr.eqns) + sum(_eqns(j) for e in jaxpr.eqns for j in jax.core.jaxprs_in_params(e.params))
+    return len(jaxpr.eqns) + sum(_eqns(j) for e in jaxpr.eqns for j in jcore.jaxprs_in_params(e.params))
 
 
 def test_directions_are_one_batch_and_the_first_layer_maps_the_seeds_once():

@@ -17,7 +17,9 @@ Reported per (problem, idiom): XLA FLOPs, trace + compile seconds, and (unless `
 the median step time of interleaved rounds, each as a ratio to the engine's. ``jacfwd`` /
 ``jacrev`` compute every entry of the Jacobian and Hessian (as JAX does), more than the residual
 uses: ``engine_full`` is the engine computing those same derivatives (every first and second
-derivative of every output), their fair baseline (``over_engine_full``).
+derivative of every output), their fair baseline (``over_engine_full``); ``jax_nested`` and
+``jax_jacfwd`` are the plain float32 JAX steps written both ways (``jax_jacfwd_over_jax_nested``:
+what the vector idiom costs in JAX itself).
 """
 
 from __future__ import annotations
@@ -39,24 +41,25 @@ IDIOMS = ("nested", "tuple", "jacfwd", "jacrev", "has_aux")
 PROBLEMS = ("burgers_k1", "burgers_k2", "burgers_k4", "poisson2d", "ns2d")
 
 
-def _vector(name: str, idiom: str, comps) -> Callable:
-    """The residual ``r(p, a, b)`` with derivatives along the vector ``z = [a, b]``."""
-    jac = jaxamp.jacfwd if idiom == "jacfwd" else jaxamp.jacrev
+def _vector(name: str, idiom: str, comps, lib: Any = jaxamp) -> Callable:
+    """The residual ``r(p, a, b)`` with derivatives along the vector ``z = [a, b]`` (``lib``:
+    jaxamp's derivatives, or ``jax``'s own)."""
+    jac = lib.jacfwd if idiom == "jacfwd" else lib.jacrev
 
     def r(p, a, b):
         z = jnp.stack([a, b])
         if name == "poisson2d":
-            h = jaxamp.hessian(comps[0], 1)(p, z)
+            h = lib.hessian(comps[0], 1)(p, z)
             return h[0, 0] + h[1, 1] - jnp.sin(a) * jnp.sin(b)
         if name.startswith("burgers"):
             u = comps[0]
             g = jac(u, 1)(p, z)
-            top = g[1] if name == "burgers_k1" else jaxamp.hessian(u, 1)(p, z)[1, 1]
+            top = g[1] if name == "burgers_k1" else lib.hessian(u, 1)(p, z)[1, 1]
             return u(p, z) * g[1] + g[0] - ds.NU * top
         u, v, q = comps
         mom = []
         for w in (u, v):
-            g, h = jac(w, 1)(p, z), jaxamp.hessian(w, 1)(p, z)
+            g, h = jac(w, 1)(p, z), lib.hessian(w, 1)(p, z)
             mom.append(u(p, z) * g[0] + v(p, z) * g[1] - ds.NU * (h[0, 0] + h[1, 1]))
         gq = jac(q, 1)(p, z)
         return mom[0] + gq[0] + mom[1] + gq[1]
@@ -64,11 +67,11 @@ def _vector(name: str, idiom: str, comps) -> Callable:
     return r
 
 
-def _scalar(name: str, idiom: str, comps) -> Callable:
+def _scalar(name: str, idiom: str, comps, lib: Any = jaxamp) -> Callable:
     """The residual ``r(p, a, b)`` with derivatives along the scalars ``a``, ``b``."""
     def nest(f, n, k):
         for _ in range(k):
-            f = jaxamp.grad(f, n)
+            f = lib.grad(f, n)
         return f
 
     def first(f, p, a, b):
@@ -77,7 +80,7 @@ def _scalar(name: str, idiom: str, comps) -> Callable:
         if idiom == "has_aux":  # each first derivative with the value (the aux) beside it
             with_value = lambda *y: (f(*y), f(*y))  # noqa: E731
             return tuple(jaxamp.grad(with_value, n, has_aux=True)(p, a, b)[0] for n in (1, 2))
-        return jaxamp.grad(f, 1)(p, a, b), jaxamp.grad(f, 2)(p, a, b)
+        return lib.grad(f, 1)(p, a, b), lib.grad(f, 2)(p, a, b)
 
     def r(p, a, b):
         if name.startswith("burgers"):
@@ -125,25 +128,30 @@ def _engine_full(name: str, n: int):
 
 def step_fn(name: str, idiom: str, n: int):
     """A jitted fp16 user step of ``name`` written with ``idiom`` (``"engine"``: the engine's;
-    ``"engine_full"``: the engine computing every first and second derivative)."""
+    ``"engine_full"``: the engine computing every first and second derivative; ``"jax_nested"``
+    / ``"jax_jacfwd"``: plain JAX in float32, nested ``jax.grad`` / ``jax.jacfwd`` + ``jax.hessian``)."""
     if idiom == "engine":
         return ds.step_fn(name, "engine", n)
     if idiom == "engine_full":
         return _engine_full(name, n)
-    amp = jaxamp.AmpConfig()
+    jax_own = idiom.startswith("jax_")
+    amp = jaxamp.AmpConfig(enabled=not jax_own)
     outs = 3 if name == "ns2d" else 1
     model = ds.MLP(outs)
     params = model.init(jax.random.PRNGKey(0), jnp.zeros(2))
     pts = jax.random.uniform(jax.random.PRNGKey(1), (n, 2), minval=-1.0, maxval=1.0)
-    net = jaxamp.autocast(model.apply, amp)
-    if idiom in ("jacfwd", "jacrev"):
-        r = _vector(name, idiom, [lambda p, z, i=i: net(p, z)[i] for i in range(outs)])
+    net = model.apply if jax_own else jaxamp.autocast(model.apply, amp)
+    lib = jax if jax_own else jaxamp
+    if idiom in ("jacfwd", "jacrev", "jax_jacfwd"):
+        r = _vector(name, idiom.removeprefix("jax_"), [lambda p, z, i=i: net(p, z)[i] for i in range(outs)], lib)
     else:
-        r = _scalar(name, idiom, [lambda p, a, b, i=i: net(p, jnp.stack([a, b]))[i] for i in range(outs)])
+        r = _scalar(name, idiom, [lambda p, a, b, i=i: net(p, jnp.stack([a, b]))[i] for i in range(outs)], lib)
 
     def loss(p, pts):
         return jnp.mean(jax.vmap(r, (None, 0, 0))(p, pts[:, 0], pts[:, 1]) ** 2)
 
+    if jax_own:
+        return jax.jit(jax.value_and_grad(loss)), (params, pts)
     state = jaxamp.init(loss, amp, from_profile=False)(params, pts)
     vg = jaxamp.value_and_grad(loss)
     return jax.jit(lambda p, pts: vg(state, p, pts)), (params, pts)
@@ -151,8 +159,8 @@ def step_fn(name: str, idiom: str, n: int):
 
 def bench(name: str, n: int, reps: int, timed: bool) -> Dict[str, Any]:
     idioms = ("engine",) + tuple(i for i in IDIOMS if applies(name, i))
-    if applies(name, "jacfwd"):
-        idioms += ("engine_full",)
+    if applies(name, "jacfwd"):  # and JAX's own float32 step, nested and vector, for their ratio
+        idioms += ("engine_full", "jax_nested", "jax_jacfwd")
     row: Dict[str, Any] = {"problem": name, "points": n, "idioms": {}}
     fns = {}
     for idiom in idioms:
@@ -170,13 +178,18 @@ def bench(name: str, n: int, reps: int, timed: bool) -> Dict[str, Any]:
     if "engine_full" in idioms:
         full = row["idioms"]["engine_full"]["flops"]
         row["over_engine_full"] = {i: {"flops": round(row["idioms"][i]["flops"] / full, 4)} for i in ("jacfwd", "jacrev")}
+        jax_nested = row["idioms"]["jax_nested"]["flops"]
+        row["jax_jacfwd_over_jax_nested"] = {"flops": round(row["idioms"]["jax_jacfwd"]["flops"] / jax_nested, 4)}
     if timed:
         times = interleaved(fns, reps)
         for i in idioms:
             row["idioms"][i]["time"] = stats(times[i])
             if i != "engine":
                 row["over_engine"][i]["time"] = round(paired_ratio(times[i], times["engine"])["median"], 3)
-    print(name, row["over_engine"], row.get("over_engine_full", ""), flush=True)
+        if "jax_jacfwd" in idioms:
+            ratio = paired_ratio(times["jax_jacfwd"], times["jax_nested"])["median"]
+            row["jax_jacfwd_over_jax_nested"]["time"] = round(ratio, 3)
+    print(name, row["over_engine"], row.get("over_engine_full", ""), row.get("jax_jacfwd_over_jax_nested", ""), flush=True)
     return row
 
 

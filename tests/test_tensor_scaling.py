@@ -201,6 +201,7 @@ def test_the_fp8_recipe_puts_the_backward_passes_in_e4m3():
     ({"dtype": "float8", "float8_formats": {"grad": "float16"}}, r"amp.float8_formats.grad='float16' .*\(unknown role\)"),
     ({"dtype": "float8", "float8_formats": {"tangent": "int8"}}, r"amp.float8_formats.tangent='int8' .* one of"),
     ({"dtype": "float8", "float8_formats": ["float16"]}, r"amp.float8_formats=\['float16'\] .* a mapping"),
+    ({"dtype": "bfloat16", "tensor_scaling": True}, r"amp.tensor_scaling=True .* dtype \"bfloat16\""),
 ])
 def test_bad_float8_formats_are_config_errors(keys, match):
     with pytest.raises(jaxamp.ConfigError, match=match):

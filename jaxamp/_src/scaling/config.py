@@ -91,6 +91,9 @@ class AmpConfig:
             fail("tensor_scaling", self.tensor_scaling, "true, false or null (on for float8)")
         object.__setattr__(self, "tensor_scaling", self.dtype == "float8" if self.tensor_scaling is None
                            else self.tensor_scaling)  # fmt: skip
+        if self.tensor_scaling and self.dtype == "bfloat16":  # it scales float16 / FP8 operands only
+            fail("tensor_scaling", True, 'false or null with dtype "bfloat16" (per-tensor scales are for float16 and '
+                 'float8 matmul operands; bfloat16 has float32\'s exponent range)')
         float8_formats(self)
         choices = {"mode": MODES, "dtype": DTYPES}  # the others are flags
         for key in [f.name for f in dataclasses.fields(self) if f.type in ("bool", "str")]:  # flags and choices

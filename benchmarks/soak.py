@@ -135,7 +135,7 @@ def make_chunk(step):
             new = jax.tree_util.tree_map(lambda n, o: jnp.where(ai, n, o), new, s)
             rec = {
                 "skipped": m["skipped"], "reason": m["skip_reason"], "loss": m["loss"],
-                "unchanged": _same((s.params, s.opt_state), (new.params, new.opt_state)),
+                "unchanged": _same((s.params, s.opt_state.inner), (new.params, new.opt_state.inner)),
                 "scalers_unchanged": _same((s.amp_state.derivative, s.amp_state.loss), (new.amp_state.derivative, new.amp_state.loss)),
                 **{f"scale_log2/{k}": m[f"scale_log2/{k}"] for k in KEYS},
                 **{f"found_inf/{k}": m[f"found_inf/{k}"] for k in KEYS},
@@ -200,7 +200,7 @@ def soak(steps: int = 10_000, *, chunk: int = 500, seed: int = 0,
                   float(exact_log2(ref.amp_state.derivative[k].scale))) for k in KEYS}
     loss_faulty, loss_ref = eval_loss(chunk_fn, faulty, chunk), eval_loss(chunk_fn, ref, chunk)
     ratio = loss_faulty / loss_ref
-    pick = lambda s: (s.params, s.opt_state, s.amp_state.derivative, s.amp_state.loss)  # noqa: E731
+    pick = lambda s: (s.params, s.opt_state.inner, s.amp_state.derivative, s.amp_state.loss)  # noqa: E731
     figures = {
         "steps": steps, "nan_steps": int(nan.sum()), "overflow_steps": int(overflow.sum()),
         "applied_faulty": int((~skipped).sum()), "applied_fault_free": int((~ref_rec["skipped"].astype(bool)).sum()),

@@ -60,7 +60,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parts = setup.problem.sample(jax.random.fold_in(setup.sample_key, state.step)).values()
     points = {n: jnp.concatenate([part[n] for part in parts]) for n in setup.problem.inputs}
     if setup.engines[0].scaler_keys:
-        rec = recommend(jax.jit(jaxamp.profile(setup.engines[0]))(state.params, points), margin_log2=args.margin,
+        rec = recommend(jax.jit(jaxamp.profile(setup.engines[0]))(None, state.params, points), margin_log2=args.margin,
                         default_max_scale_log2=setup.amp.default_max_scale_log2)
         print(f"\n# recommended start scales (margin 2^{args.margin} below 65504; max scales unchanged):\n"
               f"{rec.to_yaml()}", end="")

@@ -214,7 +214,7 @@ def run(args) -> Dict[str, Any]:
                                              if marked(np.asarray(s.data)))
 
     # ---- the README's user path: value_and_grad + jaxamp.optimizer, jit over sharded arrays ----
-    optimizer = jaxamp.optimizer(optax.adam(1e-3), amp_state)
+    optimizer = jaxamp.optimizer(optax.adam(1e-3), amp_state=amp_state)
     rep, by_batch = parallel.replicated_sharding(mesh), parallel.batch_sharding(mesh)
 
     @functools.partial(jax.jit, in_shardings=(rep, rep, by_batch), out_shardings=rep)
@@ -304,7 +304,7 @@ def pmap_compare(steps: int) -> Dict[str, Any]:
                                 {**find_amp(opt_state).scales, "loss": find_amp(opt_state).loss_scale}.items()}}
 
     # the references: jit over the batch sharded over all devices, and over one device
-    optimizer = jaxamp.optimizer(optax.adam(1e-3), amp_state)
+    optimizer = jaxamp.optimizer(optax.adam(1e-3), amp_state=amp_state)
     for name, n_mesh in (("jit", n), ("jit_1_device", 1)):
         mesh = parallel.make_mesh(n_mesh)
         rep, by_batch = parallel.replicated_sharding(mesh), parallel.batch_sharding(mesh)
@@ -334,7 +334,7 @@ def pmap_compare(steps: int) -> Dict[str, Any]:
                 return jnp.mean(r2) + 1e-3 * jnp.mean(ux2)
             return (jnp.sum(r2) + 1e-3 * jnp.sum(ux2)) / GLOBAL_BATCH
 
-        tx = jaxamp.optimizer(optax.adam(1e-3), amp_state, axis_name="batch")
+        tx = jaxamp.optimizer(optax.adam(1e-3), amp_state=amp_state, axis_name="batch")
 
         def pmap_step(params, opt_state, batch, local_loss=local_loss, tx=tx, reduce=reduce):
             loss, grads = jaxamp.value_and_grad(local_loss)(opt_state, params, batch)

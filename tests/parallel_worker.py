@@ -167,7 +167,7 @@ def inject() -> Dict[str, Any]:
             "found_inf": {k[len("found_inf/"):]: bool(v) for k, v in metrics.items() if k.startswith("found_inf/")},
             "found_nonfinite_values": bool(metrics["found_nonfinite_values"]),
             "params_unchanged": same_bits(new.params, state.params),
-            "opt_state_unchanged": same_bits(new.opt_state, state.opt_state),
+            "opt_state_unchanged": same_bits(new.opt_state.inner, state.opt_state.inner),
             "loss_scale_unchanged": same_bits(new.amp_state.loss, state.amp_state.loss),
             "replicas_identical_after_skip": parallel.replicas_identical(new),
             "deriv_scales_before": scales(state),

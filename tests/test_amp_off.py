@@ -85,7 +85,7 @@ def run_port(apply, params, amp, method):
 
     loss = program(apply, grad, lambda f: jaxamp.autocast(f, amp))
     amp_state = jaxamp.init(loss, amp)(params, batch())
-    opt = jaxamp.optimizer(optax.adam(1e-3), amp_state)
+    opt = jaxamp.optimizer(optax.adam(1e-3), amp_state=amp_state)
 
     @jax.jit
     def step(params, opt_state, b):

@@ -156,8 +156,8 @@ CASES = [
     ("scalers.unknown_flag", lambda: jaxamp.init(None, FP16, keys=["1"])().derivative.update({"7": True}), KeyError,
      ["`found_inf`", "['7']", "keys are ['1']"]),
     ("step.update_scalers_dict", lambda: jaxamp.step.update_scalers(
-        jaxamp.step.check_step({}, {"w": jnp.ones(2)}, {"1": None}), {"1": DynamicScaler().init()}, DynamicScaler().init(),
-        None), TypeError, ["`scalers`", "got dict", "must be a jaxamp.scaler.Scalers"]),
+        {"1": DynamicScaler().init()}, DynamicScaler().init(), None,
+        jaxamp.step.check_step({"1": None}, {}, {"w": jnp.ones(2)})), TypeError, ["`scalers`", "got dict", "must be a jaxamp.scaler.Scalers"]),
     ("value_and_grad.fun", lambda: jaxamp.value_and_grad("loss"), TypeError,
      ["jaxamp.value_and_grad", "`fun`='loss'", "must be callable"]),
     ("value_and_grad.has_aux", lambda: jaxamp.value_and_grad(bare_loss, has_aux=1), TypeError,

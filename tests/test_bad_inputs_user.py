@@ -60,7 +60,7 @@ def checkpointer():
 def argnums_slip():
     """Gradients with respect to the points (argnums=1) handed to the optimizer of the params."""
     amp_state = jaxamp.init(loss, FP16, from_profile=False)(PARAMS, X)
-    tx = jaxamp.optimizer(optax.adam(1e-3), amp_state)
+    tx = jaxamp.optimizer(optax.adam(1e-3), amp_state=amp_state)
     opt_state = tx.init(PARAMS)
     _, grads = jaxamp.value_and_grad(loss, argnums=1)(opt_state, PARAMS, X)
     return tx.update(grads, opt_state, PARAMS)
@@ -129,7 +129,7 @@ CASES = [
     ("vag.params_first", lambda: jaxamp.value_and_grad(loss)(PARAMS, X), TypeError,
      ["jaxamp.value_and_grad", "got dict holding 0 AmpState(s)", "Fix: pass the state first"]),
     ("vag.plain_optax_state", lambda: jaxamp.value_and_grad(loss)(optax.adam(1e-3).init(PARAMS), PARAMS, X), TypeError,
-     ["holding 0 AmpState(s)", "jaxamp.optimizer(tx, jaxamp.init(loss, amp)(params, batch))"]),
+     ["holding 0 AmpState(s)", "jaxamp.optimizer(tx, amp_state=jaxamp.init(loss, amp)(params, batch))"]),
     ("vag.argnums_slip", lambda: argnums_slip(), TypeError,
      ["jaxamp.optimizer", "`params`", "argnums=1", "Fix: differentiate the parameters"]),
     ("scaled.state_forgotten", lambda: jaxamp.scaled(loss)(PARAMS, X), TypeError,
@@ -138,8 +138,10 @@ CASES = [
      ConfigError, ["jaxamp.scaled", "`amp`", "bfloat16", "float16"]),
     ("profile.amp_dict", lambda: jaxamp.profile(loss, {"dtype": "float16"}), TypeError,
      ["jaxamp.profile: `amp`={'dtype': 'float16'}", "AmpConfig"]),
-    ("profile.scales_float", lambda: jaxamp.profile(loss, FP16, scales=3.0), TypeError,
-     ["`scales`=3.0", "a mapping {key: f32[]} or an AmpState"]),
+    ("profile.scales_float", lambda: jaxamp.profile(loss, FP16)(3.0, PARAMS, X), TypeError,
+     ["`state`=3.0", "must be None (every scale 1)", "Fix: pass the state first"]),
+    ("profile.params_first", lambda: jaxamp.profile(loss, FP16)({"w": 1.0}, PARAMS, X), KeyError,
+     ["jaxamp.profile", "['w']", "is the first argument the state?"]),
     ("profile.not_callable", lambda: jaxamp.profile("loss"), TypeError, ["`fun`='loss'", "must be callable"]),
     # ---------------------------------------------------------------- checkpoints
     ("ckpt.restore_empty", lambda: checkpointer().restore({"w": jnp.ones(2)}), FileNotFoundError,

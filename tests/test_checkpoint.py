@@ -91,9 +91,9 @@ def test_monitor_state_beside_the_train_state_resumes_bit_identical(tmp_path):
 
 
 @pytest.mark.parametrize("change, fragment", [
-    (lambda s: s._replace(amp_state=s.amp_state.replace(
+    (lambda s: s.replace_amp(s.amp_state.replace(
         derivative=jaxamp.init(None, jaxamp.AmpConfig(), keys=["1"])().derivative)),
-     "only in the checkpoint: ['amp_state.derivative.2.growth_tracker', 'amp_state.derivative.2.scale']"),
+     "only in the checkpoint: ['opt_state.amp.derivative.2.growth_tracker', 'opt_state.amp.derivative.2.scale']"),
     (lambda s: s._replace(step=jnp.asarray(0.0)), "different shape or dtype: ['step (checkpoint int32[], like float32[])']"),
     (lambda s: s._replace(params={**s.params, "extra": jnp.zeros(2)}), "only in `like`: ['params.extra']"),
 ])

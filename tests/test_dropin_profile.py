@@ -35,7 +35,7 @@ def net():
 def profiler(net):
     """``prof(scales {"1", "2"}, params, points)``, jitted once for the module."""
     fn, amp = batched(net[1], NAMES), jaxamp.AmpConfig()
-    return jax.jit(lambda scales, params, pts: jaxamp.profile(fn, amp, scales=scales)(params, pts))
+    return jax.jit(jaxamp.profile(fn, amp))
 
 
 def _max(r):
@@ -94,7 +94,7 @@ def test_recommended_start_scales_remove_the_overflows_of_scale_one():
     run = jax.jit(jaxamp.scaled(f, amp))
     values, found = run({"1": 1.0, "2": 1.0}, params, pts["t"], pts["x"])
     assert bool(found["2"])
-    prof = jax.jit(jaxamp.profile(f, amp))(params, pts["t"], pts["x"])
+    prof = jax.jit(jaxamp.profile(f, amp))(None, params, pts["t"], pts["x"])
     assert _max(prof.hidden["2"]) > LOG2_FP16_MAX
     rec = recommend(prof)
     assert rec.scales_log2["2"] < 0
@@ -122,7 +122,7 @@ def test_init_scalers_from_the_profile_or_the_config(net):
 def test_inactive_scalers_give_an_empty_profile(net):
     _, u_net, params = net
     for amp in (jaxamp.AmpConfig(enabled=False), jaxamp.AmpConfig(derivative_scaling=False)):
-        prof = jaxamp.profile(batched(u_net, NAMES), amp)(params, points())
+        prof = jaxamp.profile(batched(u_net, NAMES), amp)(None, params, points())
         assert prof.derivatives == prof.hidden == prof.keys == {}
         assert len(ranges.init_scalers(batched(u_net, NAMES), amp)(params, points())) == 0
 
@@ -134,8 +134,8 @@ def test_errors_name_the_argument(net):
         jaxamp.profile(3)
     with pytest.raises(TypeError, match="`amp`"):
         jaxamp.profile(fn, {"mode": "per_order_scaler"})
-    with pytest.raises(TypeError, match="`scales`=.* must be None, a mapping"):
-        jaxamp.profile(fn, scales=[1.0])
+    with pytest.raises(TypeError, match=r"`state`=.* must be None \(every scale 1\), a mapping"):
+        jaxamp.profile(fn)([1.0])
     with pytest.raises(TypeError, match="`from_profile`='yes'"):
         ranges.init_scalers(fn, from_profile="yes")
     with pytest.raises(ValueError, match=r"`margin_log2`=-1 must be an integer in \[0, 15\]"):
@@ -145,7 +145,7 @@ def test_errors_name_the_argument(net):
         return jax.lax.scan(lambda c, t: (c, nested(u_net, "u__t")(p, t, 0.5)), 0.0, pts["t"])[1]
 
     with pytest.raises(NotImplementedError, match="inside a `scan` body is not profiled"):
-        jaxamp.profile(looped)(params, points())
+        jaxamp.profile(looped)(None, params, points())
 
 
 def amp_with_start(amp, key, scale):
@@ -177,7 +177,7 @@ def test_a_derivative_large_only_in_float32_lowers_no_start_scale():
     indeed flags nothing. The same network with the 1/L factor in float16 holds the large values
     in float16: there key "2" must start lower."""
     amp, fn, params, pts = _length_scaled_net(in_float16=False)
-    prof = jax.jit(jaxamp.profile(fn, amp))(params, pts)
+    prof = jax.jit(jaxamp.profile(fn, amp))(None, params, pts)
     assert _max(prof.derivatives["2"]) > LOG2_FP16_MAX  # float32, reported
     assert _max(prof.keys["2"]) == _max(prof.hidden["2"]) < LOG2_FP16_MAX - 2  # float16, fitted
     rec = recommend(prof)
@@ -188,7 +188,7 @@ def test_a_derivative_large_only_in_float32_lowers_no_start_scale():
     assert {k: float(v) for k, v in scalers.scales.items()} == {"1": 1.0, "2": 1.0}
 
     amp, fn, params, pts = _length_scaled_net(in_float16=True)
-    prof = jax.jit(jaxamp.profile(fn, amp))(params, pts)
+    prof = jax.jit(jaxamp.profile(fn, amp))(None, params, pts)
     assert _max(prof.keys["2"]) > LOG2_FP16_MAX
     assert recommend(prof).scales_log2["2"] < 0
 
@@ -202,5 +202,5 @@ def test_a_state_brings_its_config_to_the_profile():
 
     args = (3.0, jnp.linspace(0.0, 1.0, 8), jnp.linspace(0.0, 0.1, 8))
     state = jaxamp.init(losses, jaxamp.AmpConfig(mode="per_term_scaler"))(*args)
-    assert sorted(jaxamp.profile(losses, scales=state)(*args).keys) == sorted(state.scales) == ["u", "u__x"]
-    assert sorted(jaxamp.profile(losses, jaxamp.AmpConfig())(*args).keys) == ["1", "2"]
+    assert sorted(jaxamp.profile(losses)(state, *args).keys) == sorted(state.scales) == ["u", "u__x"]
+    assert sorted(jaxamp.profile(losses, jaxamp.AmpConfig())(None, *args).keys) == ["1", "2"]

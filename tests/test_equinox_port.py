@@ -110,7 +110,7 @@ def test_value_and_grad_of_a_module_is_filter_value_and_grad():
 @pytest.mark.slow  # fast-suite budget: the port tests run this path fast
 def test_optimizer_update_and_apply_updates_on_module_gradients():
     net, amp = net_of(), jaxamp.AmpConfig()
-    optim = jaxamp.optimizer(optax.adam(1e-2), jaxamp.init(_loss, amp)(net, X))
+    optim = jaxamp.optimizer(optax.adam(1e-2), amp_state=jaxamp.init(_loss, amp)(net, X))
     opt_state = optim.init(eqx.filter(net, eqx.is_array))
 
     @eqx.filter_jit

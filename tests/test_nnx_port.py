@@ -96,7 +96,7 @@ def test_value_and_grad_of_a_module_is_module_shaped_and_trains_with_the_optimiz
     for g, t in zip(jax.tree.leaves(grads.grads), jax.tree.leaves(theirs)):
         np.testing.assert_allclose(g, t, rtol=1e-4, atol=1e-6)
 
-    optim = jaxamp.optimizer(optax.adam(1e-2), state)
+    optim = jaxamp.optimizer(optax.adam(1e-2), amp_state=state)
     opt_state = optim.init(model)
 
     @jax.jit
@@ -126,7 +126,7 @@ def test_nnx_optimizer_dropping_the_flags_is_an_error_naming_the_functional_form
     overflow flags: an error before any update, not a step that could never be skipped."""
     model, amp = Net(), jaxamp.AmpConfig()
     state = jaxamp.init(_loss, amp, from_profile=False)(model, X)
-    optimizer = nnx.Optimizer(model, jaxamp.optimizer(optax.adam(1e-3), state), wrt=nnx.Param)
+    optimizer = nnx.Optimizer(model, jaxamp.optimizer(optax.adam(1e-3), amp_state=state), wrt=nnx.Param)
     _, grads = jaxamp.value_and_grad(_loss)(optimizer, model, X)
     before = jax.tree.leaves(nnx.state(model, nnx.Param))
     with pytest.raises(TypeError, match=r"without their overflow flags.*nnx.Optimizer.update.*optax.apply_updates"):

@@ -43,8 +43,8 @@ def amp_state():
 
 def chains():
     clip = optax.clip_by_global_norm(0.1)  # below the gradients' norm: it acts
-    return {"clip_then_amp": optax.chain(clip, jaxamp.optimizer(optax.adam(1e-2), amp_state())),
-            "amp_of_chain": jaxamp.optimizer(optax.chain(clip, optax.adam(1e-2)), amp_state())}
+    return {"clip_then_amp": optax.chain(clip, jaxamp.optimizer(optax.adam(1e-2), amp_state=amp_state())),
+            "amp_of_chain": jaxamp.optimizer(optax.chain(clip, optax.adam(1e-2)), amp_state=amp_state())}
 
 
 def same(a, b):
@@ -102,7 +102,7 @@ def test_a_clean_step_is_clipped_as_the_bare_gradients_would_be():
 def test_flags_of_reduced_gradients_are_a_global_or(reduce):
     """Two replicas under jax.vmap(axis_name=...): the gradients (flags with them) pmean-ed or
     psum-ed before the optimizer; an overflow on one replica skips both and halves key "2" only."""
-    tx = optax.chain(optax.clip_by_global_norm(0.1), jaxamp.optimizer(optax.adam(1e-2), amp_state()))
+    tx = optax.chain(optax.clip_by_global_norm(0.1), jaxamp.optimizer(optax.adam(1e-2), amp_state=amp_state()))
     opt_state = tx.init(PARAMS)
 
     def replica(params, opt_state, b):
@@ -125,7 +125,7 @@ PMAP_SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, optax, numpy as np, jaxamp
     from tests.test_optax_compose import PARAMS, amp_state, batch, loss
     assert jax.device_count() == 2
-    tx = optax.chain(optax.clip_by_global_norm(0.1), jaxamp.optimizer(optax.adam(1e-2), amp_state()))
+    tx = optax.chain(optax.clip_by_global_norm(0.1), jaxamp.optimizer(optax.adam(1e-2), amp_state=amp_state()))
     def step(params, opt_state, b):
         _, grads = jaxamp.value_and_grad(loss)(opt_state, params, b)
         updates, opt_state = tx.update(jax.lax.pmean(grads, "i"), opt_state, params)
@@ -177,7 +177,7 @@ def test_an_optimizer_built_before_the_loss_takes_its_state_at_init_or_later():
 
 
 def test_a_stale_bare_amp_state_is_an_error_at_trace_time():
-    tx = jaxamp.optimizer(optax.adam(1e-2), amp_state())
+    tx = jaxamp.optimizer(optax.adam(1e-2), amp_state=amp_state())
     opt_state = tx.init(PARAMS)
     _, grads = jaxamp.value_and_grad(loss)(amp_state(), PARAMS, batch())  # the initial state, not opt_state
     with pytest.raises(ValueError, match=r"from a bare AmpState.*jaxamp.value_and_grad\(loss\)\(opt_state, params"):
@@ -204,7 +204,7 @@ def test_non_finite_new_values_skip_with_their_own_reason():
     kept, after, reason = jaxamp.apply_or_skip(state, grads, new_weights, weights, return_reason=True)
     assert float(kept["ics"]) == 1.0 and int(reason) == jaxamp.SkipReason.NONFINITE_UPDATES
     assert same(after.derivative, state.derivative) and same(after.loss, state.loss)  # no scaler moves
-    tx = jaxamp.optimizer(optax.sgd(jnp.float32(jnp.nan)), amp_state())  # a NaN learning rate
+    tx = jaxamp.optimizer(optax.sgd(jnp.float32(jnp.nan)), amp_state=amp_state())  # a NaN learning rate
     opt_state = tx.init(PARAMS)
     _, grads = jaxamp.value_and_grad(loss)(opt_state, PARAMS, batch())
     updates, new = tx.update(grads, opt_state, PARAMS)
@@ -213,7 +213,7 @@ def test_non_finite_new_values_skip_with_their_own_reason():
 
 
 def test_apply_or_skip_fits_back_where_it_came_from_and_checks_its_trees():
-    tx = optax.chain(optax.clip_by_global_norm(1.0), jaxamp.optimizer(optax.adam(1e-2), amp_state()))
+    tx = optax.chain(optax.clip_by_global_norm(1.0), jaxamp.optimizer(optax.adam(1e-2), amp_state=amp_state()))
     opt_state = tx.init(PARAMS)
     _, grads = jaxamp.value_and_grad(loss)(opt_state, PARAMS, batch(overflow=True))
     kept, new_state = jaxamp.apply_or_skip(opt_state, grads, {"w": PARAMS["w"] + 1.0}, PARAMS)
@@ -230,5 +230,5 @@ def test_bad_optimizer_arguments_name_the_argument_and_what_is_allowed():
                              (dict(on_stall="stop"), "`on_stall`='stop' is not allowed: expected one of")):
         with pytest.raises(ValueError, match=fragment.replace("(", r"\(")):
             jaxamp.optimizer(optax.adam(1e-3), **kwargs)
-    with pytest.raises(TypeError, match="`state`=.*must be a jaxamp.AmpState"):
-        jaxamp.optimizer(optax.adam(1e-3), {"scales": {}})
+    with pytest.raises(TypeError, match="`amp_state`=.*must be a jaxamp.AmpState"):
+        jaxamp.optimizer(optax.adam(1e-3), amp_state={"scales": {}})

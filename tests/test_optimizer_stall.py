@@ -32,7 +32,7 @@ def run(tx, flags, n):
 
 
 def test_a_run_that_skips_every_step_is_warned_within_the_limit():
-    tx = jaxamp.optimizer(optax.adam(1e-2), amp_state(), max_consecutive_skips=7)
+    tx = jaxamp.optimizer(optax.adam(1e-2), amp_state=amp_state(), max_consecutive_skips=7)
     with pytest.warns(StallWarning) as record:
         _, opt_state = run(tx, dict(overflow=True), 20)
     lines = [str(w.message) for w in record]
@@ -43,13 +43,13 @@ def test_a_run_that_skips_every_step_is_warned_within_the_limit():
 
 
 def test_on_stall_raise_stops_the_run():
-    tx = jaxamp.optimizer(optax.adam(1e-2), amp_state(), max_consecutive_skips=3, on_stall="raise")
+    tx = jaxamp.optimizer(optax.adam(1e-2), amp_state=amp_state(), max_consecutive_skips=3, on_stall="raise")
     with pytest.raises(Exception, match="training stalled: 3 consecutive skipped steps"):
         run(tx, dict(nan_grad=True), 5)
 
 
 def test_a_clean_2000_step_run_says_nothing():
-    tx = optax.chain(optax.clip_by_global_norm(1.0), jaxamp.optimizer(optax.adam(1e-3), amp_state()))
+    tx = optax.chain(optax.clip_by_global_norm(1.0), jaxamp.optimizer(optax.adam(1e-3), amp_state=amp_state()))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _, opt_state = run(tx, {}, 2000)
@@ -84,7 +84,7 @@ def test_make_train_step_counts_and_says_a_stall_and_a_clean_run_says_nothing():
 
 
 def test_the_monitor_is_fed_from_the_optimizer_state_in_one_line():
-    tx = optax.chain(optax.clip_by_global_norm(1.0), jaxamp.optimizer(optax.adam(1e-2), amp_state()))
+    tx = optax.chain(optax.clip_by_global_norm(1.0), jaxamp.optimizer(optax.adam(1e-2), amp_state=amp_state()))
     monitor = jaxamp.monitor.StallMonitor(max_consecutive_skips=2, window=10)
     mstate = monitor.init()
     params, opt_state = PARAMS, tx.init(PARAMS)

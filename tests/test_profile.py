@@ -15,7 +15,7 @@ from jaxamp._src.core.window import LOG2_FP16_MAX, NOTHING_TO_CHANGE, promote_to
 
 def profile(eng, params, points, scales=None):
     """jaxamp.profile of an engine, jitted (one compile instead of op-by-op dispatch)."""
-    return jax.jit(lambda p, x, s: jaxamp.profile(eng, scales=s)(p, x))(params, points, scales)
+    return jax.jit(jaxamp.profile(eng))(scales, params, points)
 
 
 def _sine(k: float, dtype=jnp.float32):
@@ -102,7 +102,7 @@ def test_profiling_inside_jit_does_not_recompile():
     @jax.jit
     def step(params, scales):
         traces.append(1)
-        return jaxamp.profile(eng, scales=scales)(params, POINTS[:32])
+        return jaxamp.profile(eng)(scales, params, POINTS[:32])
 
     for i in range(3):
         step({"a": jnp.float32(1.0 + i)}, {"1": jnp.float32(1.0), "2": jnp.float32(2.0**-i)})

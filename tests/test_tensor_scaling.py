@@ -131,7 +131,7 @@ def test_the_user_step_trains_with_tensor_scaling():
     import optax
 
     state = jaxamp.init(loss, amp)(params(), xs)
-    opt = jaxamp.optimizer(optax.adam(3e-3), state)
+    opt = jaxamp.optimizer(optax.adam(3e-3), amp_state=state)
     p, opt_state = params(), opt.init(params())
 
     @jax.jit

@@ -72,7 +72,7 @@ def test_value_and_grad_and_init_trace_the_loss_once():
     amp = jaxamp.AmpConfig()
     state = jaxamp.init(loss, amp)(PARAMS, *POINTS)
     assert len(calls) == 1 and sorted(state.scales) == ["1", "2"]
-    opt = jaxamp.optimizer(optax.sgd(1e-3), state)
+    opt = jaxamp.optimizer(optax.sgd(1e-3), amp_state=state)
     opt_state = opt.init(PARAMS)
     del calls[:]
     value, grads = jaxamp.value_and_grad(loss)(opt_state, PARAMS, *POINTS)

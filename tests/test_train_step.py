@@ -25,6 +25,12 @@ N = 16
 FP16 = jaxamp.AmpConfig(dtype="float16", loss_scaler={"init_scale": 2.0**8})
 
 
+
+def counters_as(state, like):
+    """``state`` with the step count, the skip reason and the skips in a row of ``like``."""
+    counters = dict(skip_reason=like.opt_state.skip_reason, consecutive_skips=like.consecutive_skips)
+    return state._replace(step=like.step, opt_state=state.opt_state._replace(**counters))
+
 def tree_equal(a, b):
     same = jax.tree_util.tree_map(lambda x, y: bool(jnp.array_equal(x, y)), a, b)
     return jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b) and all(jax.tree_util.tree_leaves(same))
@@ -79,7 +85,7 @@ def test_derivative_overflow_skips_and_backs_off_only_its_own_scaler():
     state, m = step(before, batch(overflow=True))
     assert bool(m["skipped"]) and int(m["skip_reason"]) == jaxamp.SkipReason.DERIVATIVE_OVERFLOW
     assert bool(m["found_inf/2"]) and not bool(m["found_inf/1"]) and not bool(m["found_nonfinite_values"])
-    assert tree_equal((state.params, state.opt_state, state.amp_state.loss), (before.params, before.opt_state, before.amp_state.loss))
+    assert tree_equal((state.params, state.opt_state.inner, state.amp_state.loss), (before.params, before.opt_state.inner, before.amp_state.loss))
     assert float(state.amp_state.derivative["2"].scale) == 0.5 * float(before.amp_state.derivative["2"].scale)
     assert int(state.amp_state.derivative["2"].growth_tracker) == 0
     assert int(state.amp_state.derivative["1"].growth_tracker) == int(before.amp_state.derivative["1"].growth_tracker) + 1
@@ -94,18 +100,18 @@ def test_bad_values_skip_and_change_no_scaler_whatever_else_is_flagged(overflow)
     state, m = step(before, batch(bad=True, overflow=overflow))
     assert bool(m["skipped"]) and int(m["skip_reason"]) == jaxamp.SkipReason.NONFINITE_VALUES
     assert bool(m["found_nonfinite_values"]) and bool(m["found_inf/2"]) == overflow
-    assert tree_equal(state._replace(step=before.step, consecutive_skips=before.consecutive_skips), before)  # scales too
+    assert tree_equal(counters_as(state, before), before)  # scales too
     assert int(state.consecutive_skips) == 1 and int(m["consecutive_skips"]) == 1
     assert int(state.step) == int(before.step) + 1
 
 
 def test_nonfinite_weight_gradients_back_off_the_loss_scaler_and_skip():
     before, step = warm()
-    state = before._replace(amp_state=before.amp_state.replace(loss=jaxamp.scaler.ScaleState(jnp.float32(2.0**30), jnp.int32(7))))
+    state = before.replace_amp(before.amp_state.replace(loss=jaxamp.scaler.ScaleState(jnp.float32(2.0**30), jnp.int32(7))))
     new, m = step(state, batch(nan_grad=True))
     assert int(m["skip_reason"]) == jaxamp.SkipReason.NONFINITE_GRADS and bool(m["skipped"])
     assert float(new.amp_state.loss.scale) == 2.0**29 and int(new.amp_state.loss.growth_tracker) == 0
-    assert tree_equal((new.params, new.opt_state), (state.params, state.opt_state))
+    assert tree_equal((new.params, new.opt_state.inner), (state.params, state.opt_state.inner))
     assert all(int(new.amp_state.derivative[k].growth_tracker) == int(state.amp_state.derivative[k].growth_tracker) + 1
                for k in ("1", "2"))  # a clean step for them
     # with a derivative overflow too, the overflow is the reason and the loss scaler stays
@@ -122,7 +128,7 @@ def test_thousand_steps_with_injected_faults_never_produce_nonfinite_params():
     def run(state, bad, overflow):
         def body(s, f):
             new, m = step(s, dict(batch(), bad=f[0], overflow=f[1]))
-            same = tree_equal_traced((s.params, s.opt_state), (new.params, new.opt_state))
+            same = tree_equal_traced((s.params, s.opt_state.inner), (new.params, new.opt_state.inner))
             scales_same = tree_equal_traced(s.amp_state.derivative, new.amp_state.derivative)
             return new, (m["skipped"], m["skip_reason"], same, scales_same, jmp_finite(new.params))
         return jax.lax.scan(body, state, (bad, overflow))
@@ -203,7 +209,7 @@ def test_real_network_nan_point_is_bad_values_and_the_step_compiles_once_with_no
         state, m = jitted(state, batch(bad=(i == 2)))
         outcomes.append((bool(m["skipped"]), int(m["skip_reason"]), bool(m["found_nonfinite_values"])))
         if i == 2:
-            assert tree_equal(state._replace(step=before.step, consecutive_skips=before.consecutive_skips), before)
+            assert tree_equal(counters_as(state, before), before)
     assert outcomes == [(False, 0, False), (False, 0, False), (True, jaxamp.SkipReason.NONFINITE_VALUES, True), (False, 0, False)]
     assert len(traces) == 1
     text = jitted.lower(state, batch()).as_text()
@@ -299,22 +305,22 @@ def test_pieces_in_a_users_own_step_with_extra_state_match_make_train_step():
     def user_step(params, opt_state, scalers, loss_scale, extra, b):
         (loss, terms), scaled = grad_fn(jaxamp.AmpState(FP16, scalers, loss_scale, rule), params, b)
         grads = scaled.grads
-        check = jaxamp.step.check_step(scaled.found_inf, grads, scalers)
+        check = jaxamp.step.check_step(scalers, scaled.found_inf, grads)
         updates, new_opt_state = opt.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
         new_extra = {"weights": extra["weights"] * 0.9 + 0.1,
                      "ema": jax.tree_util.tree_map(lambda e, p: 0.99 * e + 0.01 * p, extra["ema"], new_params)}
         params, opt_state, extra = check.select((new_params, new_opt_state, new_extra), (params, opt_state, extra))
-        scalers, loss_scale = jaxamp.step.update_scalers(check, scalers, loss_scale, rule)
+        scalers, loss_scale = jaxamp.step.update_scalers(scalers, loss_scale, rule, check)
         return params, opt_state, scalers, loss_scale, extra
 
-    carry = (state.params, state.opt_state, state.amp_state.derivative, state.amp_state.loss,
+    carry = (state.params, state.opt_state.inner, state.amp_state.derivative, state.amp_state.loss,
              {"weights": jnp.ones(2), "ema": state.params})
     for flags in [{}, {"overflow": True}, {"bad": True}, {"nan_grad": True}, {}]:
         prev_extra = carry[4]
         carry = user_step(*carry, batch(**flags))
         state, _ = step(state, batch(**flags))
-        assert tree_equal(carry[:4], (state.params, state.opt_state, state.amp_state.derivative, state.amp_state.loss))
+        assert tree_equal(carry[:4], (state.params, state.opt_state.inner, state.amp_state.derivative, state.amp_state.loss))
         assert tree_equal(carry[4], prev_extra) == bool(flags)
 
 
@@ -327,17 +333,17 @@ def test_pieces_inside_a_named_axis_step_decide_alike_on_every_replica():
     def replica(params, opt_state, scalers, loss_scale, b):
         _, scaled = grad_fn(jaxamp.AmpState(FP16, scalers, loss_scale, rule), params, b)
         grads = jax.lax.pmean(scaled.grads, "devices")
-        check = jaxamp.step.check_step(scaled.found_inf, grads, scalers, axis_name="devices")
+        check = jaxamp.step.check_step(scalers, scaled.found_inf, grads, axis_name="devices")
         updates, new_opt_state = opt.update(grads, opt_state, params)
         params, opt_state = check.select((optax.apply_updates(params, updates), new_opt_state), (params, opt_state))
-        scalers, loss_scale = jaxamp.step.update_scalers(check, scalers, loss_scale, rule)
+        scalers, loss_scale = jaxamp.step.update_scalers(scalers, loss_scale, rule, check)
         return params, opt_state, scalers, loss_scale, check.skip_reason
 
     run = jax.jit(jax.vmap(replica, in_axes=(None, None, None, None, 0), axis_name="devices"))
     for overflow, expected in [([False, False], jaxamp.SkipReason.APPLIED), ([False, True], jaxamp.SkipReason.DERIVATIVE_OVERFLOW)]:
         b = jax.tree_util.tree_map(lambda v: jnp.stack([v, v]), batch())
         b = dict(b, x=b["x"] * jnp.asarray([[1.0], [2.0]]), overflow=jnp.asarray(overflow))
-        params, opt_state, scalers, loss_scale, reason = run(state.params, state.opt_state, state.amp_state.derivative,
+        params, opt_state, scalers, loss_scale, reason = run(state.params, state.opt_state.inner, state.amp_state.derivative,
                                                              state.amp_state.loss, b)
         assert reason.tolist() == [expected, expected]
         for tree in (params, opt_state, scalers, loss_scale):
@@ -349,7 +355,7 @@ def test_pieces_inside_a_named_axis_step_decide_alike_on_every_replica():
 def test_a_state_of_another_amp_is_refused_by_the_step():
     state, _, step, *_ = problem()
     other = jaxamp.AmpConfig(dtype="float16", mode="per_term_scaler")
-    foreign = state._replace(amp_state=jaxamp.init(None, other, keys=list(state.scales))())
+    foreign = state.replace_amp(jaxamp.init(None, other, keys=list(state.scales))())
     with pytest.raises(ValueError, match="make_train_step: the state's `amp_state` .* was not created with the step's `amp`"):
         step(foreign, batch())
     assert NONFINITE_VALUES not in state.amp_state.derivative

@@ -105,8 +105,8 @@ def test_skip_decisions_and_scale_trajectories_equal_the_step_pieces():
         value, grads = vg(state, params, T, X, bad)
         new = jax.tree.map(lambda p, g: p - 1e-3 * g, params, grads.grads)
         kept, state = step_fn(state, grads, new, params)
-        check = check_step(grads.found_inf, grads.grads, scalers)
-        scalers, loss_scale = update_scalers(check, scalers, loss_scale, rule)
+        check = check_step(scalers, grads.found_inf, grads.grads)
+        scalers, loss_scale = update_scalers(scalers, loss_scale, rule, check)
         expected = check.select(new, params)
         jax.tree.map(np.testing.assert_array_equal, kept, expected)
         assert bool(grads.found_inf["2"]) == (i in (2, 5))
@@ -122,7 +122,7 @@ def test_optimizer_skips_with_a_zero_update_and_the_inner_state_unchanged():
     amp = jaxamp.AmpConfig()
     loss = make_loss(amp)
     state = jaxamp.init(loss, amp, from_profile=False)(PARAMS, T, X)
-    tx = jaxamp.optimizer(optax.adam(1e-2), state)
+    tx = jaxamp.optimizer(optax.adam(1e-2), amp_state=state)
     opt_state = tx.init(PARAMS)
     _, clean = jaxamp.value_and_grad(loss)(opt_state, PARAMS, T, X)
     updates, opt_state = tx.update(clean, opt_state, PARAMS)
@@ -146,7 +146,7 @@ def test_flax_train_state_needs_no_new_field():
     loss = make_loss(amp)
     amp_state = jaxamp.init(loss, amp, from_profile=False)(PARAMS, T, X)
     ts = train_state.TrainState.create(apply_fn=MODEL.apply, params=PARAMS,
-                                       tx=jaxamp.optimizer(optax.adam(1e-3), amp_state))
+                                       tx=jaxamp.optimizer(optax.adam(1e-3), amp_state=amp_state))
 
     @jax.jit
     def step(ts, bad):
@@ -225,7 +225,7 @@ def test_errors_say_what_to_use():
     with pytest.raises(TypeError, match="AmpState"):
         jaxamp.value_and_grad(lambda p: p)({"not": "a state"}, 1.0)
     with pytest.raises(TypeError, match="`inner`"):
-        jaxamp.optimizer(object(), state)
+        jaxamp.optimizer(object(), amp_state=state)
     with pytest.raises(TypeError, match="`grads`"):
         jaxamp.apply_or_skip(state, [1.0], 0.0, 0.0)
     with pytest.raises(TypeError, match="`keys`"):
@@ -283,4 +283,4 @@ def test_non_array_arguments_pass_through_as_in_jax_grad():
     assert sorted(state.scales) == ["1"]
     value, found_inf = jaxamp.scaled(loss)(state, *args)
     assert sorted(found_inf) == ["1", "nonfinite_values"] and np.isfinite(float(value))
-    assert sorted(jaxamp.profile(loss, fp16)(*args).derivatives) == ["1"]
+    assert sorted(jaxamp.profile(loss, fp16)(None, *args).derivatives) == ["1"]

@@ -90,7 +90,7 @@ class Setup:
 
         parts = self.problem.sample(jax.random.fold_in(self.sample_key, 0)).values()
         points = {name: jnp.concatenate([part[name] for part in parts]) for name in self.problem.inputs}
-        prof = jax.jit(jaxamp.profile(self.engines[0]))(self.init_params(), points)
+        prof = jax.jit(jaxamp.profile(self.engines[0]))(None, self.init_params(), points)
         return recommend(prof, default_max_scale_log2=self.amp.default_max_scale_log2)
 
     def _make_mesh(self, devices: int):
@@ -174,7 +174,7 @@ class Setup:
                 continue
             key = engine.scaler_key(name.rsplit("__", 1)[0]) if engine.scaler_keys else None
             scaled[name] = np.asarray(v) * float(scales[key] if key is not None else 1.0)
-        prof = jax.jit(lambda p, x, s: jaxamp.profile(engine, scales=s)(p, x))(state.params, points, scales)
+        prof = jax.jit(jaxamp.profile(engine))(scales, state.params, points)
         return prof, scaled
 
     def predict(self, params, points: np.ndarray) -> np.ndarray:

@@ -80,7 +80,7 @@ def main(argv=None):
 
     schedule = optax.cosine_decay_schedule(1e-2, args.steps)
     amp_state = jaxamp.init(loss_fn, amp)(params, sample(jax.random.PRNGKey(0)))  # from a profile
-    tx = jaxamp.optimizer(optax.adam(schedule), amp_state)
+    tx = jaxamp.optimizer(optax.adam(schedule), amp_state=amp_state)
     state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
 
     @jax.jit

@@ -91,7 +91,7 @@ def main(argv=None):
 
     schedule = optax.exponential_decay(1e-3, transition_steps=1000, decay_rate=0.9)
     amp_state = jaxamp.init(losses, amp)(params, sample(jax.random.PRNGKey(0)))  # from a profile
-    optimizer = jaxamp.optimizer(optax.chain(optax.adam(schedule)), amp_state)
+    optimizer = jaxamp.optimizer(optax.chain(optax.adam(schedule)), amp_state=amp_state)
     opt_state = optimizer.init(params)
     weights = {"res": 1.0, "ic": 1.0, "bc": 1.0}
 

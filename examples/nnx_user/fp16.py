@@ -48,7 +48,8 @@ def main(argv=None):
         return jax.random.uniform(key, (args.points,))
 
     key, losses = jax.random.PRNGKey(args.seed + 1), []
-    optim = jaxamp.optimizer(optax.adam(1e-3), jaxamp.init(loss_fn, amp)(model, sample(key)))
+    amp_state = jaxamp.init(loss_fn, amp)(model, sample(key))
+    optim = jaxamp.optimizer(optax.adam(1e-3), amp_state=amp_state)
     opt_state = optim.init(model)
 
     @jax.jit

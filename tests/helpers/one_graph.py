@@ -112,7 +112,7 @@ def train_case(placement: str, steps: int = 3) -> dict:
         for _ in range(steps):
             state, metrics = step(state, x)
             losses.append(metrics["loss"])
-        results.append((state.params, state.opt_state, losses))
+        results.append((state.params, state.opt_state.inner, losses))
     (p1, o1, l1), (p2, o2, l2) = results
     return {"params_diff": _n_diff(p1, p2), "opt_state_diff": _n_diff(o1, o2), "loss_diff": _n_diff(l1, l2),
             "losses": [float(v) for v in l1]}  # fmt: skip

@@ -155,7 +155,7 @@ def _adam(opt_state):
 
 def jax_state_into_torch(js: jaxamp.train.TrainState, ts: torch_ref.TrainState) -> None:
     """Load a jaxamp TrainState (params, Adam moments and counts, scalers) into a torch_ref one."""
-    adam, sched = _adam(js.opt_state)
+    adam, sched = _adam(js.opt_state.inner)
     ts.model.load_state_dict(torch_ref.flax_to_torch(jax.device_get(js.params)))
     names = [n for n, _ in ts.model.named_parameters()]
     mu, nu = torch_ref.flax_to_torch(jax.device_get(adam.mu)), torch_ref.flax_to_torch(jax.device_get(adam.nu))
@@ -175,19 +175,21 @@ def torch_checkpoint_to_jax(ckpt: dict, like: jaxamp.train.TrainState) -> jaxamp
     moment = lambda key: torch_ref.torch_to_flax({n: opt[i][key] for i, n in enumerate(names)})  # noqa: E731
     steps = {int(s["step"]) for s in opt.values()}
     assert len(steps) == 1 and steps.pop() == ckpt["scalers"]["applied"]
-    adam, sched = _adam(like.opt_state)
+    adam, sched = _adam(like.opt_state.inner)
     count = jnp.int32(ckpt["scalers"]["applied"])
     sc = ckpt["scalers"]
     return jaxamp.train.TrainState(
         step=jnp.int32(sc["step"]),
         params=jax.tree_util.tree_map(jnp.asarray, torch_ref.torch_to_flax(ckpt["model"])),
-        opt_state=(adam._replace(count=count, mu=jax.tree_util.tree_map(jnp.asarray, moment("exp_avg")),
+        opt_state=jaxamp.step.AmpOptState(
+            inner=(adam._replace(count=count, mu=jax.tree_util.tree_map(jnp.asarray, moment("exp_avg")),
                                  nu=jax.tree_util.tree_map(jnp.asarray, moment("exp_avg_sq"))),
                    sched._replace(count=count)),
-        amp_state=like.amp_state.replace(
-            loss=jaxamp.scaler.ScaleState(**torch_ref.scale_states_to_jax({"l": sc["loss_scale"]})["l"]),
-            derivative=Scalers(like.amp_state.derivative.rules, {
-                k: jaxamp.scaler.ScaleState(**v) for k, v in torch_ref.scale_states_to_jax(sc["deriv_scales"]).items()})),
+            amp=like.amp_state.replace(
+                loss=jaxamp.scaler.ScaleState(**torch_ref.scale_states_to_jax({"l": sc["loss_scale"]})["l"]),
+                derivative=Scalers(like.amp_state.derivative.rules, {
+                    k: jaxamp.scaler.ScaleState(**v) for k, v in torch_ref.scale_states_to_jax(sc["deriv_scales"]).items()})),
+            skip_reason=jnp.int32(0), consecutive_skips=jnp.int32(0)),
     )
 
 

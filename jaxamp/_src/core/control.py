@@ -1,34 +1,20 @@
-"""How :func:`jaxamp._src.core.scaled` evaluates programs around ``dropin.grad`` calls.
-
-One ``rule(eqn, invals, ctx, bodies) -> (outs, flags)`` per higher-order primitive (``bodies``:
-the infos of each body's inputs, :attr:`jaxamp._src.core.nesting.Analysis.bodies`): call bodies are
-inlined; loops, branches, ``jax.checkpoint`` and ``shard_map`` are rebuilt with the flags as
-extra outputs.
+"""The rules of :data:`jaxamp._src.core.evaluate.HANDLERS` for loops, branches,
+``jax.checkpoint`` and ``shard_map`` holding a ``jaxamp.grad``: each body is rebuilt with its
+flags as extra outputs (``rule(eqn, invals, ctx, bodies) -> (outs, flags)``, ``bodies`` the
+infos of each body's inputs). Importing this module registers them.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Mapping, Sequence
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxamp._src.core.interpreter import custom_body, sub_jaxpr
+from jaxamp._src.core.evaluate import HANDLERS, full_flags
 
-__all__ = ["HANDLERS", "call", "full_flags"]
-
-
-def full_flags(flags: Mapping[str, jax.Array], keys: Sequence[str]) -> Dict[str, jax.Array]:
-    """``{key: bool[]}`` for every key, False where ``flags`` has none."""
-    return {k: jnp.asarray(flags.get(k, False), bool) for k in keys}
-
-
-def call(eqn, invals, ctx, bodies):
-    """A ``jit``/``closed_call`` body, or a custom-derivative call's primal body, inlined:
-    ``(outs, flags)`` (a custom rule around jaxamp.grad would not see the scales)."""
-    body = sub_jaxpr(eqn) or custom_body(eqn)
-    return ctx.evaluate(body.jaxpr, body.consts, invals, ctx, bodies[0])
+__all__ = []
 
 
 def _flagged(jaxpr, consts, infos, ctx) -> Callable:
@@ -36,7 +22,7 @@ def _flagged(jaxpr, consts, infos, ctx) -> Callable:
     keys = ctx.keys(jaxpr, infos)
 
     def fn(*args):
-        outs, fl = ctx.evaluate(jaxpr, consts, args, ctx, infos)
+        outs, fl = ctx.evaluate(jaxpr, consts, args, infos)
         return outs, full_flags(fl, keys)
 
     return fn
@@ -50,7 +36,7 @@ def _scan(eqn, invals, ctx, bodies):
 
     def step(carry, x):
         vals, fl = carry
-        outs, new = ctx.evaluate(body.jaxpr, body.consts, [*consts, *vals, *x], ctx, bodies[0])
+        outs, new = ctx.evaluate(body.jaxpr, body.consts, [*consts, *vals, *x], bodies[0])
         return (outs[:nk], {k: fl[k] | new.get(k, False) for k in keys}), outs[nk:]
 
     (final, fl), ys = lax.scan(step, (list(init), full_flags({}, keys)), list(xs), length=p["length"],
@@ -65,11 +51,11 @@ def _while(eqn, invals, ctx, bodies):
     keys = ctx.keys(body.jaxpr, bodies[1])
 
     def cond_fn(carry):
-        return ctx.evaluate(cond.jaxpr, cond.consts, [*cconsts, *carry[0]], ctx, bodies[0])[0][0]
+        return ctx.evaluate(cond.jaxpr, cond.consts, [*cconsts, *carry[0]], bodies[0])[0][0]
 
     def body_fn(carry):
         vals, fl = carry
-        outs, new = ctx.evaluate(body.jaxpr, body.consts, [*bconsts, *vals], ctx, bodies[1])
+        outs, new = ctx.evaluate(body.jaxpr, body.consts, [*bconsts, *vals], bodies[1])
         return outs, {k: fl[k] | new.get(k, False) for k in keys}
 
     return lax.while_loop(cond_fn, body_fn, (list(init), full_flags({}, keys)))
@@ -81,7 +67,7 @@ def _cond(eqn, invals, ctx, bodies):
 
     def branch_fn(b, infos):
         def fn(*args):
-            outs, fl = ctx.evaluate(b.jaxpr, b.consts, args, ctx, infos)
+            outs, fl = ctx.evaluate(b.jaxpr, b.consts, args, infos)
             return outs, full_flags(fl, keys)
 
         return fn
@@ -104,7 +90,7 @@ def _shard_map(eqn, invals, ctx, bodies):
     keys = ctx.keys(body, bodies[0])
 
     def local(*args):
-        outs, fl = ctx.evaluate(body, (), args, ctx, bodies[0])
+        outs, fl = ctx.evaluate(body, (), args, bodies[0])
         return outs, {k: lax.psum(v.astype(jnp.int32), axes) > 0 for k, v in full_flags(fl, keys).items()}
 
     out_specs = (list(p["out_specs"]), {k: jax.sharding.PartitionSpec() for k in keys})
@@ -113,12 +99,10 @@ def _shard_map(eqn, invals, ctx, bodies):
     return jax.jit(mapped)(*invals)
 
 
-HANDLERS: Dict[str, Callable] = {
+HANDLERS.update({
     "remat2": _remat,
     "shard_map": _shard_map,
-    "custom_jvp_call": call,
-    "custom_vjp_call": call,
     "scan": _scan,
     "while": _while,
     "cond": _cond,
-}
+})

@@ -100,5 +100,5 @@ def unfiltered(updates: Any, caller: str) -> Any:
             "nnx.Optimizer.update(model, grads) keeps only the nnx.Param variables of jaxamp's gradients, so a "
             "step with an overflow could not be skipped. Fix: the functional optax form, "
             "updates, opt_state = optim.update(grads, opt_state, model); model = optax.apply_updates(model, "
-            "updates) with optim = jaxamp.optimizer(tx, amp_state) (see examples/nnx_user/fp16.py).")
+            "updates) with optim = jaxamp.optimizer(tx, amp_state=amp_state) (see examples/nnx_user/fp16.py).")
     return updates

@@ -16,7 +16,8 @@ from jax.extend import core as jcore
 
 from jaxamp._src.scaling.config import AmpConfig, check_flags
 from jaxamp._src.core.marks import NONFINITE_VALUES, deriv_check_p, deriv_scale_p
-from jaxamp._src.core.scaled import Context, Recorder, evaluate, inputs, marks_in
+from jaxamp._src.core import control  # noqa: F401  (importing it registers the loop / branch rules)
+from jaxamp._src.core.evaluate import Context, Recorder, evaluate, inputs, marks_in
 from jaxamp._src.core.tracing import check_amp, state_config, traced
 from jaxamp._src.core.nesting import analyze
 from jaxamp._src.core.interpreter import bind, custom_body, eval_jaxpr, sub_jaxpr, sub_jaxprs
@@ -61,7 +62,7 @@ def _key_sets(jaxpr: jcore.Jaxpr, ctx: Context, resolved) -> Dict[Any, frozenset
 
 
 class _Ranges(Recorder):
-    """The recording mode of :func:`jaxamp._src.core.scaled.evaluate` for a profile: every
+    """The recording mode of :func:`jaxamp._src.core.evaluate.evaluate` for a profile: every
     equation promoted to float32; the checked derivatives (``derivatives``; ``low`` where held
     in float16/bfloat16 and not under ``hidden`` already) and the float16/bfloat16 values that
     depend on a key's seed and feed its check (``hidden``) recorded per key."""
@@ -90,27 +91,27 @@ class _Ranges(Recorder):
                     self.record("hidden", key, out)
 
 
-def profile(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *,
-            scales: Optional[Mapping[str, Any]] = None) -> Callable[..., Profile]:  # fmt: skip
-    """The float16 range of every scaled derivative in ``fun``, per scaler key.
+def profile(fun: Callable[..., Any], amp: Optional[AmpConfig] = None) -> Callable[..., Profile]:
+    """The float16 range of every scaled derivative in ``fun``, per scaler key: :func:`jaxamp.scaled`
+    in a recording mode, called as it is.
 
     Args:
       fun: a function taking derivatives with :func:`jaxamp.grad` and its siblings (not inside
         ``scan``/``while``/``cond`` bodies), or a :class:`jaxamp.Derivatives` engine.
       amp: as for :func:`jaxamp.scaled`.
-      scales: ``{key: f32[]}`` under ``amp``, or an :class:`~jaxamp.AmpState` (or an optimizer
-        state holding one), whose config is then the one used (as for :func:`jaxamp.scaled`);
-        None: every key at 1.
 
     Returns:
-      ``prof(*args, **kwargs) -> Profile`` with ``derivatives``, ``hidden`` and ``keys`` per key
-      (see the module docstring). Empty when ``amp``'s derivative scalers are inactive.
+      ``prof(state, *args, **kwargs) -> Profile`` with ``derivatives``, ``hidden`` and ``keys``
+      per key (see the module docstring). ``state``: an :class:`~jaxamp.AmpState` (or an
+      optimizer state holding one), whose config and scales are used; ``{key: f32[]}`` scales
+      under ``amp``; or None: every key at scale 1 under ``amp`` (a profile before training).
+      Empty when the derivative scalers are inactive.
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxamp
       >>> u = lambda p, x: jnp.tanh((p * x).astype(jnp.float16)).astype(jnp.float32)
       >>> losses = jax.vmap(jaxamp.grad(jaxamp.grad(u, 1), 1), (None, 0))
-      >>> prof = jaxamp.profile(losses, jaxamp.AmpConfig())(300.0, jnp.linspace(0.0, 0.01, 8))
+      >>> prof = jaxamp.profile(losses, jaxamp.AmpConfig())(None, 300.0, jnp.linspace(0.0, 0.01, 8))
       >>> sorted(prof.keys), jaxamp.window.recommend(prof).scales_log2
       (['1', '2'], {'1': 0, '2': -3})
     """
@@ -119,18 +120,21 @@ def profile(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *,
     if not callable(fun):
         raise TypeError(f"jaxamp.profile: `fun`={fun!r} must be callable or a jaxamp.Derivatives.")
     check_amp(amp, "jaxamp.profile")
-    if scales is not None:  # a state (or an optimizer state holding one) brings its config
-        try:
-            amp, scales = state_config(scales, amp, "jaxamp.profile")
-        except TypeError:
-            raise TypeError(f"jaxamp.profile: `scales`={scales!r} must be None, a mapping {{key: f32[]}} or an AmpState "
-                            "(or an optimizer state holding one: jaxamp.optimizer).") from None
 
-    def prof(*args, **kwargs) -> Profile:
-        if not Context({}, amp).active:
+    def prof(state: Any, *args, **kwargs) -> Profile:
+        ctx_amp, scales = amp, None
+        if state is not None:  # a state (or an optimizer state holding one) brings its config
+            try:
+                ctx_amp, scales = state_config(state, amp, "jaxamp.profile")
+            except TypeError:
+                raise TypeError(f"jaxamp.profile: the first argument `state`={state!r} must be None (every scale 1), a "
+                                "mapping {key: f32[]} or an AmpState (or an optimizer state holding one: "
+                                "jaxamp.optimizer). Fix: pass the state first, as to jaxamp.scaled: "
+                                "jaxamp.profile(fun, amp)(None, params, batch).") from None
+        if not Context({}, ctx_amp).active:
             return Profile(derivatives={}, hidden={}, keys={})
-        closed, flat, _ = traced(fun, args, kwargs, amp, "jaxamp.profile")
-        return profile_traced(closed, flat, amp, scales)
+        closed, flat, _ = traced(fun, args, kwargs, ctx_amp, "jaxamp.profile")
+        return profile_traced(closed, flat, ctx_amp, scales)
 
     return prof
 
@@ -150,7 +154,11 @@ def profile_traced(closed: jcore.ClosedJaxpr, flat, amp: Optional[AmpConfig],
                                       "scalers without a profile: jaxamp.init(loss, amp, "
                                       "from_profile=False)).")  # fmt: skip
     resolved = analyze(flat_jaxpr.jaxpr, inputs(flat_jaxpr.jaxpr)).resolved
-    ctx.scales = {k: jnp.float32(1.0) for k in ctx.keys(flat_jaxpr.jaxpr, inputs(flat_jaxpr.jaxpr))} | dict(scales or {})
+    keys = ctx.keys(flat_jaxpr.jaxpr, inputs(flat_jaxpr.jaxpr))
+    if unknown := sorted(k for k in (scales or {}) if k not in keys):
+        raise KeyError(f"jaxamp.profile: `state` has scales for the key(s) {unknown}, which the program does not take "
+                       f"(its keys: {[k for k in keys if k != NONFINITE_VALUES]}); is the first argument the state?")
+    ctx.scales = {k: jnp.float32(1.0) for k in keys} | dict(scales or {})
     ctx.recorder = recorder = _Ranges(_key_sets(flat_jaxpr.jaxpr, ctx, resolved))
     consts = [promote_value(c) for c in flat_jaxpr.consts]
     evaluate(flat_jaxpr.jaxpr, consts, [promote_value(a) for a in flat], ctx, inputs(flat_jaxpr.jaxpr),

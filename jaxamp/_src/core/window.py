@@ -162,7 +162,7 @@ def recommend(prof: Profile, *, margin_log2: int = 2, default_max_scale_log2: in
       >>> amp = jaxamp.AmpConfig(dtype="float16")
       >>> u = lambda w, x: (w.astype(jnp.float16) * jnp.sin(x.astype(jnp.float16))).astype(jnp.float32)
       >>> u_xx = jax.vmap(jaxamp.grad(jaxamp.grad(u, 1), 1), (None, 0))
-      >>> rec = recommend(jaxamp.profile(u_xx, amp)(jnp.float32(2.0**15), jnp.linspace(0.5, 1.0, 8)))
+      >>> rec = recommend(jaxamp.profile(u_xx, amp)(None, jnp.float32(2.0**15), jnp.linspace(0.5, 1.0, 8)))
       >>> print(rec.to_yaml(), end="")
       amp:
         custom_init_scales_log2:
@@ -209,7 +209,7 @@ def format_profile(prof: Profile, *, legend: bool = True) -> str:
       >>> from jaxamp.window import format_profile
       >>> u = lambda w, x: (w.astype(jnp.float16) * jnp.sin(x.astype(jnp.float16))).astype(jnp.float32)
       >>> u_xx = jax.vmap(jaxamp.grad(jaxamp.grad(u, 1), 1), (None, 0))
-      >>> prof = jaxamp.profile(u_xx, jaxamp.AmpConfig())(jnp.float32(2.0**15), jnp.linspace(0.5, 1.0, 8))
+      >>> prof = jaxamp.profile(u_xx, jaxamp.AmpConfig())(None, jnp.float32(2.0**15), jnp.linspace(0.5, 1.0, 8))
       >>> print(format_profile(prof))  # doctest: +ELLIPSIS
       quantity                     log2 max     p1    p50    p99  <normal   >max    up  down
       key 1                            14.8   -0.9    0.0   14.8    0.000  0.000   1.2  13.1

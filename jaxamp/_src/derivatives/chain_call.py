@@ -23,7 +23,7 @@ from jax.interpreters import ad, batching, mlir
 
 from jaxamp._src.core.tracing import register_pass
 from jaxamp._src.derivatives import chain
-from jaxamp._src.core.control import HANDLERS, call
+from jaxamp._src.core.evaluate import HANDLERS, call
 from jaxamp._src.core.interpreter import CALL_PRIMITIVES, atom, bind, eval_jaxpr, holds, split_arrays, sub_jaxprs, trace
 from jaxamp._src.core.nesting import NO_DERIVATIVE, analyze, single_name
 
@@ -151,11 +151,11 @@ def _groups(jaxpr: jcore.Jaxpr) -> Dict[int, List[int]]:
 
 
 class _Expanding:
-    """The context :mod:`jaxamp._src.core.control`'s body rules get from :func:`expand`: bodies
-    evaluated with their chains computed, no flags."""
+    """The context the rules of :data:`jaxamp._src.core.evaluate.HANDLERS` get from
+    :func:`expand`: bodies evaluated with their chains computed, no flags."""
 
-    def evaluate(self, jaxpr, consts, args, ctx, infos):
-        return _evaluate(jaxpr, consts, args, ctx, infos)
+    def evaluate(self, jaxpr, consts, args, infos):
+        return _evaluate(jaxpr, consts, args, self, infos)
 
     def keys(self, jaxpr, infos) -> List[str]:
         return []

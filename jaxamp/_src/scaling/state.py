@@ -65,7 +65,7 @@ def find(tree: Any, caller: str) -> AmpState:
     if len(found) != 1:
         # The likely slips: the state forgotten (the parameters come first), a plain optax state.
         hint = (" Fix: pass the state first, e.g. value_and_grad(loss)(opt_state, params, batch)"
-                " with opt_state from jaxamp.optimizer(tx, jaxamp.init(loss, amp)(params, batch)).init(params).")
+                " with opt_state from jaxamp.optimizer(tx, amp_state=jaxamp.init(loss, amp)(params, batch)).init(params).")
         raise TypeError(
             f"{caller}: the first argument (`state`, or `scales` for jaxamp.scaled) must be a jaxamp.AmpState "
             f"(from jaxamp.init) or an optimizer state holding exactly one (from jaxamp.optimizer), or for "

@@ -11,8 +11,7 @@ extra argument, so the user's step stays optax's own (``optimizer.update(grads, 
 params)``, Flax's ``apply_gradients``) and whatever is done to the gradients on the way is done to
 them too: float leaves, 0 clean and +inf set, beside gradients zeroed when one is set
 (:mod:`jaxamp.step`), survive a clip before the optimizer, ``lax.pmean``/``psum`` (a global OR)
-and any elementwise transformation; a clean step is clipped as bare gradients. The gradients
-record statically whether they came from this optimizer's state: a stale state is an error.
+and any elementwise transformation; a clean step is clipped as bare gradients.
 """
 
 from __future__ import annotations
@@ -67,13 +66,13 @@ def locate(state: Any, caller: str) -> Tuple[AmpState, str]:
     if opt is not None and opt.amp is None:
         raise TypeError(f"{caller}: the optimizer's state has no AmpState yet (built by jaxamp.optimizer(inner) "
                         "without one); set it once: opt_state = jaxamp.step.with_amp_state(opt_state, "
-                        "jaxamp.init(loss, amp)(params, batch)), or build jaxamp.optimizer(inner, amp_state).")
+                        "jaxamp.init(loss, amp)(params, batch)), or build jaxamp.optimizer(inner, amp_state=amp_state).")
     return find(state, caller), ("optimizer" if opt is not None else "amp_state")
 
 
 def advance(check: StepCheck, state: AmpState) -> AmpState:
     """Every scaler of ``state`` advanced after the step ``check`` decided (``update_scalers``)."""
-    derivative, loss = update_scalers(check, state.derivative, state.loss, state.loss_rule)
+    derivative, loss = update_scalers(state.derivative, state.loss, state.loss_rule, check)
     return state.replace(derivative=derivative, loss=loss)
 
 
@@ -142,9 +141,9 @@ def value_and_grad(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] =
 
 def _decide(state: AmpState, grads: Any, axis_name: Any, new: Any) -> StepCheck:
     if isinstance(grads, ScaledGrads):
-        return check_step(trusted_flags(grads), grads.grads, state.derivative, axis_name=axis_name, new=new)
+        return check_step(state.derivative, trusted_flags(grads), grads.grads, axis_name=axis_name, new=new)
     if isinstance(grads, dict):  # flags only, e.g. of jaxamp.scaled(jax.jacrev(losses))
-        return check_step(grads, (), state.derivative, axis_name=axis_name, new=new)
+        return check_step(state.derivative, grads, (), axis_name=axis_name, new=new)
     raise TypeError(f"jaxamp.apply_or_skip: `grads` must be the ScaledGrads of jaxamp.value_and_grad or the "
                     f"found_inf flags of jaxamp.scaled, got {type(grads).__name__}.")
 
@@ -218,7 +217,7 @@ class AmpOptimizer(optax.GradientTransformationExtraArgs):
     __slots__ = ()
 
 
-def optimizer(inner: optax.GradientTransformation, state: Optional[AmpState] = None, *,
+def optimizer(inner: optax.GradientTransformation, *, amp_state: Optional[AmpState] = None,
               axis_name: Optional[Any] = None, max_consecutive_skips: int = 100, on_stall: str = "warn",
               skip_when_off: bool = False) -> AmpOptimizer:  # fmt: skip
     """Wrap any optax optimizer: skip the update on overflow and advance every scaler.
@@ -229,7 +228,7 @@ def optimizer(inner: optax.GradientTransformation, state: Optional[AmpState] = N
 
     Args:
       inner: any optax ``GradientTransformation``.
-      state: the initial :class:`~jaxamp.AmpState` (from :func:`jaxamp.init`); None: given later,
+      amp_state: the initial :class:`~jaxamp.AmpState` (from :func:`jaxamp.init`); None: given later,
         as ``tx.init(params, amp_state)`` or :func:`with_amp_state` (an optimizer built first).
       axis_name: inside ``pmap``/``shard_map`` with per-device gradients: OR the flags over this axis.
       max_consecutive_skips: this many skipped steps in a row is a stall, reported each time the
@@ -246,13 +245,13 @@ def optimizer(inner: optax.GradientTransformation, state: Optional[AmpState] = N
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxamp
-      >>> tx = jaxamp.optimizer(optax.adam(1e-3), jaxamp.init(None, jaxamp.AmpConfig())())
+      >>> tx = jaxamp.optimizer(optax.adam(1e-3), amp_state=jaxamp.init(None, jaxamp.AmpConfig())())
       >>> opt_state = tx.init({"w": jnp.zeros(3)})
       >>> float(opt_state.amp.loss_scale), int(opt_state.consecutive_skips)
       (65536.0, 0)
     """
-    if state is not None and not isinstance(state, AmpState):
-        raise TypeError(f"jaxamp.optimizer: `state`={state!r} must be a jaxamp.AmpState (from jaxamp.init) or None "
+    if amp_state is not None and not isinstance(amp_state, AmpState):
+        raise TypeError(f"jaxamp.optimizer: `amp_state`={amp_state!r} must be a jaxamp.AmpState (from jaxamp.init) or None "
                         "(then give it later: tx.init(params, amp_state) or jaxamp.step.with_amp_state).")
     if not (hasattr(inner, "init") and hasattr(inner, "update")):
         raise TypeError(f"jaxamp.optimizer: `inner`={inner!r} must be an optax GradientTransformation.")
@@ -265,8 +264,10 @@ def optimizer(inner: optax.GradientTransformation, state: Optional[AmpState] = N
         raise ValueError(f"jaxamp.optimizer: `on_stall`={on_stall!r} is not allowed: expected one of {ON_STALL}.")
     inner = optax.with_extra_args_support(inner)
 
+    first = amp_state
+
     def init_fn(params: Any, amp_state: Optional[AmpState] = None) -> AmpOptState:
-        amp_state = state if amp_state is None else amp_state
+        amp_state = first if amp_state is None else amp_state
         if amp_state is not None and not isinstance(amp_state, AmpState):
             raise TypeError(f"jaxamp.optimizer(...).init: `amp_state`={amp_state!r} must be a jaxamp.AmpState.")
         zero = jnp.asarray(0, jnp.int32)

@@ -165,14 +165,14 @@ class StepCheck(NamedTuple):
         Example:
           >>> import jax.numpy as jnp, jaxamp
           >>> scalers = jaxamp.init(None, jaxamp.AmpConfig(dtype="float16"), keys=["2"])().derivative
-          >>> check = jaxamp.step.check_step({"2": jnp.array(True)}, {"w": jnp.ones(2)}, scalers)
+          >>> check = jaxamp.step.check_step(scalers, {"2": jnp.array(True)}, {"w": jnp.ones(2)})
           >>> check.select({"w": jnp.full(2, jnp.nan)}, {"w": jnp.ones(2)})  # skipped: the old params
           {'w': Array([1., 1.], dtype=float32)}
         """
         return jmp.select_tree(self.apply, applied, skipped)
 
 
-def check_step(found_inf: Flags, grads: Any, scalers: Mapping[str, Any], *, axis_name: Optional[Any] = None,
+def check_step(scalers: Mapping[str, Any], found_inf: Flags, grads: Any, *, axis_name: Optional[Any] = None,
                new: Any = None) -> StepCheck:  # fmt: skip
     """Decide whether a step applies, and why not.
 
@@ -181,13 +181,13 @@ def check_step(found_inf: Flags, grads: Any, scalers: Mapping[str, Any], *, axis
     non-finite weight gradients over non-finite new values (``new``).
 
     Args:
+      scalers: the derivative scalers (or any mapping with the same keys); a flag under any
+        other key but ``NONFINITE_VALUES`` is an error.
       found_inf: ``{key: bool[]}`` from the derivative engines, ``NONFINITE_VALUES`` included
         (or encoded flags, :func:`encode_flag`: any non-zero value is set).
       grads: the unscaled weight gradients (any pytree).
       new: the new values the step would apply (updates, new optimizer state, ...): non-finite
         ones skip the step as ``NONFINITE_UPDATES``; None: not checked.
-      scalers: the derivative scalers (or any mapping with the same keys); a flag under any
-        other key but ``NONFINITE_VALUES`` is an error.
       axis_name: inside ``pmap``/``shard_map``/``vmap``: OR the flags over this named axis.
 
     Returns:
@@ -197,7 +197,7 @@ def check_step(found_inf: Flags, grads: Any, scalers: Mapping[str, Any], *, axis
       >>> import jax.numpy as jnp, jaxamp
       >>> scalers = jaxamp.init(None, jaxamp.AmpConfig(dtype="float16"), keys=["1", "2"])().derivative
       >>> found_inf = {"1": jnp.array(False), "2": jnp.array(True), "nonfinite_values": jnp.array(False)}
-      >>> check = jaxamp.step.check_step(found_inf, {"w": jnp.ones(2)}, scalers)
+      >>> check = jaxamp.step.check_step(scalers, found_inf, {"w": jnp.ones(2)})
       >>> bool(check.apply), jaxamp.SkipReason(int(check.skip_reason)).name
       (False, 'DERIVATIVE_OVERFLOW')
     """
@@ -226,15 +226,15 @@ def check_step(found_inf: Flags, grads: Any, scalers: Mapping[str, Any], *, axis
 
 
 def update_scalers(
-    check: StepCheck, scalers: Scalers, loss_scale: ScaleState, loss_rule: Optional[DynamicScaler]
+    scalers: Scalers, loss_scale: ScaleState, loss_rule: Optional[DynamicScaler], check: StepCheck
 ) -> Tuple[Scalers, ScaleState]:
     """The scaler updates after a step (docs/algorithm.md, "Training step"): on bad values (or
     non-finite new values) none moves; else every derivative scaler steps with its own flag, and
     unless a derivative overflowed the loss scaler steps with "gradients non-finite".
 
     Args:
-      check: this step's :class:`StepCheck`. scalers: the derivative scalers.
-      loss_scale, loss_rule: the loss scaler's state and rule (None: loss scaling off, no change).
+      scalers, loss_scale, loss_rule: the derivative scalers, the loss scaler's state and rule
+        (None: loss scaling off, no change). check: this step's :class:`StepCheck`.
 
     Returns:
       ``(scalers, loss_scale)`` after the step.
@@ -244,8 +244,8 @@ def update_scalers(
       >>> amp = jaxamp.AmpConfig(dtype="float16")
       >>> state = jaxamp.init(None, amp, keys=["1", "2"])()
       >>> scalers, loss_scale = state.derivative, state.loss
-      >>> check = jaxamp.step.check_step({"2": jnp.array(True)}, {"w": jnp.ones(2)}, scalers)
-      >>> scalers, loss_scale = jaxamp.step.update_scalers(check, scalers, loss_scale, amp.make_loss_scaler())
+      >>> check = jaxamp.step.check_step(scalers, {"2": jnp.array(True)}, {"w": jnp.ones(2)})
+      >>> scalers, loss_scale = jaxamp.step.update_scalers(scalers, loss_scale, amp.make_loss_scaler(), check)
       >>> {k: float(v) for k, v in scalers.scales.items()}, float(loss_scale.scale)
       ({'1': 1.0, '2': 0.5}, 65536.0)
     """

@@ -3,8 +3,8 @@ as one skip-on-overflow step, with metrics.
 
 The step runs the user's step path itself: ``value_and_grad`` on the optimizer's state, then the
 optimizer's ``update`` (which decides, selects and advances every scaler, and reports a stall).
-A :class:`TrainState` is that optimizer's state laid out flat, for checkpoints: ``opt_state`` is
-the inner optimizer's state, ``amp_state`` the one AMP state, ``consecutive_skips`` the count.
+A :class:`TrainState` holds the step count, the parameters and that optimizer's state, the one
+home of the AMP state (``state.opt_state.amp``, also ``state.amp_state``).
 """
 
 from __future__ import annotations
@@ -36,20 +36,28 @@ class TrainState(NamedTuple):
 
     Attributes:
       step: ``i32[]``, steps taken, applied or skipped. params: the parameters (float32 pytree).
-      opt_state: the (inner) optimizer's state. amp_state: every scaler, an :class:`~jaxamp.AmpState`.
-      consecutive_skips: ``i32[]``, steps skipped in a row (for the stall report).
+      opt_state: the state of :func:`jaxamp.optimizer` around the step's optax optimizer (an
+        :class:`~jaxamp.step.AmpOptState`): the optax state (``.inner``), every scaler (``.amp``,
+        an :class:`~jaxamp.AmpState`), the last step's reason and the skips in a row.
     """
 
     step: jax.Array
     params: Any
-    opt_state: Any
-    amp_state: AmpState
-    consecutive_skips: Any = np.int32(0)
+    opt_state: AmpOptState
 
     @property
-    def optimizer_state(self) -> AmpOptState:
-        """The state of :func:`jaxamp.optimizer` this state lays out flat."""
-        return AmpOptState(self.opt_state, self.amp_state, jnp.asarray(0, jnp.int32), self.consecutive_skips)
+    def amp_state(self) -> AmpState:
+        """Every scaler: the optimizer state's :class:`~jaxamp.AmpState` (its one home)."""
+        return self.opt_state.amp
+
+    @property
+    def consecutive_skips(self) -> jax.Array:
+        """``i32[]``, steps skipped in a row (for the stall report)."""
+        return self.opt_state.consecutive_skips
+
+    def replace_amp(self, amp_state: AmpState) -> "TrainState":
+        """This state with its AMP state replaced (e.g. scales restarted from a profile)."""
+        return self._replace(opt_state=self.opt_state._replace(amp=amp_state))
 
     @classmethod
     def create(
@@ -86,7 +94,7 @@ class TrainState(NamedTuple):
             raise TypeError(f"TrainState.create: `amp`={amp!r} must be an AmpConfig.")
         if isinstance(optimizer, AmpOptimizer):
             raise TypeError("TrainState.create: `optimizer` is a jaxamp.optimizer(...); pass the optax optimizer it "
-                            "wraps: make_train_step wraps it itself and TrainState holds its state flat.")
+                            "wraps: make_train_step wraps it itself (TrainState.opt_state is its state).")
         keys = {}
         for e in engines:
             if not isinstance(e, Derivatives):
@@ -109,8 +117,8 @@ class TrainState(NamedTuple):
         elif missing := [k for k in keys if k not in amp_state.scales]:
             raise KeyError(f"TrainState.create: `amp_state` has no scaler for the engines' key(s) {missing}; it "
                            f"has {sorted(amp_state.scales)}. Create it with jaxamp.init of the loss that uses them.")
-        return cls(step=jnp.asarray(0, jnp.int32), params=params, opt_state=optimizer.init(params), amp_state=amp_state,
-                   consecutive_skips=jnp.asarray(0, jnp.int32))
+        zero = jnp.asarray(0, jnp.int32)
+        return cls(step=zero, params=params, opt_state=AmpOptState(optimizer.init(params), amp_state, zero, zero))
 
     @property
     def scales(self) -> Dict[str, jax.Array]:
@@ -135,7 +143,7 @@ def step_metrics(loss: jax.Array, terms: Any, grads: ScaledGrads, opt_state: Amp
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxamp
-      >>> tx = jaxamp.optimizer(optax.sgd(0.1), jaxamp.init(None, jaxamp.AmpConfig(dtype="float16"), keys=["2"])())
+      >>> tx = jaxamp.optimizer(optax.sgd(0.1), amp_state=jaxamp.init(None, jaxamp.AmpConfig(dtype="float16"), keys=["2"])())
       >>> grads = jaxamp.step.ScaledGrads({"w": jnp.ones(2)}, {"2": jnp.float32(0.0)}, source="optimizer")
       >>> opt_state = tx.update(grads, tx.init({"w": jnp.ones(2)}))[1]
       >>> metrics = jaxamp.train.step_metrics(jnp.float32(0.5), {"pde": jnp.float32(0.5)}, grads, opt_state,
@@ -206,8 +214,8 @@ def make_train_step(
 ) -> Step:
     """A pure ``step(state, batch) -> (state, metrics)``; ``jax.jit`` it.
 
-    The step is :func:`jaxamp.value_and_grad` on the state's optimizer state, then
-    ``jaxamp.optimizer(optax.chain(clip, optimizer)).update``: the same path as a user's step.
+    The step is :func:`jaxamp.value_and_grad` on ``state.opt_state``, then
+    ``jaxamp.optimizer(optimizer).update`` on the (clipped) gradients: the same path as a user's step.
 
     Args:
       loss_fn: ``loss_fn(params, batch) -> (loss, terms)`` or ``(loss, (terms, metrics))``, its
@@ -257,11 +265,11 @@ def make_train_step(
     tx = amp_optimizer(optimizer, max_consecutive_skips=max_consecutive_skips, on_stall=on_stall, skip_when_off=True)
 
     def step(state: TrainState, batch: Any) -> Tuple[TrainState, Dict[str, jax.Array]]:
-        amp_state = state.amp_state
+        amp_state = getattr(state.opt_state, "amp", None)
         if not isinstance(amp_state, AmpState) or (amp is not None and amp_state.amp != amp):
             raise ValueError(f"make_train_step: the state's `amp_state` ({amp_state!r}) was not created with the "
                              f"step's `amp` ({amp!r}); create the state with TrainState.create(..., amp=amp).")
-        opt_state = state.optimizer_state
+        opt_state = state.opt_state
         (loss, aux), grads = grad_fn(opt_state, state.params, batch)
         terms, extra = _split_aux(aux)
         grad_norm = optax.tree.norm(grads.grads)  # the flags of a clean step are 0: the same norm
@@ -271,8 +279,7 @@ def make_train_step(
         applied = after.skip_reason == int(SkipReason.APPLIED)
         # a select, not params + 0: a skipped step leaves the params bit for bit
         params = jmp.select_tree(applied, optax.apply_updates(state.params, updates), state.params)
-        new_state = TrainState(step=state.step + 1, params=params, opt_state=after.inner, amp_state=after.amp,
-                               consecutive_skips=after.consecutive_skips)
+        new_state = TrainState(step=state.step + 1, params=params, opt_state=after)
         if headroom:
             extra = {**{f"headroom_log2/{k}": v for k, v in grads.headroom_log2.items()}, **extra}
         return new_state, step_metrics(loss, terms, grads, after, grad_norm, extra)

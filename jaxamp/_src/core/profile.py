@@ -20,11 +20,16 @@ from jaxamp._src.core import control  # noqa: F401  (importing it registers the 
 from jaxamp._src.core.evaluate import Context, Recorder, evaluate, inputs, marks_in
 from jaxamp._src.core.tracing import check_amp, state_config, traced
 from jaxamp._src.core.nesting import analyze
-from jaxamp._src.core.interpreter import bind, custom_body, eval_jaxpr, sub_jaxpr, sub_jaxprs
+from jaxamp._src.core.interpreter import bind, custom_body, eval_jaxpr, holds, sub_jaxpr, sub_jaxprs
 from jaxamp._src.core.window import Profile, check_margin, is_low_precision, promote_eqn, promote_value, recommend, value_range
 from jaxamp._src.scaling.scaler import Scalers
 
-__all__ = ["profile", "profile_traced", "init_scalers", "scalers_of", "keys_of", "scaler_keys"]
+__all__ = ["HELD_OPERANDS", "profile", "profile_traced", "init_scalers", "scalers_of", "keys_of", "scaler_keys"]
+
+# {primitive: rule(*invals, **params) -> [(role, format name, operand as the format holds it)]}:
+# the matmul operands a profile reports against their format's window (``Profile.operands``).
+# Filled by the module that defines the primitive (per-tensor scaling, FP8).
+HELD_OPERANDS: Dict[jcore.Primitive, Callable[..., List[Tuple[str, str, Any]]]] = {}
 
 
 def _inline(eqn, vals):
@@ -69,12 +74,17 @@ class _Ranges(Recorder):
 
     def __init__(self, hidden_of: Dict[Any, frozenset]) -> None:
         self.hidden_of = hidden_of
-        self.found: Dict[str, Dict[str, List[jax.Array]]] = {"derivatives": {}, "hidden": {}, "low": {}}
+        self.found: Dict[str, Dict[str, List[jax.Array]]] = {"derivatives": {}, "hidden": {}, "low": {}, "operands": {}}
+        self.formats: Dict[str, str] = {}  # the format of each operand row
 
     def record(self, group: str, key: str, value) -> None:
         self.found[group].setdefault(key, []).append(jnp.ravel(jnp.asarray(value, jnp.float32)))
 
     def bind(self, eqn: jcore.JaxprEqn, invals: List[Any]) -> List[Any]:
+        rule = HELD_OPERANDS.get(eqn.primitive)
+        for role, fmt, held in rule(*[promote_value(v) for v in invals], **eqn.params) if rule else ():
+            self.formats[f"{role} {fmt}"] = fmt
+            self.record("operands", f"{role} {fmt}", held)
         return promote_eqn(eqn, invals)
 
     def derivative(self, eqn: jcore.JaxprEqn, key: str, g: Any) -> None:
@@ -131,8 +141,6 @@ def profile(fun: Callable[..., Any], amp: Optional[AmpConfig] = None) -> Callabl
                                 "mapping {key: f32[]} or an AmpState (or an optimizer state holding one: "
                                 "jaxamp.optimizer). Fix: pass the state first, as to jaxamp.scaled: "
                                 "jaxamp.profile(fun, amp)(None, params, batch).") from None
-        if not Context({}, ctx_amp).active:
-            return Profile(derivatives={}, hidden={}, keys={})
         closed, flat, _ = traced(fun, args, kwargs, ctx_amp, "jaxamp.profile")
         return profile_traced(closed, flat, ctx_amp, scales)
 
@@ -143,7 +151,7 @@ def profile_traced(closed: jcore.ClosedJaxpr, flat, amp: Optional[AmpConfig],
                    scales: Optional[Mapping[str, Any]] = None) -> Profile:  # fmt: skip
     """:func:`profile` of a program traced by :func:`jaxamp._src.core.tracing.traced` at ``flat``."""
     ctx = Context({}, amp)
-    if not ctx.active:
+    if not (ctx.active or holds(closed.jaxpr, frozenset(HELD_OPERANDS))):
         return Profile(derivatives={}, hidden={}, keys={})
     flat_jaxpr = jax.make_jaxpr(lambda *a: eval_jaxpr(closed.jaxpr, closed.consts, a, _inline))(*flat)
     for eqn in flat_jaxpr.jaxpr.eqns:
@@ -168,7 +176,10 @@ def profile_traced(closed: jcore.ClosedJaxpr, flat, amp: Optional[AmpConfig],
               for g in ("derivatives", "hidden")}
     low = {k: value_range(jnp.concatenate(found["hidden"].get(k, []) + found["low"].get(k, [])))
            for k in dict.fromkeys([*found["hidden"], *found["low"]])}
-    return Profile(derivatives=ranges["derivatives"], hidden=ranges["hidden"], keys=low)
+    operands = {k: value_range(jnp.concatenate(v), dtype=recorder.formats[k]) for k, v in found["operands"].items()}
+    if not ctx.active:  # derivative scaling off (plain FP8): the operands only
+        return Profile(derivatives={}, hidden={}, keys={}, operands=operands)
+    return Profile(derivatives=ranges["derivatives"], hidden=ranges["hidden"], keys=low, operands=operands)
 
 
 def init_scalers(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *, from_profile: bool = True,

@@ -41,15 +41,22 @@ class Range(NamedTuple):
 class Profile(NamedTuple):
     """What :func:`jaxamp.profile` measures, per scaler key: ``derivatives``: the scaled
     derivatives the key's checks look at; ``hidden``: the float16/bfloat16 values of the passes
-    the key's seed scales; ``keys``: those values of both (what :func:`recommend` fits)."""
+    the key's seed scales; ``keys``: those values of both (what :func:`recommend` fits). And per
+    matmul operand role and format (``"tangent float8_e4m3fn"``), with per-tensor scaling or FP8:
+    ``operands``, the operands as their format holds them (after their per-tensor scales),
+    against that format's window."""
 
     derivatives: Dict[str, Range]
     hidden: Dict[str, Range]
     keys: Dict[str, Range]
+    operands: Dict[str, Range] = {}
 
 
-def value_range(values: jax.Array, scale=1.0) -> Range:
-    """The :class:`Range` of ``values * scale`` (any shape; zeros are ignored)."""
+def value_range(values: jax.Array, scale=1.0, dtype=jnp.float16) -> Range:
+    """The :class:`Range` of ``values * scale`` (any shape; zeros are ignored) in ``dtype``'s
+    window (float16's: ``2**-14`` to 65504; an FP8 format's for matmul operands)."""
+    info = jnp.finfo(dtype)
+    top, bottom = float(info.max), float(info.smallest_normal)
     flat = jnp.ravel(values).astype(jnp.float32) if jnp.size(values) else jnp.zeros((1,), jnp.float32)  # empty
     mag = jnp.abs(flat) * jnp.asarray(scale, jnp.float32)
     nonzero = mag > 0
@@ -64,9 +71,8 @@ def value_range(values: jax.Array, scale=1.0) -> Range:
     pct = jnp.where(has, ordered[lo] * (1.0 - frac) + ordered[hi] * frac, -jnp.inf)
     log2_max = jnp.where(has, jnp.max(jnp.where(nonzero, log2, -jnp.inf)), -jnp.inf)
     return Range(log2_max=log2_max, log2_percentiles=pct,
-                 frac_subnormal=jnp.sum(nonzero & (mag < FP16_SMALLEST_NORMAL)) / count,
-                 frac_overflow=jnp.sum(mag > FP16_MAX) / count,
-                 headroom_up=LOG2_FP16_MAX - log2_max, headroom_down=pct[0] - LOG2_FP16_SMALLEST_NORMAL)
+                 frac_subnormal=jnp.sum(nonzero & (mag < bottom)) / count, frac_overflow=jnp.sum(mag > top) / count,
+                 headroom_up=math.log2(top) - log2_max, headroom_down=pct[0] - math.log2(bottom))
 
 
 def promote_to_float32(fn: Callable) -> Callable:
@@ -189,7 +195,9 @@ columns: magnitudes as float16 holds them (times the key's scale); zeros are lef
   >max        fraction of the nonzero values above float16's max 65504
   up / down   headroom in powers of two, from log2 max up to 65504 / from p1 down to 2^-14;
               negative: outside float16's window by that much (overflow / underflow)
-rows: key K = every value scaler K scales (what recommend fits); derivative, hidden: parts"""
+rows: key K = every value scaler K scales (what recommend fits); derivative, hidden: parts;
+  operand R F = the matmul operands of role R held in format F (after their per-tensor
+  scales), against F's window instead (E4M3: 2^-6 to 448; E5M2: 2^-14 to 57344)"""
 
 
 def format_profile(prof: Profile, *, legend: bool = True) -> str:
@@ -217,11 +225,13 @@ def format_profile(prof: Profile, *, legend: bool = True) -> str:
       derivative 1                     14.8   14.1   14.5   14.8    0.000  0.000   1.2  28.1
       ...
     """
-    rows = [f"{'quantity':<28}{'log2 max':>9}" + "".join(f"{'p' + format(q, 'g'):>7}" for q in PERCENTILES)
+    groups = (("key", prof.keys), ("derivative", prof.derivatives), ("hidden", prof.hidden), ("operand", prof.operands))
+    width = max([28] + [len(f"{title} {name}") + 1 for title, group in groups for name in group])
+    rows = [f"{'quantity':<{width}}{'log2 max':>9}" + "".join(f"{'p' + format(q, 'g'):>7}" for q in PERCENTILES)
             + f"{'<normal':>9}{'>max':>7}{'up':>6}{'down':>6}"]
-    for title, group in (("key", prof.keys), ("derivative", prof.derivatives), ("hidden", prof.hidden)):
+    for title, group in groups:
         for name, r in group.items():
-            top, p, row = float(r.log2_max), np.asarray(r.log2_percentiles, np.float64), f"{title + ' ' + name:<28}"
+            top, p, row = float(r.log2_max), np.asarray(r.log2_percentiles, np.float64), f"{title + ' ' + name:<{width}}"
             if not (math.isfinite(top) and np.all(np.isfinite(p))):
                 rows.append(row + ("   all zero / no values" if top == -math.inf else "   non-finite values (inf)"))
                 continue

@@ -29,6 +29,7 @@ from jax import lax
 from jax.extend import core as jcore
 from jax.interpreters import ad, batching, mlir
 
+from jaxamp._src.core.profile import HELD_OPERANDS
 from jaxamp._src.scaling.config_values import FP8_FORMATS, ROLES
 
 __all__ = ["ROLES", "FP8_FORMATS", "MARGIN_LOG2", "scale_for", "scaled_dot", "scaled_dot_p"]
@@ -56,14 +57,23 @@ def scale_for(x: jax.Array, dtype: Any) -> jax.Array:
     return jnp.ldexp(jnp.float32(1.0), jnp.where(ok, e, 0.0).astype(jnp.int32))  # exactly 2**e
 
 
-def _impl(a, b, *, dimension_numbers, formats, scaling, role):
+def _held(a, b, *, formats, scaling, role, **_):
+    """``(format, [(scale, operand * scale)])``: the operands as their role's format holds them."""
     dtype = jnp.dtype(formats[ROLES.index(role)])
-    one = jnp.float32(1.0)
-    sa, sb = (scale_for(a, dtype), scale_for(b, dtype)) if scaling else (one, one)
-    low_a = (a.astype(jnp.float32) * sa).astype(dtype)
-    low_b = (b.astype(jnp.float32) * sb).astype(dtype)
-    out = lax.dot_general(low_a, low_b, dimension_numbers, preferred_element_type=jnp.float32)
+    scales = [scale_for(x, dtype) if scaling else jnp.float32(1.0) for x in (a, b)]
+    return dtype, [(s, x.astype(jnp.float32) * s) for s, x in zip(scales, (a, b))]
+
+
+def _impl(a, b, *, dimension_numbers, formats, scaling, role):
+    dtype, ((sa, a), (sb, b)) = _held(a, b, formats=formats, scaling=scaling, role=role)
+    out = lax.dot_general(a.astype(dtype), b.astype(dtype), dimension_numbers, preferred_element_type=jnp.float32)
     return out * (1.0 / (sa * sb))
+
+
+def _profiled(a, b, **params):
+    """What :func:`jaxamp.profile` reports of one product (``Profile.operands``)."""
+    dtype, held = _held(a, b, **params)
+    return [(params["role"], dtype.name, x) for _, x in held]
 
 
 def scaled_dot(a: jax.Array, b: jax.Array, dimension_numbers, formats: Sequence[Any] = ("float16",) * 3,
@@ -180,3 +190,4 @@ ad.primitive_jvps[scaled_dot_p] = _jvp
 ad.primitive_transposes[scaled_dot_p] = _transpose
 batching.primitive_batchers[scaled_dot_p] = _batch
 mlir.register_lowering(scaled_dot_p, mlir.lower_fun(_impl, multiple_results=False))
+HELD_OPERANDS[scaled_dot_p] = _profiled

@@ -64,10 +64,17 @@ def _rule(eqn: jcore.JaxprEqn, invals: List[CJet], ratio: Optional[Ratio]) -> Li
     ones = [i for i, v in enumerate(invals) if v.first is not None]
     twos = [i for i, v in enumerate(invals) if v.second is not None]
     first = second = None
+    slopes = None  # g'(z) of an elementwise function of one operand: every direction's tangent is g'(z) * t_i
     if ones:
         f1, p1 = _restrict(eqn, values, ones, keep), tuple(values[i] for i in ones)
-        first = jax.vmap(lambda *ts: jax.jvp(f1, p1, ts)[1])(*[invals[i].first for i in ones])
-    if twos:
+        if _pointwise(eqn, p1, [outs[k] for k in keep]):
+            slopes = jax.jvp(f1, p1, (jnp.ones_like(p1[0]),))[1]
+            first = [g[None] * invals[ones[0]].first for g in slopes]
+        else:
+            first = jax.vmap(lambda *ts: jax.jvp(f1, p1, ts)[1])(*[invals[i].first for i in ones])
+    if twos and slopes is not None and twos == ones:
+        second = [g * invals[ones[0]].second for g in slopes]
+    elif twos:
         f2 = _restrict(eqn, values, twos, keep)
         second = jax.jvp(f2, tuple(values[i] for i in twos), tuple(invals[i].second for i in twos))[1]
     if ones and _degree(eqn, ones) != 1:
@@ -77,6 +84,12 @@ def _rule(eqn: jcore.JaxprEqn, invals: List[CJet], ratio: Optional[Ratio]) -> Li
     for n, k in enumerate(keep):
         result[k] = CJet(outs[k], None if first is None else first[n], None if second is None else second[n])
     return result
+
+
+def _pointwise(eqn: jcore.JaxprEqn, p1: Tuple[Any, ...], outs: List[jax.Array]) -> bool:
+    """Whether the equation is elementwise in its one x-dependent operand, with that operand's
+    shape: its derivative is ``g'(z)`` entry by entry, one array for every direction."""
+    return eqn.primitive.name in ELEMENTWISE and len(p1) == 1 and all(o.shape == p1[0].shape for o in outs)
 
 
 def _quadratic(eqn, f1: Callable, p1: Tuple[Any, ...], firsts: List[jax.Array], outs: List[jax.Array],
@@ -90,7 +103,7 @@ def _quadratic(eqn, f1: Callable, p1: Tuple[Any, ...], firsts: List[jax.Array], 
     def pre(t, h):
         return t if h is None else rescale(t, (h,))
 
-    if eqn.primitive.name in ELEMENTWISE and len(p1) == 1 and all(o.shape == p1[0].shape for o in outs):
+    if _pointwise(eqn, p1, outs):
         squares = jnp.sum(pre(firsts[0], heads[0]) * pre(firsts[0], heads[1]), axis=0)
         q = multilinear(f1, p1, [(jnp.ones_like(p1[0]),), (squares,)])
     else:  # a nested jvp per direction, the directions batched

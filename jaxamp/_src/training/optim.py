@@ -1,10 +1,9 @@
 """A user's train step in three lines: :func:`value_and_grad`, :func:`optimizer`, :func:`apply_or_skip`.
 
-docs/algorithm.md, "Training step", over one :class:`~jaxamp.AmpState`: :func:`value_and_grad`
-scales every :func:`jaxamp.grad` in the loss and the loss itself; :func:`optimizer` is an optax
-``GradientTransformationExtraArgs`` that applies or skips the update and advances every scaler
-(the AMP state lives in its state, an :class:`AmpOptState`); :func:`apply_or_skip` does the same
-for any pytrees. Every decision is a select.
+docs/algorithm.md, "Training step", over one :class:`~jaxamp.AmpState`: :func:`value_and_grad` scales every
+:func:`jaxamp.grad` in the loss and the loss itself; :func:`optimizer` is an optax ``GradientTransformationExtraArgs``
+that applies or skips the update and advances every scaler (the AMP state lives in its state, an
+:class:`AmpOptState`); :func:`apply_or_skip` does the same for any pytrees. Every decision is a select.
 
 The flags travel inside the gradients (a :class:`~jaxamp.step.ScaledGrads`), not as an optax
 extra argument, so the user's step stays optax's own (``optimizer.update(grads, opt_state,
@@ -28,8 +27,9 @@ from jaxamp._src.core.scaled import scaled
 from jaxamp._src.core.modules import filter_grad, unfiltered
 from jaxamp._src.scaling.state import AmpState, find
 from jaxamp._src.training.monitor import report_stall
-from jaxamp._src.training.step import (AmpOptState, ScaledGrads, StepCheck, check_like_params, check_step, encode_flag,
-                         find_opt_state, flag_set, loss_scaled_grad, trusted_flags, update_scalers, with_opt_state)
+from jaxamp._src.training.flags import encode_flag, flag_set
+from jaxamp._src.training.step import (AmpOptState, ScaledGrads, StepCheck, check_like_params, check_step, find_opt_state,
+                                       loss_scaled_grad, trusted_flags, update_scalers, with_opt_state)
 
 __all__ = ["value_and_grad", "apply_or_skip", "optimizer", "AmpOptState", "AmpOptimizer", "advance", "with_amp_state",
            "replace_amp", "step_state"]

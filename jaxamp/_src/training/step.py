@@ -3,8 +3,8 @@
 decision (:func:`check_step`), the scaler updates (:func:`update_scalers`) and the optimizer's
 state (:class:`AmpOptState`). All branches are selects: no host synchronisation, one compilation.
 
-Flags travel as float32 leaves, 0 when clean and +inf when set (:func:`encode_flag`,
-:func:`flag_set`), beside weight gradients that are zeroed whenever a flag is set: any
+Flags travel as float32 leaves, 0 when clean and +inf when set (:mod:`jaxamp._src.training.flags`),
+beside weight gradients that are zeroed whenever a flag is set: any
 elementwise optax transformation, ``lax.pmean`` or ``lax.psum`` keeps a set flag non-zero
 (inf stays inf, inf/inf and inf*0 are NaN) and a clean one 0, and a clean step's flags add 0 to
 a global norm, so that ``optax.clip_by_global_norm`` before :func:`jaxamp.optimizer` clips a
@@ -23,9 +23,10 @@ import jax.numpy as jnp
 import jmp
 
 from jaxamp._src.core.marks import NONFINITE_VALUES
+from jaxamp._src.training.flags import all_finite, flag_set
 from jaxamp._src.scaling.scaler import DynamicScaler, Scalers, ScaleState
 
-__all__ = ["check_like_params", "Flags", "SkipReason", "encode_flag", "flag_set", "trusted_flags", "all_finite", "ScaledGrads", "loss_scaled_grad", "StepCheck", "check_step", "update_scalers", "AmpOptState", "find_opt_state", "with_opt_state"]
+__all__ = ["check_like_params", "Flags", "SkipReason", "trusted_flags", "ScaledGrads", "loss_scaled_grad", "StepCheck", "check_step", "update_scalers", "AmpOptState", "find_opt_state", "with_opt_state"]
 
 T = TypeVar("T")
 Flags = Mapping[str, jax.Array]
@@ -48,28 +49,11 @@ class SkipReason(enum.IntEnum):
     NONFINITE_UPDATES = 4  # finite gradients but non-finite new values (e.g. a NaN loss weight): no scaler moves
 
 
-def encode_flag(flag: Any) -> jax.Array:
-    """``f32[]``: +inf where ``flag`` is set, else 0 (see the module docstring for why)."""
-    return jnp.where(jnp.asarray(flag, bool).reshape(()), jnp.float32(jnp.inf), jnp.float32(0.0))
-
-
-def flag_set(flag: Any) -> jax.Array:
-    """``bool[]``: whether an encoded flag (or a bool) is set: any non-zero value, NaN included."""
-    return jnp.asarray(flag).reshape(()) != 0
-
-
 def trusted_flags(grads: ScaledGrads) -> Dict[str, jax.Array]:
     """``{key: bool[]}``: the flags of ``grads``, all clear beside non-finite gradients (which
     had no flag at their source, see the module docstring): the step is then NONFINITE_GRADS."""
     finite = all_finite(grads.grads)
     return {k: flag_set(v) & finite for k, v in grads.found_inf.items()}
-
-
-def all_finite(tree: Any) -> jax.Array:
-    """``bool[]``: every inexact leaf of ``tree`` is finite (integer and bool leaves always are)."""
-    leaves = [jnp.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
-    checks = [jnp.all(jnp.isfinite(x)) for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]
-    return jnp.stack(checks).all() if checks else jnp.asarray(True)
 
 
 class _Named(type):

@@ -15,7 +15,6 @@ from typing import Any, Callable, Dict, Iterable, Mapping, NamedTuple, Optional,
 import jax
 import jax.numpy as jnp
 import jmp
-import numpy as np
 import optax
 
 from jaxamp._src.scaling.config import AmpConfig, check_flags
@@ -24,7 +23,8 @@ from jaxamp._src.training.optim import AmpOptimizer, optimizer as amp_optimizer,
 from jaxamp._src.scaling.scaler import exact_log2
 from jaxamp._src.training.start import init
 from jaxamp._src.scaling.state import AmpState
-from jaxamp._src.training.step import AmpOptState, ScaledGrads, SkipReason, flag_set
+from jaxamp._src.training.flags import flag_set
+from jaxamp._src.training.step import AmpOptState, ScaledGrads, SkipReason
 
 __all__ = ["Step", "TrainState", "step_metrics", "AUX_CONTRACT", "torch_clip", "make_train_step"]
 

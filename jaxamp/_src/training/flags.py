@@ -1,0 +1,35 @@
+"""The flag algebra of a train step (docs/algorithm.md, "Training step"): flags travel as float32
+leaves, 0 when clean and +inf when set (:func:`encode_flag`, :func:`flag_set`), so that any
+elementwise optax transformation, ``lax.pmean`` or ``lax.psum`` keeps a set flag non-zero and a
+clean one 0 (:mod:`jaxamp.step`); :func:`all_finite` is the check of gradients and new values.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["encode_flag", "flag_set", "all_finite"]
+
+
+def encode_flag(flag: Any) -> jax.Array:
+    """``f32[]``: +inf where ``flag`` is set, else 0 (see the module docstring for why)."""
+    return jnp.where(jnp.asarray(flag, bool).reshape(()), jnp.float32(jnp.inf), jnp.float32(0.0))
+
+
+def flag_set(flag: Any) -> jax.Array:
+    """``bool[]``: whether an encoded flag (or a bool) is set: any non-zero value, NaN included."""
+    return jnp.asarray(flag).reshape(()) != 0
+
+
+def all_finite(tree: Any) -> jax.Array:
+    """``bool[]``: every inexact leaf of ``tree`` is finite (integer and bool leaves always are).
+    One reduction per dtype over the leaves laid end to end: a few kernels, not one per leaf."""
+    by_dtype: Dict[Any, list] = {}
+    for x in map(jnp.asarray, jax.tree_util.tree_leaves(tree)):
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            by_dtype.setdefault(x.dtype, []).append(jnp.ravel(x))
+    checks = [jnp.all(jnp.isfinite(jnp.concatenate(xs))) for xs in by_dtype.values()]
+    return jnp.stack(checks).all() if checks else jnp.asarray(True)

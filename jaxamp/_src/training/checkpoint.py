@@ -129,7 +129,8 @@ class Checkpointer:
         if problems:
             raise ValueError(f"Checkpointer.restore: the checkpoint at step {step} in {self.directory!r} does not "
                              f"match `like`: {'; '.join(problems)}. Pass as `like` a state built as the saved one "
-                             "(same model, optimizer, amp and engines).")
+                             "(same model, optimizer, amp and engines); a checkpoint written before a change of "
+                             "TrainState's layout (CHANGELOG.md) does not restore: start a new directory.")
 
     def close(self) -> None:
         """Release orbax's resources (also on leaving a ``with`` block)."""

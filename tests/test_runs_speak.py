@@ -13,6 +13,7 @@ its plots read without help.
   verdict (exit status 0); the plain-fp16 port that skips every step says "stalled" too.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from examples.common.verdict import outputs_line, port_verdict, verdict
+from examples.common.verdict import outputs_line, port_verdict, run_verdict, verdict
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,6 +49,18 @@ def test_a_port_whose_parameters_never_changed_is_stalled(tmp_path):
     assert port_verdict(params, {"w": jnp.zeros(3)}, [2.0, 1.0], 5).startswith("verdict: trained")
     (tmp_path / "metrics.jsonl").write_text("")
     assert outputs_line(str(tmp_path)) == f"outputs: {tmp_path}{os.sep} (metrics.jsonl)"
+
+
+def test_a_run_that_ends_stalled_without_being_stopped_is_stalled(tmp_path):
+    # plain fp16 with training.max_consecutive_skips=0: its loss fell, then its loss scale sank
+    # to the floor and its "applied" steps changed nothing; the monitor's diagnosis at the end decides
+    recs = [{"step": i + 1, "loss": 1.0 / (i + 1), "skipped": i % 2 == 1} for i in range(6)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    line = "stalled at step 6: scale `loss` at its floor, the last for non-finite weight gradients"
+    ended = run_verdict(str(tmp_path), {"steps": 6, "skipped_steps": 3, "stalled": None, "stalled_at_end": line})
+    assert ended == "verdict: " + line
+    healthy = run_verdict(str(tmp_path), {"steps": 6, "skipped_steps": 3, "stalled": None, "stalled_at_end": None})
+    assert healthy.startswith("verdict: trained")
 
 
 def _records(n, loss, loss_scale, derivative=None, skipped=None):

@@ -248,6 +248,7 @@ def train_and_evaluate(
         write_metrics(metrics_path, [], mode="w")
     step, max_steps = int(state.step), t["max_steps"]
     stalled = stop_line(monitor, mstate, kept[-1], bool(limit)) if kept else None
+    last = kept[-1] if kept else None  # the latest step's record
     warned = False
     board = TensorBoardLog(workdir, step, skip_counts(kept)) if t["tensorboard"] else None
     bar = _progress_bar(progress, step, max_steps, cfg)
@@ -262,7 +263,7 @@ def train_and_evaluate(
             board.write(recs)
         step = int(state.step)
         train_s = time.perf_counter() - t0
-        stalled = stop_line(monitor, mstate, recs[-1], bool(limit))
+        stalled, last = stop_line(monitor, mstate, recs[-1], bool(limit)), recs[-1]
         if step % t["checkpoint_every"] == 0 or step == max_steps or stalled:
             ckpt.save({"train": state, "monitor": mstate}, step=step)
             record_time(time_path, step, earlier_s + train_s)
@@ -276,7 +277,10 @@ def train_and_evaluate(
     if bar is not None:
         bar.close()
     ckpt.close()
-    summary = evaluate(setup, state, workdir, train_s=train_s, earlier_s=earlier_s, plots=plots, stalled=stalled)
+    # a run not stopped (training.max_consecutive_skips=0) may still end stalled: the monitor says
+    at_end = None if stalled or last is None else monitor.diagnose(mstate, last)
+    summary = evaluate(setup, state, workdir, train_s=train_s, earlier_s=earlier_s, plots=plots, stalled=stalled,
+                       stalled_at_end=at_end)
     if plots and cfg["eval"]["profile"]:  # the final derivative ranges: a plot, and scalars
         from examples.common import plots as P
 
@@ -305,11 +309,13 @@ def _postfix(recs: List[Dict[str, Any]]) -> Dict[str, Any]:
 
 
 def evaluate(setup: Setup, state: jaxamp.train.TrainState, workdir: str, *, train_s: float, plots: bool,
-             earlier_s: float = 0.0, stalled: Optional[str] = None) -> Dict[str, Any]:  # fmt: skip
+             earlier_s: float = 0.0, stalled: Optional[str] = None,
+             stalled_at_end: Optional[str] = None) -> Dict[str, Any]:  # fmt: skip
     """Relative L2 errors against the reference, failure steps, plots; writes summary.json.
     ``train_seconds`` adds this session's training time to ``earlier_s`` (the training time
     up to the checkpoint a resumed run started from); ``stalled`` is the stall line of a run
-    that stopped early (None otherwise)."""
+    that stopped early, ``stalled_at_end`` the monitor's diagnosis of one that ran to its end
+    stalled (None otherwise)."""
     p = setup.problem
     points, axes = p.eval_grid(setup.cfg["eval"]["grid"])
     pred_all = setup.predict(state.params, points)
@@ -326,6 +332,7 @@ def evaluate(setup: Setup, state: jaxamp.train.TrainState, workdir: str, *, trai
         **errs,
         **failure_summary(recs),
         "stalled": stalled,
+        "stalled_at_end": stalled_at_end,
         **({} if setup.start_scales is None else {"init_scales_log2_from_profile": setup.start_scales}),
         "train_seconds_this_session": train_s,
         "train_seconds": earlier_s + train_s,

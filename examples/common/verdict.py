@@ -1,7 +1,8 @@
 """How every example run ends: where its outputs went, then a one-line verdict.
 
 ``verdict: trained ...`` or ``verdict: stalled: <reason>``. A run is *stalled* when the stall
-monitor stopped it, when no step ran, when every step was skipped (the parameters never
+monitor stopped it or diagnoses a stall at its end (e.g. the loss scale at its floor: the
+gradients underflow, the "applied" steps change nothing), when no step ran, when every step was skipped (the parameters never
 changed), when its last applied step's loss is not finite, or when its loss did not fall;
 otherwise it *trained*. The exit status is the command's own business (a plain fp16 run that
 skips every step may exit 0): the verdict is what says it did not train.
@@ -62,7 +63,7 @@ def run_verdict(workdir: str, summary: Mapping[str, Any]) -> str:
 
     recs = read_metrics(os.path.join(workdir, "metrics.jsonl"))
     return verdict(int(summary.get("steps", len(recs))), int(summary.get("skipped_steps", 0)),
-                   [r["loss"] for r in recs], stalled=summary.get("stalled"),
+                   [r["loss"] for r in recs], stalled=summary.get("stalled") or summary.get("stalled_at_end"),
                    skipped_flags=[bool(r["skipped"]) for r in recs])  # fmt: skip
 
 

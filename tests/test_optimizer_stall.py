@@ -56,11 +56,11 @@ def test_a_clean_2000_step_run_says_nothing():
     assert int(jaxamp._src.training.optim.find_opt_state(opt_state).consecutive_skips) == 0
 
 
-def make_train(max_skips=100):
+def make_train(max_skips=100, on_stall="warn"):
     amp = jaxamp.AmpConfig(dtype="float16", loss_scaler={"init_scale": 2.0**8})
     state = jaxamp.train.TrainState.create(params=PARAMS, optimizer=optax.adam(1e-3), amp=amp, amp_state=amp_state())
     step = jaxamp.train.make_train_step(lambda p, b: (loss(p, b), {}), optax.adam(1e-3), amp=amp,
-                                        max_consecutive_skips=max_skips)
+                                        max_consecutive_skips=max_skips, on_stall=on_stall)
 
     @jax.jit(static_argnames="n")
     def go(state, flags, n):
@@ -97,3 +97,28 @@ def test_the_monitor_is_fed_from_the_optimizer_state_in_one_line():
     assert "non-finite weight gradients" in line
     with pytest.raises(TypeError, match="must be the step's metrics .* or an optimizer state holding one AmpOptState"):
         monitor.update(mstate, (1, 2))
+
+
+def test_the_report_is_a_callback_in_the_step_only_where_asked():
+    """make_train_step reports through its metrics by default (no host callback in the step);
+    jaxamp.optimizer warns by default; on_stall=None leaves the callback out of either."""
+    def callbacks(step_fn, *args):
+        return str(jax.make_jaxpr(step_fn)(*args)).count("debug_callback[")
+
+    start = amp_state()
+    amp = start.amp
+    state = jaxamp.train.TrainState.create(params=PARAMS, optimizer=optax.adam(1e-3), amp=amp, amp_state=start)
+    for on_stall, expected in ((None, 0), ("warn", 1)):
+        step = jaxamp.train.make_train_step(lambda p, b: (loss(p, b), {}), optax.adam(1e-3), amp=amp, on_stall=on_stall)
+        assert callbacks(step, state, batch()) == expected, on_stall
+    for kwargs, expected in (({}, 1), ({"on_stall": None}, 0)):
+        tx = jaxamp.optimizer(optax.adam(1e-3), amp_state=amp_state(), **kwargs)
+        opt_state = tx.init(PARAMS)
+
+        def user_step(opt_state, tx=tx):
+            _, grads = jaxamp.value_and_grad(loss)(opt_state, PARAMS, batch())
+            return tx.update(grads, opt_state, PARAMS)
+
+        assert callbacks(user_step, opt_state) == expected, kwargs
+    stalled = make_train(max_skips=2, on_stall=None)
+    assert int(stalled[1](stalled[0], {"overflow": True}, n=3).consecutive_skips) == 3  # still counted

@@ -214,8 +214,11 @@ def test_real_network_nan_point_is_bad_values_and_the_step_compiles_once_with_no
     assert len(traces) == 1
     text = jitted.lower(state, batch()).as_text()
     assert "outfeed" not in text.lower()
-    # one host callback, the stall report, inside a cond taken only when the run stalls
-    jaxpr = jax.make_jaxpr(step)(state, batch()).jaxpr
+    # no host callback by default (the metrics report a stall); with on_stall="warn" one, the
+    # stall report, inside a cond taken only when the run stalls
+    assert "callback" not in str(jax.make_jaxpr(step)(state, batch()))
+    warn = jaxamp.train.make_train_step(loss_fn, opt, amp=FP16, on_stall="warn")
+    jaxpr = jax.make_jaxpr(warn)(state, batch()).jaxpr
     top = [str(e.primitive) for e in jaxpr.eqns]
     assert "debug_callback" not in top and str(jaxpr).count("debug_callback[") == 1
     conds = [e for e in jaxpr.eqns if str(e.primitive) == "cond"]

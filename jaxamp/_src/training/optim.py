@@ -5,12 +5,10 @@ docs/algorithm.md, "Training step", over one :class:`~jaxamp.AmpState`: :func:`v
 that applies or skips the update and advances every scaler (the AMP state lives in its state, an
 :class:`AmpOptState`); :func:`apply_or_skip` does the same for any pytrees. Every decision is a select.
 
-The flags travel inside the gradients (a :class:`~jaxamp.step.ScaledGrads`), not as an optax
-extra argument, so the user's step stays optax's own (``optimizer.update(grads, opt_state,
-params)``, Flax's ``apply_gradients``) and whatever is done to the gradients on the way is done to
-them too: float leaves, 0 clean and +inf set, beside gradients zeroed when one is set
-(:mod:`jaxamp.step`), survive a clip before the optimizer, ``lax.pmean``/``psum`` (a global OR)
-and any elementwise transformation; a clean step is clipped as bare gradients.
+The flags travel inside the gradients (a :class:`~jaxamp.step.ScaledGrads`), not as an optax extra argument, so
+the user's step stays optax's own (``optimizer.update(grads, opt_state, params)``, Flax's ``apply_gradients``):
+float leaves, 0 clean and +inf set, beside gradients zeroed when one is set (:mod:`jaxamp.step`), they survive a
+clip before the optimizer, ``lax.pmean``/``psum`` (a global OR) and any elementwise transformation.
 """
 
 from __future__ import annotations
@@ -35,7 +33,7 @@ __all__ = ["value_and_grad", "apply_or_skip", "optimizer", "AmpOptState", "AmpOp
            "replace_amp", "step_state"]
 
 T = TypeVar("T")
-ON_STALL = ("warn", "raise")
+ON_STALL = ("warn", "raise", None)
 
 
 def with_amp_state(opt_state: Any, amp_state: AmpState) -> Any:
@@ -218,7 +216,7 @@ class AmpOptimizer(optax.GradientTransformationExtraArgs):
 
 
 def optimizer(inner: optax.GradientTransformation, *, amp_state: Optional[AmpState] = None,
-              axis_name: Optional[Any] = None, max_consecutive_skips: int = 100, on_stall: str = "warn",
+              axis_name: Optional[Any] = None, max_consecutive_skips: int = 100, on_stall: Optional[str] = "warn",
               skip_when_off: bool = False) -> AmpOptimizer:  # fmt: skip
     """Wrap any optax optimizer: skip the update on overflow and advance every scaler.
 
@@ -233,8 +231,9 @@ def optimizer(inner: optax.GradientTransformation, *, amp_state: Optional[AmpSta
       axis_name: inside ``pmap``/``shard_map`` with per-device gradients: OR the flags over this axis.
       max_consecutive_skips: this many skipped steps in a row is a stall, reported each time the
         count reaches a multiple of it (a host callback taken only then), a positive int.
-      on_stall: ``"warn"`` (a :class:`~jaxamp.monitor.StallWarning`) or ``"raise"`` (a
-        :class:`~jaxamp.monitor.StallError`, surfacing from the step as a JAX runtime error).
+      on_stall: ``"warn"`` (a :class:`~jaxamp.monitor.StallWarning`), ``"raise"`` (a :class:`~jaxamp.monitor.StallError`,
+        a JAX runtime error from the step) or None: no report in the step, whose host callback costs a small CPU step
+        6-21 % of its time (docs/benchmarks.md); ``consecutive_skips`` still counts (for a StallMonitor).
       skip_when_off: with AMP off (float32): False, ``inner`` as written (the user's program bit
         for bit); True, non-finite steps still skip (``make_train_step``'s rule in every precision).
 
@@ -293,8 +292,9 @@ def optimizer(inner: optax.GradientTransformation, *, amp_state: Optional[AmpSta
         zeros = jax.tree_util.tree_map(jnp.zeros_like, new_updates)
         new_updates, new_inner = check.select((new_updates, new_inner), (zeros, opt_state.inner))
         new_state = step_state(opt_state, advance(check, amp), check, new_inner)
-        report_stall(new_state.consecutive_skips, check.skip_reason, check.found_inf, limit=n, on_stall=on_stall,
-                     caller="jaxamp.optimizer")
+        if on_stall is not None:
+            report_stall(new_state.consecutive_skips, check.skip_reason, check.found_inf, limit=n,
+                         on_stall=on_stall, caller="jaxamp.optimizer")
         return new_updates, new_state
 
     return AmpOptimizer(init_fn, update_fn)

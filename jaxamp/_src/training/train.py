@@ -210,7 +210,7 @@ def torch_clip(max_norm: float) -> optax.GradientTransformation:
 def make_train_step(
     loss_fn: Callable[[Any, Any], Tuple[jax.Array, Any]], optimizer: optax.GradientTransformation, *,
     amp: Optional[AmpConfig] = None, grad_clip_max_norm: Optional[float] = None, merge: bool = True,
-    headroom: bool = False, max_consecutive_skips: int = 100, on_stall: str = "warn",
+    headroom: bool = False, max_consecutive_skips: int = 100, on_stall: Optional[str] = None,
 ) -> Step:
     """A pure ``step(state, batch) -> (state, metrics)``; ``jax.jit`` it.
 
@@ -226,7 +226,9 @@ def make_train_step(
       grad_clip_max_norm: torch's ``clip_grad_norm_`` of the unscaled gradients; None or 0: none.
       merge: as :func:`jaxamp.scaled` (the default of :func:`jaxamp.value_and_grad`).
       headroom: also report ``headroom_log2/<key>`` (``ScaledGrads.headroom_log2``).
-      max_consecutive_skips, on_stall: as :func:`jaxamp.optimizer`: a stall is reported.
+      max_consecutive_skips, on_stall: as :func:`jaxamp.optimizer`, but ``on_stall`` None by default:
+        the metrics carry ``consecutive_skips`` for a host-side :class:`jaxamp.monitor.StallMonitor`
+        (as the examples feed one), with no callback in the step; ``"warn"``/``"raise"``: in the step.
 
     Returns:
       The step: the update applied or skipped, every scaler advanced, metrics (:func:`step_metrics`).

@@ -233,7 +233,7 @@ def optimizer(inner: optax.GradientTransformation, *, amp_state: Optional[AmpSta
         count reaches a multiple of it (a host callback taken only then), a positive int.
       on_stall: ``"warn"`` (a :class:`~jaxamp.monitor.StallWarning`), ``"raise"`` (a :class:`~jaxamp.monitor.StallError`,
         a JAX runtime error from the step) or None: no report in the step, whose host callback costs a small CPU step
-        6-21 % of its time (docs/benchmarks.md); ``consecutive_skips`` still counts (for a StallMonitor).
+        11-20 % of its time (benchmarks/stall_cost.py); ``consecutive_skips`` still counts (for a StallMonitor).
       skip_when_off: with AMP off (float32): False, ``inner`` as written (the user's program bit
         for bit); True, non-finite steps still skip (``make_train_step``'s rule in every precision).
 

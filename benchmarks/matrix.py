@@ -76,9 +76,9 @@ class Case:
 
 
 def build_case(problem: Problem, placement: str, mode: str, params: Any, batch: Dict[str, jax.Array],
-               layers: int, width: int, merge: bool = False) -> Case:  # fmt: skip
+               layers: int, width: int, merge: bool = False, on_stall: Any = None) -> Case:  # fmt: skip
     """Compile the train step of ``problem`` for one placement and mode (public jaxamp API only);
-    ``merge`` as :func:`jaxamp.train.make_train_step`'s."""
+    ``merge`` and ``on_stall`` as :func:`jaxamp.train.make_train_step`'s."""
     amp = case_amp(placement, mode)
     model = FullyConnected.from_amp(amp, out_features=len(problem.outputs), layer_size=width, nr_layers=layers,
                                     activation="tanh")  # fmt: skip
@@ -94,7 +94,7 @@ def build_case(problem: Problem, placement: str, mode: str, params: Any, batch: 
 
     opt = optax.adam(1e-3)
     state = jaxamp.train.TrainState.create(params=params, optimizer=opt, amp=amp, engines=[engine])
-    step = jaxamp.train.make_train_step(loss_fn, opt, amp=amp, merge=merge)
+    step = jaxamp.train.make_train_step(loss_fn, opt, amp=amp, merge=merge, on_stall=on_stall)
     t = time.perf_counter()
     compiled = jax.jit(step).lower(state, batch).compile()
     case = Case(f"{problem.name}/{placement}/{mode}", state, compiled, time.perf_counter() - t)
@@ -103,7 +103,7 @@ def build_case(problem: Problem, placement: str, mode: str, params: Any, batch: 
     return case
 
 
-def _clocked(case: Case, batch: Dict[str, jax.Array], inner: int, cpu_log: List[float]):
+def clocked(case: Case, batch: Dict[str, jax.Array], inner: int, cpu_log: List[float]):
     """A function for :func:`timing.interleaved`: ``inner`` steps, wall seconds per step
     returned, process CPU seconds per step appended to ``cpu_log``."""
     holder = {"state": case.state}
@@ -141,7 +141,7 @@ def bench_problem(problem: Problem, cfg: Dict[str, Any], placements: List[str], 
                 lambda a, b: bool((a == b).all()), first[c.name][0], first[plain][0]))  # fmt: skip
             out["cases"][c.name]["first_step_params_identical_to_plain"] = same
     cpu: Dict[str, List[float]] = {c.name: [] for c in cases}
-    wall = timing.interleaved({c.name: _clocked(c, batch, cfg["inner"], cpu[c.name]) for c in cases}, cfg["reps"])
+    wall = timing.interleaved({c.name: clocked(c, batch, cfg["inner"], cpu[c.name]) for c in cases}, cfg["reps"])
     for name in wall:
         cpu[name] = cpu[name][-len(wall[name]):]  # drop the warm-up round
         out["cases"][name].update(step_s=timing.stats(wall[name]), cpu_s=timing.stats(cpu[name]),

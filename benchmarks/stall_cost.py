@@ -12,40 +12,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from typing import Any, Dict
 
 import jax
 import jax.numpy as jnp
-import optax
 
-import jaxamp
 from jaxamp.models import FullyConnected
 
 from benchmarks import timing
-from benchmarks.matrix import _clocked, case_amp, Case
+from benchmarks.matrix import clocked, build_case
 from benchmarks.problems import PROBLEMS, make_batch
-
-
-def build(problem, params, batch, on_stall) -> Case:
-    """The default-placement, per-order train step of ``problem`` with ``on_stall``."""
-    amp = case_amp("default", "per_order")
-    model = FullyConnected.from_amp(amp, out_features=len(problem.outputs), layer_size=64, nr_layers=4,
-                                    activation="tanh")  # fmt: skip
-    engine = jaxamp.Derivatives(lambda p, x: model.apply(p, x), inputs=problem.inputs, outputs=problem.outputs,
-                                derivatives=problem.derivatives, amp=amp)  # fmt: skip
-
-    def loss_fn(p, b):
-        d = engine(p, b["interior"])
-        terms = {k: jnp.mean(r**2) for k, r in problem.residuals(d, b["interior"]).items()}
-        return sum(terms.values()), terms
-
-    opt = optax.adam(1e-3)
-    state = jaxamp.train.TrainState.create(params=params, optimizer=opt, amp=amp, engines=[engine])
-    step = jaxamp.train.make_train_step(loss_fn, opt, amp=amp, on_stall=on_stall)
-    t = time.perf_counter()
-    compiled = jax.jit(step).lower(state, batch).compile()
-    return Case(str(on_stall), state, compiled, time.perf_counter() - t)
 
 
 def main(argv=None) -> Dict[str, Any]:
@@ -60,9 +36,10 @@ def main(argv=None) -> Dict[str, Any]:
         net = FullyConnected(out_features=len(problem.outputs), layer_size=64, nr_layers=4)
         params = net.init(jax.random.PRNGKey(0), jnp.zeros(len(problem.inputs)))
         batch = make_batch(problem, 2000, 500)
-        cases = {k: build(problem, params, batch, v) for k, v in (("warn", "warn"), ("none", None))}
+        cases = {k: build_case(problem, "default", "per_order", params, batch, 4, 64, on_stall=v)
+                 for k, v in (("warn", "warn"), ("none", None))}
         cpu = {k: [] for k in cases}
-        wall = timing.interleaved({k: _clocked(c, batch, 3, cpu[k]) for k, c in cases.items()}, args.reps)
+        wall = timing.interleaved({k: clocked(c, batch, 3, cpu[k]) for k, c in cases.items()}, args.reps)
         ratio = timing.paired_ratio(wall["warn"], wall["none"])
         out["problems"][name] = {"warn_over_none": ratio, "step_s": {k: timing.stats(v) for k, v in wall.items()}}
         print(f"{name}: step time with the in-step report / without: {ratio['median']:.3f} "

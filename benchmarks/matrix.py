@@ -5,8 +5,10 @@ For every problem of :data:`benchmarks.problems.PROBLEMS` and every case
 compiled on shared weights and points, and measured:
 
 - placements: ``default`` (``FullyConnected.from_amp(AmpConfig())``: first layer and
-  activations float32) and ``all_fp16`` (``autocast_activation=True,
-  autocast_firstlayer=True``: everything float16);
+  activations float32), ``all_fp16`` (``autocast_activation=True,
+  autocast_firstlayer=True``: everything float16) and, on request, ``autocast`` (the float32
+  network placed by ``jaxamp.autocast`` with ``all_fp16``'s keys: the matmuls' operands in
+  float16, the other operations float32, so per-tensor scales act on float32 operands);
 - modes: ``plain`` (``derivative_scaling=False``: plain fp16, the loss scaler only),
   ``per_order`` (the default DerivScaler), ``per_term`` (``mode="per_term_scaler"``) and
   ``tensor`` (per order with per-tensor scaling of every float16 matmul operand);
@@ -45,7 +47,9 @@ from benchmarks.problems import PROBLEMS, Problem, make_batch
 PLACEMENTS = {
     "default": jaxamp.AmpConfig(),
     "all_fp16": jaxamp.AmpConfig(autocast_activation=True, autocast_firstlayer=True),
+    "autocast": jaxamp.AmpConfig(autocast_activation=True, autocast_firstlayer=True),
 }
+DEFAULT_PLACEMENTS = ("default", "all_fp16")
 MODES = {
     "plain": dict(derivative_scaling=False),
     "per_order": dict(mode="per_order_scaler"),
@@ -80,15 +84,18 @@ def build_case(problem: Problem, placement: str, mode: str, params: Any, batch: 
     """Compile the train step of ``problem`` for one placement and mode (public jaxamp API only);
     ``merge`` and ``on_stall`` as :func:`jaxamp.train.make_train_step`'s."""
     amp = case_amp(placement, mode)
-    model = FullyConnected.from_amp(amp, out_features=len(problem.outputs), layer_size=width, nr_layers=layers,
-                                    activation="tanh")  # fmt: skip
-    engine = jaxamp.Derivatives(lambda p, x: model.apply(p, x), inputs=problem.inputs, outputs=problem.outputs,
+    shape = dict(out_features=len(problem.outputs), layer_size=width, nr_layers=layers, activation="tanh")
+    if placement == "autocast":
+        apply = jaxamp.autocast(FullyConnected(**shape).apply, amp)
+    else:
+        apply = FullyConnected.from_amp(amp, **shape).apply
+    engine = jaxamp.Derivatives(lambda p, x: apply(p, x), inputs=problem.inputs, outputs=problem.outputs,
                                 derivatives=problem.derivatives, amp=amp)  # fmt: skip
 
     def loss_fn(p, b):
         d = engine(p, b["interior"])
         terms = {k: jnp.mean(r**2) for k, r in problem.residuals(d, b["interior"]).items()}
-        y = jax.vmap(lambda x: model.apply(p, x))(b["boundary"])
+        y = jax.vmap(lambda x: apply(p, x))(b["boundary"])
         terms["boundary"] = jnp.mean((y[:, : b["target"].shape[1]] - b["target"]) ** 2)
         return sum(terms.values()), terms
 
@@ -191,7 +198,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, 3 repetitions: checks that it runs")
     ap.add_argument("--problems", nargs="+", choices=list(PROBLEMS), default=list(PROBLEMS))
-    ap.add_argument("--placements", nargs="+", choices=list(PLACEMENTS), default=list(PLACEMENTS))
+    ap.add_argument("--placements", nargs="+", choices=list(PLACEMENTS), default=list(DEFAULT_PLACEMENTS))
     ap.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     for key in ("reps", "inner", "layers", "width", "n", "nb"):
         ap.add_argument(f"--{key}", type=int, help=f"override the preset's {key}")

@@ -206,3 +206,40 @@ def test_the_fp8_recipe_puts_the_backward_passes_in_e4m3():
 def test_bad_float8_formats_are_config_errors(keys, match):
     with pytest.raises(jaxamp.ConfigError, match=match):
         jaxamp.AmpConfig(**keys)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_the_amax_of_a_16_bit_operand_is_its_largest_magnitude_bit_for_bit(dtype):
+    x = (jax.random.normal(jax.random.PRNGKey(3), (7, 9)) * 300).astype(dtype)
+    specials = [np.inf, -np.inf, np.nan, -0.0, 6e-8]
+    for v in specials + [None]:
+        y = x if v is None else x.at[2, 3].set(v)
+        want = jnp.max(jnp.abs(y.astype(jnp.float32)))
+        for target in (jnp.float16, jnp.float8_e4m3fn):
+            assert float(scale_for(y, target)) == float(scale_for(y.astype(jnp.float32), target))
+        if v is None or np.isfinite(v):
+            assert float(scale_for(y, jnp.float16)) * float(want) <= 2.0**14
+
+
+def test_an_operand_already_in_its_format_keeps_scale_one():
+    """A float16 operand whose largest entry is near float16's top and whose smallest is near
+    its normal floor: a scale would push that entry into the subnormals; scale 1 keeps it, and
+    the product is the float16 one bit for bit."""
+    a = jnp.array([[6e4, 7e-5, 1.0]], jnp.float16)
+    b = jnp.array([[1.0], [1.0], [0.0]], jnp.float16)
+    b = b.at[0, 0].set(0.0)
+    out = scaled_dot(a, b, MM)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(plain16(a, b)))
+    assert float(out[0, 0]) == float(jnp.float16(7e-5))
+
+
+def test_out_dtype_sets_the_product_and_its_cotangents_arrive_in_it():
+    a, b = operands(5)
+    out = scaled_dot(a.astype(jnp.float16), b, MM, out_dtype=jnp.float16)
+    assert out.dtype == jnp.float16
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(scaled_dot(a.astype(jnp.float16), b, MM).astype(jnp.float16)))
+    jaxpr = jax.make_jaxpr(jax.grad(lambda b: scaled_dot(a.astype(jnp.float16), b, MM, out_dtype=jnp.float16)
+                                    .astype(jnp.float32).sum()))(b)  # fmt: skip
+    dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "jaxamp_scaled_dot"]
+    cot = [e for e in dots if e.params["role"] == "cotangent"]
+    assert len(cot) == 1 and cot[0].invars[0].aval.dtype == jnp.float16

@@ -26,7 +26,8 @@ def scale_for(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def scaled_matmul(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
     """``a @ b`` on operands scaled and cast to ``dtype``, accumulated in float32, unscaled."""
-    sa, sb = scale_for(a, dtype), scale_for(b, dtype)
+    # an operand already held in ``dtype`` keeps scale 1: its products are exact in float32
+    sa, sb = (torch.tensor(1.0) if x.dtype == dtype else scale_for(x, dtype) for x in (a, b))
     low_a = (a.float() * sa).to(dtype).float()
     low_b = (b.float() * sb).to(dtype).float()
     return (low_a @ low_b) * (1.0 / (sa * sb))

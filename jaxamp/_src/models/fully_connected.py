@@ -58,7 +58,7 @@ class WeightNormDense(nn.Module):
         x = x.astype(self.dtype)
         if self.matmul_formats is not None and jnp.dtype(self.dtype) != jnp.float32:
             dims = (((x.ndim - 1,), (0,)), ((), ()))
-            y = scaled_dot(x, kernel, dims, self.matmul_formats, scaling=self.tensor_scaling).astype(self.dtype)
+            y = scaled_dot(x, kernel, dims, self.matmul_formats, scaling=self.tensor_scaling, out_dtype=self.dtype)
             return y + bias.astype(self.dtype)
         return jnp.dot(x, kernel.astype(self.dtype)) + bias.astype(self.dtype)
 

@@ -50,24 +50,41 @@ def scale_for(x: jax.Array, dtype: Any) -> jax.Array:
       >>> float(scale_for(jnp.array([3e-6, -1e-6]), jnp.float16)) == 2.0**32  # 3e-6 * 2**32 is about 2**13.6
       True
     """
-    amax = jnp.max(jnp.abs(x)).astype(jnp.float32) if jnp.size(x) else jnp.float32(0.0)
+    amax = _amax(x) if jnp.size(x) else jnp.float32(0.0)
     emax = int(np.floor(np.log2(float(jnp.finfo(dtype).max))))
     e = jnp.clip(emax - MARGIN_LOG2 - jnp.ceil(jnp.log2(amax)), -126, 126)
     ok = jnp.isfinite(amax) & (amax > 0)
     return jnp.ldexp(jnp.float32(1.0), jnp.where(ok, e, 0.0).astype(jnp.int32))  # exactly 2**e
 
 
+def _amax(x: jax.Array) -> jax.Array:
+    """``max|x|`` as float32, exactly. A 16-bit float's magnitudes order as its bit patterns with
+    the sign bit cleared (NaN's above inf's above every finite one), and an integer max is the
+    cheaper reduction on CPU; other dtypes take ``max(abs(x))``."""
+    if jnp.dtype(x.dtype).itemsize == 2 and jnp.issubdtype(x.dtype, jnp.floating):
+        bits = lax.bitcast_convert_type(x, jnp.int16) & jnp.int16(0x7FFF)
+        return lax.bitcast_convert_type(jnp.max(bits), x.dtype).astype(jnp.float32)
+    return jnp.max(jnp.abs(x)).astype(jnp.float32)
+
+
+def _scale(x: jax.Array, dtype: Any, scaling: bool) -> jax.Array:
+    """The operand's scale: :func:`scale_for`, or 1 when scaling is off or ``x`` is already held in
+    ``dtype`` (every product of two such operands is exact in the float32 accumulator, so a
+    scale could only lose bits, pushing small entries below the normal range)."""
+    return scale_for(x, dtype) if scaling and jnp.dtype(x.dtype) != dtype else jnp.float32(1.0)
+
+
 def _held(a, b, *, formats, scaling, role, **_):
     """``(format, [(scale, operand * scale)])``: the operands as their role's format holds them."""
     dtype = jnp.dtype(formats[ROLES.index(role)])
-    scales = [scale_for(x, dtype) if scaling else jnp.float32(1.0) for x in (a, b)]
+    scales = [_scale(x, dtype, scaling) for x in (a, b)]
     return dtype, [(s, x.astype(jnp.float32) * s) for s, x in zip(scales, (a, b))]
 
 
-def _impl(a, b, *, dimension_numbers, formats, scaling, role):
+def _impl(a, b, *, dimension_numbers, formats, scaling, role, out_dtype):
     dtype, ((sa, a), (sb, b)) = _held(a, b, formats=formats, scaling=scaling, role=role)
     out = lax.dot_general(a.astype(dtype), b.astype(dtype), dimension_numbers, preferred_element_type=jnp.float32)
-    return out * (1.0 / (sa * sb))
+    return (out * (1.0 / (sa * sb))).astype(out_dtype)
 
 
 def _profiled(a, b, **params):
@@ -77,18 +94,20 @@ def _profiled(a, b, **params):
 
 
 def scaled_dot(a: jax.Array, b: jax.Array, dimension_numbers, formats: Sequence[Any] = ("float16",) * 3,
-               role: str = "value", *, scaling: bool = True) -> jax.Array:  # fmt: skip
+               role: str = "value", *, scaling: bool = True, out_dtype: Any = jnp.float32) -> jax.Array:  # fmt: skip
     """``lax.dot_general(a, b, dimension_numbers)`` on low-precision operands with per-tensor
-    scales, float32 out.
+    scales, accumulated and unscaled in float32, ``out_dtype`` out.
 
     Args:
       a, b, dimension_numbers: as ``lax.dot_general``.
       formats: the operands' format per role (value, tangent, cotangent): float16 or FP8.
       role: ``"value"``, ``"tangent"`` or ``"cotangent"`` (what ``a`` and ``b`` are).
       scaling: False: plain casts to the formats (scale 1), the baseline.
+      out_dtype: the product's dtype (float32, or the compute dtype of a layer whose next
+        operations run in it: its cotangents then arrive in that dtype too).
 
     Returns:
-      The float32 product, unscaled.
+      The product, unscaled, in ``out_dtype``.
 
     Example:
       >>> import jax.numpy as jnp
@@ -101,7 +120,7 @@ def scaled_dot(a: jax.Array, b: jax.Array, dimension_numbers, formats: Sequence[
         raise ValueError(f"jaxamp.tensor_scale.scaled_dot: `role`={role!r} is not allowed: expected one of {ROLES}.")
     names = tuple(jnp.dtype(f).name for f in formats)
     return scaled_dot_p.bind(a, b, dimension_numbers=_dims(dimension_numbers), formats=names, scaling=bool(scaling),
-                             role=role)  # fmt: skip
+                             role=role, out_dtype=jnp.dtype(out_dtype).name)  # fmt: skip
 
 
 def _dims(dimension_numbers) -> Tuple[Tuple[Tuple[int, ...], ...], ...]:
@@ -109,16 +128,16 @@ def _dims(dimension_numbers) -> Tuple[Tuple[Tuple[int, ...], ...], ...]:
     return ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))
 
 
-def _abstract(a, b, *, dimension_numbers, formats, scaling, role):
+def _abstract(a, b, *, dimension_numbers, formats, scaling, role, out_dtype):
     out = jax.eval_shape(lambda x, y: lax.dot_general(x, y, dimension_numbers, preferred_element_type=jnp.float32),
                          jax.ShapeDtypeStruct(a.shape, a.dtype), jax.ShapeDtypeStruct(b.shape, b.dtype))
-    return jax.core.ShapedArray(out.shape, jnp.float32)
+    return jax.core.ShapedArray(out.shape, jnp.dtype(out_dtype))
 
 
-def _jvp(primals, tangents, *, dimension_numbers, formats, scaling, role):
+def _jvp(primals, tangents, *, dimension_numbers, formats, scaling, role, out_dtype):
     a, b = primals
     ta, tb = tangents
-    params = dict(dimension_numbers=dimension_numbers, formats=formats, scaling=scaling)
+    params = dict(dimension_numbers=dimension_numbers, formats=formats, scaling=scaling, out_dtype=out_dtype)
     out = scaled_dot_p.bind(a, b, role=role, **params)
     parts = []
     if not isinstance(ta, ad.Zero):
@@ -148,11 +167,11 @@ def _transpose_lhs(g, x_aval, y, dimension_numbers, params, swap: bool = False):
     dims = ((tuple(ans_y), tuple(y_kept)), (tuple(ans_batch), tuple(y_batch)))
     x_contract_sorted_by_y = list(np.take(x_contract, np.argsort(y_contract)))
     out_axes = np.argsort(list(x_batch) + x_kept + x_contract_sorted_by_y)
-    out = scaled_dot_p.bind(g, y, dimension_numbers=dims, role="cotangent", **params)
-    return lax.transpose(out, tuple(int(i) for i in out_axes)).astype(x_aval.dtype)
+    out = scaled_dot_p.bind(g, y, dimension_numbers=dims, role="cotangent", out_dtype=x_aval.dtype.name, **params)
+    return lax.transpose(out, tuple(int(i) for i in out_axes))
 
 
-def _transpose(g, a, b, *, dimension_numbers, formats, scaling, role):
+def _transpose(g, a, b, *, dimension_numbers, formats, scaling, role, out_dtype):
     if isinstance(g, ad.Zero):
         return [None, None]
     (lc, rc), (lb, rb) = dimension_numbers

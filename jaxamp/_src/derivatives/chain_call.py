@@ -19,7 +19,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
-from jax.interpreters import ad, batching, mlir
+from jax import lax
+from jax.interpreters import ad, batching, mlir, partial_eval as pe
 
 from jaxamp._src.core.tracing import register_pass
 from jaxamp._src.derivatives import chain
@@ -111,9 +112,53 @@ def expand(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
     one plan (``closed`` itself when it holds none)."""
     if not has_chains(closed.jaxpr):
         return closed
-    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
-             for v in closed.jaxpr.invars]  # fmt: skip
-    return jax.make_jaxpr(lambda *a: _evaluate(closed.jaxpr, closed.consts, a, None, None)[0])(*avals)
+    closed = _pruned(closed)
+    return jax.make_jaxpr(lambda *a: _evaluate(closed.jaxpr, closed.consts, a, None, None)[0])(*_avals(closed))
+
+
+def _avals(closed: jcore.ClosedJaxpr) -> List[jax.ShapeDtypeStruct]:
+    return [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type) for v in closed.jaxpr.invars]
+
+
+def _pruned(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
+    """``closed`` with every one-entry ``slice`` of a ``stack`` read from the stacked value
+    itself, then its dead equations removed: the chains of a Jacobian's or Hessian's entries
+    that the program never reads (``jaxamp.hessian(u, 1)(p, z)[1, 1]``) are not planned."""
+    jaxpr = closed.jaxpr
+    if not any(e.primitive.name == "stack" for e in jaxpr.eqns):
+        return closed
+
+    def run(*args):
+        env = dict(zip([*jaxpr.constvars, *jaxpr.invars], [*closed.consts, *args]))
+        stacks: Dict[Any, jcore.JaxprEqn] = {}
+
+        def read(v):
+            return v.val if isinstance(v, jcore.Literal) else env[v]
+
+        def sliced(v, start, limit):  # read(v)[start:limit], through stacks
+            eqn = None if isinstance(v, jcore.Literal) else stacks.get(v)
+            k = None if eqn is None else eqn.params["axis"]
+            if eqn is None or limit[k] - start[k] != 1:
+                x = read(v)
+                full = tuple(start) == (0,) * x.ndim and tuple(limit) == x.shape
+                return x if full else lax.slice(x, tuple(start), tuple(limit))
+            rest = lambda t: t[:k] + t[k + 1:]  # noqa: E731
+            return lax.expand_dims(sliced(eqn.invars[start[k]], rest(start), rest(limit)), (k,))
+
+        for eqn in jaxpr.eqns:
+            p = eqn.params
+            if eqn.primitive.name == "slice" and not p.get("strides") and eqn.invars[0] in stacks:
+                outs = [sliced(eqn.invars[0], p["start_indices"], p["limit_indices"])]
+            else:
+                outs = bind(eqn, [read(v) for v in eqn.invars])
+                if eqn.primitive.name == "stack":
+                    stacks[eqn.outvars[0]] = eqn
+            env.update((v, o) for v, o in zip(eqn.outvars, outs) if not isinstance(v, jcore.DropVar))
+        return [read(v) for v in jaxpr.outvars]
+
+    traced = jax.make_jaxpr(run)(*_avals(closed))
+    live, _ = pe.dce_jaxpr(traced.jaxpr, [True] * len(traced.jaxpr.outvars), instantiate=True)
+    return jcore.ClosedJaxpr(live, traced.consts)
 
 
 def _group_key(eqn) -> Optional[Tuple[Any, ...]]:

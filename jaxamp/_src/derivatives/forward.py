@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional, Sequence, Tuple, Union
 import jax
 import jax.numpy as jnp
 
+from jaxamp._src.derivatives import vector
 from jaxamp._src.derivatives.chain import check_output
 from jaxamp._src.core.checks import check_fun, check_wrt
 from jaxamp._src.derivatives.grad import amp_off, finish, jacrev, step
@@ -97,6 +98,11 @@ def jacfwd(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_
         if amp_off():  # JAX's own derivative, tagged (no operation)
             out = jax.jacfwd(fun, argnums, has_aux=has_aux, holomorphic=holomorphic)(*args, **kwargs)
             return (fresh(out[0], term=AMP_OFF), out[1]) if has_aux else fresh(out, term=AMP_OFF)
+        if vector.eligible(argnums, args, kwargs, has_aux, holomorphic):
+            try:
+                return vector.jacobian(fun, argnums, args, of, wrt)
+            except vector.NotScalar:
+                pass
 
         def partial(*dyn):
             return fun(*substitute(args, nums, dyn), **kwargs)
@@ -158,4 +164,15 @@ def hessian(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has
       12.0
     """
     inner = jacrev(fun, argnums, has_aux=has_aux, holomorphic=holomorphic, of=of, wrt=wrt)
-    return jacfwd(inner, argnums, has_aux=has_aux, holomorphic=holomorphic, wrt=wrt)
+    composed = jacfwd(inner, argnums, has_aux=has_aux, holomorphic=holomorphic, wrt=wrt)
+
+    @functools.wraps(fun)
+    def derivative(*args, **kwargs):
+        if not amp_off() and vector.eligible(argnums, args, kwargs, has_aux, holomorphic):
+            try:
+                return vector.hessian(fun, argnums, args, of, wrt)
+            except vector.NotScalar:
+                pass
+        return composed(*args, **kwargs)
+
+    return derivative

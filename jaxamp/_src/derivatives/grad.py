@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from jaxamp._src.core import policy
 from jaxamp._src.core.checks import check_fun, check_wrt
-from jaxamp._src.derivatives import chain, chain_call
+from jaxamp._src.derivatives import chain, chain_call, vector
 from jaxamp._src.core.interpreter import substitute
 from jaxamp._src.core.marks import AMP_OFF, deriv_check, deriv_scale, fresh, seed, unscale
 
@@ -90,6 +90,11 @@ def _reverse(transform: Callable, caller: str, fun: Callable, argnums, has_aux: 
             return (fresh(out[0], term=AMP_OFF), out[1]) if has_aux else fresh(out, term=AMP_OFF)
         if chain.eligible(link, args, kwargs) or (links and all(chain.eligible(c, args, kwargs) for c in links)):
             return chains(args)
+        if caller == "jaxamp.jacrev" and vector.eligible(argnums, args, kwargs, has_aux, options["holomorphic"]):
+            try:
+                return vector.jacobian(fun, argnums, args, of, wrt)
+            except vector.NotScalar:
+                pass
         if method == "forward":
             raise ValueError(f"{caller}: method='forward' needs scalar `argnums` and float32 scalar arguments "
                              f"there, given by position; got argnums={argnums!r}. Use method='auto'.")

@@ -105,3 +105,17 @@ def test_outputs_of_one_network_share_their_passes():
     got = jax.jit(jaxamp.scaled(loss_of(comps, jaxamp.grad)))({"1": 0.5, "2": 0.25}, p)[0]
     want = jax.jit(loss_of(comps, jax.grad))(p)
     np.testing.assert_allclose(got, want, rtol=2e-2)  # float16 network: fp16 rounding
+
+
+def test_a_stack_of_relabeled_entries_is_the_earlier_stack_and_a_transposes_entries_stay_apart():
+    def f(a, b, m):
+        z = jnp.stack([a, b])  # [2, 3]
+        again = jnp.stack([jnp.squeeze(a[None, :]), jnp.reshape(b[:, None], (3,))])  # the same values
+        swapped = jnp.stack([m.T[0], m.T[1]])  # entries of a transpose: no relabelings of m, kept (conservative)
+        return jnp.tanh(z), jnp.tanh(again), jnp.tanh(jnp.stack([m[:, 0], m[:, 1]])), jnp.tanh(swapped)
+
+    args = (jnp.arange(3.0), -jnp.arange(3.0), jnp.arange(6.0).reshape(3, 2))
+    merged = cse(jax.make_jaxpr(f)(*args))
+    assert [e.primitive.name for e in merged.jaxpr.eqns].count("tanh") == 3
+    for got, want in zip(_run(merged, *args), f(*args)):
+        np.testing.assert_array_equal(got, want)

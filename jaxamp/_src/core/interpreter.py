@@ -8,7 +8,7 @@ written, :func:`sub_jaxpr` exposes call bodies, :func:`cse` removes repeated wor
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import weakref
 
@@ -144,6 +144,21 @@ def atom(v) -> Any:
     return v
 
 
+def _relabels(eqn: jcore.JaxprEqn) -> bool:
+    """Whether ``eqn`` only relabels its operand's elements, in order (a squeeze, a reshape, a
+    broadcast or transpose of size-1 axes): two stacks of relabelings of the same values are
+    the same array."""
+    if len(eqn.invars) != 1 or isinstance(eqn.invars[0], jcore.Literal) or len(eqn.outvars) != 1:
+        return False
+    name, src, out = eqn.primitive.name, eqn.invars[0].aval, eqn.outvars[0].aval
+    if getattr(src, "dtype", None) != getattr(out, "dtype", None) or int(np.prod(src.shape)) != int(np.prod(out.shape)):
+        return False
+    if name == "transpose":
+        big = [a for a in eqn.params["permutation"] if src.shape[a] != 1]
+        return big == sorted(big)
+    return name in ("squeeze", "broadcast_in_dim") or (name == "reshape" and eqn.params.get("dimensions") is None)
+
+
 def cse(closed: jcore.ClosedJaxpr, *, held: Sequence[int] = ()) -> jcore.ClosedJaxpr:
     """``closed`` with every equation that repeats an earlier one removed (common subexpressions).
 
@@ -167,6 +182,7 @@ def cse(closed: jcore.ClosedJaxpr, *, held: Sequence[int] = ()) -> jcore.ClosedJ
     """
     jaxpr, env, seen, eqns = closed.jaxpr, {}, {}, []
     tainted = {jaxpr.invars[i] for i in held}
+    relabeled: Dict[Any, Any] = {}  # a relabeling's output -> the variable it relabels
 
     def read(v):
         return v if isinstance(v, jcore.Literal) else env.get(v, v)
@@ -177,9 +193,12 @@ def cse(closed: jcore.ClosedJaxpr, *, held: Sequence[int] = ()) -> jcore.ClosedJ
             tainted.update(eqn.outvars)
             eqns.append(eqn)
             continue
+        if _relabels(eqn):
+            relabeled[eqn.outvars[0]] = relabeled.get(eqn.invars[0], eqn.invars[0])
         try:
-            key = None if eqn.effects else (eqn.primitive, tuple(map(atom, eqn.invars)),
-                                            tuple(sorted(eqn.params.items())))  # fmt: skip
+            operands = [relabeled.get(v, v) for v in eqn.invars] if eqn.primitive.name == "stack" else eqn.invars
+            key = None if eqn.effects else (eqn.primitive, tuple(map(atom, operands)),
+                                            tuple(sorted(eqn.params.items())), str(eqn.outvars[0].aval))  # fmt: skip
             earlier = None if key is None else seen.get(key)
         except (TypeError, ValueError):  # unhashable, or compared elementwise
             key = earlier = None

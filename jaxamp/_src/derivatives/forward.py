@@ -72,6 +72,10 @@ def jacfwd(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_
            wrt: Optional[Union[str, Sequence[str]]] = None) -> Callable[..., Any]:
     """``jax.jacfwd`` of a function returning one array, with scaled tangent seeds.
 
+    Along a float32 vector of at most 16 entries of a function returning one float32 scalar
+    (``u(params, z)``), each entry is a ``grad`` chain planned with the point's other
+    derivatives (:mod:`jaxamp._src.derivatives.vector`); every other form linearizes ``fun``.
+
     Args:
       fun, argnums, has_aux, holomorphic: as ``jax.jacfwd``: arrays or pytrees of arrays at
         ``argnums``, an array or a pytree of arrays out (one scale for the step: its first
@@ -147,7 +151,9 @@ def jacfwd(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_
 def hessian(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_aux: bool = False,
             holomorphic: bool = False, *, of: Optional[str] = None,
             wrt: Optional[Union[str, Sequence[str]]] = None) -> Callable[..., Any]:
-    """``jax.hessian``: :func:`jacfwd` of :func:`jaxamp.jacrev` (keys of orders 1 and 2).
+    """``jax.hessian``: :func:`jacfwd` of :func:`jaxamp.jacrev` (keys of orders 1 and 2); along a
+    small float32 vector of a scalar function, one chain per entry on and above the diagonal,
+    those the program never reads left out (:mod:`jaxamp._src.derivatives.vector`).
 
     Args:
       fun, argnums, has_aux, holomorphic: as ``jax.hessian`` (``fun`` returns one array; pytree

@@ -161,7 +161,8 @@ def grad(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_au
 def jacrev(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_aux: bool = False,
            holomorphic: bool = False, allow_int: bool = False, *, of: Optional[str] = None,
            wrt: Optional[Union[str, Sequence[str]]] = None) -> Callable[..., Any]:
-    """``jax.jacrev`` of a function returning one array, scaled and checked as :func:`grad`.
+    """``jax.jacrev`` of a function returning one array, scaled and checked as :func:`grad` (along
+    a small float32 vector of a scalar function: planned as :func:`jaxamp.jacfwd` is).
 
     Args:
       fun, argnums, has_aux, holomorphic, allow_int: as ``jax.jacrev`` (``fun`` returns one array).

@@ -12,7 +12,9 @@ magnitudes, not from the values'.
 A scale is a power of two, so while an operand stays in its format's normal range the product is
 the unscaled one bit for bit (binary scaling commutes with rounding); what changes is that a
 tangent of 1e-7 or a value of 1e6 is brought into the window instead of flushing to zero or
-overflowing. A zero or non-finite operand keeps scale 1: an inf or NaN stays visible to the
+overflowing. An operand already held in its format keeps scale 1 (its products are exact in
+the float32 accumulator: a scale could only push small entries below the normal range), so a
+float16 layer's float16 activations cost no amax. A zero or non-finite operand keeps scale 1: an inf or NaN stays visible to the
 derivative scalers' checks. Under ``vmap`` the batched operand has one scale. ``jaxamp.autocast``
 uses it for its matmuls with ``AmpConfig(tensor_scaling=True)`` (float16) and
 ``AmpConfig(dtype="float8")``.

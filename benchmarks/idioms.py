@@ -15,9 +15,9 @@ The problems, network and step of :mod:`benchmarks.dropin_speed` (fp16 + DerivSc
 
 Reported per (problem, idiom): XLA FLOPs, trace + compile seconds, and (unless ``--no-time``)
 the median step time of interleaved rounds, each as a ratio to the engine's. ``jacfwd`` /
-``jacrev`` compute every entry of the Jacobian and Hessian (as JAX does), more than the residual
-uses: ``engine_full`` is the engine computing those same derivatives (every first and second
-derivative of every output), their fair baseline (``over_engine_full``); ``jax_nested`` and
+``jacrev`` / ``hessian`` along the 2-entry ``z`` are planned entry by entry (their unread
+entries dropped); ``engine_full`` is the engine computing every entry (every first and second
+derivative of every output), what JAX's vector form computes (``over_engine_full``); ``jax_nested`` and
 ``jax_jacfwd`` are the plain float32 JAX steps written both ways (``jax_jacfwd_over_jax_nested``:
 what the vector idiom costs in JAX itself).
 """

@@ -92,3 +92,17 @@ def test_a_vector_first_met_inside_a_branch_is_reused_outside(pz):
         return inside + jac(p, z)
 
     np.testing.assert_allclose(jax.jit(fn)(p, z), 2 * jax.jacfwd(_u, 1)(p, z), rtol=2e-6, atol=2e-6)
+
+
+def test_nothing_outlives_the_derivative_function(pz):
+    import gc
+    import weakref
+
+    p, z, _ = pz
+    fun = lambda p, z: _u(p, z) * 2.0  # noqa: E731
+    alive = weakref.ref(fun)
+    hess = jaxamp.hessian(fun, 1)
+    jax.make_jaxpr(jaxamp.scaled(hess))({"1": 1.0, "2": 1.0}, p, z)
+    del fun, hess
+    gc.collect()
+    assert alive() is None

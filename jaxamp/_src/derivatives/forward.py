@@ -96,6 +96,7 @@ def jacfwd(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_
     check_fun("jaxamp.jacfwd", fun, of)
     argnums = check_wrt("jaxamp.jacfwd", argnums, wrt)
     nums = argnums if isinstance(argnums, tuple) else (argnums,)
+    route = vector.Route(fun, argnums)
 
     @functools.wraps(fun)
     def derivative(*args, **kwargs):
@@ -104,7 +105,7 @@ def jacfwd(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_
             return (fresh(out[0], term=AMP_OFF), out[1]) if has_aux else fresh(out, term=AMP_OFF)
         if vector.eligible(argnums, args, kwargs, has_aux, holomorphic):
             try:
-                return vector.jacobian(fun, argnums, args, of, wrt)
+                return route.jacobian(args, of, wrt)
             except vector.NotScalar:
                 pass
 
@@ -171,12 +172,13 @@ def hessian(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has
     """
     inner = jacrev(fun, argnums, has_aux=has_aux, holomorphic=holomorphic, of=of, wrt=wrt)
     composed = jacfwd(inner, argnums, has_aux=has_aux, holomorphic=holomorphic, wrt=wrt)
+    route = vector.Route(fun, argnums)
 
     @functools.wraps(fun)
     def derivative(*args, **kwargs):
         if not amp_off() and vector.eligible(argnums, args, kwargs, has_aux, holomorphic):
             try:
-                return vector.hessian(fun, argnums, args, of, wrt)
+                return route.hessian(args, of, wrt)
             except vector.NotScalar:
                 pass
         return composed(*args, **kwargs)

@@ -70,6 +70,7 @@ def _reverse(transform: Callable, caller: str, fun: Callable, argnums, has_aux: 
     # has_aux: the chain differentiates fun's value (its first output); the aux is fun's own
     base = _value_of(caller, fun) if has_aux else fun
     link = chain.extend(base, argnums, of, wrt) if chained else None
+    route = vector.Route(fun, argnums)  # jacrev along a small vector: planned entry by entry
     # a tuple of scalar argnums (grad(u, (1, 2)) -> (u_t, u_x)): one chain per argnum, their
     # passes shared as those of separate grad calls at the same point
     links: Tuple[chain.Chain, ...] = ()
@@ -92,7 +93,7 @@ def _reverse(transform: Callable, caller: str, fun: Callable, argnums, has_aux: 
             return chains(args)
         if caller == "jaxamp.jacrev" and vector.eligible(argnums, args, kwargs, has_aux, options["holomorphic"]):
             try:
-                return vector.jacobian(fun, argnums, args, of, wrt)
+                return route.jacobian(args, of, wrt)
             except vector.NotScalar:
                 pass
         if method == "forward":

@@ -12,6 +12,7 @@ them; every other call takes JAX's route (:mod:`jaxamp._src.derivatives.forward`
 
 from __future__ import annotations
 
+import collections
 import weakref
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
@@ -21,17 +22,16 @@ import jax.numpy as jnp
 from jaxamp._src.core.interpreter import substitute
 from jaxamp._src.derivatives import chain, chain_call
 
-__all__ = ["MAX_SIZE", "NotScalar", "eligible", "jacobian", "hessian"]
+__all__ = ["MAX_SIZE", "NotScalar", "Route", "eligible"]
 
 # Entries of ``z`` up to which derivatives are planned entry by entry (a Hessian is
 # MAX_SIZE * (MAX_SIZE + 1) / 2 chains); a longer vector takes JAX's batched route.
 MAX_SIZE = 16
 
-# (id(fun), argnum, number of arguments) -> (fun, its function of scalars): one base per user
-# function, so the chains of jacfwd(u) and hessian(u) at one point share a plan
-_FLAT: Dict[Tuple[int, int, int], Tuple[Callable[..., Any], Callable[..., Any]]] = {}
-# id(z) -> (weak reference to z, z's entries): one set of entry values per vector and trace
-_ENTRIES: Dict[int, Tuple[Any, Tuple[Any, ...]]] = {}
+# id(z) -> (weak reference to z, z's entries): one set of entry values per vector and trace, for
+# the vectors met last (a bounded cache: entries are tracers of their trace)
+_ENTRIES: "collections.OrderedDict[int, Tuple[Any, Tuple[Any, ...]]]" = collections.OrderedDict()
+_ENTRIES_KEPT = 64
 
 
 class NotScalar(Exception):
@@ -52,21 +52,6 @@ def eligible(argnums: Any, args: Tuple[Any, ...], kwargs: dict, has_aux: bool = 
     return jnp.result_type(z) == jnp.float32 and jnp.ndim(z) == 1 and 1 <= jnp.shape(z)[0] <= MAX_SIZE
 
 
-def _flat(fun: Callable[..., Any], argnum: int, nargs: int) -> Callable[..., Any]:
-    """``fun`` with ``z = args[argnum]`` given as scalars after the ``nargs`` arguments."""
-    key = (id(fun), argnum, nargs)
-    if key not in _FLAT:
-
-        def flat(*b):
-            out = fun(*substitute(b[:nargs], (argnum,), [jnp.stack(b[nargs:])]))
-            if not (hasattr(out, "dtype") and jnp.shape(out) == () and jnp.result_type(out) == jnp.float32):
-                raise NotScalar()
-            return out
-
-        _FLAT[key] = (fun, flat)  # fun kept alive: its id is not reused
-    return _FLAT[key][1]
-
-
 def _entries(z: Any) -> Tuple[Any, ...]:
     """``z``'s entries, the same values for every call at ``z`` in its trace (a derivative's
     chains group by their arguments)."""
@@ -76,36 +61,58 @@ def _entries(z: Any) -> Tuple[Any, ...]:
     entries = tuple(z[k] for k in range(jnp.shape(z)[0]))
     if all(getattr(e, "_trace", None) is getattr(z, "_trace", None) for e in entries):
         _ENTRIES[id(z)] = (weakref.ref(z), entries)  # not entries of an inner trace: they cannot leave it
+        while len(_ENTRIES) > _ENTRIES_KEPT:
+            _ENTRIES.popitem(last=False)
     return entries
 
 
-def _chains(fun: Callable[..., Any], argnum: int, args: Tuple[Any, ...], steps: Sequence[Tuple[int, ...]],
-            of: Optional[str], wrt: Optional[str]) -> list:  # fmt: skip
-    """The top derivatives of ``fun`` along the entries of ``args[argnum]`` listed in ``steps``
-    (innermost first), one chain each."""
-    entries = _entries(args[argnum])
-    # z itself is no operand (its place holds None): only its entries are, so that chains at the
-    # same entries group whatever vmap does to z
-    full = tuple(args[:argnum]) + (None,) + tuple(args[argnum + 1:]) + entries
-    # every entry carries the vector's name: per-term keys are those of JAX's route (u, u__z)
-    n, names = len(args), (wrt,) * len(entries)
-    base = _flat(fun, argnum, n)
-    return [chain_call.bind_chain(chain.Chain(base, tuple(n + k for k in s), tuple(names[k] for k in s), of), full)
-            for s in steps]  # fmt: skip
+class Route:
+    """The entry-by-entry derivatives of ``fun`` along ``args[argnum]``: one per jaxamp
+    derivative function, its ``fun`` of scalars made once per argument count (the chains' base),
+    so nothing outlives that function."""
 
+    def __init__(self, fun: Callable[..., Any], argnum: int):
+        self.fun, self.argnum = fun, argnum
+        self._flat: Dict[int, Callable[..., Any]] = {}
 
-def jacobian(fun: Callable[..., Any], argnum: int, args: Tuple[Any, ...], of: Optional[str],
-             wrt: Optional[str]) -> jax.Array:  # fmt: skip
-    """``jax.jacfwd(fun, argnum)(*args)`` (shape ``z.shape``) by one chain per entry."""
-    d = jnp.shape(args[argnum])[0]
-    return jnp.stack(_chains(fun, argnum, args, [(k,) for k in range(d)], of, wrt))
+    def flat(self, nargs: int) -> Callable[..., Any]:
+        """``fun`` with ``z = args[argnum]`` given as scalars after the ``nargs`` arguments."""
+        if nargs not in self._flat:
+            fun, argnum = self.fun, self.argnum
 
+            def flat(*b):
+                out = fun(*substitute(b[:nargs], (argnum,), [jnp.stack(b[nargs:])]))
+                if not (hasattr(out, "dtype") and jnp.shape(out) == () and jnp.result_type(out) == jnp.float32):
+                    raise NotScalar()
+                return out
 
-def hessian(fun: Callable[..., Any], argnum: int, args: Tuple[Any, ...], of: Optional[str],
-            wrt: Optional[str]) -> jax.Array:  # fmt: skip
-    """``jax.hessian(fun, argnum)(*args)`` (shape ``z.shape * 2``) by one chain per entry on and
-    above the diagonal."""
-    d = jnp.shape(args[argnum])[0]
-    upper = [(j, k) for j in range(d) for k in range(j, d)]
-    found = dict(zip(upper, _chains(fun, argnum, args, upper, of, wrt)))
-    return jnp.stack([jnp.stack([found[(min(j, k), max(j, k))] for k in range(d)]) for j in range(d)])
+            self._flat[nargs] = flat
+        return self._flat[nargs]
+
+    def _chains(self, args: Tuple[Any, ...], steps: Sequence[Tuple[int, ...]], of: Optional[str],
+                wrt: Optional[str]) -> list:  # fmt: skip
+        """The top derivatives along the entries of ``args[argnum]`` listed in ``steps``
+        (innermost first), one chain each."""
+        i = self.argnum
+        entries = _entries(args[i])
+        # z itself is no operand (its place holds None): only its entries are, so that chains at
+        # the same entries group whatever vmap does to z
+        full = tuple(args[:i]) + (None,) + tuple(args[i + 1:]) + entries
+        # every entry carries the vector's name: per-term keys are those of JAX's route (u, u__z)
+        n, names = len(args), (wrt,) * len(entries)
+        base = self.flat(n)
+        return [chain_call.bind_chain(chain.Chain(base, tuple(n + k for k in s), tuple(names[k] for k in s), of),
+                                      full) for s in steps]  # fmt: skip
+
+    def jacobian(self, args: Tuple[Any, ...], of: Optional[str], wrt: Optional[str]) -> jax.Array:
+        """``jax.jacfwd(fun, argnum)(*args)`` (shape ``z.shape``) by one chain per entry."""
+        d = jnp.shape(args[self.argnum])[0]
+        return jnp.stack(self._chains(args, [(k,) for k in range(d)], of, wrt))
+
+    def hessian(self, args: Tuple[Any, ...], of: Optional[str], wrt: Optional[str]) -> jax.Array:
+        """``jax.hessian(fun, argnum)(*args)`` (shape ``z.shape * 2``) by one chain per entry on
+        and above the diagonal."""
+        d = jnp.shape(args[self.argnum])[0]
+        upper = [(j, k) for j in range(d) for k in range(j, d)]
+        found = dict(zip(upper, self._chains(args, upper, of, wrt)))
+        return jnp.stack([jnp.stack([found[(min(j, k), max(j, k))] for k in range(d)]) for j in range(d)])

@@ -106,3 +106,13 @@ def test_nothing_outlives_the_derivative_function(pz):
     del fun, hess
     gc.collect()
     assert alive() is None
+
+
+@pytest.mark.parametrize("name", ["jacfwd", "hessian"])
+def test_an_equinox_module_takes_the_route(name):
+    eqx = pytest.importorskip("equinox")
+    net = eqx.nn.MLP(2, "scalar", 16, 2, activation=jnp.tanh, key=jax.random.PRNGKey(0))
+    z = jnp.array([0.3, -0.4])
+    ours = getattr(jaxamp, name)(net)
+    assert _chained(ours, z)
+    np.testing.assert_allclose(ours(z), getattr(jax, name)(net)(z), rtol=2e-6, atol=2e-6)

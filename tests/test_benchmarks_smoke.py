@@ -196,3 +196,19 @@ def test_matrix_times_the_autocast_placement_where_tensor_scales_act():
     assert extra["autocast"] > extra["all_fp16"] >= 1.0
     for case in cases.values():
         assert case["step_s"]["median"] > 0
+
+
+def test_same_program_fingerprints_ignore_source_locations_only():
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.same_program import fingerprint
+
+    def compiled(fn):
+        return jax.jit(fn).lower(jnp.ones(3)).compile()
+
+    first = compiled(lambda x: jnp.sin(x) * 2)
+    moved = compiled(lambda x: (jnp.sin(x)
+                                * 2))  # fmt: skip  (the same program from other source lines)
+    other = compiled(lambda x: jnp.sin(x) * 3)
+    assert fingerprint(first) == fingerprint(moved) != fingerprint(other)

@@ -1,9 +1,10 @@
 """``python -m benchmarks.same_program``: fingerprints of the compiled programs the timing
 benchmarks measure, to compare two commits.
 
-Each program of ``python -m benchmarks matrix`` (every problem, placement and mode) and of
+Each program of ``python -m benchmarks matrix`` (every problem, placement and mode), of
 ``python -m benchmarks peers`` (jaxamp's float32 Laplacian value and step and its float16 user
-step, per dimension) is compiled for this CPU and fingerprinted: the SHA-256 of XLA's optimised
+step, per dimension) and the vector idioms of ``python -m benchmarks idioms`` (``jacfwd`` /
+``jacrev`` + ``hessian``, the programs the vector route plans) is compiled for this CPU and fingerprinted: the SHA-256 of XLA's optimised
 HLO text with its metadata (source locations) removed. Run from git worktrees of two commits;
 equal fingerprints mean the timings and FLOPs measured at one commit are those of the other's
 programs.
@@ -24,7 +25,7 @@ from typing import Any, Dict, List, Optional
 import jax
 import jax.numpy as jnp
 
-from benchmarks import matrix, peers
+from benchmarks import idioms, matrix, peers
 from benchmarks.laplacian import init_mlp
 from benchmarks.problems import PROBLEMS, make_batch
 from jaxamp.models import FullyConnected
@@ -77,6 +78,15 @@ def peers_programs(dims: List[int], points: int) -> Dict[str, str]:
     return out
 
 
+def idiom_programs(points: int) -> Dict[str, str]:
+    out = {}
+    for name in ("burgers_k1", "burgers_k2", "poisson2d", "ns2d"):
+        for idiom in ("jacfwd", "jacrev"):
+            step, args = idioms.step_fn(name, idiom, points)
+            out[f"idioms/{name}/{idiom}"] = fingerprint(step.lower(*args).compile())
+    return out
+
+
 def compare(a: Dict[str, Any], b: Dict[str, Any]) -> int:
     """Print the programs whose fingerprints differ; 0 when every common program is the same."""
     fa, fb = a["programs"], b["programs"]
@@ -93,13 +103,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--out", help="write the fingerprints here (JSON)")
     ap.add_argument("--commit", default="", help="the commit name recorded with the fingerprints")
     ap.add_argument("--dims", type=int, nargs="+", default=[2, 8, 32, 100])
+    ap.add_argument("--sections", nargs="+", choices=("matrix", "peers", "idioms"),
+                    default=["matrix", "peers", "idioms"])
     ap.add_argument("--compare", nargs=2, metavar=("A", "B"), help="two fingerprint files to compare")
     a = ap.parse_args(argv)
     if a.compare:
         with open(a.compare[0]) as fa, open(a.compare[1]) as fb:
             return compare(json.load(fa), json.load(fb))
     cfg = dict(matrix.PRESETS["cpu"])
-    programs = {**matrix_programs(cfg), **peers_programs(a.dims, 1000)}
+    programs: Dict[str, str] = {}
+    if "matrix" in a.sections:
+        programs.update(matrix_programs(cfg))
+    if "peers" in a.sections:
+        programs.update(peers_programs(a.dims, 1000))
+    if "idioms" in a.sections:
+        programs.update(idiom_programs(2000))
     res = {"commit": a.commit, "jax": jax.__version__, "programs": programs}
     if a.out:
         with open(a.out, "w") as f:

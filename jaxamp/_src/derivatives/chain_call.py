@@ -128,33 +128,32 @@ def _pruned(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
     if not any(e.primitive.name == "stack" for e in jaxpr.eqns):
         return closed
 
-    def run(*args):
-        env = dict(zip([*jaxpr.constvars, *jaxpr.invars], [*closed.consts, *args]))
-        stacks: Dict[Any, jcore.JaxprEqn] = {}
+    stacks: Dict[int, Tuple[Any, int, List[Any]]] = {}  # id(a stack's value) -> (it, its axis, its operands)
 
-        def read(v):
-            return v.val if isinstance(v, jcore.Literal) else env[v]
+    def stacked(x):  # (axis, operands) if x is a stack's value, else None
+        hit = stacks.get(id(x))
+        return hit[1:] if hit is not None and hit[0] is x else None
 
-        def sliced(v, start, limit):  # read(v)[start:limit], through stacks
-            eqn = None if isinstance(v, jcore.Literal) else stacks.get(v)
-            k = None if eqn is None else eqn.params["axis"]
-            if eqn is None or limit[k] - start[k] != 1:
-                x = read(v)
-                full = tuple(start) == (0,) * x.ndim and tuple(limit) == x.shape
-                return x if full else lax.slice(x, tuple(start), tuple(limit))
+    def sliced(x, start, limit):  # x[start:limit], read through the stacks x was built by
+        hit = stacked(x)
+        if hit is not None and limit[hit[0]] - start[hit[0]] == 1:
+            k, parts = hit
             rest = lambda t: t[:k] + t[k + 1:]  # noqa: E731
-            return lax.expand_dims(sliced(eqn.invars[start[k]], rest(start), rest(limit)), (k,))
+            return lax.expand_dims(sliced(parts[start[k]], rest(start), rest(limit)), (k,))
+        full = tuple(start) == (0,) * jnp.ndim(x) and tuple(limit) == jnp.shape(x)
+        return x if full else lax.slice(x, tuple(start), tuple(limit))
 
-        for eqn in jaxpr.eqns:
-            p = eqn.params
-            if eqn.primitive.name == "slice" and not p.get("strides") and eqn.invars[0] in stacks:
-                outs = [sliced(eqn.invars[0], p["start_indices"], p["limit_indices"])]
-            else:
-                outs = bind(eqn, [read(v) for v in eqn.invars])
-                if eqn.primitive.name == "stack":
-                    stacks[eqn.outvars[0]] = eqn
-            env.update((v, o) for v, o in zip(eqn.outvars, outs) if not isinstance(v, jcore.DropVar))
-        return [read(v) for v in jaxpr.outvars]
+    def rule(eqn, vals):
+        p = eqn.params
+        if eqn.primitive.name == "slice" and not p.get("strides") and stacked(vals[0]) is not None:
+            return [sliced(vals[0], p["start_indices"], p["limit_indices"])]
+        outs = bind(eqn, vals)
+        if eqn.primitive.name == "stack":
+            stacks[id(outs[0])] = (outs[0], p["axis"], vals)
+        return outs
+
+    def run(*args):
+        return eval_jaxpr(jaxpr, closed.consts, args, rule)
 
     traced = jax.make_jaxpr(run)(*_avals(closed))
     live, _ = pe.dce_jaxpr(traced.jaxpr, [True] * len(traced.jaxpr.outvars), instantiate=True)

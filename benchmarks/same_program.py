@@ -3,8 +3,8 @@ benchmarks measure, to compare two commits.
 
 Each program of ``python -m benchmarks matrix`` (every problem, placement and mode), of
 ``python -m benchmarks peers`` (jaxamp's float32 Laplacian value and step and its float16 user
-step, per dimension) and the vector idioms of ``python -m benchmarks idioms`` (``jacfwd`` /
-``jacrev`` + ``hessian``, the programs the vector route plans) is compiled for this CPU and fingerprinted: the SHA-256 of XLA's optimised
+step, per dimension) and the idioms of ``python -m benchmarks idioms`` (nested ``grad``, tuple
+``argnums``, ``jacfwd`` / ``jacrev`` + ``hessian``: the programs the chain planner expands) is compiled for this CPU and fingerprinted: the SHA-256 of XLA's optimised
 HLO text with its metadata (source locations) removed. Run from git worktrees of two commits;
 equal fingerprints mean the timings and FLOPs measured at one commit are those of the other's
 programs.
@@ -81,7 +81,7 @@ def peers_programs(dims: List[int], points: int) -> Dict[str, str]:
 def idiom_programs(points: int) -> Dict[str, str]:
     out = {}
     for name in ("burgers_k1", "burgers_k2", "poisson2d", "ns2d"):
-        for idiom in ("jacfwd", "jacrev"):
+        for idiom in ("nested", "tuple", "jacfwd", "jacrev"):
             step, args = idioms.step_fn(name, idiom, points)
             out[f"idioms/{name}/{idiom}"] = fingerprint(step.lower(*args).compile())
     return out

@@ -243,3 +243,9 @@ def test_out_dtype_sets_the_product_and_its_cotangents_arrive_in_it():
     dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "jaxamp_scaled_dot"]
     cot = [e for e in dots if e.params["role"] == "cotangent"]
     assert len(cot) == 1 and cot[0].invars[0].aval.dtype == jnp.float16
+
+
+def test_a_non_floating_out_dtype_is_refused_before_any_work():
+    a, b = operands(6)
+    with pytest.raises(ValueError, match="`out_dtype`=.*int8.*floating dtype"):
+        scaled_dot(a, b, MM, out_dtype="int8")

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from jax.extend import core as jcore
 
 import jaxamp
 from jaxamp.tensor_scale import scale_for, scaled_dot
@@ -249,3 +250,39 @@ def test_a_non_floating_out_dtype_is_refused_before_any_work():
     a, b = operands(6)
     with pytest.raises(ValueError, match="`out_dtype`=.*int8.*floating dtype"):
         scaled_dot(a, b, MM, out_dtype="int8")
+
+
+def _scaled_dot_operands(jaxpr) -> list:
+    """(role, operand dtypes) of every scaled_dot in ``jaxpr``, nested jaxprs included."""
+    found = []
+    for e in jaxpr.eqns:
+        if e.primitive.name == "jaxamp_scaled_dot":
+            found.append((e.params["role"], tuple(v.aval.dtype for v in e.invars)))
+        for sub in jcore.jaxprs_in_params(e.params):
+            found += _scaled_dot_operands(sub)
+    return found
+
+
+def layer_pair(p, x):
+    """Two tanh layers; ``twice`` also reads the hidden activation outside the second matmul."""
+    h = jnp.tanh(x @ p["w2"] + p["b2"])
+    return jnp.tanh(h @ p["w3"] + p["b3"]), h
+
+
+@pytest.mark.parametrize("twice", [False, True])
+def test_a_float16_activation_enters_the_next_matmul_as_float16_only_when_it_is_its_one_reader(twice):
+    """autocast with float16 activations: the next matmul multiplies the activation (and its
+    tangent) as float16, held in its format (no amax, scale 1), when that matmul is its only
+    reader; the products are those of the float32 form it replaces, bit for bit. An activation
+    read twice keeps its float32 form, so its cotangents still sum in float32."""
+    amp = jaxamp.AmpConfig(tensor_scaling=True, autocast_activation=True, autocast_firstlayer=True)
+    p, x = params(), jax.random.normal(jax.random.PRNGKey(8), (6, 16))
+    f = (lambda p, x: sum(o.sum() for o in layer_pair(p, x))) if twice else (lambda p, x: layer_pair(p, x)[0].sum())
+    net = jaxamp.autocast(f, amp)
+    tangent = lambda x: jax.jvp(lambda x: net(p, x), (x,), (jnp.ones_like(x),))[1]  # noqa: E731
+    ops = _scaled_dot_operands(jax.make_jaxpr(tangent)(x).jaxpr)
+    second = [dtypes[0] for role, dtypes in ops if dtypes[1] == jnp.float32 and role in ("value", "tangent")][-2:]
+    assert second == ([jnp.float32] * 2 if twice else [jnp.float16] * 2)
+    h16 = jnp.tanh((x @ p["w2"] + p["b2"]).astype(jnp.float16))
+    np.testing.assert_array_equal(np.asarray(scaled_dot(h16, p["w3"], MM)),
+                                  np.asarray(scaled_dot(h16.astype(jnp.float32), p["w3"], MM)))

@@ -34,11 +34,15 @@ class Val(NamedTuple):
     params: bool = False  # depends on a parameter argument
     deep: bool = False  # downstream of a layer fed by the inputs: later layers are not the first
     low: bool = False  # downstream of an operation that ran in the compute dtype
+    narrow: Any = None  # ``x`` exactly, in the compute dtype it was computed in (else None)
+
+
+_FLAGS = ("inputs", "params", "deep", "low")
 
 
 def merge(vals: Sequence[Val]) -> Val:
     """The dependencies of a result of ``vals`` (any operand's), with no array."""
-    return Val(None, *(any(v[i] for v in vals) for i in range(1, len(Val._fields))))
+    return Val(None, *(any(getattr(v, f) for v in vals) for f in _FLAGS))
 
 
 def _floating(dtype: Any) -> bool:
@@ -53,6 +57,13 @@ def primitive_counts(jaxpr: jcore.Jaxpr) -> collections.Counter:
     return found
 
 
+def _use_counts(jaxpr: jcore.Jaxpr) -> Dict[jcore.Var, int]:
+    """How many equations (and outputs) of ``jaxpr`` read each of its variables."""
+    found = collections.Counter(v for e in jaxpr.eqns for v in e.invars if isinstance(v, jcore.Var))
+    found.update(v for v in jaxpr.outvars if isinstance(v, jcore.Var))
+    return found
+
+
 class Placement:
     """The rule for ``amp``; ``counts`` records the matmul/convolution decisions (for errors)."""
 
@@ -63,6 +74,16 @@ class Placement:
         # per-tensor scales and/or FP8 operands for matmuls (jaxamp.tensor_scale); None: plain casts
         self.formats, self.tensor_scaling = amp.matmul_formats, amp.tensor_scaling
         self.counts: Dict[str, int] = collections.Counter()
+        self.uses: Dict[jcore.Var, int] = {}  # readers of each variable of the jaxprs evaluated
+
+    def _evaluate(self, jaxpr: jcore.Jaxpr, consts: List[Val], invals: List[Val]) -> List[Val]:
+        """``jaxpr`` through this rule; an output keeps its narrow form only where nothing else
+        in ``jaxpr`` reads it (its readers outside then decide)."""
+        uses = _use_counts(jaxpr)
+        self.uses.update(uses)
+        outs = eval_jaxpr(jaxpr, consts, invals, self, literal=Val)
+        return [o if isinstance(v, jcore.Var) and uses[v] == 1 else o._replace(narrow=None)
+                for o, v in zip(outs, jaxpr.outvars)]
 
     def __call__(self, eqn: jcore.JaxprEqn, invals: List[Val]) -> List[Val]:
         name = eqn.primitive.name
@@ -70,7 +91,7 @@ class Placement:
         if body is None and name in CUSTOM_PRIMITIVES and self._move_inside(eqn, invals):
             body = custom_body(eqn)
         if body is not None:  # inline: the body's equations get their own decisions
-            return eval_jaxpr(body.jaxpr, [Val(c) for c in body.consts], invals, self, literal=Val)
+            return self._evaluate(body.jaxpr, [Val(c) for c in body.consts], invals)
         if name in BODY_PRIMITIVES:
             outs = self._rewrite_bodies(eqn, invals)
             if outs is not None:
@@ -87,26 +108,34 @@ class Placement:
                 why = "compute dtype"
                 flags = flags._replace(deep=flags.deep or flags.inputs, low=True)
             self.counts[why] += 1
-            outs = self._lowered(eqn, xs) if why == "compute dtype" else bind(eqn, xs)
+            if why == "compute dtype":
+                return self._lowered(eqn, invals, flags)
+            outs = bind(eqn, xs)
         elif name in ACTIVATION_PRIMITIVES and floating and self.activation and flags.low:
-            outs = self._lowered(eqn, xs)
+            return self._lowered(eqn, invals, flags)
         else:
             if name not in CUSTOM_PRIMITIVES:  # custom calls were counted by _move_inside
                 self._count_as_written(eqn)
             outs = bind(eqn, xs)
         return [flags._replace(x=o) for o in outs]
 
-    def _lowered(self, eqn: jcore.JaxprEqn, xs: List[Any]) -> List[Any]:
+    def _lowered(self, eqn: jcore.JaxprEqn, invals: List[Val], flags: Val) -> List[Val]:
         """``eqn`` in the compute dtype: floating operands cast at use, results cast back (a
-        matmul with per-tensor scaling: :func:`jaxamp.tensor_scale.scaled_dot`)."""
+        matmul with per-tensor scaling: :func:`jaxamp.tensor_scale.scaled_dot`, given the
+        narrow form of an operand that only it reads: held in its format, it takes no scale, and
+        its cotangent is rounded to that format once, as the cast back would)."""
+        xs = [v.x for v in invals]
         if self.formats and eqn.primitive.name == "dot_general" and all(_floating(jnp.result_type(x)) for x in xs):
+            xs = [v.narrow if v.narrow is not None and self.uses.get(var) == 1 else v.x
+                  for v, var in zip(invals, eqn.invars)]
             out = scaled_dot(*xs, eqn.params["dimension_numbers"], self.formats, scaling=self.tensor_scaling)
-            return [jax.lax.convert_element_type(out, eqn.outvars[0].aval.dtype)]
+            return [flags._replace(x=jax.lax.convert_element_type(out, eqn.outvars[0].aval.dtype))]
         xs = [jax.lax.convert_element_type(x, self.dtype) if _floating(jnp.result_type(x)) else x for x in xs]
         if eqn.params.get("preferred_element_type") is not None:
             eqn = eqn.replace(params={**eqn.params, "preferred_element_type": self.dtype})
         outs = bind(eqn, xs)
-        return [jax.lax.convert_element_type(o, v.aval.dtype) for o, v in zip(outs, eqn.outvars)]
+        return [flags._replace(x=jax.lax.convert_element_type(o, v.aval.dtype), narrow=o if o.dtype == self.dtype else None)
+                for o, v in zip(outs, eqn.outvars)]
 
     def _count_as_written(self, eqn: jcore.JaxprEqn) -> None:
         """Count the matmuls inside a body left as written."""
@@ -132,8 +161,8 @@ class Placement:
 
         def run(*xs):
             vals = [f._replace(x=x) for f, x in zip(flags, xs)]
-            outs = eval_jaxpr(closed.jaxpr, [const._replace(x=c) for c in closed.consts], vals, self, literal=Val)
-            out_flags[:] = [o._replace(x=None) for o in outs]
+            outs = self._evaluate(closed.jaxpr, [const._replace(x=c) for c in closed.consts], vals)
+            out_flags[:] = [o._replace(x=None, narrow=None) for o in outs]
             return [o.x for o in outs]
 
         specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
@@ -155,7 +184,7 @@ class Placement:
     def _rewrite_bodies(self, eqn: jcore.JaxprEqn, invals: List[Val]) -> Optional[List[Val]]:
         """Checkpoint/cond/scan/while with their bodies rewritten; None to bind as written."""
         params, name = eqn.params, eqn.primitive.name
-        flags = [v._replace(x=None) for v in invals]
+        flags = [v._replace(x=None, narrow=None) for v in invals]
         bodies = jcore.jaxprs_in_params(params)
         if any(not hasattr(v.aval, "shape") for b in bodies for v in b.invars):
             return None  # tokens or other non-array operands

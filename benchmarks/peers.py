@@ -4,8 +4,10 @@
 
 A tanh MLP (``LAYERSxWIDTH``, float32) at ``--points`` points (``vmap``); per (shape, d, method)
 two workloads: ``value`` (the float32 Laplacian at every point) and ``step`` (``value_and_grad``
-over the parameters of ``mean(lap**2)``); for jaxamp also ``fp16_step``, the float16 user step
-(``jaxamp.autocast`` / ``jaxamp.init`` / ``jaxamp.value_and_grad``). Reported: medians of
+over the parameters of ``mean(lap**2)``); ``fp16_step``: for jaxamp the float16 user step
+(``jaxamp.autocast`` / ``jaxamp.init`` / ``jaxamp.value_and_grad``), for folx its Laplacian of
+the same ``jaxamp.autocast`` network under plain ``jax.value_and_grad`` (float16 with no loss
+scale and no overflow check: the least a float16 folx step does). Reported: medians of
 interleaved rounds, XLA FLOPs (compiled cost analysis), trace + compile seconds, XLA buffer
 sizes, and jaxamp / folx ratios. folx is a benchmark extra (``pip install folx``).
 """
@@ -51,14 +53,22 @@ def step_fn(method: str) -> Callable:
     return jax.value_and_grad(lambda p, x: jnp.mean(lap(p, x) ** 2))
 
 
+AMP16 = jaxamp.AmpConfig(dtype="float16")
+mlp16 = jaxamp.autocast(mlp, AMP16)  # the float16 network of both float16 steps
+
+
 def fp16_step(params: Any, x: jax.Array):
     """The float16 user step and its arguments ``(state, params, x)``."""
-    amp = jaxamp.AmpConfig(dtype="float16")
-    u = lambda p, z: jaxamp.autocast(mlp, amp)(p, z)  # noqa: E731
-    lap = jax.vmap(jaxamp.laplacian(u, 1), (None, 0))
+    lap = jax.vmap(jaxamp.laplacian(mlp16, 1), (None, 0))
     loss = lambda p, z: jnp.mean(lap(p, z) ** 2)  # noqa: E731
-    state = jaxamp.init(loss, amp)(params, x)
+    state = jaxamp.init(loss, AMP16)(params, x)
     return jaxamp.value_and_grad(loss), (state, params, x)
+
+
+def folx_fp16_step(params: Any, x: jax.Array):
+    """folx's float16 step on the same network and its arguments ``(params, x)``."""
+    lap = jax.vmap(lambda p, z: folx.forward_laplacian(lambda q: mlp16(p, q))(z).laplacian, (None, 0))
+    return jax.value_and_grad(lambda p, z: jnp.mean(lap(p, z) ** 2)), (params, x)
 
 
 def compiled_run(fn: Callable, args: tuple, inner: int):
@@ -85,26 +95,28 @@ def bench(layers: int, width: int, d: int, args: argparse.Namespace) -> Dict[str
     for m in METHODS:
         runs[f"value/{m}"], out[f"value/{m}"] = compiled_run(value_fn(m), (params, x), args.inner)
         runs[f"step/{m}"], out[f"step/{m}"] = compiled_run(step_fn(m), (params, x), args.inner)
-    try:
-        fn, fargs = fp16_step(params, x)
-        runs["fp16_step/jaxamp"], out["fp16_step/jaxamp"] = compiled_run(fn, fargs, args.inner)
-    except Exception as e:  # recorded, not fatal: the float32 columns still stand
-        out["fp16_step/jaxamp"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    for name, build in (("fp16_step/jaxamp", fp16_step), ("fp16_step/folx", folx_fp16_step)):
+        try:
+            fn, fargs = build(params, x)
+            runs[name], out[name] = compiled_run(fn, fargs, args.inner)
+        except Exception as e:  # recorded, not fatal: the float32 columns still stand
+            out[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
     res: Dict[str, Any] = {"points": points, "max_rel_diff_vs_hessian": check_agree(params, x)}
     if not args.no_time:
         samples = timing.interleaved(runs, args.reps, warmup=1)
         for k in runs:
             out[k]["time_s"] = timing.stats(samples[k])
     ratios = {}
-    for work, key in (("value", "value/jaxamp"), ("step", "step/jaxamp"), ("fp16_step", "fp16_step/jaxamp")):
-        a, b = out.get(key, {}), out[f"{'step' if work == 'fp16_step' else work}/folx"]
-        if "error" in a:
+    pairs = (("value", "value/jaxamp", "value/folx"), ("step", "step/jaxamp", "step/folx"),
+             ("fp16_step", "fp16_step/jaxamp", "step/folx"), ("fp16_step_vs_fp16", "fp16_step/jaxamp", "fp16_step/folx"))
+    for work, key, bkey in pairs:
+        a, b = out.get(key, {}), out.get(bkey, {})
+        if "error" in a or "error" in b:
             continue
         r = {"flops": a["flops"] / b["flops"] if a["flops"] and b["flops"] else None,
              "trace_compile": a["trace_compile_s"] / b["trace_compile_s"],
              "temp_bytes": a["temp_bytes"] / b["temp_bytes"] if a["temp_bytes"] and b["temp_bytes"] else None}  # fmt: skip
         if not args.no_time:
-            bkey = f"{'step' if work == 'fp16_step' else work}/folx"
             r["time"] = timing.paired_ratio(samples[key], samples[bkey])["median"]
         ratios[f"{work}_jaxamp_over_folx"] = {k: (round(v, 4) if v is not None else None) for k, v in r.items()}
     res.update(methods=out, ratios=ratios)

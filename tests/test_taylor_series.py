@@ -162,3 +162,44 @@ def test_float64_keeps_float64_precision(scaled):
         assert y.dtype == jnp.float64 and all(d.dtype == jnp.float64 for d in got)
         unscaled = [d / (2.0**-3 if scaled else 1.0) for d in got]
         np.testing.assert_allclose(unscaled, ref, rtol=1e-12)
+
+
+def _count(jaxpr, name: str) -> int:
+    return sum((e.primitive.name == name) + sum(_count(s, name) for s in jax.extend.core.jaxprs_in_params(e.params))
+               for e in jaxpr.eqns)  # fmt: skip
+
+
+def test_a_point_built_with_stack_carries_no_higher_coefficients_into_the_first_layer():
+    """``jnp.stack([a, b])`` is linear and b's orders 2..K are zero, so the first layer multiplies
+    the value and order 1 only (2 matmuls at any K), as for a point given as a vector; the
+    coefficients equal nested jvp's."""
+    w = jax.random.normal(jax.random.PRNGKey(3), (2, 8))
+    f = lambda b: jnp.sum(jnp.tanh(jnp.stack([jnp.float32(0.3), b]) @ w) ** 2)  # noqa: E731
+    y, ds = taylor.series(f, jnp.float32(0.5), jnp.float32(1.0), 4)
+    assert _count(jax.make_jaxpr(lambda b: taylor.series(f, b, jnp.float32(1.0), 4))(0.5).jaxpr, "dot_general") == 2
+    want = f
+    for k, d in enumerate(ds):
+        want = jax.grad(want)
+        np.testing.assert_allclose(d, want(jnp.float32(0.5)), rtol=2e-5, atol=1e-5)
+
+
+def test_nested_grad_of_a_stacked_point_multiplies_the_first_layer_as_the_engine_does():
+    """Four nested ``jaxamp.grad`` along one scalar of a point the network stacks: jaxamp's marks
+    (the variable's, the scales') pass zero coefficients as zero, so the first layer takes the
+    value and order 1 only, and the value equals JAX's own."""
+    w = jax.random.normal(jax.random.PRNGKey(4), (2, 8))
+    u = lambda w, a, b: jnp.sum(jnp.tanh(jnp.stack([a, b]) @ w))  # noqa: E731
+    top = jaxamp.grad(jaxamp.grad(jaxamp.grad(jaxamp.grad(u, 2), 2), 2), 2)
+    scaled, scales = jaxamp.scaled(top, jaxamp.AmpConfig()), {k: jnp.float32(1.0) for k in "1234"}
+    jaxpr = jax.make_jaxpr(lambda w: scaled(scales, w, 0.3, 0.5))(w).jaxpr
+    first_layer = [e for e in _all_eqns(jaxpr) if e.primitive.name == "dot_general" and e.invars[1].aval.shape == (2, 8)]
+    assert len(first_layer) == 2
+    want = jax.grad(jax.grad(jax.grad(jax.grad(u, 2), 2), 2), 2)(w, 0.3, 0.5)
+    np.testing.assert_allclose(scaled(scales, w, 0.3, 0.5)[0], want, rtol=1e-4)
+
+
+def _all_eqns(jaxpr):
+    for e in jaxpr.eqns:
+        yield e
+        for s in jax.extend.core.jaxprs_in_params(e.params):
+            yield from _all_eqns(s)

@@ -221,7 +221,7 @@ def format_profile(prof: Profile, *, legend: bool = True) -> str:
       >>> print(format_profile(prof))  # doctest: +ELLIPSIS
       quantity                     log2 max     p1    p50    p99  <normal   >max    up  down
       key 1                            14.8   -0.9    0.0   14.8    0.000  0.000   1.2  13.1
-      key 2                            14.8   -1.1   -0.3   14.7    0.000  0.000   1.2  12.9
+      key 2                            14.8   -1.1   -0.1   14.7    0.000  0.000   1.2  12.9
       derivative 1                     14.8   14.1   14.5   14.8    0.000  0.000   1.2  28.1
       ...
     """

@@ -63,6 +63,8 @@ def _rule(eqn: jcore.JaxprEqn, invals: List[CJet], ratio: Optional[Ratio]) -> Li
         return [CJet(o) for o in outs]
     ones = [i for i, v in enumerate(invals) if v.first is not None]
     twos = [i for i, v in enumerate(invals) if v.second is not None]
+    if (ones or twos) and _degree(eqn, ones or twos) == 0:  # its outputs do not vary with x
+        return [CJet(o) for o in outs]
     first = second = None
     slopes = None  # g'(z) of an elementwise function of one operand: every direction's tangent is g'(z) * t_i
     if ones:

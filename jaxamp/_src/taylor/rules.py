@@ -14,14 +14,18 @@ from jax.extend import core as jcore
 
 from jaxamp._src.core import interpreter
 
-__all__ = ["LINEAR", "BILINEAR", "INLINED_CALLS", "degree", "body"]
+__all__ = ["LINEAR", "BILINEAR", "CONSTANT", "INLINED_CALLS", "degree", "body"]
 
 # Linear in their x-dependent operands (the others held fixed).
 LINEAR = frozenset(
     "add add_any sub neg convert_element_type reshape broadcast_in_dim squeeze expand_dims transpose "
     "slice concatenate reduce_sum copy real imag conj pad rev select_n dynamic_slice "
-    "dynamic_update_slice gather".split()
+    "dynamic_update_slice gather stack unstack split cumsum scatter_add "
+    "jaxamp_deriv_check jaxamp_policy".split()  # the last two: jaxamp's marks, identities on values
 )
+# Whose outputs do not vary with their operands' values: a scaler key's scale (jaxamp's mark
+# ``jaxamp_deriv_scale`` takes its operand for its shape only). Degree 0: no coefficients.
+CONSTANT = frozenset(("jaxamp_deriv_scale",))
 # Linear in each operand: linear when one operand depends on x, degree 2 when two do.
 BILINEAR = frozenset(("mul", "dot_general", "jaxamp_scaled_dot"))  # the last: jaxamp.tensor_scale
 # Call-like primitives whose body is interpreted equation by equation. Rematerialised bodies
@@ -36,9 +40,11 @@ def degree(name: str, n_dependent: int) -> Optional[int]:
 
     Example:
       >>> from jaxamp._src.taylor.rules import degree
-      >>> degree("mul", 1), degree("mul", 2), degree("tanh", 1)
-      (1, 2, None)
+      >>> degree("mul", 1), degree("mul", 2), degree("tanh", 1), degree("jaxamp_deriv_scale", 1)
+      (1, 2, None, 0)
     """
+    if name in CONSTANT:
+        return 0
     if name in LINEAR or (name in BILINEAR and n_dependent == 1):
         return 1
     return 2 if name in BILINEAR else None

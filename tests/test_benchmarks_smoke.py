@@ -183,9 +183,9 @@ def test_merge_cost_times_both_programs_and_profiles_them(tmp_path):
 
 
 def test_matrix_times_the_autocast_placement_where_tensor_scales_act():
-    """The `autocast` placement (a float32 network placed by jaxamp.autocast): its per-tensor
-    scaling case compiles to more FLOPs than plain fp16 (one amax per float32 operand), while in
-    FullyConnected's float16 placement only the weights take a scale."""
+    """The `autocast` placement (a float32 network placed by jaxamp.autocast) beside
+    FullyConnected's float16 one: in both the per-tensor case compiles to more FLOPs than plain
+    fp16 (the float32 weights take scales; float16 activations and their cotangents none)."""
     from benchmarks import matrix
 
     res = matrix.main(["--quick", "--problems", "poisson1d", "--placements", "all_fp16", "autocast",
@@ -193,7 +193,7 @@ def test_matrix_times_the_autocast_placement_where_tensor_scales_act():
     cases = res["problems"]["poisson1d"]["cases"]
     assert set(cases) == {f"{p}/{m}" for p in ("all_fp16", "autocast") for m in ("plain", "tensor")}
     extra = {p: cases[f"{p}/tensor"]["flops"] / cases[f"{p}/plain"]["flops"] for p in ("all_fp16", "autocast")}
-    assert extra["autocast"] > extra["all_fp16"] >= 1.0
+    assert extra["autocast"] > 1.0 and extra["all_fp16"] > 1.0
     for case in cases.values():
         assert case["step_s"]["median"] > 0
 

@@ -286,3 +286,28 @@ def test_a_float16_activation_enters_the_next_matmul_as_float16_only_when_it_is_
     h16 = jnp.tanh((x @ p["w2"] + p["b2"]).astype(jnp.float16))
     np.testing.assert_array_equal(np.asarray(scaled_dot(h16, p["w3"], MM)),
                                   np.asarray(scaled_dot(h16.astype(jnp.float32), p["w3"], MM)))
+
+
+def test_the_gradient_program_multiplies_widened_float16_cotangents_as_float16_with_the_same_bits():
+    """autocast with float16 activations: each activation's cotangent reaches its matmul's
+    transpose as float16 widened to float32. jaxamp.value_and_grad multiplies it as float16 (held
+    in its format: scale 1, no amax), and the gradients are those of the widened operand, bit
+    for bit (its scale would not have moved it out of float16's normal range)."""
+    from jaxamp._src.placement.held import held_operands
+
+    amp = jaxamp.AmpConfig(tensor_scaling=True, autocast_activation=True, autocast_firstlayer=True)
+    p, x = params(), jax.random.normal(jax.random.PRNGKey(9), (6, 16))
+    net = jaxamp.autocast(lambda p, x: layer_pair(p, x)[0].sum(), amp)
+    grad = jax.grad(net)
+
+    def cotangent_operands(fn):
+        return [d[0] for role, d in _scaled_dot_operands(jax.make_jaxpr(fn)(p, x).jaxpr) if role == "cotangent"]
+
+    assert jnp.float32 in cotangent_operands(grad)  # as JAX's transpose hands them over
+    assert cotangent_operands(held_operands(grad)).count(jnp.float16) > cotangent_operands(grad).count(jnp.float16)
+    for a, b in zip(jax.tree_util.tree_leaves(held_operands(grad)(p, x)), jax.tree_util.tree_leaves(grad(p, x))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    state = jaxamp.init(net, amp)(p, x)
+    jaxpr = jax.make_jaxpr(lambda p: jaxamp.value_and_grad(net)(state, p, x))(p).jaxpr
+    held = [d[0] for role, d in _scaled_dot_operands(jaxpr) if role == "cotangent"]
+    assert held.count(jnp.float16) == cotangent_operands(held_operands(grad)).count(jnp.float16)

@@ -126,7 +126,8 @@ def value_and_grad(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] =
             loss, aux = _loss_of(out, has_aux, fun)
             return loss, (aux, found, room)
 
-        grads, (loss, (aux, found, room)) = filter_grad(loss_scaled_grad, loss_of, argnums, loss_scale)(*args)
+        held = amp_state.amp.tensor_scaling  # float16 cotangents widened: multiplied as float16 (no amax)
+        grads, (loss, (aux, found, room)) = filter_grad(loss_scaled_grad, loss_of, argnums, loss_scale, held)(*args)
         flagged = jnp.stack([flag_set(v) for v in found.values()]).any() if found else jnp.asarray(False)
         # zeroed when a flag is set: a global norm downstream stays finite and cannot poison clean flags
         grads = jax.tree_util.tree_map(lambda g: jnp.where(flagged, jnp.zeros_like(g), g), grads)
@@ -261,9 +262,7 @@ def optimizer(inner: optax.GradientTransformation, *, amp_state: Optional[AmpSta
     check_flags("jaxamp.optimizer", skip_when_off=skip_when_off)
     if on_stall not in ON_STALL:
         raise ValueError(f"jaxamp.optimizer: `on_stall`={on_stall!r} is not allowed: expected one of {ON_STALL}.")
-    inner = optax.with_extra_args_support(inner)
-
-    first = amp_state
+    inner, first = optax.with_extra_args_support(inner), amp_state
 
     def init_fn(params: Any, amp_state: Optional[AmpState] = None) -> AmpOptState:
         amp_state = first if amp_state is None else amp_state

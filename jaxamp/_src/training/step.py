@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import jmp
 
 from jaxamp._src.core.marks import NONFINITE_VALUES
+from jaxamp._src.placement.held import held_operands
 from jaxamp._src.training.flags import all_finite, flag_set
 from jaxamp._src.scaling.scaler import DynamicScaler, Scalers, ScaleState
 
@@ -101,8 +102,8 @@ jax.tree_util.register_pytree_with_keys(
 )
 
 
-def loss_scaled_grad(fun: Callable[..., Tuple[jax.Array, Any]], argnums: Any,
-                     loss_scale: Optional[jax.Array]) -> Callable[..., Tuple[Any, Tuple[jax.Array, Any]]]:  # fmt: skip
+def loss_scaled_grad(fun: Callable[..., Tuple[jax.Array, Any]], argnums: Any, loss_scale: Optional[jax.Array],
+                     held: bool = False) -> Callable[..., Tuple[Any, Tuple[jax.Array, Any]]]:  # fmt: skip
     """The gradients of ``fun``'s loss times ``loss_scale`` (float32), divided by it, as in
     :func:`jaxamp.value_and_grad`: float16 weight gradients that would underflow survive.
 
@@ -110,6 +111,8 @@ def loss_scaled_grad(fun: Callable[..., Tuple[jax.Array, Any]], argnums: Any,
       fun: ``fun(*args) -> (loss, aux)``.
       argnums: as ``jax.grad``.
       loss_scale: ``f32[]``, or None (loss scaling off: nothing multiplies).
+      held: per-tensor scaled products take widened operands as they are held
+        (:func:`jaxamp._src.placement.held.held_operands`: the cotangents of float16 activations).
 
     Returns:
       ``g(*args) -> (grads, (loss, aux))``, ``loss`` unscaled.
@@ -128,7 +131,7 @@ def loss_scaled_grad(fun: Callable[..., Tuple[jax.Array, Any]], argnums: Any,
         inv = jnp.float32(1.0) / s
         return jax.tree_util.tree_map(lambda x: x * inv.astype(x.dtype), grads), out
 
-    return g
+    return held_operands(g) if held else g
 
 
 class StepCheck(NamedTuple):

@@ -311,3 +311,25 @@ def test_the_gradient_program_multiplies_widened_float16_cotangents_as_float16_w
     jaxpr = jax.make_jaxpr(lambda p: jaxamp.value_and_grad(net)(state, p, x))(p).jaxpr
     held = [d[0] for role, d in _scaled_dot_operands(jaxpr) if role == "cotangent"]
     assert held.count(jnp.float16) == cotangent_operands(held_operands(grad)).count(jnp.float16)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_the_scale_is_exact_at_powers_of_two_and_one_ulp_either_side(dtype):
+    """ceil(log2 max|x|) exactly (from the bits, not a float32 log2): the largest scaled entry
+    lands in (2**(emax - 2), 2**(emax - 1)] for amax a power of two, one float32 ulp above or
+    below it, at float32's smallest normal or near its largest (XLA on CPU flushes float32
+    subnormals to zero, so they are not asked)."""
+    import math
+
+    emax = math.floor(math.log2(float(jnp.finfo(dtype).max)))
+    values = []
+    for k in (-126, -30, -1, 0, 1, 7, 15, 40, 127):
+        p = np.float32(2.0) ** np.float32(k)
+        values += [p, np.nextafter(p, np.float32(np.inf)), np.nextafter(p, np.float32(0))]
+    for v in values:
+        v = np.float32(v)
+        if not np.isfinite(v) or v < np.finfo(np.float32).tiny:
+            continue
+        want = min(max(emax - 1 - math.ceil(math.log2(float(v))), -126), 126)
+        got = float(scale_for(jnp.array([v, -v / 2], jnp.float32), dtype))
+        assert got == 2.0**want, (v, got, want)

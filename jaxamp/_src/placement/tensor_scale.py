@@ -54,9 +54,12 @@ def scale_for(x: jax.Array, dtype: Any) -> jax.Array:
     """
     amax = _amax(x) if jnp.size(x) else jnp.float32(0.0)
     emax = int(np.floor(np.log2(float(jnp.finfo(dtype).max))))
-    e = jnp.clip(emax - MARGIN_LOG2 - jnp.ceil(jnp.log2(amax)), -126, 126)
-    ok = jnp.isfinite(amax) & (amax > 0)
-    return jnp.ldexp(jnp.float32(1.0), jnp.where(ok, e, 0.0).astype(jnp.int32))  # exactly 2**e
+    # ceil(log2 amax) exactly, from amax's bits (>= 0): its exponent, plus 1 unless a power of two
+    bits = lax.bitcast_convert_type(amax, jnp.int32)
+    ceil_log2 = (bits >> 23) - 127 + ((bits & 0x7FFFFF) != 0).astype(jnp.int32)
+    e = jnp.clip(emax - MARGIN_LOG2 - ceil_log2, -126, 126)
+    ok = (bits > 0) & (bits < 0x7F800000)  # neither zero nor inf nor NaN
+    return lax.bitcast_convert_type((jnp.where(ok, e, 0) + 127) << 23, jnp.float32)  # exactly 2**e
 
 
 def _amax(x: jax.Array) -> jax.Array:

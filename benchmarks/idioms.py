@@ -38,7 +38,7 @@ from benchmarks import dropin_speed as ds
 from benchmarks.timing import cost_of, device_info, interleaved, paired_ratio, stats, timer
 
 IDIOMS = ("nested", "tuple", "jacfwd", "jacrev", "has_aux")
-PROBLEMS = ("burgers_k1", "burgers_k2", "burgers_k4", "poisson2d", "ns2d")
+PROBLEMS = ("burgers_k1", "burgers_k2", "burgers_k3", "burgers_k4", "poisson2d", "ns2d")
 
 
 def _vector(name: str, idiom: str, comps, lib: Any = jaxamp) -> Callable:

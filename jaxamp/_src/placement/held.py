@@ -24,13 +24,9 @@ from jax.extend import core as jcore
 from jaxamp._src.core.interpreter import bind, eval_jaxpr, sub_jaxpr, trace
 from jaxamp._src.placement.tensor_scale import scaled_dot_p
 from jaxamp._src.scaling.config_values import ROLES
+from jaxamp._src.taylor.rules import INLINED_CALLS
 
 __all__ = ["held_operands"]
-
-# Call-like equations entered (their bodies rewritten in place); a rematerialised body is left as
-# written, so its rematerialisation still applies.
-_ENTERED = frozenset(("pjit", "jit", "closed_call", "core_call"))
-
 
 class _Held(NamedTuple):
     x: Any  # the value as the program has it
@@ -39,7 +35,7 @@ class _Held(NamedTuple):
 
 def _rule(eqn: jcore.JaxprEqn, invals: List[_Held]) -> List[_Held]:
     name = eqn.primitive.name
-    if name in _ENTERED:
+    if name in INLINED_CALLS:  # entered; a rematerialised body is left as written
         body = sub_jaxpr(eqn)
         if body is not None:
             return eval_jaxpr(body.jaxpr, [_Held(c) for c in body.consts], invals, _rule, literal=_Held)

@@ -107,7 +107,10 @@ def _quadratic(eqn, f1: Callable, p1: Tuple[Any, ...], firsts: List[jax.Array], 
 
     if _pointwise(eqn, p1, outs):
         squares = jnp.sum(pre(firsts[0], heads[0]) * pre(firsts[0], heads[1]), axis=0)
-        q = multilinear(f1, p1, [(jnp.ones_like(p1[0]),), (squares,)])
+        # g''(z) at unit tangents, times the squares once: the squares enter one product (and
+        # their cotangent one product), not every operation of g's rule
+        one = jnp.ones_like(p1[0])
+        q = [c * squares for c in multilinear(f1, p1, [(one,), (one,)])]
     else:  # a nested jvp per direction, the directions batched
         per = jax.vmap(lambda *ts: multilinear(f1, p1, [tuple(pre(t, h) for t in ts) for h in heads]))(*firsts)
         q = [jnp.sum(p, axis=0) for p in per]

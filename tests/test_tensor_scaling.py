@@ -38,6 +38,15 @@ def test_scales_are_powers_of_two_that_fill_the_window_and_one_for_zero_or_nonfi
         assert float(scale_for(jnp.array([v, 0.0]), jnp.float16)) == 1.0
 
 
+def test_the_unscale_holds_scales_whose_product_leaves_float32():
+    # each operand 2**-50 takes the scale 2**64; together 2**128 is past float32's largest power
+    # of two, while the product 3 * 2**-100 is a normal float32 number
+    a, b = jnp.full((2, 3), 2.0**-50), jnp.full((3, 2), 2.0**-50)
+    for fmt in ("float16", "float8_e4m3fn", "float8_e5m2"):
+        out = jax.jit(lambda a, b: scaled_dot(a, b, MM, (fmt,) * 3))(a, b)
+        np.testing.assert_array_equal(out, np.full((2, 2), 3 * 2.0**-100, np.float32))
+
+
 def test_normal_operands_give_the_float16_product_bit_for_bit_at_any_binary_scale():
     a, b = operands()
     ref = plain16(a, b)

@@ -30,4 +30,7 @@ def scaled_matmul(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype = torch.f
     sa, sb = (torch.tensor(1.0) if x.dtype == dtype else scale_for(x, dtype) for x in (a, b))
     low_a = (a.float() * sa).to(dtype).float()
     low_b = (b.float() * sb).to(dtype).float()
-    return (low_a @ low_b) * (1.0 / (sa * sb))
+    # unscaled by 2**-(ea + eb) in two halves: the whole may lie outside float32's exponent range
+    e = round(math.log2(float(sa))) + round(math.log2(float(sb)))
+    half = e // 2
+    return (low_a @ low_b) * 2.0**-half * 2.0 ** (half - e)

@@ -36,3 +36,15 @@ def test_zero_and_nonfinite_operands_keep_scale_one():
     for v in (0.0, float("inf"), float("nan")):
         x = np.full((3,), v, np.float32)
         assert float(scale_for(jnp.asarray(x), jnp.float16)) == float(ref.scale_for(torch.from_numpy(x), torch.float16)) == 1.0
+
+
+@pytest.mark.parametrize("jdtype,tdtype", FORMATS)
+def test_products_of_two_small_operands_agree_where_the_scales_together_leave_float32(jdtype, tdtype):
+    # both scales near 2**64: their product passes float32's largest power of two, the result does not
+    rng = np.random.default_rng(1)
+    a = (rng.standard_normal((4, 5)) * 2.0**-50).astype(np.float32)
+    b = (rng.standard_normal((5, 2)) * 2.0**-50).astype(np.float32)
+    ours = np.asarray(scaled_dot(jnp.asarray(a), jnp.asarray(b), (((1,), (0,)), ((), ())), (jdtype,) * 3))
+    theirs = ref.scaled_matmul(torch.from_numpy(a), torch.from_numpy(b), tdtype).numpy()
+    bound = 2 * a.shape[1] * np.finfo(np.float32).eps * (np.abs(a) @ np.abs(b))
+    assert np.all(ours != 0) and np.all(np.abs(ours - theirs) <= bound)

@@ -52,6 +52,11 @@ def scale_for(x: jax.Array, dtype: Any) -> jax.Array:
       >>> float(scale_for(jnp.array([3e-6, -1e-6]), jnp.float16)) == 2.0**32  # 3e-6 * 2**32 is about 2**13.6
       True
     """
+    return _pow2(_exponent(x, dtype))
+
+
+def _exponent(x: jax.Array, dtype: Any) -> jax.Array:
+    """``log2`` of :func:`scale_for` (int32 scalar, in [-126, 126])."""
     amax = _amax(x) if jnp.size(x) else jnp.float32(0.0)
     emax = int(np.floor(np.log2(float(jnp.finfo(dtype).max))))
     # ceil(log2 amax) exactly, from amax's bits (>= 0): its exponent, plus 1 unless a power of two
@@ -59,7 +64,13 @@ def scale_for(x: jax.Array, dtype: Any) -> jax.Array:
     ceil_log2 = (bits >> 23) - 127 + ((bits & 0x7FFFFF) != 0).astype(jnp.int32)
     e = jnp.clip(emax - MARGIN_LOG2 - ceil_log2, -126, 126)
     ok = (bits > 0) & (bits < 0x7F800000)  # neither zero nor inf nor NaN
-    return lax.bitcast_convert_type((jnp.where(ok, e, 0) + 127) << 23, jnp.float32)  # exactly 2**e
+    return jnp.where(ok, e, 0)
+
+
+def _pow2(e: jax.Array) -> jax.Array:
+    """``2.0**e`` (float32, exactly) for an int32 ``e`` in [-126, 127], from the bits: no
+    division or transcendental, so XLA may fuse it into every consumer."""
+    return lax.bitcast_convert_type((e + 127) << 23, jnp.float32)
 
 
 def _amax(x: jax.Array) -> jax.Array:
@@ -72,24 +83,28 @@ def _amax(x: jax.Array) -> jax.Array:
     return jnp.max(jnp.abs(x)).astype(jnp.float32)
 
 
-def _scale(x: jax.Array, dtype: Any, scaling: bool) -> jax.Array:
-    """The operand's scale: :func:`scale_for`, or 1 when scaling is off or ``x`` is already held in
-    ``dtype`` (every product of two such operands is exact in the float32 accumulator, so a
+def _exponent_or_0(x: jax.Array, dtype: Any, scaling: bool) -> jax.Array:
+    """The operand's scale exponent: :func:`_exponent`, or 0 when scaling is off or ``x`` is already
+    held in ``dtype`` (every product of two such operands is exact in the float32 accumulator, so a
     scale could only lose bits, pushing small entries below the normal range)."""
-    return scale_for(x, dtype) if scaling and jnp.dtype(x.dtype) != dtype else jnp.float32(1.0)
+    return _exponent(x, dtype) if scaling and jnp.dtype(x.dtype) != dtype else jnp.int32(0)
 
 
 def _held(a, b, *, formats, scaling, role, **_):
-    """``(format, [(scale, operand * scale)])``: the operands as their role's format holds them."""
+    """``(format, [(exponent, operand * 2**exponent)])``: the operands as their role's format holds them."""
     dtype = jnp.dtype(formats[ROLES.index(role)])
-    scales = [_scale(x, dtype, scaling) for x in (a, b)]
-    return dtype, [(s, x.astype(jnp.float32) * s) for s, x in zip(scales, (a, b))]
+    exps = [_exponent_or_0(x, dtype, scaling) for x in (a, b)]
+    return dtype, [(e, x.astype(jnp.float32) * _pow2(e)) for e, x in zip(exps, (a, b))]
 
 
 def _impl(a, b, *, dimension_numbers, formats, scaling, role, out_dtype):
-    dtype, ((sa, a), (sb, b)) = _held(a, b, formats=formats, scaling=scaling, role=role)
+    dtype, ((ea, a), (eb, b)) = _held(a, b, formats=formats, scaling=scaling, role=role)
     out = lax.dot_general(a.astype(dtype), b.astype(dtype), dimension_numbers, preferred_element_type=jnp.float32)
-    return (out * (1.0 / (sa * sb))).astype(out_dtype)
+    # unscaled by 2**-(ea + eb) as two exact halves (the whole may leave float32's exponent range);
+    # the partial product lies between ``out`` and the result, so it rounds only where they do
+    e = ea + eb
+    half = e // 2
+    return (out * _pow2(-half) * _pow2(half - e)).astype(out_dtype)
 
 
 def _profiled(a, b, **params):

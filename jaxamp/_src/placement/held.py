@@ -2,20 +2,26 @@
 
 A matmul operand already held in its format keeps scale 1 (:mod:`jaxamp._src.placement.tensor_scale`:
 its products are exact in the float32 accumulator, so a scale could only lose bits, and it
-costs no amax). After differentiation such operands often reach ``scaled_dot_p`` widened: the
-cotangent of a float16 activation arrives as ``convert(c16 -> float32)``, the transpose of the
-cast that lowered the activation. The transpose rule sees an array, not where it came from;
-:func:`held_operands` reads the traced program instead and hands each ``scaled_dot_p`` the
-narrow value wherever its operand is the role's format widened. The product bits are those the
-widened operand gives at any scale that keeps it in the format's normal range.
+costs no amax). In a program such operands reach ``scaled_dot_p`` widened: ``jaxamp.autocast``
+casts a float16 activation back to its float32 dtype before the next matmul reads it, and after
+differentiation the cotangent of a float16 activation arrives as ``convert(c16 -> float32)``,
+the transpose of that cast. The primitive sees an array, not where it came from; this pass reads
+the traced program and hands each ``scaled_dot_p`` the narrow value wherever its operand is the
+role's format widened. The product bits are those the widened operand gives at any scale that
+keeps it in the format's normal range.
 
-``jaxamp.value_and_grad`` (and so ``make_train_step``) runs it over the gradient program when
-per-tensor scaling is on; anywhere else the operand takes its amax, with the same product.
+One pass, two callers: ``jaxamp.autocast`` evaluates its placed program through it with
+``sole_readers=True`` (the program may be differentiated later: only a widened value that the
+product alone reads is replaced, so the product's cotangent is rounded to the format once, as
+the cast's transpose would, and never summed in it with another reader's), and
+``jaxamp.value_and_grad`` runs it over the gradient program (nothing differentiates it again:
+every reader is replaced) when per-tensor scaling is on.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, NamedTuple, Optional
+import collections
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -26,28 +32,61 @@ from jaxamp._src.placement.tensor_scale import scaled_dot_p
 from jaxamp._src.scaling.config_values import ROLES
 from jaxamp._src.taylor.rules import INLINED_CALLS
 
-__all__ = ["held_operands"]
+__all__ = ["evaluate_held", "held_operands"]
 
 class _Held(NamedTuple):
     x: Any  # the value as the program has it
     narrow: Optional[Any] = None  # the same value in the narrower float it was widened from
 
 
-def _rule(eqn: jcore.JaxprEqn, invals: List[_Held]) -> List[_Held]:
-    name = eqn.primitive.name
-    if name in INLINED_CALLS:  # entered; a rematerialised body is left as written
-        body = sub_jaxpr(eqn)
-        if body is not None:
-            return eval_jaxpr(body.jaxpr, [_Held(c) for c in body.consts], invals, _rule, literal=_Held)
-    xs = [v.x for v in invals]
-    if name == "jaxamp_scaled_dot":
-        fmt = jnp.dtype(eqn.params["formats"][ROLES.index(eqn.params["role"])])
-        xs = [v.narrow if v.narrow is not None and v.narrow.dtype == fmt else v.x for v in invals]
-        return [_Held(scaled_dot_p.bind(*xs, **eqn.params))]
-    outs = bind(eqn, xs)
-    if name == "convert_element_type" and _widens(jnp.result_type(xs[0]), outs[0].dtype):
-        return [_Held(outs[0], xs[0])]
-    return [_Held(o) for o in outs]
+def _rule(sole_readers: bool) -> Callable:
+    def rule(eqn: jcore.JaxprEqn, invals: List[_Held], uses: Dict[Any, int]) -> List[_Held]:
+        name = eqn.primitive.name
+        if name in INLINED_CALLS:  # entered; a rematerialised body is left as written
+            body = sub_jaxpr(eqn)
+            if body is not None:  # readers are counted per jaxpr: a value read outside too enters plain
+                if sole_readers:
+                    invals = [v if uses.get(var) == 1 else _Held(v.x) for v, var in zip(invals, eqn.invars)]
+                return _evaluate(body.jaxpr, [_Held(c) for c in body.consts], invals, sole_readers)
+        xs = [v.x for v in invals]
+        if name == "jaxamp_scaled_dot":
+            fmt = jnp.dtype(eqn.params["formats"][ROLES.index(eqn.params["role"])])
+            xs = [v.narrow if v.narrow is not None and v.narrow.dtype == fmt and (not sole_readers or uses.get(var) == 1)
+                  else v.x for v, var in zip(invals, eqn.invars)]  # fmt: skip
+            return [_Held(scaled_dot_p.bind(*xs, **eqn.params))]
+        outs = bind(eqn, xs)
+        if name == "convert_element_type" and _widens(jnp.result_type(xs[0]), outs[0].dtype):
+            return [_Held(outs[0], xs[0])]
+        return [_Held(o) for o in outs]
+
+    return rule
+
+
+def _evaluate(jaxpr: jcore.Jaxpr, consts: List[_Held], args: List[_Held], sole_readers: bool) -> List[_Held]:
+    """``jaxpr`` through the rule; readers are counted within ``jaxpr`` (an output counts as one)."""
+    uses = collections.Counter(v for e in jaxpr.eqns for v in e.invars if isinstance(v, jcore.Var))
+    uses.update(v for v in jaxpr.outvars if isinstance(v, jcore.Var))
+    rule = _rule(sole_readers)
+    outs = eval_jaxpr(jaxpr, consts, args, lambda eqn, invals: rule(eqn, invals, uses), literal=_Held)
+    if not sole_readers:
+        return outs
+    # an output read inside too leaves plain: its readers outside cannot see those inside
+    return [o if isinstance(v, jcore.Var) and uses[v] == 1 else _Held(o.x) for o, v in zip(outs, jaxpr.outvars)]
+
+
+def evaluate_held(closed: jcore.ClosedJaxpr, args: Sequence[Any], *, sole_readers: bool) -> List[Any]:
+    """The values of ``closed`` on ``args``, each ``scaled_dot_p`` given the narrow form of an
+    operand that is its role's format widened (with ``sole_readers``: only where it alone reads it).
+
+    Args:
+      closed: a closed jaxpr. args: its arguments.
+      sole_readers: True where the result may be differentiated later.
+
+    Returns:
+      The output values, as ``eval_jaxpr`` with ``bind`` gives them.
+    """
+    outs = _evaluate(closed.jaxpr, [_Held(c) for c in closed.consts], [_Held(a) for a in args], sole_readers)
+    return [o.x for o in outs]
 
 
 def _widens(source: Any, target: Any) -> bool:
@@ -76,8 +115,6 @@ def held_operands(fun: Callable[..., Any]) -> Callable[..., Any]:
 
     def run(*args: Any, **kwargs: Any) -> Any:
         closed, flat, out_tree = trace(fun, args, kwargs)
-        outs = eval_jaxpr(closed.jaxpr, [_Held(c) for c in closed.consts], [_Held(a) for a in flat], _rule,
-                          literal=_Held)  # fmt: skip
-        return jax.tree_util.tree_unflatten(out_tree, [o.x for o in outs])
+        return jax.tree_util.tree_unflatten(out_tree, evaluate_held(closed, flat, sole_readers=False))
 
     return run

@@ -28,6 +28,7 @@ from jax.extend import core as jcore
 from jaxamp._src.core import policy
 from jaxamp._src.scaling.config import AmpConfig, ConfigError
 from jaxamp._src.placement.rules import ACTIVATION_PRIMITIVES, COMPUTE_PRIMITIVES, Placement, Val
+from jaxamp._src.placement.held import evaluate_held
 from jaxamp._src.core.interpreter import bind, eval_jaxpr
 from jaxamp._src.core.modules import is_module
 
@@ -195,7 +196,11 @@ def autocast(fn: Callable, amp: Optional[AmpConfig] = _ACTIVE, *,
             if key is not None and not any(isinstance(c, jax.core.Tracer) for c in entry[0].consts):
                 cache[key] = entry  # a closure over an outer tracer is traced again next call
         closed, out_tree = entry
-        outs = jax.tree_util.tree_unflatten(out_tree, eval_jaxpr(closed.jaxpr, closed.consts, arrays, bind))
+        if config.matmul_formats:  # scaled products read the float16 results they follow as float16
+            flat = evaluate_held(closed, arrays, sole_readers=True)
+        else:
+            flat = eval_jaxpr(closed.jaxpr, closed.consts, arrays, bind)
+        outs = jax.tree_util.tree_unflatten(out_tree, flat)
         return policy.mark(outs, policy.Policy.of(config, name))  # the program carries its policy
 
     return wrapped

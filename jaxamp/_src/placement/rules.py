@@ -34,7 +34,6 @@ class Val(NamedTuple):
     params: bool = False  # depends on a parameter argument
     deep: bool = False  # downstream of a layer fed by the inputs: later layers are not the first
     low: bool = False  # downstream of an operation that ran in the compute dtype
-    narrow: Any = None  # ``x`` exactly, in the compute dtype it was computed in (else None)
 
 
 _FLAGS = ("inputs", "params", "deep", "low")
@@ -57,13 +56,6 @@ def primitive_counts(jaxpr: jcore.Jaxpr) -> collections.Counter:
     return found
 
 
-def _use_counts(jaxpr: jcore.Jaxpr) -> Dict[jcore.Var, int]:
-    """How many equations (and outputs) of ``jaxpr`` read each of its variables."""
-    found = collections.Counter(v for e in jaxpr.eqns for v in e.invars if isinstance(v, jcore.Var))
-    found.update(v for v in jaxpr.outvars if isinstance(v, jcore.Var))
-    return found
-
-
 class Placement:
     """The rule for ``amp``; ``counts`` records the matmul/convolution decisions (for errors)."""
 
@@ -74,16 +66,10 @@ class Placement:
         # per-tensor scales and/or FP8 operands for matmuls (jaxamp.tensor_scale); None: plain casts
         self.formats, self.tensor_scaling = amp.matmul_formats, amp.tensor_scaling
         self.counts: Dict[str, int] = collections.Counter()
-        self.uses: Dict[jcore.Var, int] = {}  # readers of each variable of the jaxprs evaluated
 
     def _evaluate(self, jaxpr: jcore.Jaxpr, consts: List[Val], invals: List[Val]) -> List[Val]:
-        """``jaxpr`` through this rule; an output keeps its narrow form only where nothing else
-        in ``jaxpr`` reads it (its readers outside then decide)."""
-        uses = _use_counts(jaxpr)
-        self.uses.update(uses)
-        outs = eval_jaxpr(jaxpr, consts, invals, self, literal=Val)
-        return [o if isinstance(v, jcore.Var) and uses[v] == 1 else o._replace(narrow=None)
-                for o, v in zip(outs, jaxpr.outvars)]
+        """``jaxpr`` through this rule."""
+        return eval_jaxpr(jaxpr, consts, invals, self, literal=Val)
 
     def __call__(self, eqn: jcore.JaxprEqn, invals: List[Val]) -> List[Val]:
         name = eqn.primitive.name
@@ -121,21 +107,18 @@ class Placement:
 
     def _lowered(self, eqn: jcore.JaxprEqn, invals: List[Val], flags: Val) -> List[Val]:
         """``eqn`` in the compute dtype: floating operands cast at use, results cast back (a
-        matmul with per-tensor scaling: :func:`jaxamp.tensor_scale.scaled_dot`, given the
-        narrow form of an operand that only it reads: held in its format, it takes no scale, and
-        its cotangent is rounded to that format once, as the cast back would)."""
+        matmul with per-tensor scaling: :func:`jaxamp.tensor_scale.scaled_dot`; an operand that
+        is a result cast back is handed over narrow when the program runs,
+        :func:`jaxamp._src.placement.held.evaluate_held`)."""
         xs = [v.x for v in invals]
         if self.formats and eqn.primitive.name == "dot_general" and all(_floating(jnp.result_type(x)) for x in xs):
-            xs = [v.narrow if v.narrow is not None and self.uses.get(var) == 1 else v.x
-                  for v, var in zip(invals, eqn.invars)]
             out = scaled_dot(*xs, eqn.params["dimension_numbers"], self.formats, scaling=self.tensor_scaling)
             return [flags._replace(x=jax.lax.convert_element_type(out, eqn.outvars[0].aval.dtype))]
         xs = [jax.lax.convert_element_type(x, self.dtype) if _floating(jnp.result_type(x)) else x for x in xs]
         if eqn.params.get("preferred_element_type") is not None:
             eqn = eqn.replace(params={**eqn.params, "preferred_element_type": self.dtype})
         outs = bind(eqn, xs)
-        return [flags._replace(x=jax.lax.convert_element_type(o, v.aval.dtype), narrow=o if o.dtype == self.dtype else None)
-                for o, v in zip(outs, eqn.outvars)]
+        return [flags._replace(x=jax.lax.convert_element_type(o, v.aval.dtype)) for o, v in zip(outs, eqn.outvars)]
 
     def _count_as_written(self, eqn: jcore.JaxprEqn) -> None:
         """Count the matmuls inside a body left as written."""
@@ -162,7 +145,7 @@ class Placement:
         def run(*xs):
             vals = [f._replace(x=x) for f, x in zip(flags, xs)]
             outs = self._evaluate(closed.jaxpr, [const._replace(x=c) for c in closed.consts], vals)
-            out_flags[:] = [o._replace(x=None, narrow=None) for o in outs]
+            out_flags[:] = [o._replace(x=None) for o in outs]
             return [o.x for o in outs]
 
         specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
@@ -184,7 +167,7 @@ class Placement:
     def _rewrite_bodies(self, eqn: jcore.JaxprEqn, invals: List[Val]) -> Optional[List[Val]]:
         """Checkpoint/cond/scan/while with their bodies rewritten; None to bind as written."""
         params, name = eqn.params, eqn.primitive.name
-        flags = [v._replace(x=None, narrow=None) for v in invals]
+        flags = [v._replace(x=None) for v in invals]
         bodies = jcore.jaxprs_in_params(params)
         if any(not hasattr(v.aval, "shape") for b in bodies for v in b.invars):
             return None  # tokens or other non-array operands

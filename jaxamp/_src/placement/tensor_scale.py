@@ -22,7 +22,7 @@ uses it for its matmuls with ``AmpConfig(tensor_scaling=True)`` (float16) and
 
 from __future__ import annotations
 
-from typing import Any, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -83,28 +83,33 @@ def _amax(x: jax.Array) -> jax.Array:
     return jnp.max(jnp.abs(x)).astype(jnp.float32)
 
 
-def _exponent_or_0(x: jax.Array, dtype: Any, scaling: bool) -> jax.Array:
-    """The operand's scale exponent: :func:`_exponent`, or 0 when scaling is off or ``x`` is already
-    held in ``dtype`` (every product of two such operands is exact in the float32 accumulator, so a
-    scale could only lose bits, pushing small entries below the normal range)."""
-    return _exponent(x, dtype) if scaling and jnp.dtype(x.dtype) != dtype else jnp.int32(0)
+def _exponent_or_none(x: jax.Array, dtype: Any, scaling: bool) -> Optional[jax.Array]:
+    """The operand's scale exponent (:func:`_exponent`), or None, scale 1 known when tracing, when
+    scaling is off or ``x`` is already held in ``dtype`` (every product of two such operands is
+    exact in the float32 accumulator, so a scale could only lose bits, pushing small entries
+    below the normal range)."""
+    return _exponent(x, dtype) if scaling and jnp.dtype(x.dtype) != dtype else None
 
 
 def _held(a, b, *, formats, scaling, role, **_):
-    """``(format, [(exponent, operand * 2**exponent)])``: the operands as their role's format holds them."""
+    """``(format, [(exponent or None, operand * 2**exponent)])``: the operands as their role's
+    format holds them."""
     dtype = jnp.dtype(formats[ROLES.index(role)])
-    exps = [_exponent_or_0(x, dtype, scaling) for x in (a, b)]
-    return dtype, [(e, x.astype(jnp.float32) * _pow2(e)) for e, x in zip(exps, (a, b))]
+    exps = [_exponent_or_none(x, dtype, scaling) for x in (a, b)]
+    return dtype, [(e, x if e is None else x.astype(jnp.float32) * _pow2(e)) for e, x in zip(exps, (a, b))]
 
 
 def _impl(a, b, *, dimension_numbers, formats, scaling, role, out_dtype):
     dtype, ((ea, a), (eb, b)) = _held(a, b, formats=formats, scaling=scaling, role=role)
     out = lax.dot_general(a.astype(dtype), b.astype(dtype), dimension_numbers, preferred_element_type=jnp.float32)
-    # unscaled by 2**-(ea + eb) as two exact halves (the whole may leave float32's exponent range);
-    # the partial product lies between ``out`` and the result, so it rounds only where they do
-    e = ea + eb
-    half = e // 2
-    return (out * _pow2(-half) * _pow2(half - e)).astype(out_dtype)
+    exps = [e for e in (ea, eb) if e is not None]
+    if len(exps) == 1:  # one scaled operand: 2**-e is a normal float32 (|e| <= 126)
+        out = out * _pow2(-exps[0])
+    elif exps:  # 2**-(ea + eb) may leave float32's exponent range: two exact halves, the partial
+        e = exps[0] + exps[1]  # product between ``out`` and the result (it rounds only where they do)
+        half = e // 2
+        out = out * _pow2(-half) * _pow2(half - e)
+    return out.astype(out_dtype)
 
 
 def _profiled(a, b, **params):

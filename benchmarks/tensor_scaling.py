@@ -342,6 +342,12 @@ def _load_runs(paths: Sequence[str]) -> List[Dict[str, Any]]:
             record = json.load(f)
         default = record.get("info", {}).get("fp8_default_roles", FP8_UNRECORDED_ROLES)
         runs += [{"formats": formats(r.get("keys", {}), default), **r} for r in record["runs"]]
+    # a file run without fp32 takes its ratio from an fp32 run of the same problem, seed and steps
+    base = {(r["problem"], r["seed"], r["steps"]): r["error"] for r in runs if r["variant"] == "fp32"}
+    for r in runs:
+        b = base.get((r["problem"], r["seed"], r["steps"]))
+        if r.get("over_fp32") is None and b is not None:
+            r["over_fp32"] = r["error"] / b if math.isfinite(r["error"]) else math.inf
     return runs
 
 

@@ -311,7 +311,8 @@ def tables(runs: Sequence[Dict[str, Any]]) -> str:
                   "skipped: skipped steps; scales: final log2 scales, `loss` the loss scale)", ""]
         head = "| variant | " + " | ".join(f"seed {s} error (× fp32) | skipped | final scales" for s in seeds) + " |"
         lines += [head, "|---|" + "---|---|---|" * len(seeds)]
-        for v in dict.fromkeys(r["variant"] for r in rows):
+        order = list(VARIANTS)
+        for v in sorted(dict.fromkeys(r["variant"] for r in rows), key=lambda v: order.index(v) if v in order else len(order)):
             cells = []
             for s in seeds:
                 r = next((r for r in rows if r["variant"] == v and r["seed"] == s), None)
@@ -342,6 +343,14 @@ def _load_runs(paths: Sequence[str]) -> List[Dict[str, Any]]:
             record = json.load(f)
         default = record.get("info", {}).get("fp8_default_roles", FP8_UNRECORDED_ROLES)
         runs += [{"formats": formats(r.get("keys", {}), default), **r} for r in record["runs"]]
+    # a run repeated in a later file is left out: the first file given wins
+    seen, kept = set(), []
+    for r in runs:
+        key = (r["problem"], r["seed"], r["steps"], r["variant"])
+        if key not in seen:
+            seen.add(key)
+            kept.append(r)
+    runs = kept
     # a file run without fp32 takes its ratio from an fp32 run of the same problem, seed and steps
     base = {(r["problem"], r["seed"], r["steps"]): r["error"] for r in runs if r["variant"] == "fp32"}
     for r in runs:

@@ -52,3 +52,18 @@ def test_every_problem_runs_and_reports(tmp_path, capsys):
     TS.main(["--tables", str(out)])
     text = capsys.readouterr().out
     assert all(f"**{p}**" in text for p in TS.PROBLEMS) and "| fp8_tangent_e5m2 |" in text
+
+
+def test_tables_of_several_files_take_the_first_run_and_any_files_fp32_ratio(tmp_path, capsys):
+    def row(variant, error, seed=0, over=None):
+        return {"problem": "p", "steps": 5, "seed": seed, "variant": variant, "keys": TS.VARIANTS[variant],
+                "error": error, "over_fp32": over, "skipped_steps": 0, "final_scale_log2": {"loss": 16.0}}
+
+    newer, older = tmp_path / "new.json", tmp_path / "old.json"
+    newer.write_text(json.dumps({"runs": [row("fp8_recipe", 0.3)]}))  # run without fp32: no ratio of its own
+    older.write_text(json.dumps({"runs": [row("fp32", 0.1, over=1.0), row("fp8_recipe", 0.5, over=5.0)]}))
+    runs = TS.main(["--tables", str(newer), str(older)])["runs"]
+    recipe = [r for r in runs if r["variant"] == "fp8_recipe"]
+    assert len(recipe) == 1 and recipe[0]["error"] == 0.3 and recipe[0]["over_fp32"] == pytest.approx(3.0)
+    text = capsys.readouterr().out
+    assert text.index("| fp32 |") < text.index("| fp8_recipe | 0.3 (3.00)")  # rows in the variants' order

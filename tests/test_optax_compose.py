@@ -88,6 +88,15 @@ def test_both_chain_forms_train_and_skip_bit_identically(name):
             assert halved == {"1": 1.0, "2": 1.0} and loss_ratio == 0.5
 
 
+def test_a_skipped_update_leaves_signed_zero_parameters_bit_for_bit_under_apply_updates():
+    tx = jaxamp.optimizer(optax.adam(1e-2), amp_state=amp_state())
+    params = {"w": jnp.where(jnp.arange(N) % 2 == 0, -0.0, 0.0).astype(jnp.float32)}
+    new_params, new_state, _ = make_step(tx)(params, tx.init(params), batch(overflow=True))
+    assert int(new_state.skip_reason) == jaxamp.SkipReason.DERIVATIVE_OVERFLOW
+    bits = lambda t: jax.device_get(t["w"]).view("uint32")  # noqa: E731
+    assert (bits(new_params) == bits(params)).all()
+
+
 def test_a_clean_step_is_clipped_as_the_bare_gradients_would_be():
     tx = chains()["clip_then_amp"]
     opt_state = tx.init(PARAMS)

@@ -94,6 +94,15 @@ def test_derivative_overflow_skips_and_backs_off_only_its_own_scaler():
     assert not bool(m["skipped"]) and not tree_equal(state.params, before.params)
 
 
+def test_a_skipped_step_keeps_each_parameter_bit_for_bit_signed_zeros_included():
+    before, step = warm()
+    signed = jnp.where(jnp.arange(N) % 2 == 0, -0.0, 0.0).astype(jnp.float32)  # +0.0 updates would flip -0.0
+    before = before._replace(params={"w": signed})
+    state, m = step(before, batch(overflow=True))
+    assert bool(m["skipped"])
+    assert np.array_equal(np.asarray(state.params["w"]).view(np.uint32), np.asarray(signed).view(np.uint32))
+
+
 @pytest.mark.parametrize("overflow", [False, True])
 def test_bad_values_skip_and_change_no_scaler_whatever_else_is_flagged(overflow):
     before, step = warm()

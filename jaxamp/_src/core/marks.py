@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 from jax.interpreters import ad, batching, mlir
 
-__all__ = ["SEP", "NONFINITE_VALUES", "AMP_OFF", "scaler_key", "step_flags", "seed", "rescale", "unscale", "or_into", "merge_found_inf",
+__all__ = ["SEP", "NONFINITE_VALUES", "AMP_OFF", "scaler_key", "step_flags", "seed", "rescale", "unscale", "or_into", "any_set", "merge_found_inf",
            "reduce_flags", "deriv_scale_p", "deriv_check_p", "deriv_scale", "deriv_check", "fresh", "PRIMITIVES"]
 
 SEP = "__"  # "u__x" is du/dx, "u__x__y" is d/dy(du/dx)
@@ -119,9 +119,10 @@ def merge_found_inf(*flags: Mapping[str, jax.Array]) -> Dict[str, jax.Array]:
 
 
 def reduce_flags(pending: Mapping[str, List[jax.Array]]) -> Dict[str, jax.Array]:
-    """``{key: bool[]}``, any of each key's per-point flags. The flags of one shape are ORed
-    elementwise per key and stacked, so that one reduction over the points serves every key
-    (one reduction per check costs a kernel each; a boolean OR also reduces across devices).
+    """``{key: bool[]}``, any of each key's per-point flags: the flags of one shape ORed
+    elementwise, then one reduction per key and shape, fused with the checks that produce them
+    (stacking the keys first for one reduction materialises every per-point flag; it compiles
+    to more code).
 
     Example:
       >>> import jax.numpy as jnp
@@ -129,17 +130,31 @@ def reduce_flags(pending: Mapping[str, List[jax.Array]]) -> Dict[str, jax.Array]
       >>> {k: bool(v) for k, v in out.items()}
       {'1': True, '2': False}
     """
-    by_size: Dict[int, Dict[str, jax.Array]] = {}
-    for key, hits in pending.items():
-        for hit in hits:
-            hit = jnp.ravel(hit)
-            or_into(by_size.setdefault(hit.size, {}), key, hit)
     flags: Dict[str, jax.Array] = {}
-    for group in by_size.values():
-        found = jnp.any(jnp.stack(list(group.values())), axis=1)
-        for i, key in enumerate(group):
-            or_into(flags, key, found[i])
+    for key, hits in pending.items():
+        by_size: Dict[str, jax.Array] = {}
+        for hit in hits:
+            or_into(by_size, str(jnp.size(hit)), jnp.ravel(hit))
+        found = [jnp.any(h) for h in by_size.values()]
+        flags[key] = found[0] if len(found) == 1 else any_set(found)
     return flags
+
+
+def any_set(flags: Sequence[Any]) -> jax.Array:
+    """``bool[]``: any of ``flags`` (bools) is set, as one reduction that XLA keeps as one kernel.
+
+    XLA rewrites a reduction over scalars stacked directly into a chain of ORs and fuses that
+    chain into every consumer of the result (each select of a train step would recompute it); a
+    conversion between the stack and the reduction keeps it one kernel, its result computed once.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> bool(any_set([jnp.array(False), jnp.array(True)])), bool(any_set([]))
+      (True, False)
+    """
+    if not flags:
+        return jnp.asarray(False)
+    return jnp.any(jnp.stack([jnp.asarray(f, bool).reshape(()) for f in flags]).astype(jnp.uint8) != 0)
 
 
 # ---------------------------------------------------------------- deriv_scale_p

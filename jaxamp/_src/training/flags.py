@@ -1,7 +1,8 @@
 """The flag algebra of a train step (docs/algorithm.md, "Training step"): flags travel as float32
 leaves, 0 when clean and +inf when set (:func:`encode_flag`, :func:`flag_set`), so that any
 elementwise optax transformation, ``lax.pmean`` or ``lax.psum`` keeps a set flag non-zero and a
-clean one 0 (:mod:`jaxamp.step`); :func:`all_finite` is the check of gradients and new values.
+clean one 0 (:mod:`jaxamp.step`); :func:`all_finite` is the check of gradients and new values;
+:func:`skipped_updates` the updates of a skipped step.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from typing import Any, Dict
 import jax
 import jax.numpy as jnp
 
-__all__ = ["encode_flag", "flag_set", "all_finite"]
+from jaxamp._src.core.marks import any_set
+
+__all__ = ["encode_flag", "flag_set", "any_set", "all_finite", "skipped_updates"]
 
 
 def encode_flag(flag: Any) -> jax.Array:
@@ -32,4 +35,15 @@ def all_finite(tree: Any) -> jax.Array:
         if jnp.issubdtype(x.dtype, jnp.inexact):
             by_dtype.setdefault(x.dtype, []).append(jnp.ravel(x))
     checks = [jnp.all(jnp.isfinite(jnp.concatenate(xs))) for xs in by_dtype.values()]
-    return jnp.stack(checks).all() if checks else jnp.asarray(True)
+    return ~any_set([~c for c in checks])
+
+
+def skipped_updates(updates: Any) -> Any:
+    """The updates of a skipped step: negative zeros, as ``x + (-0.0)`` is ``x`` bit for bit for every
+    ``x`` (``+0.0`` would turn a ``-0.0`` parameter into ``+0.0``): ``optax.apply_updates`` then leaves
+    the parameters exactly as they were, with no select of its own."""
+
+    def zero(u: Any) -> Any:
+        return jnp.full_like(u, -0.0) if jnp.issubdtype(jnp.result_type(u), jnp.inexact) else jnp.zeros_like(u)
+
+    return jax.tree_util.tree_map(zero, updates)

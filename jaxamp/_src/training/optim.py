@@ -25,7 +25,8 @@ from jaxamp._src.core.scaled import scaled
 from jaxamp._src.core.modules import filter_grad, unfiltered
 from jaxamp._src.scaling.state import AmpState, find
 from jaxamp._src.training.monitor import report_stall
-from jaxamp._src.training.flags import encode_flag, flag_set
+from jaxamp._src.core.marks import any_set
+from jaxamp._src.training.flags import encode_flag, flag_set, skipped_updates
 from jaxamp._src.training.step import (AmpOptState, ScaledGrads, StepCheck, check_like_params, check_step, find_opt_state,
                                        loss_scaled_grad, trusted_flags, update_scalers, with_opt_state)
 
@@ -128,7 +129,7 @@ def value_and_grad(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] =
 
         held = amp_state.amp.tensor_scaling  # float16 cotangents widened: multiplied as float16 (no amax)
         grads, (loss, (aux, found, room)) = filter_grad(loss_scaled_grad, loss_of, argnums, loss_scale, held)(*args)
-        flagged = jnp.stack([flag_set(v) for v in found.values()]).any() if found else jnp.asarray(False)
+        flagged = any_set([flag_set(v) for v in found.values()])
         # zeroed when a flag is set: a global norm downstream stays finite and cannot poison clean flags
         grads = jax.tree_util.tree_map(lambda g: jnp.where(flagged, jnp.zeros_like(g), g), grads)
         out = ScaledGrads(grads, {k: encode_flag(v) for k, v in found.items()}, room if headroom else {},
@@ -221,8 +222,8 @@ def optimizer(inner: optax.GradientTransformation, *, amp_state: Optional[AmpSta
               skip_when_off: bool = False) -> AmpOptimizer:  # fmt: skip
     """Wrap any optax optimizer: skip the update on overflow and advance every scaler.
 
-    Unlike ``optax.apply_if_finite``, a skipped step is always a zero update, inner state
-    unchanged. It may stand anywhere in ``optax.chain`` (e.g. after ``optax.clip_by_global_norm``)
+    Unlike ``optax.apply_if_finite``, a skipped step is always a zero update (``-0.0``: ``optax.apply_updates``
+    leaves every parameter bit for bit), inner state unchanged. It may stand anywhere in ``optax.chain`` (e.g. after ``optax.clip_by_global_norm``)
     and take gradients ``lax.pmean``-ed or ``lax.psum``-ed over devices (flags OR over them).
 
     Args:
@@ -288,8 +289,7 @@ def optimizer(inner: optax.GradientTransformation, *, amp_state: Optional[AmpSta
         if amp.amp.compute_dtype == jnp.float32 and not skip_when_off:  # AMP off: inner as written
             return new_updates, opt_state._replace(inner=new_inner)
         check = _decide(amp, grads, axis_name, (new_updates, new_inner))
-        zeros = jax.tree_util.tree_map(jnp.zeros_like, new_updates)
-        new_updates, new_inner = check.select((new_updates, new_inner), (zeros, opt_state.inner))
+        new_updates, new_inner = check.select((new_updates, new_inner), (skipped_updates(new_updates), opt_state.inner))
         new_state = step_state(opt_state, advance(check, amp), check, new_inner)
         if on_stall is not None:
             report_stall(new_state.consecutive_skips, check.skip_reason, check.found_inf, limit=n,

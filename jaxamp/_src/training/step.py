@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import jmp
 
-from jaxamp._src.core.marks import NONFINITE_VALUES
+from jaxamp._src.core.marks import NONFINITE_VALUES, any_set
 from jaxamp._src.placement.held import held_operands
 from jaxamp._src.training.flags import all_finite, flag_set
 from jaxamp._src.scaling.scaler import DynamicScaler, Scalers, ScaleState
@@ -203,11 +203,13 @@ def check_step(scalers: Mapping[str, Any], found_inf: Flags, grads: Any, *, axis
         reduce = lambda b: jax.lax.pmax(b.astype(jnp.int32), axis_name) > 0  # noqa: E731
         flags, values = {k: reduce(v) for k, v in flags.items()}, reduce(values)
         finite, new_finite = ~reduce(~finite), ~reduce(~new_finite)
-    overflow = jnp.stack(list(flags.values())).any() if flags else jnp.asarray(False)
+    overflow = any_set(list(flags.values()))
     applied = jnp.where(new_finite, int(SkipReason.APPLIED), int(SkipReason.NONFINITE_UPDATES))
     reason = jnp.where(values, int(SkipReason.NONFINITE_VALUES), jnp.where(overflow, int(SkipReason.DERIVATIVE_OVERFLOW),
                        jnp.where(finite, applied, int(SkipReason.NONFINITE_GRADS))))
-    return StepCheck(apply=reason == int(SkipReason.APPLIED), skip_reason=reason.astype(jnp.int32), found_inf=flags,
+    # the decision every select of the step reads: one reduction, not the chain of selects above
+    apply = ~any_set([values, overflow, ~finite, ~new_finite])
+    return StepCheck(apply=apply, skip_reason=reason.astype(jnp.int32), found_inf=flags,
                      nonfinite_values=values, derivative_overflow=overflow, grads_finite=finite,
                      nonfinite_updates=reason == int(SkipReason.NONFINITE_UPDATES))
 

@@ -14,7 +14,6 @@ from typing import Any, Callable, Dict, Iterable, Mapping, NamedTuple, Optional,
 
 import jax
 import jax.numpy as jnp
-import jmp
 import optax
 
 from jaxamp._src.scaling.config import AmpConfig, check_flags
@@ -278,9 +277,8 @@ def make_train_step(
         if clip > 0:
             grads = grads.replace(grads=torch_clip(clip).update(grads.grads, None)[0])
         updates, after = tx.update(grads, opt_state, state.params)
-        applied = after.skip_reason == int(SkipReason.APPLIED)
-        # a select, not params + 0: a skipped step leaves the params bit for bit
-        params = jmp.select_tree(applied, optax.apply_updates(state.params, updates), state.params)
+        # a skipped step's updates are -0.0 (jaxamp.optimizer): the params stay bit for bit
+        params = optax.apply_updates(state.params, updates)
         new_state = TrainState(step=state.step + 1, params=params, opt_state=after)
         if headroom:
             extra = {**{f"headroom_log2/{k}": v for k, v in grads.headroom_log2.items()}, **extra}

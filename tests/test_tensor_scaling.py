@@ -65,6 +65,19 @@ def test_tiny_and_huge_operands_keep_their_digits_where_float16_loses_them():
     assert bool(jnp.all(jnp.isfinite(big))) and not bool(jnp.all(jnp.isfinite(plain16(a * 1e6, b))))
 
 
+def test_an_outer_product_rounds_each_entry_under_its_own_scale_with_no_amax():
+    # a contraction of length 1 (a 1-D input's first layer, a one-output layer's cotangent)
+    a, b = operands(3)
+    a, b = a[:, :1], b[:1, :]
+    np.testing.assert_array_equal(scaled_dot(a, b, MM), plain16(a, b))  # in range: the float16 product
+    wide = a * 2.0 ** jnp.arange(-60, 60, 120 / a.shape[0])[: a.shape[0], None]  # beyond one scale's window
+    got, exact = scaled_dot(wide, b, MM), wide @ b
+    assert float(jnp.max(jnp.abs(got - exact) / jnp.abs(exact))) <= 2.0**-11
+    lowered = jax.jit(lambda a, b: scaled_dot(a, b, MM)).lower(wide, b).as_text()
+    assert "reduce" not in lowered  # elementwise scales: no reduction before the product
+    assert not bool(jnp.all(jnp.isfinite(scaled_dot(a.at[0, 0].set(jnp.inf), b, MM)[0])))
+
+
 def test_inf_and_nan_operands_stay_visible():
     a, b = operands(2)
     assert not bool(jnp.all(jnp.isfinite(scaled_dot(a.at[0, 0].set(jnp.inf), b, MM)[0])))

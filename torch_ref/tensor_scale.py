@@ -6,7 +6,7 @@ import math
 
 import torch
 
-__all__ = ["ROLES", "FP8_FORMATS", "MARGIN_LOG2", "scale_for", "scaled_matmul"]
+__all__ = ["ROLES", "FP8_FORMATS", "MARGIN_LOG2", "scale_for", "rounded_each", "scaled_matmul"]
 
 ROLES = ("value", "tangent", "cotangent")
 FP8_FORMATS = (torch.float16, torch.float16, torch.float8_e4m3fn)  # jaxamp's recipe
@@ -24,8 +24,25 @@ def scale_for(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.tensor(2.0**e, dtype=torch.float32)
 
 
+def rounded_each(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` (float32) with each entry rounded to ``dtype`` under its own power-of-two scale (the
+    rule for an outer product, a contraction of length 1): ``dtype``'s precision, float32's range."""
+    x = x.float()
+    emax = math.floor(math.log2(torch.finfo(dtype).max))
+    mag = x.abs()
+    ok = torch.isfinite(mag) & (mag > 0)
+    _, exp = torch.frexp(torch.where(ok, mag, torch.ones_like(mag)))  # mag = m * 2**exp, m in [0.5, 1)
+    ceil_log2 = exp - (torch.where(ok, mag, torch.ones_like(mag)) == torch.ldexp(torch.ones_like(mag), exp - 1)).int()
+    e = torch.where(ok, torch.clamp(emax - MARGIN_LOG2 - ceil_log2, -126, 126), torch.zeros_like(exp))
+    scale = torch.ldexp(torch.ones_like(mag), e)
+    return (x * scale).to(dtype).float() / scale
+
+
 def scaled_matmul(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
     """``a @ b`` on operands scaled and cast to ``dtype``, accumulated in float32, unscaled."""
+    if a.shape[-1] == 1:  # an outer product: each entry its own scale (no sum for one scale to serve)
+        held = (x.float() if x.dtype == dtype else rounded_each(x, dtype) for x in (a, b))
+        return torch.matmul(*held)
     # an operand already held in ``dtype`` keeps scale 1: its products are exact in float32
     sa, sb = (torch.tensor(1.0) if x.dtype == dtype else scale_for(x, dtype) for x in (a, b))
     low_a = (a.float() * sa).to(dtype).float()

@@ -48,3 +48,15 @@ def test_products_of_two_small_operands_agree_where_the_scales_together_leave_fl
     theirs = ref.scaled_matmul(torch.from_numpy(a), torch.from_numpy(b), tdtype).numpy()
     bound = 2 * a.shape[1] * np.finfo(np.float32).eps * (np.abs(a) @ np.abs(b))
     assert np.all(ours != 0) and np.all(np.abs(ours - theirs) <= bound)
+
+
+@pytest.mark.parametrize("jdtype,tdtype", FORMATS)
+def test_outer_products_round_each_entry_alike(jdtype, tdtype):
+    # a contraction of length 1: every entry its own scale, over magnitudes 2^-100 .. 2^100 in one operand
+    rng = np.random.default_rng(2)
+    a = (rng.standard_normal((41, 1)) * 2.0 ** np.arange(-100, 101, 5)[:, None]).astype(np.float32)
+    b = rng.standard_normal((1, 3)).astype(np.float32)
+    ours = np.asarray(scaled_dot(jnp.asarray(a), jnp.asarray(b), (((1,), (0,)), ((), ())), (jdtype,) * 3))
+    theirs = ref.scaled_matmul(torch.from_numpy(a), torch.from_numpy(b), tdtype).numpy()
+    assert np.array_equal(ours, theirs)  # one exact product per entry: bit for bit
+    assert np.all(ours != 0) and np.all(np.isfinite(ours))

@@ -12,7 +12,8 @@ magnitudes, not from the values'.
 A scale is a power of two, so while an operand stays in its format's normal range the product is
 the unscaled one bit for bit (binary scaling commutes with rounding); what changes is that a
 tangent of 1e-7 or a value of 1e6 is brought into the window instead of flushing to zero or
-overflowing. An operand already held in its format keeps scale 1 (its products are exact in
+overflowing. In an outer product (a contraction of length 1) each entry takes its own exponent
+from its own magnitude, no amax. An operand already held in its format keeps scale 1 (its products are exact in
 the float32 accumulator: a scale could only push small entries below the normal range), so a
 float16 layer's float16 activations cost no amax. A zero or non-finite operand keeps scale 1: an inf or NaN stays visible to the
 derivative scalers' checks. Under ``vmap`` the batched operand has one scale. ``jaxamp.autocast``
@@ -57,7 +58,11 @@ def scale_for(x: jax.Array, dtype: Any) -> jax.Array:
 
 def _exponent(x: jax.Array, dtype: Any) -> jax.Array:
     """``log2`` of :func:`scale_for` (int32 scalar, in [-126, 126])."""
-    amax = _amax(x) if jnp.size(x) else jnp.float32(0.0)
+    return _exponent_of(_amax(x) if jnp.size(x) else jnp.float32(0.0), dtype)
+
+
+def _exponent_of(amax: jax.Array, dtype: Any) -> jax.Array:
+    """The scale exponent for magnitudes ``amax`` (float32, >= 0; elementwise)."""
     emax = int(np.floor(np.log2(float(jnp.finfo(dtype).max))))
     # ceil(log2 amax) exactly, from amax's bits (>= 0): its exponent, plus 1 unless a power of two
     bits = lax.bitcast_convert_type(amax, jnp.int32)
@@ -91,16 +96,30 @@ def _exponent_or_none(x: jax.Array, dtype: Any, scaling: bool) -> Optional[jax.A
     return _exponent(x, dtype) if scaling and jnp.dtype(x.dtype) != dtype else None
 
 
-def _held(a, b, *, formats, scaling, role, **_):
+def _outer(a, dimension_numbers) -> bool:
+    """The product contracts nothing but unit axes: an outer product, one term per output entry."""
+    return all(a.shape[i] == 1 for i in dimension_numbers[0][0])
+
+
+def _held(a, b, *, formats, scaling, role, dimension_numbers, **_):
     """``(format, [(exponent or None, operand * 2**exponent)])``: the operands as their role's
-    format holds them."""
+    format holds them. In an outer product each entry has its own exponent (an array): there is
+    no sum for one scale to serve, so each entry is rounded as a per-tensor scale would round it
+    while in range, with float32's range, and no amax (a reduction) runs."""
     dtype = jnp.dtype(formats[ROLES.index(role)])
-    exps = [_exponent_or_none(x, dtype, scaling) for x in (a, b)]
+    each = scaling and _outer(a, dimension_numbers)
+    exps = [_exponent_of(jnp.abs(x).astype(jnp.float32), dtype) if each and jnp.dtype(x.dtype) != dtype
+            else _exponent_or_none(x, dtype, scaling) for x in (a, b)]  # fmt: skip
     return dtype, [(e, x if e is None else x.astype(jnp.float32) * _pow2(e)) for e, x in zip(exps, (a, b))]
 
 
 def _impl(a, b, *, dimension_numbers, formats, scaling, role, out_dtype):
-    dtype, ((ea, a), (eb, b)) = _held(a, b, formats=formats, scaling=scaling, role=role)
+    dtype, ((ea, a), (eb, b)) = _held(a, b, formats=formats, scaling=scaling, role=role,
+                                      dimension_numbers=dimension_numbers)  # fmt: skip
+    if any(jnp.ndim(e) for e in (ea, eb) if e is not None):  # an outer product: entries unscaled in float32
+        a, b = [x.astype(dtype).astype(jnp.float32) * (1 if e is None else _pow2(-e)) for e, x in ((ea, a), (eb, b))]
+        out = lax.dot_general(a, b, dimension_numbers, preferred_element_type=jnp.float32)  # each term exact
+        return out.astype(out_dtype)
     out = lax.dot_general(a.astype(dtype), b.astype(dtype), dimension_numbers, preferred_element_type=jnp.float32)
     exps = [e for e in (ea, eb) if e is not None]
     if len(exps) == 1:  # one scaled operand: 2**-e is a normal float32 (|e| <= 126)

@@ -29,13 +29,15 @@ def flag_set(flag: Any) -> jax.Array:
 
 def all_finite(tree: Any) -> jax.Array:
     """``bool[]``: every inexact leaf of ``tree`` is finite (integer and bool leaves always are).
-    One reduction per dtype over the leaves laid end to end: a few kernels, not one per leaf."""
-    by_dtype: Dict[Any, list] = {}
+    The leaves of one shape and dtype are checked together, elementwise, then reduced once: a
+    few reductions, each fused with what computes its leaves (a concatenation of the leaves would
+    first write every one of them out)."""
+    groups: Dict[Any, jax.Array] = {}
     for x in map(jnp.asarray, jax.tree_util.tree_leaves(tree)):
         if jnp.issubdtype(x.dtype, jnp.inexact):
-            by_dtype.setdefault(x.dtype, []).append(jnp.ravel(x))
-    checks = [jnp.all(jnp.isfinite(jnp.concatenate(xs))) for xs in by_dtype.values()]
-    return ~any_set([~c for c in checks])
+            key, ok = (x.shape, x.dtype), jnp.isfinite(x)
+            groups[key] = ok if key not in groups else groups[key] & ok
+    return ~any_set([~jnp.all(ok) for ok in groups.values()])
 
 
 def skipped_updates(updates: Any) -> Any:

@@ -222,8 +222,7 @@ def optimizer(inner: optax.GradientTransformation, *, amp_state: Optional[AmpSta
               skip_when_off: bool = False) -> AmpOptimizer:  # fmt: skip
     """Wrap any optax optimizer: skip the update on overflow and advance every scaler.
 
-    Unlike ``optax.apply_if_finite``, a skipped step is always a zero update (``-0.0``: ``optax.apply_updates``
-    leaves every parameter bit for bit), inner state unchanged. It may stand anywhere in ``optax.chain`` (e.g. after ``optax.clip_by_global_norm``)
+    Unlike ``optax.apply_if_finite``, a skipped step is a zero update (``-0.0``: bit for bit), inner state kept. It may stand anywhere in ``optax.chain`` (e.g. after ``optax.clip_by_global_norm``)
     and take gradients ``lax.pmean``-ed or ``lax.psum``-ed over devices (flags OR over them).
 
     Args:
@@ -289,7 +288,9 @@ def optimizer(inner: optax.GradientTransformation, *, amp_state: Optional[AmpSta
         if amp.amp.compute_dtype == jnp.float32 and not skip_when_off:  # AMP off: inner as written
             return new_updates, opt_state._replace(inner=new_inner)
         check = _decide(amp, grads, axis_name, (new_updates, new_inner))
-        new_updates, new_inner = check.select((new_updates, new_inner), (skipped_updates(new_updates), opt_state.inner))
+        new_updates = check.select(new_updates, skipped_updates(new_updates))
+        # kept or replaced whole: buffer copies, not a select per leaf to compile
+        new_inner = jax.lax.cond(check.apply, lambda new, old: new, lambda new, old: old, new_inner, opt_state.inner)
         new_state = step_state(opt_state, advance(check, amp), check, new_inner)
         if on_stall is not None:
             report_stall(new_state.consecutive_skips, check.skip_reason, check.found_inf, limit=n,

@@ -212,3 +212,15 @@ def test_same_program_fingerprints_ignore_source_locations_only():
                                 * 2))  # fmt: skip  (the same program from other source lines)
     other = compiled(lambda x: jnp.sin(x) * 3)
     assert fingerprint(first) == fingerprint(moved) != fingerprint(other)
+
+
+def test_codegen_reads_what_xla_generates_for_a_case_and_compares_two_runs(tmp_path, monkeypatch):
+    from benchmarks import codegen
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    out = tmp_path / "codegen.json"
+    res = codegen.main(["--problems", "poisson1d", "--modes", "plain", "--reps", "1", "--out", str(out)])
+    case = res["cases"]["poisson1d/default/plain"]
+    assert case["kernels"] > 10 and case["llvm_ir_bytes"] > 10_000 and case["objects"] > 0 and case["compile_s"] > 0
+    ratios = codegen.compare(str(out), str(out))
+    assert ratios["poisson1d/default/plain"]["llvm_ir_bytes"] == 1.0

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from jaxamp._src.core.marks import any_set
 
-__all__ = ["encode_flag", "flag_set", "any_set", "all_finite", "skipped_updates"]
+__all__ = ["encode_flag", "flag_set", "all_finite", "skipped_updates"]
 
 
 def encode_flag(flag: Any) -> jax.Array:

@@ -26,7 +26,7 @@ from jaxamp._src.core.modules import filter_grad, unfiltered
 from jaxamp._src.scaling.state import AmpState, find
 from jaxamp._src.training.monitor import report_stall
 from jaxamp._src.core.marks import any_set
-from jaxamp._src.training.flags import encode_flag, flag_set, skipped_updates
+from jaxamp._src.training.flags import encode_flag, flag_set
 from jaxamp._src.training.step import (AmpOptState, ScaledGrads, StepCheck, check_like_params, check_step, find_opt_state,
                                        loss_scaled_grad, trusted_flags, update_scalers, with_opt_state)
 
@@ -222,7 +222,8 @@ def optimizer(inner: optax.GradientTransformation, *, amp_state: Optional[AmpSta
               skip_when_off: bool = False) -> AmpOptimizer:  # fmt: skip
     """Wrap any optax optimizer: skip the update on overflow and advance every scaler.
 
-    Unlike ``optax.apply_if_finite``, a skipped step is a zero update (``-0.0``: bit for bit), inner state kept. It may stand anywhere in ``optax.chain`` (e.g. after ``optax.clip_by_global_norm``)
+    Unlike ``optax.apply_if_finite``, a skipped step is a zero update (``-0.0``: the parameters stay
+    bit for bit), inner state unchanged. It may stand anywhere in ``optax.chain`` (e.g. after ``optax.clip_by_global_norm``)
     and take gradients ``lax.pmean``-ed or ``lax.psum``-ed over devices (flags OR over them).
 
     Args:
@@ -288,9 +289,7 @@ def optimizer(inner: optax.GradientTransformation, *, amp_state: Optional[AmpSta
         if amp.amp.compute_dtype == jnp.float32 and not skip_when_off:  # AMP off: inner as written
             return new_updates, opt_state._replace(inner=new_inner)
         check = _decide(amp, grads, axis_name, (new_updates, new_inner))
-        new_updates = check.select(new_updates, skipped_updates(new_updates))
-        # kept or replaced whole: buffer copies, not a select per leaf to compile
-        new_inner = jax.lax.cond(check.apply, lambda new, old: new, lambda new, old: old, new_inner, opt_state.inner)
+        new_updates, new_inner = check.keep(new_updates, new_inner, opt_state.inner)
         new_state = step_state(opt_state, advance(check, amp), check, new_inner)
         if on_stall is not None:
             report_stall(new_state.consecutive_skips, check.skip_reason, check.found_inf, limit=n,

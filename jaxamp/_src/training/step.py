@@ -24,7 +24,7 @@ import jmp
 
 from jaxamp._src.core.marks import NONFINITE_VALUES, any_set
 from jaxamp._src.placement.held import held_operands
-from jaxamp._src.training.flags import all_finite, flag_set
+from jaxamp._src.training.flags import all_finite, flag_set, skipped_updates
 from jaxamp._src.scaling.scaler import DynamicScaler, Scalers, ScaleState
 
 __all__ = ["check_like_params", "Flags", "SkipReason", "trusted_flags", "ScaledGrads", "loss_scaled_grad", "StepCheck", "check_step", "update_scalers", "AmpOptState", "find_opt_state", "with_opt_state"]
@@ -157,6 +157,14 @@ class StepCheck(NamedTuple):
           {'w': Array([1., 1.], dtype=float32)}
         """
         return jmp.select_tree(self.apply, applied, skipped)
+
+    def keep(self, updates: T, new_inner: Any, old_inner: Any) -> Tuple[T, Any]:
+        """An optimizer's outputs after the decision: ``updates``, or on a skip ``-0.0``
+        (:func:`~jaxamp._src.training.flags.skipped_updates`: ``optax.apply_updates`` then leaves
+        every parameter bit for bit), and the new inner state or the old one, kept or replaced
+        whole (a ``lax.cond``: buffer copies, not a select per leaf for XLA to compile)."""
+        updates = self.select(updates, skipped_updates(updates))
+        return updates, jax.lax.cond(self.apply, lambda new, old: new, lambda new, old: old, new_inner, old_inner)
 
 
 def check_step(scalers: Mapping[str, Any], found_inf: Flags, grads: Any, *, axis_name: Optional[Any] = None,

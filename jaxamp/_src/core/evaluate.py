@@ -133,13 +133,14 @@ def ordered(keys) -> List[str]:
     return sorted((k for k in keys if k.isdigit()), key=int) + [k for k in keys if not k.isdigit()]
 
 
-def opaque(scales: Mapping[str, Any]) -> Dict[str, jax.Array]:
-    """The scales as float32 through one optimisation barrier: XLA compiles the same graph for
-    any scale values, so a program at scale 1 is bit-identical to it with scaling off."""
+def opaque(scales: Mapping[str, Any], dtype: Any = jnp.float32) -> Dict[str, jax.Array]:
+    """The scales (or the flags, ``dtype=bool``) through one optimisation barrier: XLA compiles the
+    same graph for any values, so a program at scale 1 with its flags clear is bit-identical to
+    it with scaling off."""
     if not scales:
         return {}
     keys = list(scales)
-    stacked = jax.lax.optimization_barrier(jnp.stack([jnp.asarray(scales[k], jnp.float32) for k in keys]))
+    stacked = jax.lax.optimization_barrier(jnp.stack([jnp.asarray(scales[k], dtype) for k in keys]))
     return {k: stacked[i] for i, k in enumerate(keys)}
 
 

@@ -1,20 +1,22 @@
 """The flag algebra of a train step (docs/algorithm.md, "Training step"): flags travel as float32
 leaves, 0 when clean and +inf when set (:func:`encode_flag`, :func:`flag_set`), so that any
 elementwise optax transformation, ``lax.pmean`` or ``lax.psum`` keeps a set flag non-zero and a
-clean one 0 (:mod:`jaxamp.step`); :func:`all_finite` is the check of gradients and new values;
-:func:`skipped_updates` the updates of a skipped step.
+clean one 0 (:mod:`jaxamp.step`); :func:`zeroed_when` the gradients a set flag zeroes;
+:func:`all_finite` is the check of gradients and new values; :func:`skipped_updates` the updates
+of a skipped step.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Sequence
 
 import jax
 import jax.numpy as jnp
 
+from jaxamp._src.core.evaluate import opaque
 from jaxamp._src.core.marks import any_set
 
-__all__ = ["encode_flag", "flag_set", "all_finite", "skipped_updates"]
+__all__ = ["encode_flag", "flag_set", "zeroed_when", "all_finite", "skipped_updates"]
 
 
 def encode_flag(flag: Any) -> jax.Array:
@@ -25,6 +27,17 @@ def encode_flag(flag: Any) -> jax.Array:
 def flag_set(flag: Any) -> jax.Array:
     """``bool[]``: whether an encoded flag (or a bool) is set: any non-zero value, NaN included."""
     return jnp.asarray(flag).reshape(()) != 0
+
+
+def zeroed_when(flags: Sequence[Any], grads: Any) -> Any:
+    """``grads``, or zeros when one of ``flags`` (bools) is set, as a ``lax.cond``: XLA writes the
+    gradients out once and every consumer (a global norm, the finiteness check, each optimizer
+    moment) reads them, where a select would be fused into each consumer with the gradients' last
+    elementwise stage recomputed there. With no flags (plain float16, bfloat16) the clear flag
+    passes an optimisation barrier, so the step compiles as a scaled one whose flags are clear
+    (docs/algorithm.md, "How jaxamp computes it", one graph)."""
+    flagged = any_set(flags) if flags else opaque({"clear": False}, bool)["clear"]
+    return jax.lax.cond(flagged, lambda g: jax.tree_util.tree_map(jnp.zeros_like, g), lambda g: g, grads)
 
 
 def all_finite(tree: Any) -> jax.Array:

@@ -25,8 +25,7 @@ from jaxamp._src.core.scaled import scaled
 from jaxamp._src.core.modules import filter_grad, unfiltered
 from jaxamp._src.scaling.state import AmpState, find
 from jaxamp._src.training.monitor import report_stall
-from jaxamp._src.core.marks import any_set
-from jaxamp._src.training.flags import encode_flag, flag_set
+from jaxamp._src.training.flags import encode_flag, flag_set, zeroed_when
 from jaxamp._src.training.step import (AmpOptState, ScaledGrads, StepCheck, check_like_params, check_step, find_opt_state,
                                        loss_scaled_grad, trusted_flags, update_scalers, with_opt_state)
 
@@ -129,9 +128,9 @@ def value_and_grad(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] =
 
         held = amp_state.amp.tensor_scaling  # float16 cotangents widened: multiplied as float16 (no amax)
         grads, (loss, (aux, found, room)) = filter_grad(loss_scaled_grad, loss_of, argnums, loss_scale, held)(*args)
-        flagged = any_set([flag_set(v) for v in found.values()])
-        # zeroed when a flag is set: a global norm downstream stays finite and cannot poison clean flags
-        grads = jax.tree_util.tree_map(lambda g: jnp.where(flagged, jnp.zeros_like(g), g), grads)
+        if amp_state.amp.compute_dtype != jnp.float32:  # AMP off: the user's program as written
+            # zeroed when a flag is set: a global norm downstream stays finite and cannot poison clean flags
+            grads = zeroed_when([flag_set(v) for v in found.values()], grads)
         out = ScaledGrads(grads, {k: encode_flag(v) for k, v in found.items()}, room if headroom else {},
                           source=source)  # fmt: skip
         return ((loss, aux) if has_aux else loss), out

@@ -4,6 +4,7 @@ bytes, object files, and trace / lower / compile seconds (medians of repeated bu
     python -m benchmarks.codegen [--problems poisson1d cavity] [--placement default]
         [--modes per_order per_term] [--reps 5] [--out FILE]
     python -m benchmarks.codegen --compare OLD.json NEW.json
+    python -m benchmarks.codegen --base OLD1.json OLD2.json --new NEW1.json NEW2.json
 
 Each case runs in its own process, with ``XLA_FLAGS=--xla_dump_to`` set before JAX starts: the
 IR XLA dumps (``*.ir-no-opt.ll``, before LLVM's optimisation) is deterministic for a program,
@@ -72,13 +73,29 @@ def run_case(problem: str, placement: str, mode: str, reps: int) -> Dict[str, An
     return json.loads(line[len("RESULT "):])
 
 
-def compare(old: str, new: str) -> Dict[str, Dict[str, float]]:
-    """``{case: {field: new / old}}`` over the cases both files have."""
-    with open(old) as f:
-        a = json.load(f)["cases"]
-    with open(new) as f:
-        b = json.load(f)["cases"]
-    return {k: {f: b[k][f] / a[k][f] for f in ("kernels", "llvm_ir_bytes", "objects", "compile_s")} for k in b if k in a}
+FIELDS = ("kernels", "llvm_ir_bytes", "objects", "compile_s", "total_s")
+
+
+def _mean_cases(paths: List[str]) -> Dict[str, Dict[str, float]]:
+    """Each case's fields averaged over the result files (``total_s``: trace + lower + compile)."""
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs.append(json.load(f)["cases"])
+    keys = [k for k in runs[0] if all(k in r for r in runs)]
+    out = {}
+    for k in keys:
+        rows = [{**r[k], "total_s": r[k]["trace_s"] + r[k]["lower_s"] + r[k]["compile_s"]} for r in runs]
+        out[k] = {f: sum(row[f] for row in rows) / len(rows) for f in FIELDS}
+    return out
+
+
+def compare(old: Any, new: Any) -> Dict[str, Dict[str, float]]:
+    """``{case: {field: new / old}}`` over the cases both sides have; ``old`` and ``new`` are a
+    result file each, or lists of them (runs of one commit, averaged first)."""
+    a = _mean_cases([old] if isinstance(old, str) else list(old))
+    b = _mean_cases([new] if isinstance(new, str) else list(new))
+    return {k: {f: b[k][f] / a[k][f] for f in FIELDS} for k in b if k in a}
 
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
@@ -89,9 +106,11 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     ap.add_argument("--reps", type=int, default=5, help="builds timed per case (median)")
     ap.add_argument("--out", help="write the JSON here")
     ap.add_argument("--compare", nargs=2, metavar=("OLD", "NEW"), help="ratios of two result files")
+    ap.add_argument("--base", nargs="+", help="with --new: ratios of the runs' means (runs of two commits)")
+    ap.add_argument("--new", nargs="+")
     args = ap.parse_args(argv)
-    if args.compare:
-        rows = compare(*args.compare)
+    if args.compare or (args.base and args.new):
+        rows = compare(*args.compare) if args.compare else compare(args.base, args.new)
         for k, r in rows.items():
             print(f"{k}: " + ", ".join(f"{f} {v:.3f}" for f, v in r.items()))
         return rows

@@ -224,3 +224,9 @@ def test_codegen_reads_what_xla_generates_for_a_case_and_compares_two_runs(tmp_p
     assert case["kernels"] > 10 and case["llvm_ir_bytes"] > 10_000 and case["objects"] > 0 and case["compile_s"] > 0
     ratios = codegen.compare(str(out), str(out))
     assert ratios["poisson1d/default/plain"]["llvm_ir_bytes"] == 1.0
+    doubled = json.loads(out.read_text())
+    doubled["cases"]["poisson1d/default/plain"]["llvm_ir_bytes"] *= 3
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(doubled))
+    # runs of one commit are averaged first: (1 + 3) / 2 over 1
+    assert codegen.compare([str(out), str(other)], [str(out)])["poisson1d/default/plain"]["llvm_ir_bytes"] == 0.5

@@ -26,7 +26,8 @@ def encode_flag(flag: Any) -> jax.Array:
 
 def flag_set(flag: Any) -> jax.Array:
     """``bool[]``: whether an encoded flag (or a bool) is set: any non-zero value, NaN included."""
-    return jnp.asarray(flag).reshape(()) != 0
+    flag = jnp.asarray(flag).reshape(())
+    return flag if flag.dtype == jnp.bool_ else flag != 0
 
 
 def zeroed_when(flags: Sequence[Any], grads: Any) -> Any:

@@ -27,7 +27,7 @@ from jaxamp._src.scaling.state import AmpState, find
 from jaxamp._src.training.monitor import report_stall
 from jaxamp._src.training.flags import encode_flag, flag_set, zeroed_when
 from jaxamp._src.training.step import (AmpOptState, ScaledGrads, StepCheck, check_like_params, check_step, find_opt_state,
-                                       loss_scaled_grad, trusted_flags, update_scalers, with_opt_state)
+                                       loss_scaled_grad, update_scalers, with_opt_state)
 
 __all__ = ["value_and_grad", "apply_or_skip", "optimizer", "AmpOptState", "AmpOptimizer", "advance", "with_amp_state",
            "replace_amp", "step_state"]
@@ -140,7 +140,7 @@ def value_and_grad(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] =
 
 def _decide(state: AmpState, grads: Any, axis_name: Any, new: Any) -> StepCheck:
     if isinstance(grads, ScaledGrads):
-        return check_step(state.derivative, trusted_flags(grads), grads.grads, axis_name=axis_name, new=new)
+        return check_step(state.derivative, grads.found_inf, grads.grads, axis_name=axis_name, new=new, trusted=False)
     if isinstance(grads, dict):  # flags only, e.g. of jaxamp.scaled(jax.jacrev(losses))
         return check_step(state.derivative, grads, (), axis_name=axis_name, new=new)
     raise TypeError(f"jaxamp.apply_or_skip: `grads` must be the ScaledGrads of jaxamp.value_and_grad or the "

@@ -10,7 +10,7 @@ elementwise optax transformation, ``lax.pmean`` or ``lax.psum`` keeps a set flag
 a global norm, so that ``optax.clip_by_global_norm`` before :func:`jaxamp.optimizer` clips a
 clean step exactly as it would the bare gradients. Non-finite gradients reaching the optimizer
 therefore had no flag at their source; a global norm may have spread their NaN into the flags,
-so the optimizer reads the flags only beside finite gradients (:func:`trusted_flags`).
+so the optimizer reads the flags only beside finite gradients (``check_step(..., trusted=False)``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from jaxamp._src.placement.held import held_operands
 from jaxamp._src.training.flags import all_finite, flag_set, skipped_updates
 from jaxamp._src.scaling.scaler import DynamicScaler, Scalers, ScaleState
 
-__all__ = ["check_like_params", "Flags", "SkipReason", "trusted_flags", "ScaledGrads", "loss_scaled_grad", "StepCheck", "check_step", "update_scalers", "AmpOptState", "find_opt_state", "with_opt_state"]
+__all__ = ["check_like_params", "Flags", "SkipReason", "ScaledGrads", "loss_scaled_grad", "StepCheck", "check_step", "update_scalers", "AmpOptState", "find_opt_state", "with_opt_state"]
 
 T = TypeVar("T")
 Flags = Mapping[str, jax.Array]
@@ -48,13 +48,6 @@ class SkipReason(enum.IntEnum):
     NONFINITE_GRADS = 2  # the weight gradients are non-finite: the loss scale backs off
     NONFINITE_VALUES = 3  # bad inputs or network outputs: no scaler moves
     NONFINITE_UPDATES = 4  # finite gradients but non-finite new values (e.g. a NaN loss weight): no scaler moves
-
-
-def trusted_flags(grads: ScaledGrads) -> Dict[str, jax.Array]:
-    """``{key: bool[]}``: the flags of ``grads``, all clear beside non-finite gradients (which
-    had no flag at their source, see the module docstring): the step is then NONFINITE_GRADS."""
-    finite = all_finite(grads.grads)
-    return {k: flag_set(v) & finite for k, v in grads.found_inf.items()}
 
 
 class _Named(type):
@@ -168,7 +161,7 @@ class StepCheck(NamedTuple):
 
 
 def check_step(scalers: Mapping[str, Any], found_inf: Flags, grads: Any, *, axis_name: Optional[Any] = None,
-               new: Any = None) -> StepCheck:  # fmt: skip
+               new: Any = None, trusted: bool = True) -> StepCheck:  # fmt: skip
     """Decide whether a step applies, and why not.
 
     Precedence (docs/algorithm.md, "Training step"): bad values (``found_inf[NONFINITE_VALUES]``,
@@ -184,6 +177,9 @@ def check_step(scalers: Mapping[str, Any], found_inf: Flags, grads: Any, *, axis
       new: the new values the step would apply (updates, new optimizer state, ...): non-finite
         ones skip the step as ``NONFINITE_UPDATES``; None: not checked.
       axis_name: inside ``pmap``/``shard_map``/``vmap``: OR the flags over this named axis.
+      trusted: False: a flag counts only beside finite gradients, as for flags that travelled
+        with gradients zeroed at their source (a set flag beside non-finite gradients was
+        spread there by a global norm of them: the step is NONFINITE_GRADS).
 
     Returns:
       A :class:`StepCheck`.
@@ -203,9 +199,11 @@ def check_step(scalers: Mapping[str, Any], found_inf: Flags, grads: Any, *, axis
             f"{sorted(scalers)}). Create the state with jaxamp.init(loss, amp)(*args) or TrainState.create(..., "
             "engines=[every engine the loss uses])."
         )
+    finite = all_finite(grads)
     flags = {k: flag_set(found_inf.get(k, False)) for k in scalers}
     values = flag_set(found_inf.get(NONFINITE_VALUES, False))
-    finite = all_finite(grads)
+    if not trusted:
+        flags, values = {k: v & finite for k, v in flags.items()}, values & finite
     new_finite = all_finite(new)
     if axis_name is not None:
         reduce = lambda b: jax.lax.pmax(b.astype(jnp.int32), axis_name) > 0  # noqa: E731

@@ -249,6 +249,20 @@ def test_inactive_derivative_scalers_run_the_same_step(amp):
     assert set(k for k in m if k.startswith("scale_log2/")) == {"scale_log2/loss"}
 
 
+@pytest.mark.parametrize("amp, conds", [(FP16, 1), (jaxamp.AmpConfig(dtype="float16", derivative_scaling=False), 1),
+                                        (jaxamp.AmpConfig(dtype="float32"), 0)], ids=["scaled", "plain_fp16", "amp_off"])
+def test_the_gradients_leave_value_and_grad_through_one_cond_that_xla_keeps_unless_amp_is_off(amp, conds):
+    # one graph: a plain fp16 step, which has no flags, compiles the scaled step's cond (XLA would
+    # drop one on a constant predicate and fuse the gradients' last stage into each consumer);
+    # with AMP off the program is the user's own, no cond
+    def loss(w, x):
+        return jnp.mean(jaxamp.grad(lambda x: jnp.tanh(w * x))(x) ** 2)
+
+    state = jaxamp.init(loss, amp)(jnp.float32(1.5), jnp.float32(0.5))
+    hlo = jax.jit(jaxamp.value_and_grad(loss)).lower(state, jnp.float32(1.5), jnp.float32(0.5)).compile().as_text()
+    assert hlo.count(" conditional(") == conds
+
+
 def test_unknown_flag_keys_and_bad_arguments_are_rejected():
     state, *_ = problem()
     opt = optax.adam(1e-3)

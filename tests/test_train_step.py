@@ -263,6 +263,25 @@ def test_the_gradients_leave_value_and_grad_through_one_cond_that_xla_keeps_unle
     assert hlo.count(" conditional(") == conds
 
 
+def test_a_flag_beside_nonfinite_gradients_is_an_overflow_unless_the_flags_are_untrusted():
+    # trusted (an engine's own flags): the overflow made the gradients non-finite, its key backs off;
+    # untrusted (flags that travelled with gradients zeroed at their source, e.g. through a
+    # global norm that spread a NaN into them): no key overflowed, the gradients are the fault
+    scalers = jaxamp.init(None, FP16, keys=["1", "2"])().derivative
+    flags = {"2": jnp.array(True), NONFINITE_VALUES: jnp.array(True)}
+    grads = {"w": jnp.array([1.0, jnp.nan])}
+    reasons = {t: jaxamp.SkipReason(int(jaxamp.step.check_step(scalers, flags, grads, trusted=t).skip_reason))
+               for t in (True, False)}
+    assert reasons == {True: jaxamp.SkipReason.NONFINITE_VALUES, False: jaxamp.SkipReason.NONFINITE_GRADS}
+    del flags[NONFINITE_VALUES]
+    check = jaxamp.step.check_step(scalers, flags, grads)
+    assert int(check.skip_reason) == jaxamp.SkipReason.DERIVATIVE_OVERFLOW and bool(check.found_inf["2"])
+    check = jaxamp.step.check_step(scalers, flags, {"w": jnp.ones(2)}, trusted=False)  # finite: the flag counts
+    assert int(check.skip_reason) == jaxamp.SkipReason.DERIVATIVE_OVERFLOW
+    with pytest.raises(TypeError, match="`trusted`=1 must be True or False"):
+        jaxamp.step.check_step(scalers, flags, grads, trusted=1)
+
+
 def test_unknown_flag_keys_and_bad_arguments_are_rejected():
     state, *_ = problem()
     opt = optax.adam(1e-3)

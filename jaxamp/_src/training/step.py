@@ -24,6 +24,7 @@ import jmp
 
 from jaxamp._src.core.marks import NONFINITE_VALUES, any_set
 from jaxamp._src.placement.held import held_operands
+from jaxamp._src.scaling.config import check_flags
 from jaxamp._src.training.flags import all_finite, flag_set, skipped_updates
 from jaxamp._src.scaling.scaler import DynamicScaler, Scalers, ScaleState
 
@@ -192,6 +193,7 @@ def check_step(scalers: Mapping[str, Any], found_inf: Flags, grads: Any, *, axis
       >>> bool(check.apply), jaxamp.SkipReason(int(check.skip_reason)).name
       (False, 'DERIVATIVE_OVERFLOW')
     """
+    check_flags("check_step", trusted=trusted)
     unknown = sorted(k for k in found_inf if k not in scalers and k != NONFINITE_VALUES)
     if unknown:
         raise KeyError(

@@ -108,8 +108,6 @@ CASES = [
      ConfigError, ["derivative_scaling=True vs derivative_scaling=False", "pass the same AmpConfig to both"]),
     ("init.off_state_fp16_net", lambda: jaxamp.init(loss, AmpConfig(enabled=False))(PARAMS, X), ConfigError,
      ["enabled=True vs enabled=False", "autocast(model.apply) without amp"]),
-    ("init.jax_grad_left", as_error(lambda: jaxamp.init(loss_with_jax_grad, FP16)(PARAMS, X)), UnscaledDerivativeWarning,
-     ["`fun`=loss_with_jax_grad", "jax.grad", "probably left in the loss", "Fix: use jaxamp.grad"]),
     # ---------------------------------------------------------------- jaxamp.autocast
     ("autocast.flax_module", lambda: jaxamp.autocast(MODEL, FP16), TypeError,
      ["`fn`=Sequential(...)", "Flax module", "autocast(model.apply, amp)"]),

@@ -195,8 +195,11 @@ def test_bad_values_are_config_errors():
         scaled_dot(jnp.ones((2, 2)), jnp.ones((2, 2)), MM, role="grad")
 
 
-def _lowered(fun, *args) -> str:
-    """The StableHLO of ``fun`` (scaled_dot's casts to the operands' formats are in it)."""
+def _lowered(fun, *args, amp=None) -> str:
+    """The StableHLO of ``fun`` (scaled_dot's casts to the operands' formats are in it), under
+    ``amp``'s scales at 1 when given (its input derivatives cross the network boundary)."""
+    if amp is not None:
+        fun = (lambda f: lambda *a: jaxamp.scaled(f, amp)({"1": 1.0}, *a)[0])(fun)
     return jax.jit(fun).lower(*args).as_text()
 
 
@@ -205,9 +208,10 @@ def test_float8_formats_override_one_role_of_the_recipe():
     assert amp.matmul_formats == ("float16", "float8_e5m2", "float8_e4m3fn")
     assert jaxamp.AmpConfig.from_dict(amp.to_dict()).matmul_formats == amp.matmul_formats
     p, x = params(), jnp.float32(0.3)
-    program = _lowered(jaxamp.grad(jaxamp.autocast(mlp, amp), 1), p, x)
+    program = _lowered(jaxamp.grad(jaxamp.autocast(mlp, amp), 1), p, x, amp=amp)
     assert "f8E5M2" in program and "f8E4M3FN" not in program  # the tangents' matmuls take E5M2 operands
-    recipe = _lowered(jaxamp.grad(jaxamp.autocast(mlp, jaxamp.AmpConfig(dtype="float8")), 1), p, x)
+    fp8 = jaxamp.AmpConfig(dtype="float8")
+    recipe = _lowered(jaxamp.grad(jaxamp.autocast(mlp, fp8), 1), p, x, amp=fp8)
     assert "f8E" not in recipe  # the recipe keeps values and tangents in float16
 
 
@@ -215,7 +219,7 @@ def test_the_fp8_recipe_puts_the_backward_passes_in_e4m3():
     amp = jaxamp.AmpConfig(dtype="float8")
     assert amp.matmul_formats == ("float16", "float16", "float8_e4m3fn")
     net, p, x = jaxamp.autocast(mlp, amp), params(), jnp.float32(0.3)
-    weight_grad = _lowered(jax.grad(lambda q: jaxamp.grad(net, 1)(q, x)), p)
+    weight_grad = _lowered(jax.grad(lambda q: jaxamp.scaled(jaxamp.grad(net, 1), amp)({"1": 1.0}, q, x)[0]), p)
     assert "f8E4M3FN" in weight_grad and "f8E5M2" not in weight_grad
 
 

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from jaxamp._src.scaling.config import AmpConfig
+from jaxamp._src.core.boundary import boundary_p
 from jaxamp._src.core.interpreter import CALL_PRIMITIVES, bind, custom_body, eval_jaxpr, holds, sub_jaxpr, sub_jaxprs
 from jaxamp._src.core.marks import (NONFINITE_VALUES, PRIMITIVES, deriv_check_p, deriv_scale_p, merge_found_inf, or_into,
                                     reduce_flags, scaler_key, step_flags)
@@ -191,6 +192,11 @@ def evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx
                 if recorder is not None and order > 0:  # order 0: a value check
                     recorder.derivative(eqn, ctx.key(order, term), invals[0])
             return [invals[0]]
+        if prim is boundary_p:  # its derivatives were taken when the program was traced: the body, inlined
+            outs, sub_flags = call(eqn, invals, ctx, analysis.bodies[id(eqn)])
+            for k, v in sub_flags.items():
+                or_into(flags, k, v)
+            return outs
         if not any(marks_in(j) for j in sub_jaxprs(eqn)):  # fast path: nothing of ours inside
             return bind(eqn, invals) if recorder is None else recorder.bind(eqn, invals)
         handler = HANDLERS.get(prim.name, call if prim.name in CALL_PRIMITIVES else None)

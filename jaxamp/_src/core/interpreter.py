@@ -21,7 +21,7 @@ __all__ = ["Rule", "CALL_PRIMITIVES", "CUSTOM_PRIMITIVES", "eval_jaxpr", "bind",
 Rule = Callable[[Any, List[Any]], Sequence[Any]]
 
 # Call-like primitives whose ``jaxpr`` parameter is the whole body, evaluated once.
-CALL_PRIMITIVES = frozenset(("pjit", "jit", "closed_call", "core_call", "remat", "checkpoint"))
+CALL_PRIMITIVES = frozenset(("pjit", "jit", "closed_call", "core_call", "remat", "checkpoint", "jaxamp_boundary"))
 # Functions with a custom derivative rule: ``call_jaxpr`` is the primal body.
 CUSTOM_PRIMITIVES = frozenset(("custom_jvp_call", "custom_vjp_call"))
 

@@ -9,6 +9,7 @@ marks ``g``, the scaled derivative of ``v``, for the overflow check; both carry 
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Dict, List, Mapping, MutableMapping, Optional, Sequence, Tuple
 
 import jax
@@ -17,7 +18,7 @@ from jax.extend import core as jcore
 from jax.interpreters import ad, batching, mlir
 
 __all__ = ["SEP", "NONFINITE_VALUES", "AMP_OFF", "scaler_key", "step_flags", "seed", "rescale", "unscale", "or_into", "any_set", "merge_found_inf",
-           "reduce_flags", "deriv_scale_p", "deriv_check_p", "deriv_scale", "deriv_check", "fresh", "PRIMITIVES"]
+           "reduce_flags", "UNINTERPRETED", "UnscaledDerivativeWarning", "deriv_scale_p", "deriv_check_p", "deriv_scale", "deriv_check", "fresh", "PRIMITIVES"]
 
 SEP = "__"  # "u__x" is du/dx, "u__x__y" is d/dy(du/dx)
 # Reserved key of found_inf: True when an input, a network output or a value below a
@@ -171,7 +172,24 @@ def _scale_shape(v, scalar: bool = False, **_) -> Tuple[int, ...]:
 
 
 def _scale_impl(v, **params):
+    if params.get("required"):  # evaluated or compiled where no scale was given to it
+        warnings.warn(UNINTERPRETED, UnscaledDerivativeWarning, stacklevel=2)
     return jnp.ones(_scale_shape(v, **params), jnp.float32)
+
+
+class UnscaledDerivativeWarning(UserWarning):
+    """A derivative through a float16 ``autocast`` network runs unscaled (scale 1, unchecked)."""
+
+
+# What a `required` scale (one the network boundary wrote: jaxamp._src.core.boundary) says when
+# it is evaluated or compiled outside jaxamp.scaled, where no scale is given to it.
+UNINTERPRETED = (
+    "jaxamp: an input derivative of a float16 jaxamp.autocast network (a jax.grad / jax.jacfwd / "
+    "jax.hessian / jax.jvp through it) is evaluated outside jaxamp.scaled / jaxamp.value_and_grad: it "
+    "runs at scale 1, unchecked, and float16 may overflow (inf/NaN). Fix: evaluate it under the AMP "
+    "state, jaxamp.scaled(fn)(amp_state, *args)[0] (e.g. a residual after training), compute the "
+    "step's gradients with jaxamp.value_and_grad, or call the network without autocast (float32) there."
+)
 
 
 def _scale_jvp(primals, tangents, **params):
@@ -220,6 +238,9 @@ def _check_batch(args, dims, **params):
 deriv_check_p.def_impl(_check_impl)
 deriv_check_p.def_abstract_eval(lambda g, v, **_: jax.core.ShapedArray(g.shape, g.dtype))
 ad.primitive_jvps[deriv_check_p] = _check_jvp
+# Linear in g (the identity): in a transposed program the check is on the cotangent side's own
+# marks (jaxamp._src.core.boundary), so the cotangent passes through.
+ad.primitive_transposes[deriv_check_p] = lambda ct, g, v, **_: [ct, None]
 batching.primitive_batchers[deriv_check_p] = _check_batch
 mlir.register_lowering(deriv_check_p, mlir.lower_fun(_check_impl, multiple_results=False))
 

@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional, Sequence, Tuple, Union
 import jax
 import jax.numpy as jnp
 
+from jaxamp._src.core import boundary
 from jaxamp._src.derivatives import vector
 from jaxamp._src.derivatives.chain import check_output
 from jaxamp._src.core.checks import check_fun, check_wrt
@@ -61,6 +62,8 @@ def jvp(fun: Callable[..., Any], primals: Sequence[Any], tangents: Sequence[Any]
     if amp_off():  # JAX's own derivative, tagged (no operation)
         out = jax.jvp(fun, primals, tangents, has_aux=has_aux)
         return (out[0], fresh(out[1], term=AMP_OFF), *out[2:])
+    if boundary.crosses(fun, primals):  # the network boundary scales and checks each order
+        return jax.jvp(fun, primals, tangents, has_aux=has_aux)
     out, f_jvp, aux, s = _linearized("jaxamp.jvp", fun, primals, has_aux, of, None)
     d = f_jvp(*[jax.tree_util.tree_map(lambda t: seed(t, s, jnp.result_type(t)), t) for t in tangents])
     d = finish(d, out, s, step(of, None))
@@ -119,6 +122,8 @@ def jacfwd(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_
                                 f"arrays (as jax.jacfwd), got {args[i]!r}.")  # fmt: skip
         if holomorphic and not all(jnp.iscomplexobj(a) for a in jax.tree_util.tree_leaves(dyn)):
             raise TypeError("jaxamp.jacfwd: holomorphic=True needs complex arguments at `argnums`.")
+        if boundary.crosses(partial, dyn):  # the network boundary scales and checks each order
+            return jax.jacfwd(fun, argnums, has_aux=has_aux, holomorphic=holomorphic)(*args, **kwargs)
         names = wrt if isinstance(argnums, tuple) and wrt is not None else (wrt,) * len(nums)
         out, f_jvp, aux, s = _linearized("jaxamp.jacfwd", partial, dyn, has_aux, of, wrt, tree=True)
         outs, out_tree = jax.tree_util.tree_flatten(out)

@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 import jax
 import jax.numpy as jnp
 
-from jaxamp._src.core import policy
+from jaxamp._src.core import boundary, policy
 from jaxamp._src.core.checks import check_fun, check_wrt
 from jaxamp._src.derivatives import chain, chain_call, vector
 from jaxamp._src.core.interpreter import substitute
@@ -99,6 +99,8 @@ def _reverse(transform: Callable, caller: str, fun: Callable, argnums, has_aux: 
         if method == "forward":
             raise ValueError(f"{caller}: method='forward' needs scalar `argnums` and float32 scalar arguments "
                              f"there, given by position; got argnums={argnums!r}. Use method='auto'.")
+        if boundary.crosses(fun, args, kwargs):  # the network boundary scales and checks each order
+            return transform(fun, argnums, has_aux=has_aux, **options)(*args, **kwargs)
         nums = argnums if isinstance(argnums, tuple) else (argnums,)
 
         def seeded(*a, **kw):

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from jaxamp._src.core import policy
+from jaxamp._src.core import boundary, policy
 from jaxamp._src.scaling.config import AmpConfig, ConfigError
 from jaxamp._src.placement.rules import ACTIVATION_PRIMITIVES, COMPUTE_PRIMITIVES, Placement, Val
 from jaxamp._src.placement.held import evaluate_held
@@ -181,9 +181,10 @@ def autocast(fn: Callable, amp: Optional[AmpConfig] = _ACTIVE, *,
             entry = cache.get(key)
         except TypeError:  # an unhashable static argument: trace every call
             key, entry = None, None
+        is_param = [i in argnums for i, a in enumerate(args) for _ in jax.tree_util.tree_leaves(a)]
+        is_param += [False] * (len(leaves) - len(is_param))
+        is_param = [p for p, t in zip(is_param, traced) if t]
         if entry is None:
-            is_param = [i in argnums for i, a in enumerate(args) for _ in jax.tree_util.tree_leaves(a)]
-            is_param += [False] * (len(leaves) - len(is_param))
 
             def call(*xs):
                 it = iter(xs)
@@ -192,14 +193,22 @@ def autocast(fn: Callable, amp: Optional[AmpConfig] = _ACTIVE, *,
                 return fn(*args, **kwargs)
 
             with policy.using(config, f"autocast({name})"):  # a nested autocast(g) takes this config
-                entry = _rewrite(fn, call, config, types, [p for p, t in zip(is_param, traced) if t], argnums)
+                entry = _rewrite(fn, call, config, types, is_param, argnums)
             if key is not None and not any(isinstance(c, jax.core.Tracer) for c in entry[0].consts):
                 cache[key] = entry  # a closure over an outer tracer is traced again next call
         closed, out_tree = entry
-        if config.matmul_formats:  # scaled products read the float16 results they follow as float16
-            flat = evaluate_held(closed, arrays, sole_readers=True)
+
+        def placed(consts, *xs):
+            if config.matmul_formats:  # scaled products read the float16 results they follow as float16
+                return evaluate_held(jcore.ClosedJaxpr(closed.jaxpr, consts), xs, sole_readers=True)
+            return eval_jaxpr(closed.jaxpr, consts, xs, bind)
+
+        if config.scaler_enabled:  # one equation whose derivatives, whoever takes them, are scaled
+            # captured arrays (an Equinox module's, maybe tracers) are operands: parameters
+            body = jax.make_jaxpr(placed)(list(closed.consts), *arrays)
+            flat = boundary.network(body, [*closed.consts, *arrays], [True] * len(closed.consts) + is_param)
         else:
-            flat = eval_jaxpr(closed.jaxpr, closed.consts, arrays, bind)
+            flat = placed(closed.consts, *arrays)
         outs = jax.tree_util.tree_unflatten(out_tree, flat)
         return policy.mark(outs, policy.Policy.of(config, name))  # the program carries its policy
 

@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 import jax.numpy as jnp
 
 from jaxamp._src.core import policy
+from jaxamp._src.core.marks import UnscaledDerivativeWarning
 from jaxamp._src.scaling.config import AmpConfig, check_flags
 from jaxamp._src.core.profile import scalers_of
 from jaxamp._src.core.tracing import traced
@@ -21,8 +22,6 @@ from jaxamp._src.core.window import check_margin
 __all__ = ["init", "UnscaledDerivativeWarning"]
 
 
-class UnscaledDerivativeWarning(UserWarning):
-    """A loss takes a derivative through a float16 ``autocast`` network with no jaxamp derivative."""
 
 
 def init(fun: Optional[Callable[..., Any]], amp: Optional[AmpConfig] = None, *, keys: Sequence[str] = (),

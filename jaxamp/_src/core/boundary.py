@@ -173,9 +173,8 @@ def _transposed_program(jaxpr, linear, known_avals, ct_avals) -> jcore.ClosedJax
 
 
 def _batch(args, dims, *, jaxpr, level, is_param, scaled):
-    axes = [d if d is not None else None for d in dims]
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    body = jax.make_jaxpr(jax.vmap(_call(jaxpr), in_axes=axes, axis_size=size))(*map(jax.typeof, args))
+    body = jax.make_jaxpr(jax.vmap(_call(jaxpr), in_axes=list(dims), axis_size=size))(*map(jax.typeof, args))
     outs = boundary_p.bind(*args, jaxpr=body, level=level, is_param=is_param, scaled=scaled)
     return outs, [0] * len(outs)
 

@@ -203,7 +203,9 @@ def autocast(fn: Callable, amp: Optional[AmpConfig] = _ACTIVE, *,
                 return evaluate_held(jcore.ClosedJaxpr(closed.jaxpr, consts), xs, sole_readers=True)
             return eval_jaxpr(closed.jaxpr, consts, xs, bind)
 
-        if config.scaler_enabled:  # one equation whose derivatives, whoever takes them, are scaled
+        # one equation whose derivatives, whoever takes them, are scaled per order (per-term keys
+        # need the names only jaxamp.grad's of=/wrt= give: those configs keep jaxamp.grad's marks)
+        if config.scaler_enabled and config.mode == "per_order_scaler" and not config.special_terms:
             # captured arrays (an Equinox module's, maybe tracers) are operands: parameters
             body = jax.make_jaxpr(placed)(list(closed.consts), *arrays)
             flat = boundary.network(body, [*closed.consts, *arrays], [True] * len(closed.consts) + is_param)

@@ -1,13 +1,21 @@
-"""Every drop-in path at scale 1 is the same program as plain float16 (``derivative_scaling=False``).
+"""At scale 1 every drop-in path is plain float16 (``derivative_scaling=False``).
 
 For each path (nested ``jaxamp.grad`` by the engine's plan and by reverse mode, ``jacrev``,
 ``jacfwd``, ``hessian``, ``jvp``, ``laplacian``) and two networks (a Flax MLP on sin/cos
 Fourier features through :func:`jaxamp.autocast`; jaxamp's own ``FullyConnected``), the loss
-and every weight gradient of ``jax.value_and_grad(jaxamp.scaled(loss, amp))`` at every scale 1
-equal, bit for bit, those of the same code under ``AmpConfig(derivative_scaling=False)``:
-scaling adds checks and multiplies by ones, and nothing else. Compiled with XLA's excess
-precision off (every float16 operation rounds to float16); with XLA's default flags under
-``-m slow``.
+and every weight gradient of ``jax.value_and_grad(jaxamp.scaled(loss, amp))`` at scale 1
+equal those of the same code under ``AmpConfig(derivative_scaling=False)``: the loss bit for
+bit; the weight gradients bit for bit where the path inlines the network (the engine's nests,
+``hessian``, ``laplacian``, and ``FullyConnected``), and to float16 rounding where JAX's own
+transform differentiates the autocast network boundary (``method="reverse"``, ``jacrev``,
+``jacfwd``, ``jvp``): there each derivative order is its own boundary equation, so a weight's
+gradient is summed from them in float32 after each was rounded to float16, where plain float16
+sums them in float16 first. (Powers of two other than 1 are no oracle for the weight gradients:
+their float16 cotangents are subnormal in part. ``tests/test_boundary.py`` holds a 4th-order
+input derivative to that oracle.)
+
+Compiled with XLA's excess precision off (every float16 operation rounds to float16); with
+XLA's default flags under ``-m slow``.
 """
 
 import functools
@@ -74,6 +82,10 @@ def value_and_grads(net, path, amp, scales, options):
 PATHS = ("auto", "reverse", "jacrev", "jacfwd", "hessian", "jvp", "laplacian")
 
 
+# Paths on which JAX's own transform meets the Fourier network's autocast boundary.
+THROUGH_BOUNDARY = ("reverse", "jacrev", "jacfwd", "jvp")
+
+
 def assert_one_program(net, path, options):
     value, grads, found = value_and_grads(net, path, AMP, {"1": 1.0, "2": 1.0}, options)
     plain_value, plain_grads, plain_found = value_and_grads(net, path, PLAIN, {}, options)
@@ -81,8 +93,12 @@ def assert_one_program(net, path, options):
     np.testing.assert_array_equal(value, plain_value)
     leaves, plain_leaves = jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(plain_grads)
     assert len(leaves) == len(plain_leaves)
+    exact = not (net == "fourier" and path in THROUGH_BOUNDARY)
     for a, b in zip(leaves, plain_leaves):
-        np.testing.assert_array_equal(a, b, err_msg=f"{net} {path}")
+        if exact:
+            np.testing.assert_array_equal(a, b, err_msg=f"{net} {path}")
+        else:  # float16 rounding of a sum, relative to the gradient's size
+            np.testing.assert_allclose(a, b, rtol=0, atol=2e-3 * float(np.max(np.abs(b))), err_msg=f"{net} {path}")
 
 
 # The fast suite's budget: on one network, the default nest, hessian (jacfwd of jacrev), jvp

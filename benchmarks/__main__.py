@@ -20,6 +20,10 @@ if __name__ == "__main__":
         from benchmarks.idioms import main as idioms_main
 
         idioms_main(sys.argv[2:])
+    elif sys.argv[1:2] == ["gpu_program"]:
+        from benchmarks.gpu_program import main as gpu_program_main
+
+        gpu_program_main(sys.argv[2:])
     elif sys.argv[1:2] == ["roofline"]:
         from benchmarks.roofline import main as roofline_main
 

@@ -48,10 +48,6 @@ import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-# the plugin's CUDA version check needs a driver; the compile does not
-os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
-os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")
-
 PLUGIN_MODULE = "jax_plugins.xla_cuda12"  # what jax-cuda12-plugin installs
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_TARGET = os.path.join(HERE, "..", "..", "shared", "tools", "gpu_aot", "h100.txtpb")
@@ -638,6 +634,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         p.error(f"--modes: unknown {unknown}; expected some of {list(MODES)}")
+    # the plugin's CUDA version check needs a driver, the compile does not (set before JAX starts its backends)
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")
     import jax
 
     jax.config.update("jax_default_matmul_precision", "highest")  # every step; fp32 at full precision

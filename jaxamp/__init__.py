@@ -4,7 +4,7 @@ The public API (docs/algorithm.md describes the algorithm; each name has its doc
 
   settings:     AmpConfig, ConfigError, DynamicScaler
   state:        AmpState, init (the one way to create it), UnscaledDerivativeWarning
-  train step:   value_and_grad, apply_or_skip, optimizer (optax), SkipReason
+  train step:   value_and_grad, optimizer (optax), apply_or_skip, grad_norms (loss weights), SkipReason
   derivatives:  grad, jacrev, jacfwd, jvp, hessian, laplacian, scaled (interprets them),
                 profile (their ranges in float16's window), NONFINITE_VALUES (the bad-values key)
   networks:     autocast (precision placement for any network)
@@ -27,7 +27,7 @@ from jaxamp._src.derivatives.laplacian import laplacian
 from jaxamp._src.core.profile import profile
 from jaxamp._src.core.scaled import scaled
 from jaxamp._src.core.marks import NONFINITE_VALUES
-from jaxamp._src.training.optim import apply_or_skip, optimizer, value_and_grad
+from jaxamp._src.training.optim import apply_or_skip, grad_norms, optimizer, value_and_grad
 from jaxamp._src.placement.rewrite import autocast
 from jaxamp._src.scaling.scaler import DynamicScaler
 from jaxamp._src.training.start import UnscaledDerivativeWarning, init
@@ -50,6 +50,7 @@ __all__ = [
     "init",
     "UnscaledDerivativeWarning",
     "value_and_grad",
+    "grad_norms",
     "apply_or_skip",
     "optimizer",
     "SkipReason",

@@ -54,8 +54,9 @@ def main(argv=None):
 
     @eqx.filter_jit
     def train_step(net, opt_state, x):
-        loss, grads = jaxamp.value_and_grad(loss_fn)(opt_state, net, x)
-        updates, opt_state = optim.update(grads, opt_state, eqx.filter(net, eqx.is_array))
+        loss, grads, flags = jaxamp.value_and_grad(loss_fn)(opt_state, net, x)
+        updates, opt_state = optim.update(grads, opt_state, eqx.filter(net, eqx.is_array),
+                                          flags=flags)
         return eqx.apply_updates(net, updates), opt_state, loss
 
     for step in range(args.steps):

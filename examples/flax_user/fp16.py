@@ -12,7 +12,7 @@ fp16.py differs from fp32.py by the lines a port to float16 + DerivScaler needs 
 --plain-fp16: the same port without derivative scaling, for comparison): the network under
 autocast, the scaled hessian, one AMP state started from a float32 profile of the loss on a first
 batch, the optimizer wrapped so that it skips an overflowing step and advances the scalers,
-the scaled value_and_grad in the train step; apply_gradients is unchanged. The port runs the first
+the scaled value_and_grad and the update with its flags in the train step. The port runs the first
 layer in float16 too (autocast_firstlayer=True, as a policy casting everything would), so plain
 fp16 overflows from step 0 and never trains.
 
@@ -85,8 +85,10 @@ def main(argv=None):
 
     @jax.jit
     def train_step(state, batch):
-        loss, grads = jaxamp.value_and_grad(loss_fn)(state.opt_state, state.params, batch)
-        state = state.apply_gradients(grads=grads)
+        loss, grads, flags = jaxamp.value_and_grad(loss_fn)(state.opt_state, state.params, batch)
+        updates, opt_state = state.tx.update(grads, state.opt_state, state.params, flags=flags)
+        params = optax.apply_updates(state.params, updates)  # apply_gradients, with the flags
+        state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
         return state, loss
 
     key, logged = jax.random.PRNGKey(args.seed + 1), []

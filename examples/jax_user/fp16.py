@@ -102,13 +102,13 @@ def main(argv=None):
         norms = {k: optax.tree.norm(g) for k, g in grads.items()}
         new = {k: sum(norms.values()) / norms[k] for k in norms}
         new = jax.tree.map(lambda w, n: 0.9 * w + 0.1 * n, weights, new)
-        return params, opt_state, jaxamp.apply_or_skip(opt_state, found, new, weights)[0]
+        return params, opt_state, jaxamp.apply_or_skip(opt_state, None, found, new, weights)[0]
 
     @jax.jit
     def train_step(state, batch):
         params, opt_state, weights = state
-        loss, grads = jaxamp.value_and_grad(loss_fn)(opt_state, params, weights, batch)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
+        loss, grads, flags = jaxamp.value_and_grad(loss_fn)(opt_state, params, weights, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params, flags=flags)
         params = optax.apply_updates(params, updates)
         return (params, opt_state, weights), loss
 

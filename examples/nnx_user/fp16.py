@@ -54,8 +54,8 @@ def main(argv=None):
 
     @jax.jit
     def train_step(model, opt_state, x):
-        loss, grads = jaxamp.value_and_grad(loss_fn)(opt_state, model, x)
-        updates, opt_state = optim.update(grads, opt_state, model)
+        loss, grads, flags = jaxamp.value_and_grad(loss_fn)(opt_state, model, x)
+        updates, opt_state = optim.update(grads, opt_state, model, flags=flags)
         return optax.apply_updates(model, updates), opt_state, loss
 
     for step in range(args.steps):

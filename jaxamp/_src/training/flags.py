@@ -1,7 +1,5 @@
-"""The flag algebra of a train step (docs/algorithm.md, "Training step"): flags travel as float32
-leaves, 0 when clean and +inf when set (:func:`encode_flag`, :func:`flag_set`), so that any
-elementwise optax transformation, ``lax.pmean`` or ``lax.psum`` keeps a set flag non-zero and a
-clean one 0 (:mod:`jaxamp.step`); :func:`zeroed_when` the gradients a set flag zeroes;
+"""The flag algebra of a train step (docs/algorithm.md, "Training step"): :func:`flag_set` reads a
+flag (a bool, or any non-zero number as set); :func:`zeroed_when` the gradients a set flag zeroes;
 :func:`all_finite` is the check of gradients and new values; :func:`skipped_updates` the updates
 of a skipped step.
 """
@@ -16,16 +14,11 @@ import jax.numpy as jnp
 from jaxamp._src.core.evaluate import opaque
 from jaxamp._src.core.marks import any_set
 
-__all__ = ["encode_flag", "flag_set", "zeroed_when", "all_finite", "skipped_updates"]
-
-
-def encode_flag(flag: Any) -> jax.Array:
-    """``f32[]``: +inf where ``flag`` is set, else 0 (see the module docstring for why)."""
-    return jnp.where(jnp.asarray(flag, bool).reshape(()), jnp.float32(jnp.inf), jnp.float32(0.0))
+__all__ = ["flag_set", "zeroed_when", "all_finite", "skipped_updates"]
 
 
 def flag_set(flag: Any) -> jax.Array:
-    """``bool[]``: whether an encoded flag (or a bool) is set: any non-zero value, NaN included."""
+    """``bool[]``: whether a flag (a bool, or a number: any non-zero value, NaN included) is set."""
     flag = jnp.asarray(flag).reshape(())
     return flag if flag.dtype == jnp.bool_ else flag != 0
 

@@ -21,7 +21,7 @@ from jaxamp._src.scaling.config import AmpConfig
 from jaxamp._src.scaling.scaler import SMALLEST_NORMAL
 from jaxamp._src.training.step import SkipReason, find_opt_state
 
-__all__ = ["ADVICE", "StallWarning", "StallError", "stall_line", "report_stall", "opt_state_metrics", "MonitorState", "StallMonitor"]
+__all__ = ["ADVICE", "StallWarning", "StallError", "explain", "stall_line", "report_stall", "opt_state_metrics", "MonitorState", "StallMonitor"]
 
 ADVICE = {
     SkipReason.NONFINITE_VALUES: (
@@ -35,7 +35,7 @@ ADVICE = {
     ),
     SkipReason.NONFINITE_GRADS: (
         "non-finite weight gradients",
-        "lower the learning rate, clip the gradients (grad_clip_max_norm) or lower amp.loss_scaler.init_scale",
+        "lower the learning rate, clip the gradients ({clip}) or lower amp.loss_scaler.init_scale",
     ),
     SkipReason.NONFINITE_UPDATES: (
         "non-finite new values from finite gradients",
@@ -52,34 +52,61 @@ class StallError(RuntimeError):
     """A run skipped ``max_consecutive_skips`` steps in a row, with ``on_stall="raise"``."""
 
 
-def stall_line(caller: str, n: int, limit: int, reason: int, keys: list) -> str:
-    """The one line a stall is reported with: the count, the reason, what to try."""
+# the loss scale this low and the weight gradients still non-finite: the overflow is not theirs
+FLOOR_LOG2 = -24
+
+
+def explain(reason: int, keys: list, *, loss_scale_log2: Optional[float] = None, derivative_keys: tuple = ()):
+    """``(cause, advice)`` of a skip reason, read against the state: the one home of the stall advice.
+
+    Non-finite weight gradients with the loss scale at or below ``2**FLOOR_LOG2`` did not overflow in
+    their own backward pass: with no derivative scaler (``derivative_keys`` empty) the likely cause
+    is a derivative of the float16 network in the loss, cured by derivative scaling."""
     cause, advice = ADVICE.get(reason, ("unknown skip reason", "see docs/algorithm.md"))
     cause = cause.format(keys=", ".join(f"`{k}`" for k in keys) or "(none flagged in the last step)")
+    advice = advice.format(clip="optax.clip_by_global_norm inside jaxamp.optimizer(optax.chain(...)); "
+                           "make_train_step: grad_clip_max_norm")
+    if reason == SkipReason.NONFINITE_GRADS and loss_scale_log2 is not None and loss_scale_log2 <= FLOOR_LOG2:
+        cause = f"non-finite weight gradients with the loss scale already at 2**{loss_scale_log2:g}"
+        advice = ("the overflow is in the loss, not in the gradients' backward pass: "
+                  + ("turn derivative scaling on (jaxamp.AmpConfig(), derivative_scaling=True) if the loss takes "
+                     "derivatives of the network, and " if not derivative_keys else "")
+                  + "check the loss's own terms (data, source terms) for values beyond float16's range "
+                  "(non-dimensionalize the problem) or use amp.dtype: bfloat16")
+    return cause, advice
+
+
+def stall_line(caller: str, n: int, limit: int, reason: int, keys: list, *, loss_scale_log2: Optional[float] = None,
+               derivative_keys: tuple = ()) -> str:
+    """The one line a stall is reported with: the count, the reason, what to try (:func:`explain`)."""
+    cause, advice = explain(reason, keys, loss_scale_log2=loss_scale_log2, derivative_keys=derivative_keys)
     return (f"{caller}: training stalled: {n} consecutive skipped steps (max_consecutive_skips={limit}), the last "
             f"for {cause}. Try: {advice}. The count and reason are in the optimizer's state (consecutive_skips, "
             "skip_reason): jaxamp.monitor.StallMonitor().update(mstate, opt_state) reads them.")
 
 
 def report_stall(consecutive_skips: jax.Array, skip_reason: jax.Array, found_inf: Mapping[str, jax.Array], *,
-                 limit: int, on_stall: str, caller: str) -> None:  # fmt: skip
+                 limit: int, on_stall: str, caller: str, loss_scale: Optional[jax.Array] = None) -> None:
     """Warn (``on_stall="warn"``: a :class:`StallWarning`) or raise (``"raise"``: a
     :class:`StallError`, surfacing from the step as a JAX runtime error) when
     ``consecutive_skips`` reaches a multiple of ``limit``: a host callback inside a ``lax.cond``
     taken only then, so a run that does not stall makes no host call.
     """
 
-    def say(n: Any, reason: Any, flags: Mapping[str, Any]) -> None:
+    def say(n: Any, reason: Any, flags: Mapping[str, Any], scale: Any) -> None:
         n = int(n)
         if n == 0 or n % limit:  # under vmap the cond is a select and this runs every step
             return
-        line = stall_line(caller, n, limit, int(reason), [k for k, v in flags.items() if bool(v)])
+        line = stall_line(caller, n, limit, int(reason), [k for k, v in flags.items() if bool(v)],
+                          loss_scale_log2=None if scale is None else float(np.log2(scale)),
+                          derivative_keys=tuple(flags))
         if on_stall == "raise":
             raise StallError(line)
         warnings.warn(line, StallWarning, stacklevel=2)
 
     hit = (consecutive_skips > 0) & (consecutive_skips % limit == 0)
-    jax.lax.cond(hit, lambda: jax.debug.callback(say, consecutive_skips, skip_reason, dict(found_inf)), lambda: None)
+    jax.lax.cond(hit, lambda: jax.debug.callback(say, consecutive_skips, skip_reason, dict(found_inf), loss_scale),
+                 lambda: None)
 
 
 def opt_state_metrics(opt_state: Any) -> Dict[str, jax.Array]:
@@ -213,7 +240,9 @@ class StallMonitor:
         else:
             return None
         flagged = [k for k, v in group("found_inf").items() if bool(v)]
-        keys = flagged or [k for k in floors if k != "loss"] or ["(none flagged in the last step)"]
-        cause, advice = ADVICE.get(reason, ("unknown skip reason", "see docs/algorithm.md"))
-        cause = cause.format(keys=", ".join(f"`{k}`" for k in keys))
+        keys = flagged or [k for k in floors if k != "loss"]
+        scales = group("scale_log2")
+        loss_log2 = float(scales["loss"]) if "loss" in scales else None
+        cause, advice = explain(reason, keys, loss_scale_log2=loss_log2, derivative_keys=tuple(k for k in scales
+                                                                                               if k != "loss"))
         return f"jaxamp: training stalled at step {steps}: {what}, the last for {cause}. Try: {advice}."

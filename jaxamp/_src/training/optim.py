@@ -1,19 +1,17 @@
 """A user's train step in three lines: :func:`value_and_grad`, :func:`optimizer`, :func:`apply_or_skip`.
 
 docs/algorithm.md, "Training step", over one :class:`~jaxamp.AmpState`: :func:`value_and_grad` scales every
-:func:`jaxamp.grad` in the loss and the loss itself; :func:`optimizer` is an optax ``GradientTransformationExtraArgs``
-that applies or skips the update and advances every scaler (the AMP state lives in its state, an
-:class:`AmpOptState`); :func:`apply_or_skip` does the same for any pytrees. Every decision is a select.
-
-The flags travel inside the gradients (a :class:`~jaxamp.step.ScaledGrads`), not as an optax extra argument, so
-the user's step stays optax's own (``optimizer.update(grads, opt_state, params)``, Flax's ``apply_gradients``):
-float leaves, 0 clean and +inf set, beside gradients zeroed when one is set (:mod:`jaxamp.step`), they survive a
-clip before the optimizer, ``lax.pmean``/``psum`` (a global OR) and any elementwise transformation.
+derivative in the loss and the loss itself and returns ``(value, grads, flags)``: the gradients the plain tree
+of the parameters, the flags (:class:`~jaxamp.step.StepFlags`) what the step decides on. :func:`optimizer`
+is an optax ``GradientTransformationExtraArgs`` wrapping the whole optimizer, as ``optax.MultiSteps`` does:
+``update(grads, opt_state, params, flags=flags)`` applies or skips the inner update and advances every
+scaler; the AMP state, the decision and the skip count live in its state (an :class:`AmpOptState`).
+:func:`apply_or_skip` does the same for any pytrees. Every decision is a select.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence, Tuple, TypeVar, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, TypeVar, Union
 
 import jax
 import jax.numpy as jnp
@@ -25,12 +23,13 @@ from jaxamp._src.core.scaled import scaled
 from jaxamp._src.core.modules import filter_grad, unfiltered
 from jaxamp._src.scaling.state import AmpState, find
 from jaxamp._src.training.monitor import report_stall
-from jaxamp._src.training.flags import encode_flag, flag_set, zeroed_when
-from jaxamp._src.training.step import (AmpOptState, ScaledGrads, StepCheck, check_like_params, check_step, find_opt_state,
+from jaxamp._src.core.marks import any_set
+from jaxamp._src.training.flags import flag_set, zeroed_when
+from jaxamp._src.training.step import (AmpOptState, StepCheck, StepFlags, check_like_params, check_step, find_opt_state,
                                        loss_scaled_grad, update_scalers, with_opt_state)
 
-__all__ = ["value_and_grad", "apply_or_skip", "optimizer", "AmpOptState", "AmpOptimizer", "advance", "with_amp_state",
-           "replace_amp", "step_state"]
+__all__ = ["value_and_grad", "grad_norms", "apply_or_skip", "optimizer", "AmpOptState", "AmpOptimizer", "advance", "with_amp_state",
+           "replace_amp", "step_state", "scaled_value_fn"]
 
 T = TypeVar("T")
 ON_STALL = ("warn", "raise", None)
@@ -58,13 +57,31 @@ def with_amp_state(opt_state: Any, amp_state: AmpState) -> Any:
     return jax.tree_util.tree_map(lambda x: x._replace(amp=amp_state) if is_amp(x) else x, opt_state, is_leaf=is_amp)
 
 
+def _outside(tree: Any) -> list:
+    """The array leaves of an optimizer state outside its one :class:`AmpOptState`."""
+    is_opt = lambda x: isinstance(x, AmpOptState)  # noqa: E731
+    return [x for x in jax.tree_util.tree_leaves(tree, is_leaf=is_opt) if not is_opt(x) and hasattr(x, "shape")]
+
+
 def locate(state: Any, caller: str) -> Tuple[AmpState, str]:
-    """The AMP state the step runs with, and ``"optimizer"`` or ``"amp_state"``: where it came from."""
+    """The AMP state the step runs with, and ``"optimizer"`` or ``"amp_state"``: where it came from.
+
+    An optimizer state whose :class:`AmpOptState` sits inside another transformation's state
+    holding arrays (``optax.chain(jaxamp.optimizer(a), b)`` with a stateful ``b``,
+    ``optax.MultiSteps(jaxamp.optimizer(a))``) is refused: that state would move on a skipped step
+    (or see only some of the flags); ``jaxamp.optimizer`` wraps the whole optimizer."""
     opt = find_opt_state(state) if not isinstance(state, AmpState) else None
     if opt is not None and opt.amp is None:
         raise TypeError(f"{caller}: the optimizer's state has no AmpState yet (built by jaxamp.optimizer(inner) "
                         "without one); set it once: opt_state = jaxamp.step.with_amp_state(opt_state, "
                         "jaxamp.init(loss, amp)(params, batch)), or build jaxamp.optimizer(inner, amp_state=amp_state).")
+    if opt is not None and _outside(state):
+        raise TypeError(
+            f"{caller}: `state` ({type(state).__name__}) holds jaxamp.optimizer's state inside another "
+            "transformation's state that has arrays of its own (e.g. optax.chain(jaxamp.optimizer(a), b) with a "
+            "stateful b, or optax.MultiSteps(jaxamp.optimizer(a))): that state would advance on skipped steps, or "
+            "see only some steps' flags. Fix: wrap the whole optimizer, jaxamp.optimizer(optax.chain(a, b)) or "
+            "jaxamp.optimizer(optax.MultiSteps(a, k)); stateless transformations (a clip) may stand outside.")
     return find(state, caller), ("optimizer" if opt is not None else "amp_state")
 
 
@@ -88,34 +105,36 @@ def _loss_of(out: Any, has_aux: bool, fun: Callable) -> Tuple[jax.Array, Any]:
 
 
 def value_and_grad(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_aux: bool = False, *,
-                   merge: bool = True, headroom: bool = False) -> Callable[..., Tuple[Any, ScaledGrads]]:  # fmt: skip
+                   merge: bool = True, headroom: bool = False) -> Callable[..., Tuple[Any, Any, StepFlags]]:
     """``jax.value_and_grad`` with the derivative scalers and the loss scaler of an AMP state.
 
     Args:
       fun: ``fun(params, *args) -> loss`` (a float scalar), or ``(loss, aux)`` with
-        ``has_aux=True``; its derivatives written with :func:`jaxamp.grad` and its siblings.
+        ``has_aux=True``; its derivatives written with :func:`jaxamp.grad` and its siblings, or
+        JAX's own through an :func:`jaxamp.autocast` network.
       argnums, has_aux: as ``jax.value_and_grad``; Equinox / NNX modules as ``eqx.filter_value_and_grad`` does.
       merge: as :func:`jaxamp.scaled`.
-      headroom: also return each key's headroom (``grads.headroom_log2``); off by default, as
-        its values would count in a global norm of the gradients (e.g. a clip before the optimizer).
+      headroom: also report each key's headroom (``flags.headroom_log2``).
 
     Returns:
-      ``vg(state, *args, **kwargs) -> (value, grads)``: ``state`` the state of
-      :func:`optimizer` (or any optimizer state holding it), or a bare :class:`~jaxamp.AmpState`
-      for :func:`apply_or_skip`; ``value`` unscaled; ``grads`` a :class:`~jaxamp.step.ScaledGrads`.
+      ``vg(state, *args, **kwargs) -> (value, grads, flags)``: ``state`` the state of
+      :func:`optimizer` (or a bare :class:`~jaxamp.AmpState` for :func:`apply_or_skip`);
+      ``value`` unscaled (``(loss, aux)`` with ``has_aux``); ``grads`` the plain gradient tree,
+      loss scale divided out, zeros when a flag is set; ``flags`` a :class:`~jaxamp.step.StepFlags`
+      for ``optimizer.update(grads, opt_state, params, flags=flags)``.
 
     Example:
       >>> import jax.numpy as jnp, jaxamp
       >>> loss = lambda p, x: jaxamp.grad(lambda p, x: jnp.sin(p * x), 1)(p, x) ** 2
       >>> state = jaxamp.init(loss, jaxamp.AmpConfig())(2.0, 0.5)
-      >>> value, grads = jaxamp.value_and_grad(loss)(state, 2.0, 0.5)
-      >>> sorted(grads.found_inf)
+      >>> value, grads, flags = jaxamp.value_and_grad(loss)(state, 2.0, 0.5)
+      >>> sorted(flags.found_inf)
       ['1', 'nonfinite_values']
     """
     check_fun("jaxamp.value_and_grad", fun, None)
     check_flags("jaxamp.value_and_grad", has_aux=has_aux, merge=merge, headroom=headroom)
 
-    def vg(state: Any, *args: Any, **kwargs: Any) -> Tuple[Any, ScaledGrads]:
+    def vg(state: Any, *args: Any, **kwargs: Any) -> Tuple[Any, Any, StepFlags]:
         amp_state, source = locate(state, "jaxamp.value_and_grad")
         marked = scaled(fun, amp_state.amp, merge=merge, headroom=True)
         # static: with loss scaling off nothing multiplies
@@ -129,26 +148,68 @@ def value_and_grad(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] =
         held = amp_state.amp.tensor_scaling  # float16 cotangents widened: multiplied as float16 (no amax)
         grads, (loss, (aux, found, room)) = filter_grad(loss_scaled_grad, loss_of, argnums, loss_scale, held)(*args)
         if amp_state.amp.compute_dtype != jnp.float32:  # AMP off: the user's program as written
-            # zeroed when a flag is set: a global norm downstream stays finite and cannot poison clean flags
+            # zeroed when a flag is set: a norm of them (a clip, loss weights) stays finite
             grads = zeroed_when([flag_set(v) for v in found.values()], grads)
-        out = ScaledGrads(grads, {k: encode_flag(v) for k, v in found.items()}, room if headroom else {},
-                          source=source)  # fmt: skip
-        return ((loss, aux) if has_aux else loss), out
+        flags = StepFlags({k: flag_set(v) for k, v in found.items()}, room if headroom else {}, source=source)
+        return ((loss, aux) if has_aux else loss), grads, flags
 
     return vg
 
 
-def _decide(state: AmpState, grads: Any, axis_name: Any, new: Any) -> StepCheck:
-    if isinstance(grads, ScaledGrads):
-        return check_step(state.derivative, grads.found_inf, grads.grads, axis_name=axis_name, new=new, trusted=False)
-    if isinstance(grads, dict):  # flags only, e.g. of jaxamp.scaled(jax.jacrev(losses))
-        return check_step(state.derivative, grads, (), axis_name=axis_name, new=new)
-    raise TypeError(f"jaxamp.apply_or_skip: `grads` must be the ScaledGrads of jaxamp.value_and_grad or the "
-                    f"found_inf flags of jaxamp.scaled, got {type(grads).__name__}.")
+def grad_norms(losses: Callable[..., Dict[str, Any]], argnums: Union[int, Sequence[int]] = 0
+               ) -> Callable[..., Tuple[Dict[str, jax.Array], jax.Array]]:
+    """The global norm of each loss term's gradient, for loss weights balanced by gradient norms
+    (jaxpi's, NTK-style): scaled as :func:`value_and_grad` scales the step, never NaN or inf.
+
+    Args:
+      losses: ``losses(params, *args) -> {name: f32[]}``, the loss terms by name.
+      argnums: as :func:`value_and_grad`.
+
+    Returns:
+      ``norms(state, params, *args) -> ({name: f32[]}, ok)``: each term's gradient norm, loss scale
+      divided out; ``ok`` (``bool[]``) False where a term's derivative overflowed, its gradients
+      are non-finite (the loss scale too high for it) or a norm is 0, and then every norm is 1.0.
+      Keep the old weights on such a step: ``weights = jnp.where(ok, new_weights, weights)``.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxamp
+      >>> losses = lambda p, x: {"pde": jnp.sum((p * x) ** 2), "bc": (p - 1.0) ** 2}
+      >>> state = jaxamp.init(losses, jaxamp.AmpConfig())(2.0, jnp.ones(3))
+      >>> norms, ok = jaxamp.grad_norms(losses)(state, 2.0, jnp.ones(3))
+      >>> {k: float(v) for k, v in norms.items()}, bool(ok)
+      ({'bc': 2.0, 'pde': 12.0}, True)
+    """
+    check_fun("jaxamp.grad_norms", losses, None)
+
+    def norms(state: Any, *args: Any, **kwargs: Any) -> Tuple[Dict[str, jax.Array], jax.Array]:
+        amp = find(state, "jaxamp.grad_norms")
+        terms = jax.eval_shape(lambda *a: scaled(losses, amp.amp)(amp.scales, *a, **kwargs)[0], *args)
+        if not isinstance(terms, dict) or not terms:
+            raise TypeError(f"jaxamp.grad_norms: `losses`={losses!r} must return a non-empty dict of scalar loss "
+                            f"terms by name, got {type(terms).__name__}.")
+        out, bad = {}, []
+        for name in sorted(terms):
+            _, grads, flags = value_and_grad(lambda *a, name=name: losses(*a, **kwargs)[name], argnums)(state, *args)
+            out[name] = optax.tree.norm(grads)
+            bad += [flag_set(v) for v in flags.found_inf.values()] + [~jnp.isfinite(out[name]), out[name] == 0]
+        ok = ~any_set(bad)
+        return {k: jnp.where(ok, v, jnp.float32(1.0)) for k, v in out.items()}, ok
+
+    return norms
 
 
-def apply_or_skip(state: Any, grads: Union[ScaledGrads, dict], applied: T, skipped: T, *,
-                  axis_name: Optional[Any] = None, return_reason: bool = False) -> Tuple[Any, ...]:  # fmt: skip
+def _found_inf(flags: Any, caller: str) -> Dict[str, Any]:
+    if isinstance(flags, StepFlags):
+        return flags.found_inf
+    if isinstance(flags, dict):  # e.g. the found_inf of jaxamp.scaled(jax.jacrev(losses))
+        return flags
+    raise TypeError(f"{caller}: `flags` must be the StepFlags of jaxamp.value_and_grad (loss, grads, flags = "
+                    f"jaxamp.value_and_grad(loss)(state, params, ...)) or the found_inf dict of jaxamp.scaled, got "
+                    f"{type(flags).__name__}.")
+
+
+def apply_or_skip(state: Any, grads: Any, flags: Union[StepFlags, dict], applied: T, skipped: T, *,
+                  axis_name: Optional[Any] = None, return_reason: bool = False) -> Tuple[Any, ...]:
     """Apply or skip an update of any pytrees, and advance every scaler.
 
     The step is skipped when a flag is set, the gradients are non-finite, or ``applied`` holds a
@@ -156,8 +217,10 @@ def apply_or_skip(state: Any, grads: Union[ScaledGrads, dict], applied: T, skipp
 
     Args:
       state: the :class:`~jaxamp.AmpState` the step ran with, or an optimizer state holding one.
-      grads: the :class:`~jaxamp.step.ScaledGrads` of :func:`value_and_grad`, or the
-        ``found_inf`` flags of :func:`jaxamp.scaled` (then the loss scaler does not move).
+      grads: the step's gradients (checked finite: the loss scaler steps on them), or None for
+        flags without gradients (then the loss scaler does not move).
+      flags: the :class:`~jaxamp.step.StepFlags` of :func:`value_and_grad`, or the ``found_inf``
+        dict of :func:`jaxamp.scaled`.
       applied, skipped: pytrees of the same structure: the new values and those kept on a skip.
       axis_name: inside ``pmap``/``shard_map``: OR the flags over this axis.
       return_reason: also return the step's :class:`~jaxamp.SkipReason` (``i32[]``, 0 applied).
@@ -170,9 +233,8 @@ def apply_or_skip(state: Any, grads: Union[ScaledGrads, dict], applied: T, skipp
     Example:
       >>> import jax.numpy as jnp, jaxamp
       >>> state = jaxamp.init(None, jaxamp.AmpConfig())()
-      >>> grads = jaxamp.step.ScaledGrads(jnp.array([jnp.inf]), {})
-      >>> params, state, reason = jaxamp.apply_or_skip(state, grads, jnp.array([jnp.nan]), jnp.array([1.0]),
-      ...                                              return_reason=True)
+      >>> params, state, reason = jaxamp.apply_or_skip(state, jnp.array([jnp.inf]), {}, jnp.array([jnp.nan]),
+      ...                                              jnp.array([1.0]), return_reason=True)
       >>> params, float(state.loss_scale), jaxamp.SkipReason(int(reason)).name
       (Array([1.], dtype=float32), 32768.0, 'NONFINITE_GRADS')
     """
@@ -182,9 +244,10 @@ def apply_or_skip(state: Any, grads: Union[ScaledGrads, dict], applied: T, skipp
                         f"values and those kept on a skip), got {jax.tree_util.tree_structure(applied)} and "
                         f"{jax.tree_util.tree_structure(skipped)}; pass e.g. (new_params, new_opt) and (params, opt).")
     amp = find(state, "jaxamp.apply_or_skip")
-    check = _decide(amp, grads, axis_name, applied)
+    found = _found_inf(flags, "jaxamp.apply_or_skip")
+    check = check_step(amp.derivative, found, () if grads is None else grads, axis_name=axis_name, new=applied)
     new = advance(check, amp)
-    if not isinstance(grads, ScaledGrads):  # flags only: the loss scaler stays
+    if grads is None:  # flags only: the loss scaler stays
         new = new.replace(loss=amp.loss)
     opt = find_opt_state(state) if not isinstance(state, AmpState) else None
     if opt is None:
@@ -192,7 +255,7 @@ def apply_or_skip(state: Any, grads: Union[ScaledGrads, dict], applied: T, skipp
     else:  # counted as jaxamp.optimizer counts, a stall reported at its default limit
         stepped = step_state(opt, new, check)
         report_stall(stepped.consecutive_skips, check.skip_reason, check.found_inf, limit=100, on_stall="warn",
-                     caller="jaxamp.apply_or_skip")
+                     caller="jaxamp.apply_or_skip", loss_scale=None if amp.loss_rule is None else new.loss_scale)
         out_state = with_opt_state(state, stepped)
     out = (check.select(applied, skipped), out_state)
     return out + (check.skip_reason,) if return_reason else out
@@ -216,32 +279,63 @@ class AmpOptimizer(optax.GradientTransformationExtraArgs):
     __slots__ = ()
 
 
+def _needs_flags(amp: AmpState) -> bool:
+    """Whether gradients for ``amp`` must come from :func:`value_and_grad`: a scaler acts (a loss
+    scale or a derivative scale), so plain gradients would be unscaled."""
+    return amp.amp.compute_dtype != jnp.float32 and (amp.loss_rule is not None or len(amp.derivative) > 0)
+
+
+def scaled_value_fn(value_fn: Callable[..., Any], amp: AmpState) -> Callable[..., jax.Array]:
+    """``value_fn`` (``params -> loss``, as optax's line searches call it) under ``amp``'s scales:
+    its derivatives scaled and checked; a trial point where a flag is set is worth ``+inf`` (the
+    line search shortens the step), never an unscaled fp16 value."""
+    marked = scaled(value_fn, amp.amp)
+
+    def value(*args: Any, **kwargs: Any) -> jax.Array:
+        out, found = marked(amp.scales, *args, **kwargs)
+        bad = any_set([flag_set(v) for v in found.values()]) if found else jnp.bool_(False)
+        return jnp.where(bad, jnp.inf, out)
+
+    return value
+
+
 def optimizer(inner: optax.GradientTransformation, *, amp_state: Optional[AmpState] = None,
               axis_name: Optional[Any] = None, max_consecutive_skips: int = 100, on_stall: Optional[str] = "warn",
-              skip_when_off: bool = False) -> AmpOptimizer:  # fmt: skip
-    """Wrap any optax optimizer: skip the update on overflow and advance every scaler.
+              skip_when_off: bool = False) -> AmpOptimizer:
+    """Wrap a whole optax optimizer: skip the update on overflow and advance every scaler.
 
-    Unlike ``optax.apply_if_finite``, a skipped step is a zero update (``-0.0``: the parameters stay
-    bit for bit), inner state unchanged. It may stand anywhere in ``optax.chain`` (e.g. after ``optax.clip_by_global_norm``)
-    and take gradients ``lax.pmean``-ed or ``lax.psum``-ed over devices (flags OR over them).
+    ``update(grads, opt_state, params, flags=flags, **extra)`` takes the plain gradients and the
+    :class:`~jaxamp.step.StepFlags` of :func:`value_and_grad`. On a skip the update is ``-0.0``
+    (``optax.apply_updates`` leaves the parameters bit for bit) and the inner state is the old one,
+    whole: its moments, counts, schedules' steps, ``reduce_on_plateau``'s history and
+    ``MultiSteps``' accumulator do not move (a schedule counts applied steps). Unlike
+    ``optax.apply_if_finite``, no NaN is ever applied.
+
+    Where it may stand: outermost, or after stateless transformations (``optax.chain(
+    optax.clip_by_global_norm(1.0), jaxamp.optimizer(adam))``). Inside a stateful one
+    (``optax.chain(jaxamp.optimizer(a), b)``, ``optax.MultiSteps(jaxamp.optimizer(a))``) it is refused
+    by :func:`value_and_grad` with the fix: ``jaxamp.optimizer(optax.chain(a, b))``.
+
+    Extra arguments go to ``inner`` (``value=`` for ``reduce_on_plateau``, ``value``/``grad``/
+    ``value_fn`` for ``optax.lbfgs``); a ``value_fn`` runs under the state's scales
+    (:func:`scaled_value_fn`).
 
     Args:
       inner: any optax ``GradientTransformation``.
-      amp_state: the initial :class:`~jaxamp.AmpState` (from :func:`jaxamp.init`); None: given later,
-        as ``tx.init(params, amp_state)`` or :func:`with_amp_state` (an optimizer built first).
+      amp_state: the initial :class:`~jaxamp.AmpState` (from :func:`jaxamp.init`); None: set later
+        with :func:`with_amp_state` (an optimizer built first).
       axis_name: inside ``pmap``/``shard_map`` with per-device gradients: OR the flags over this axis.
       max_consecutive_skips: this many skipped steps in a row is a stall, reported each time the
         count reaches a multiple of it (a host callback taken only then), a positive int.
       on_stall: ``"warn"`` (a :class:`~jaxamp.monitor.StallWarning`), ``"raise"`` (a :class:`~jaxamp.monitor.StallError`,
-        a JAX runtime error from the step) or None: no report in the step, whose host callback costs a small CPU step
-        11-20 % of its time (benchmarks/stall_cost.py); ``consecutive_skips`` still counts (for a StallMonitor).
+        a JAX runtime error from the step) or None: no report in the step (``consecutive_skips`` still counts).
       skip_when_off: with AMP off (float32): False, ``inner`` as written (the user's program bit
         for bit); True, non-finite steps still skip (``make_train_step``'s rule in every precision).
 
     Returns:
-      An :class:`AmpOptimizer` whose ``update`` takes the ``ScaledGrads`` of
-      :func:`value_and_grad` called on its state (or plain gradients) and whose state is an
-      :class:`AmpOptState` (``amp``, ``skip_reason``, ``consecutive_skips``).
+      An :class:`AmpOptimizer` whose state is an :class:`AmpOptState` (``inner``, ``amp``,
+      ``skip_reason``, ``consecutive_skips``). Gradients without ``flags`` while a scaler acts are
+      an error naming :func:`value_and_grad` (they would be unscaled).
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxamp
@@ -252,7 +346,7 @@ def optimizer(inner: optax.GradientTransformation, *, amp_state: Optional[AmpSta
     """
     if amp_state is not None and not isinstance(amp_state, AmpState):
         raise TypeError(f"jaxamp.optimizer: `amp_state`={amp_state!r} must be a jaxamp.AmpState (from jaxamp.init) or None "
-                        "(then give it later: tx.init(params, amp_state) or jaxamp.step.with_amp_state).")
+                        "(then set it later: jaxamp.step.with_amp_state(opt_state, amp_state)).")
     if not (hasattr(inner, "init") and hasattr(inner, "update")):
         raise TypeError(f"jaxamp.optimizer: `inner`={inner!r} must be an optax GradientTransformation.")
     n = max_consecutive_skips
@@ -262,37 +356,45 @@ def optimizer(inner: optax.GradientTransformation, *, amp_state: Optional[AmpSta
     check_flags("jaxamp.optimizer", skip_when_off=skip_when_off)
     if on_stall not in ON_STALL:
         raise ValueError(f"jaxamp.optimizer: `on_stall`={on_stall!r} is not allowed: expected one of {ON_STALL}.")
-    inner, first = optax.with_extra_args_support(inner), amp_state
+    inner = optax.with_extra_args_support(inner)
 
-    def init_fn(params: Any, amp_state: Optional[AmpState] = None) -> AmpOptState:
-        amp_state = first if amp_state is None else amp_state
-        if amp_state is not None and not isinstance(amp_state, AmpState):
-            raise TypeError(f"jaxamp.optimizer(...).init: `amp_state`={amp_state!r} must be a jaxamp.AmpState.")
+    def init_fn(params: Any) -> AmpOptState:
         zero = jnp.asarray(0, jnp.int32)
         return AmpOptState(inner.init(params), amp_state, zero, zero)
 
-    def update_fn(updates: Any, opt_state: AmpOptState, params: Any = None, **extra: Any):
+    def update_fn(updates: Any, opt_state: AmpOptState, params: Any = None, *, flags: Any = None, **extra: Any):
         if not isinstance(opt_state, AmpOptState):
             raise TypeError(f"jaxamp.optimizer: `state` must be the AmpOptState of this optimizer's init, got "
                             f"{type(opt_state).__name__}.")
-        if isinstance(updates, ScaledGrads) and updates.source != "optimizer":
+        amp, _ = locate(opt_state, "jaxamp.optimizer")
+        if isinstance(flags, StepFlags) and flags.source != "optimizer":
             raise ValueError(
-                "jaxamp.optimizer: `updates` were computed by jaxamp.value_and_grad from a bare AmpState, not from "
+                "jaxamp.optimizer: `flags` were computed by jaxamp.value_and_grad from a bare AmpState, not from "
                 "the optimizer's state: the scales in the optimizer's state advance each step, a bare AmpState "
                 "stays at its first scales. Fix: jaxamp.value_and_grad(loss)(opt_state, params, ...) with the "
-                "state this optimizer returned (for Flax: ts.opt_state).")
-        amp, _ = locate(opt_state, "jaxamp.optimizer")
-        grads = updates if isinstance(updates, ScaledGrads) else ScaledGrads(unfiltered(updates, "jaxamp.optimizer"), {})
-        check_like_params(grads.grads, params, "jaxamp.optimizer")
-        new_updates, new_inner = inner.update(grads.grads, opt_state.inner, params, **extra)
+                "state this optimizer returned.")
+        if flags is None and _needs_flags(amp):
+            raise TypeError(
+                "jaxamp.optimizer: gradients without `flags` while a scaler acts (loss scale, derivative scales "
+                f"{sorted(amp.derivative)}): gradients not computed by jaxamp.value_and_grad are unscaled and "
+                "unchecked (e.g. jax.value_and_grad, or a library's own loop). Fix: loss, grads, flags = "
+                "jaxamp.value_and_grad(loss)(opt_state, params, batch); then "
+                "optimizer.update(grads, opt_state, params, flags=flags).")
+        found = {} if flags is None else _found_inf(flags, "jaxamp.optimizer")
+        grads = unfiltered(updates, "jaxamp.optimizer")
+        check_like_params(grads, params, "jaxamp.optimizer")
+        if "value_fn" in extra and amp.amp.compute_dtype != jnp.float32:
+            extra = {**extra, "value_fn": scaled_value_fn(extra["value_fn"], amp)}
+        new_updates, new_inner = inner.update(grads, opt_state.inner, params, **extra)
         if amp.amp.compute_dtype == jnp.float32 and not skip_when_off:  # AMP off: inner as written
             return new_updates, opt_state._replace(inner=new_inner)
-        check = _decide(amp, grads, axis_name, (new_updates, new_inner))
+        check = check_step(amp.derivative, found, grads, axis_name=axis_name, new=(new_updates, new_inner))
         new_updates, new_inner = check.keep(new_updates, new_inner, opt_state.inner)
         new_state = step_state(opt_state, advance(check, amp), check, new_inner)
         if on_stall is not None:
             report_stall(new_state.consecutive_skips, check.skip_reason, check.found_inf, limit=n,
-                         on_stall=on_stall, caller="jaxamp.optimizer")
+                         on_stall=on_stall, caller="jaxamp.optimizer",
+                         loss_scale=None if amp.loss_rule is None else new_state.amp.loss_scale)
         return new_updates, new_state
 
     return AmpOptimizer(init_fn, update_fn)

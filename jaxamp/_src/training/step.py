@@ -1,16 +1,11 @@
 """The pieces of a mixed-precision train step (docs/algorithm.md, "Training step"): gradients
-(:func:`loss_scaled_grad`), what travels with them (:class:`ScaledGrads`), the apply-or-skip
+(:func:`loss_scaled_grad`), the flags reported beside them (:class:`StepFlags`), the apply-or-skip
 decision (:func:`check_step`), the scaler updates (:func:`update_scalers`) and the optimizer's
 state (:class:`AmpOptState`). All branches are selects: no host synchronisation, one compilation.
 
-Flags travel as float32 leaves, 0 when clean and +inf when set (:mod:`jaxamp._src.training.flags`),
-beside weight gradients that are zeroed whenever a flag is set: any
-elementwise optax transformation, ``lax.pmean`` or ``lax.psum`` keeps a set flag non-zero
-(inf stays inf, inf/inf and inf*0 are NaN) and a clean one 0, and a clean step's flags add 0 to
-a global norm, so that ``optax.clip_by_global_norm`` before :func:`jaxamp.optimizer` clips a
-clean step exactly as it would the bare gradients. Non-finite gradients reaching the optimizer
-therefore had no flag at their source; a global norm may have spread their NaN into the flags,
-so the optimizer reads the flags only beside finite gradients (``check_step(..., trusted=False)``).
+The gradients are the plain tree of the parameters (zeroed when a flag is set, so a norm of them
+stays finite); the flags reach the optimizer as its ``flags`` extra argument, the decision and
+every scaler live in its state.
 """
 
 from __future__ import annotations
@@ -28,7 +23,7 @@ from jaxamp._src.scaling.config import check_flags
 from jaxamp._src.training.flags import all_finite, flag_set, skipped_updates
 from jaxamp._src.scaling.scaler import DynamicScaler, Scalers, ScaleState
 
-__all__ = ["check_like_params", "Flags", "SkipReason", "ScaledGrads", "loss_scaled_grad", "StepCheck", "check_step", "update_scalers", "AmpOptState", "find_opt_state", "with_opt_state"]
+__all__ = ["check_like_params", "Flags", "SkipReason", "StepFlags", "loss_scaled_grad", "StepCheck", "check_step", "update_scalers", "AmpOptState", "find_opt_state", "with_opt_state"]
 
 T = TypeVar("T")
 Flags = Mapping[str, jax.Array]
@@ -51,48 +46,38 @@ class SkipReason(enum.IntEnum):
     NONFINITE_UPDATES = 4  # finite gradients but non-finite new values (e.g. a NaN loss weight): no scaler moves
 
 
-class _Named(type):
-    # the class's repr is what JAX prints in a pytree structure error, so jaxamp's gradients
-    # handed to a plain optax optimizer fail with a message that names the fix
-    def __repr__(cls) -> str:
-        return ("jaxamp.step.ScaledGrads (jaxamp's gradients with their overflow flags: update with "
-                "jaxamp.optimizer(your_optax_optimizer) or jaxamp.apply_or_skip, not a plain optax optimizer)")
-
-
-class ScaledGrads(metaclass=_Named):
-    """What :func:`jaxamp.value_and_grad` returns as gradients, a pytree for
-    :func:`jaxamp.optimizer` and :func:`jaxamp.apply_or_skip`.
+class StepFlags:
+    """What :func:`jaxamp.value_and_grad` reports beside the gradients, for :func:`jaxamp.optimizer`
+    (``update(grads, opt_state, params, flags=flags)``) and :func:`jaxamp.apply_or_skip`: the
+    gradients stay the plain tree optax expects; the step's decision reads these.
 
     Attributes:
-      grads: the weight gradients, loss scale divided out; zeros when a flag is set.
-      found_inf: ``{key: f32[]}`` derivative flags (``NONFINITE_VALUES`` included), 0 or +inf.
+      found_inf: ``{key: bool[]}`` the derivative flags (``NONFINITE_VALUES`` included).
       headroom_log2: ``{key: f32[]}`` each key's headroom (``value_and_grad(headroom=True)``), else ``{}``.
       source: static: ``"optimizer"`` when computed from an optimizer state, else ``"amp_state"``.
     """
 
-    __slots__ = ("grads", "found_inf", "headroom_log2", "source")
+    __slots__ = ("found_inf", "headroom_log2", "source")
 
-    def __init__(self, grads: Any, found_inf: Flags, headroom_log2: Optional[Dict[str, Any]] = None, *,
-                 source: str = "amp_state") -> None:  # fmt: skip
-        self.grads, self.found_inf, self.source = grads, found_inf, source
-        self.headroom_log2 = {} if headroom_log2 is None else headroom_log2
+    def __init__(self, found_inf: Flags, headroom_log2: Optional[Dict[str, Any]] = None, *,
+                 source: str = "amp_state") -> None:
+        self.found_inf, self.source = dict(found_inf), source
+        self.headroom_log2 = {} if headroom_log2 is None else dict(headroom_log2)
 
-    def replace(self, **changes: Any) -> "ScaledGrads":
+    def replace(self, **changes: Any) -> "StepFlags":
         """A copy with some attributes changed."""
         fields = {k: getattr(self, k) for k in self.__slots__}
-        return ScaledGrads(**{**fields, **changes})
-
-    def __contains__(self, name: Any) -> bool:  # flax's apply_gradients asks for a collection by name
-        return False
+        return StepFlags(**{**fields, **changes})
 
     def __repr__(self) -> str:
-        return f"ScaledGrads(grads={self.grads!r}, found_inf={self.found_inf!r}, source={self.source!r})"
+        return f"StepFlags(found_inf={self.found_inf!r}, source={self.source!r})"
 
 
 jax.tree_util.register_pytree_with_keys(
-    ScaledGrads,
-    lambda s: (tuple((jax.tree_util.GetAttrKey(k), getattr(s, k)) for k in ScaledGrads.__slots__[:3]), s.source),
-    lambda source, children: ScaledGrads(*children, source=source),
+    StepFlags,
+    lambda s: (((jax.tree_util.GetAttrKey("found_inf"), s.found_inf),
+                (jax.tree_util.GetAttrKey("headroom_log2"), s.headroom_log2)), s.source),
+    lambda source, children: StepFlags(*children, source=source),
 )
 
 
@@ -162,7 +147,7 @@ class StepCheck(NamedTuple):
 
 
 def check_step(scalers: Mapping[str, Any], found_inf: Flags, grads: Any, *, axis_name: Optional[Any] = None,
-               new: Any = None, trusted: bool = True) -> StepCheck:  # fmt: skip
+               new: Any = None) -> StepCheck:
     """Decide whether a step applies, and why not.
 
     Precedence (docs/algorithm.md, "Training step"): bad values (``found_inf[NONFINITE_VALUES]``,
@@ -173,14 +158,11 @@ def check_step(scalers: Mapping[str, Any], found_inf: Flags, grads: Any, *, axis
       scalers: the derivative scalers (or any mapping with the same keys); a flag under any
         other key but ``NONFINITE_VALUES`` is an error.
       found_inf: ``{key: bool[]}`` from the derivative engines, ``NONFINITE_VALUES`` included
-        (or encoded flags, :func:`encode_flag`: any non-zero value is set).
+        (or encoded flags: any non-zero value is set).
       grads: the unscaled weight gradients (any pytree).
       new: the new values the step would apply (updates, new optimizer state, ...): non-finite
         ones skip the step as ``NONFINITE_UPDATES``; None: not checked.
       axis_name: inside ``pmap``/``shard_map``/``vmap``: OR the flags over this named axis.
-      trusted: False: a flag counts only beside finite gradients, as for flags that travelled
-        with gradients zeroed at their source (a set flag beside non-finite gradients was
-        spread there by a global norm of them: the step is NONFINITE_GRADS).
 
     Returns:
       A :class:`StepCheck`.
@@ -193,7 +175,6 @@ def check_step(scalers: Mapping[str, Any], found_inf: Flags, grads: Any, *, axis
       >>> bool(check.apply), jaxamp.SkipReason(int(check.skip_reason)).name
       (False, 'DERIVATIVE_OVERFLOW')
     """
-    check_flags("check_step", trusted=trusted)
     unknown = sorted(k for k in found_inf if k not in scalers and k != NONFINITE_VALUES)
     if unknown:
         raise KeyError(
@@ -204,8 +185,6 @@ def check_step(scalers: Mapping[str, Any], found_inf: Flags, grads: Any, *, axis
     finite = all_finite(grads)
     flags = {k: flag_set(found_inf.get(k, False)) for k in scalers}
     values = flag_set(found_inf.get(NONFINITE_VALUES, False))
-    if not trusted:
-        flags, values = {k: v & finite for k, v in flags.items()}, values & finite
     new_finite = all_finite(new)
     if axis_name is not None:
         reduce = lambda b: jax.lax.pmax(b.astype(jnp.int32), axis_name) > 0  # noqa: E731

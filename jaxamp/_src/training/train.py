@@ -23,7 +23,7 @@ from jaxamp._src.scaling.scaler import exact_log2
 from jaxamp._src.training.start import init
 from jaxamp._src.scaling.state import AmpState
 from jaxamp._src.training.flags import flag_set
-from jaxamp._src.training.step import AmpOptState, ScaledGrads, SkipReason
+from jaxamp._src.training.step import AmpOptState, SkipReason, StepFlags
 
 __all__ = ["Step", "TrainState", "step_metrics", "AUX_CONTRACT", "torch_clip", "make_train_step"]
 
@@ -125,12 +125,12 @@ class TrainState(NamedTuple):
         return self.amp_state.scales
 
 
-def step_metrics(loss: jax.Array, terms: Any, grads: ScaledGrads, opt_state: AmpOptState, grad_norm: jax.Array,
-                 extra: Optional[Mapping[str, jax.Array]] = None) -> Dict[str, jax.Array]:  # fmt: skip
+def step_metrics(loss: jax.Array, terms: Any, flags: StepFlags, opt_state: AmpOptState, grad_norm: jax.Array,
+                 extra: Optional[Mapping[str, jax.Array]] = None) -> Dict[str, jax.Array]:
     """The metrics of one step, as :func:`make_train_step` reports them (for users' own loops).
 
     Args:
-      loss: the unscaled loss. terms: ``{name: f32[]}``. grads: the step's ``ScaledGrads``.
+      loss: the unscaled loss. terms: ``{name: f32[]}``. flags: the step's :class:`~jaxamp.step.StepFlags`.
       opt_state: the state of :func:`jaxamp.optimizer` after the step.
       grad_norm: the global norm of the unscaled gradients (0 when a flag is set: they are zeroed).
       extra: ``{name: f32[]}`` more metrics, reported under their names (not the step's own).
@@ -143,10 +143,10 @@ def step_metrics(loss: jax.Array, terms: Any, grads: ScaledGrads, opt_state: Amp
     Example:
       >>> import jax.numpy as jnp, optax, jaxamp
       >>> tx = jaxamp.optimizer(optax.sgd(0.1), amp_state=jaxamp.init(None, jaxamp.AmpConfig(dtype="float16"), keys=["2"])())
-      >>> grads = jaxamp.step.ScaledGrads({"w": jnp.ones(2)}, {"2": jnp.float32(0.0)}, source="optimizer")
-      >>> opt_state = tx.update(grads, tx.init({"w": jnp.ones(2)}))[1]
-      >>> metrics = jaxamp.train.step_metrics(jnp.float32(0.5), {"pde": jnp.float32(0.5)}, grads, opt_state,
-      ...                                     optax.tree.norm(grads.grads))
+      >>> grads, flags = {"w": jnp.ones(2)}, jaxamp.step.StepFlags({"2": jnp.bool_(False)}, source="optimizer")
+      >>> opt_state = tx.update(grads, tx.init({"w": jnp.ones(2)}), flags=flags)[1]
+      >>> metrics = jaxamp.train.step_metrics(jnp.float32(0.5), {"pde": jnp.float32(0.5)}, flags, opt_state,
+      ...                                     optax.tree.norm(grads))
       >>> sorted(metrics)  # doctest: +NORMALIZE_WHITESPACE
       ['consecutive_skips', 'found_inf/2', 'found_nonfinite_values', 'grad_norm', 'loss', 'scale_log2/2',
        'scale_log2/loss', 'skip_reason', 'skipped', 'terms/pde']
@@ -159,7 +159,7 @@ def step_metrics(loss: jax.Array, terms: Any, grads: ScaledGrads, opt_state: Amp
                **{f"terms/{k}": v for k, v in terms.items()},
                "scale_log2/loss": exact_log2(amp.loss.scale),
                **{f"scale_log2/{k}": exact_log2(s.scale) for k, s in amp.derivative.items()},
-               **{f"found_inf/{k}": flag_set(grads.found_inf.get(k, False)) for k in amp.derivative}}
+               **{f"found_inf/{k}": flag_set(flags.found_inf.get(k, False)) for k in amp.derivative}}
     clash = sorted(k for k in (extra or {}) if k in metrics)
     if clash:
         raise ValueError(f"step_metrics: the loss function's metric name(s) {clash} are not allowed: the step "
@@ -224,7 +224,7 @@ def make_train_step(
       amp: the settings the state must have been created with (None: not checked).
       grad_clip_max_norm: torch's ``clip_grad_norm_`` of the unscaled gradients; None or 0: none.
       merge: as :func:`jaxamp.scaled` (the default of :func:`jaxamp.value_and_grad`).
-      headroom: also report ``headroom_log2/<key>`` (``ScaledGrads.headroom_log2``).
+      headroom: also report ``headroom_log2/<key>`` (``StepFlags.headroom_log2``).
       max_consecutive_skips, on_stall: as :func:`jaxamp.optimizer`, but ``on_stall`` None by default:
         the metrics carry ``consecutive_skips`` for a host-side :class:`jaxamp.monitor.StallMonitor`
         (as the examples feed one), with no callback in the step; ``"warn"``/``"raise"``: in the step.
@@ -271,17 +271,17 @@ def make_train_step(
             raise ValueError(f"make_train_step: the state's `amp_state` ({amp_state!r}) was not created with the "
                              f"step's `amp` ({amp!r}); create the state with TrainState.create(..., amp=amp).")
         opt_state = state.opt_state
-        (loss, aux), grads = grad_fn(opt_state, state.params, batch)
+        (loss, aux), grads, flags = grad_fn(opt_state, state.params, batch)
         terms, extra = _split_aux(aux)
-        grad_norm = optax.tree.norm(grads.grads)  # the flags of a clean step are 0: the same norm
+        grad_norm = optax.tree.norm(grads)
         if clip > 0:
-            grads = grads.replace(grads=torch_clip(clip).update(grads.grads, None)[0])
-        updates, after = tx.update(grads, opt_state, state.params)
+            grads = torch_clip(clip).update(grads, None)[0]
+        updates, after = tx.update(grads, opt_state, state.params, flags=flags)
         # a skipped step's updates are -0.0 (jaxamp.optimizer): the params stay bit for bit
         params = optax.apply_updates(state.params, updates)
         new_state = TrainState(step=state.step + 1, params=params, opt_state=after)
         if headroom:
-            extra = {**{f"headroom_log2/{k}": v for k, v in grads.headroom_log2.items()}, **extra}
-        return new_state, step_metrics(loss, terms, grads, after, grad_norm, extra)
+            extra = {**{f"headroom_log2/{k}": v for k, v in flags.headroom_log2.items()}, **extra}
+        return new_state, step_metrics(loss, terms, flags, after, grad_norm, extra)
 
     return step

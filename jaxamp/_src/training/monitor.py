@@ -52,6 +52,9 @@ class StallError(RuntimeError):
     """A run skipped ``max_consecutive_skips`` steps in a row, with ``on_stall="raise"``."""
 
 
+# skipped steps in a row that make a stall, unless told otherwise (jaxamp.optimizer, make_train_step, StallMonitor)
+STALL_LIMIT = 100
+
 # the loss scale this low and the weight gradients still non-finite: the overflow is not theirs
 FLOOR_LOG2 = -24
 
@@ -164,7 +167,7 @@ class StallMonitor:
       jaxamp: training stalled at step 2: 2 consecutive skipped steps, the last for overflow in derivative scaler `2`. Try: ...
     """
 
-    max_consecutive_skips: int = 100
+    max_consecutive_skips: int = STALL_LIMIT
     window: int = 1000
     max_skip_rate: float = 0.5
     amp: Optional[AmpConfig] = None

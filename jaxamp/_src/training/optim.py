@@ -22,7 +22,7 @@ from jaxamp._src.core.checks import check_fun
 from jaxamp._src.core.scaled import scaled
 from jaxamp._src.core.modules import filter_grad, unfiltered
 from jaxamp._src.scaling.state import AmpState, find
-from jaxamp._src.training.monitor import report_stall
+from jaxamp._src.training.monitor import STALL_LIMIT, report_stall
 from jaxamp._src.core.marks import any_set
 from jaxamp._src.training.flags import flag_set, zeroed_when
 from jaxamp._src.training.step import (AmpOptState, StepCheck, StepFlags, check_like_params, check_step, find_opt_state,
@@ -254,7 +254,7 @@ def apply_or_skip(state: Any, grads: Any, flags: Union[StepFlags, dict], applied
         out_state = new if isinstance(state, AmpState) else replace_amp(state, new)
     else:  # counted as jaxamp.optimizer counts, a stall reported at its default limit
         stepped = step_state(opt, new, check)
-        report_stall(stepped.consecutive_skips, check.skip_reason, check.found_inf, limit=100, on_stall="warn",
+        report_stall(stepped.consecutive_skips, check.skip_reason, check.found_inf, limit=STALL_LIMIT, on_stall="warn",
                      caller="jaxamp.apply_or_skip", loss_scale=None if amp.loss_rule is None else new.loss_scale)
         out_state = with_opt_state(state, stepped)
     out = (check.select(applied, skipped), out_state)
@@ -300,7 +300,7 @@ def scaled_value_fn(value_fn: Callable[..., Any], amp: AmpState) -> Callable[...
 
 
 def optimizer(inner: optax.GradientTransformation, *, amp_state: Optional[AmpState] = None,
-              axis_name: Optional[Any] = None, max_consecutive_skips: int = 100, on_stall: Optional[str] = "warn",
+              axis_name: Optional[Any] = None, max_consecutive_skips: int = STALL_LIMIT, on_stall: Optional[str] = "warn",
               skip_when_off: bool = False) -> AmpOptimizer:
     """Wrap a whole optax optimizer: skip the update on overflow and advance every scaler.
 
@@ -359,8 +359,7 @@ def optimizer(inner: optax.GradientTransformation, *, amp_state: Optional[AmpSta
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params: Any) -> AmpOptState:
-        zero = jnp.asarray(0, jnp.int32)
-        return AmpOptState(inner.init(params), amp_state, zero, zero)
+        return AmpOptState.start(inner.init(params), amp_state)
 
     def update_fn(updates: Any, opt_state: AmpOptState, params: Any = None, *, flags: Any = None, **extra: Any):
         if not isinstance(opt_state, AmpOptState):

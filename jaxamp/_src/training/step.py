@@ -251,6 +251,12 @@ class AmpOptState(NamedTuple):
     skip_reason: jax.Array
     consecutive_skips: jax.Array
 
+    @classmethod
+    def start(cls, inner: Any, amp: Any) -> "AmpOptState":
+        """The state before the first step: ``inner`` (the inner optimizer's init), ``amp``, no skip."""
+        zero = jnp.asarray(0, jnp.int32)
+        return cls(inner, amp, zero, zero)
+
 
 def find_opt_state(tree: Any) -> Optional[AmpOptState]:
     """The one :class:`AmpOptState` in ``tree`` (an optimizer state, e.g. of ``optax.chain``), or None."""

@@ -23,6 +23,7 @@ from jaxamp._src.scaling.scaler import exact_log2
 from jaxamp._src.training.start import init
 from jaxamp._src.scaling.state import AmpState
 from jaxamp._src.training.flags import flag_set
+from jaxamp._src.training.monitor import STALL_LIMIT
 from jaxamp._src.training.step import AmpOptState, SkipReason, StepFlags
 
 __all__ = ["Step", "TrainState", "step_metrics", "AUX_CONTRACT", "torch_clip", "make_train_step"]
@@ -116,8 +117,8 @@ class TrainState(NamedTuple):
         elif missing := [k for k in keys if k not in amp_state.scales]:
             raise KeyError(f"TrainState.create: `amp_state` has no scaler for the engines' key(s) {missing}; it "
                            f"has {sorted(amp_state.scales)}. Create it with jaxamp.init of the loss that uses them.")
-        zero = jnp.asarray(0, jnp.int32)
-        return cls(step=zero, params=params, opt_state=AmpOptState(optimizer.init(params), amp_state, zero, zero))
+        return cls(step=jnp.asarray(0, jnp.int32), params=params,
+                   opt_state=AmpOptState.start(optimizer.init(params), amp_state))
 
     @property
     def scales(self) -> Dict[str, jax.Array]:
@@ -209,7 +210,7 @@ def torch_clip(max_norm: float) -> optax.GradientTransformation:
 def make_train_step(
     loss_fn: Callable[[Any, Any], Tuple[jax.Array, Any]], optimizer: optax.GradientTransformation, *,
     amp: Optional[AmpConfig] = None, grad_clip_max_norm: Optional[float] = None, merge: bool = True,
-    headroom: bool = False, max_consecutive_skips: int = 100, on_stall: Optional[str] = None,
+    headroom: bool = False, max_consecutive_skips: int = STALL_LIMIT, on_stall: Optional[str] = None,
 ) -> Step:
     """A pure ``step(state, batch) -> (state, metrics)``; ``jax.jit`` it.
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import hashlib
 import json
 import math
 import os
@@ -548,6 +549,33 @@ def gpu_target(path: str):
     return NamedSharding(mesh, PartitionSpec())
 
 
+KERNEL_COLUMNS = ("name", "kind", "read_bytes", "write_bytes", "flops", "op_name", "where", "times")
+
+
+def kernel_rows(prog: Program) -> List[List[Any]]:
+    """One row per kernel (:data:`KERNEL_COLUMNS`); op names without the ``jit(step)/`` prefix."""
+    return [[k.name, k.kind, int(k.read), int(k.write), {d: int(f) for d, f in k.flops.items()},
+             k.op_name.replace("jit(step)/", "")[:80], k.where, k.times] for k in prog.kernels]
+
+
+def write_json(result: Dict[str, Any], path: str) -> None:
+    """``result`` as indented JSON, each kernel row on one line."""
+    rows = {}
+    for i, row in enumerate(result["rows"]):
+        if "per_kernel" in row:
+            rows[f"@per_kernel_{i}@"] = row["per_kernel"]
+            row = result["rows"][i] = {**row, "per_kernel": f"@per_kernel_{i}@"}
+    text = json.dumps(result, indent=1)
+    for key, kernels in rows.items():
+        lines = ",\n   ".join(json.dumps(k, separators=(",", ":")) for k in kernels)
+        text = text.replace(json.dumps(key), "[\n   " + lines + "\n  ]")
+    with open(path, "w") as f:
+        f.write(text + "\n")
+    for i, row in enumerate(result["rows"]):  # back to the rows as returned
+        if "per_kernel" in row:
+            result["rows"][i] = {**row, "per_kernel": rows[row["per_kernel"]]}
+
+
 def compile_step(mode: str, size: Size, sharding: Any) -> Dict[str, Any]:
     """One step compiled for the GPU target: its summary, memory and optimized HLO text."""
     import jax
@@ -565,8 +593,7 @@ def compile_step(mode: str, size: Size, sharding: Any) -> Dict[str, Any]:
     prog = program(comps, entry)
     row = {"mode": mode, "size": size.label, "boundary_points": size.boundary, **summarize(prog),
            "memory": {k: getattr(mem, f"{k}_size_in_bytes") for k in ("temp", "argument", "output", "alias")},
-           "build_s": round(t1 - t0, 2), "compile_s": round(t2 - t1, 2),
-           "per_kernel": [dataclasses.asdict(k) for k in prog.kernels]}
+           "build_s": round(t1 - t0, 2), "compile_s": round(t2 - t1, 2), "per_kernel": kernel_rows(prog)}
     return {"row": row, "hlo": text}
 
 
@@ -584,8 +611,9 @@ def _git(*args: str) -> str:
 def _header(argv: Sequence[str], target: str) -> Dict[str, Any]:
     import jax
 
-    with open(target) as f:
-        described = re.search(r'device_description_str: "([^"]*)"', f.read())
+    with open(target, "rb") as f:
+        raw = f.read()
+    described = re.search(r'device_description_str: "([^"]*)"', raw.decode())
     return {
         "command": "python -m benchmarks gpu_program " + " ".join(argv),
         "commit": _git("rev-parse", "--short", "HEAD"),
@@ -594,11 +622,12 @@ def _header(argv: Sequence[str], target: str) -> Dict[str, Any]:
         "jax": jax.__version__,
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "cpus": os.cpu_count(), "python": platform.python_version()},
-        "target": {"file": os.path.relpath(target, os.path.join(HERE, "..")),
+        "target": {"file": os.path.abspath(target), "sha256": hashlib.sha256(raw).hexdigest(),
                    "device": described.group(1) if described else "?",
                    "note": "compiled for the H100 description only (no H200 description available); the H200 "
                            "rows apply H200 SXM's 4.8 TB/s to the H100 program (same GH100 die)"},
         "matmul_precision": "highest (jax_default_matmul_precision, every step)",
+        "per_kernel_columns": list(KERNEL_COLUMNS),
         "model": {"devices": DEVICES, "launch_s": LAUNCH_S,
                   "rule": "per kernel max(bytes / hbm, sum_dtype flops / peak) + launch per kernel and per "
                           "conditional; bytes: operands + result once each; conditionals: larger branch"},
@@ -660,8 +689,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     print(table(result["rows"]))
     name = f"gpu_program-{result['commit'] or 'nocommit'}-{result['date']}.json"
     path = args.out or os.path.join(HERE, "results", name)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(result, path)
     print(f"wrote {path}")
     return result
 

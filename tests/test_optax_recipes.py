@@ -246,3 +246,24 @@ def test_a_stall_on_plain_float16_with_the_loss_scale_at_its_floor_names_derivat
     assert "derivative_scaling" not in advice and "non-dimensionalize" in advice
     cause, advice = jaxamp._src.training.monitor.explain(int(jaxamp.SkipReason.NONFINITE_GRADS), [], loss_scale_log2=4.0)
     assert "optax.clip_by_global_norm inside jaxamp.optimizer" in advice
+
+
+def test_a_librarys_own_loop_gets_scaled_gradients_from_loss_given_to_the_optimizer():
+    """A loop that computes plain gradients and passes extra arguments to ``update`` (as jinns's
+    ``solve`` does with ``extra_optax_args_and_kwargs``): ``jaxamp.optimizer(inner, loss=...)``
+    recomputes them through :func:`jaxamp.value_and_grad`; the steps equal the user-step form."""
+    tx = jaxamp.optimizer(optax.adam(1e-2), amp_state=amp_state(), loss=lambda p, batch: loss(p, batch))
+
+    @jax.jit
+    def library_step(params, opt_state, b):  # the library's code, unchanged
+        grads = jax.grad(loss)(params, b)
+        updates, opt_state = tx.update(grads, opt_state, params, batch=b)
+        return optax.apply_updates(params, updates), opt_state
+
+    ref = run(jaxamp.optimizer(optax.adam(1e-2), amp_state=amp_state()), SKIPS)
+    params, opt_state = PARAMS, tx.init(PARAMS)
+    for i in range(8):
+        params, opt_state = library_step(params, opt_state, batch(overflow=i in SKIPS))
+        assert same(params, ref[i + 1][0]) and same(opt_state, ref[i + 1][1])
+    with pytest.raises(TypeError, match="drop one of them"):
+        tx.update(jax.grad(loss)(PARAMS, batch()), tx.init(PARAMS), PARAMS, batch=batch(), flags={})

@@ -300,7 +300,8 @@ def scaled_value_fn(value_fn: Callable[..., Any], amp: AmpState) -> Callable[...
 
 
 def optimizer(inner: optax.GradientTransformation, *, amp_state: Optional[AmpState] = None,
-              axis_name: Optional[Any] = None, max_consecutive_skips: int = STALL_LIMIT, on_stall: Optional[str] = "warn",
+              loss: Optional[Callable[..., Any]] = None, axis_name: Optional[Any] = None,
+              max_consecutive_skips: int = STALL_LIMIT, on_stall: Optional[str] = "warn",
               skip_when_off: bool = False) -> AmpOptimizer:
     """Wrap a whole optax optimizer: skip the update on overflow and advance every scaler.
 
@@ -320,10 +321,19 @@ def optimizer(inner: optax.GradientTransformation, *, amp_state: Optional[AmpSta
     ``value_fn`` for ``optax.lbfgs``); a ``value_fn`` runs under the state's scales
     (:func:`scaled_value_fn`).
 
+    A library that computes its own gradients and calls ``tx.update(grads, opt_state, params,
+    **extra)`` in its own loop (jinns's ``solve`` with ``extra_optax_args_and_kwargs``): build
+    ``jaxamp.optimizer(inner, amp_state=..., loss=loss)`` and have the loop pass what ``loss`` needs
+    as extra arguments; ``update`` then computes the gradients and flags itself,
+    ``value_and_grad(loss)(opt_state, params, **extra)``, in place of the library's (unscaled)
+    ones, which XLA drops when nothing else reads them.
+
     Args:
       inner: any optax ``GradientTransformation``.
       amp_state: the initial :class:`~jaxamp.AmpState` (from :func:`jaxamp.init`); None: set later
         with :func:`with_amp_state` (an optimizer built first).
+      loss: None, or ``loss(params, **extra) -> f32[]``: the gradients are recomputed from it
+        (see above); ``update`` then takes no ``flags``.
       axis_name: inside ``pmap``/``shard_map`` with per-device gradients: OR the flags over this axis.
       max_consecutive_skips: this many skipped steps in a row is a stall, reported each time the
         count reaches a multiple of it (a host callback taken only then), a positive int.
@@ -349,6 +359,9 @@ def optimizer(inner: optax.GradientTransformation, *, amp_state: Optional[AmpSta
                         "(then set it later: jaxamp.step.with_amp_state(opt_state, amp_state)).")
     if not (hasattr(inner, "init") and hasattr(inner, "update")):
         raise TypeError(f"jaxamp.optimizer: `inner`={inner!r} must be an optax GradientTransformation.")
+    if loss is not None and not callable(loss):
+        raise TypeError(f"jaxamp.optimizer: `loss`={loss!r} must be None or callable as loss(params, **extra_args) "
+                        "-> a float scalar (the extra arguments the training loop passes to update).")
     n = max_consecutive_skips
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"jaxamp.optimizer: `max_consecutive_skips`={n!r} is not allowed: expected a positive "
@@ -366,6 +379,11 @@ def optimizer(inner: optax.GradientTransformation, *, amp_state: Optional[AmpSta
             raise TypeError(f"jaxamp.optimizer: `state` must be the AmpOptState of this optimizer's init, got "
                             f"{type(opt_state).__name__}.")
         amp, _ = locate(opt_state, "jaxamp.optimizer")
+        if loss is not None:
+            if flags is not None:
+                raise TypeError("jaxamp.optimizer: `flags` given to an optimizer built with `loss=`: it computes "
+                                "the gradients and flags itself; drop one of them.")
+            _, updates, flags = value_and_grad(lambda p, **kw: loss(p, **kw))(opt_state, params, **extra)
         if isinstance(flags, StepFlags) and flags.source != "optimizer":
             raise ValueError(
                 "jaxamp.optimizer: `flags` were computed by jaxamp.value_and_grad from a bare AmpState, not from "
@@ -378,7 +396,9 @@ def optimizer(inner: optax.GradientTransformation, *, amp_state: Optional[AmpSta
                 f"{sorted(amp.derivative)}): gradients not computed by jaxamp.value_and_grad are unscaled and "
                 "unchecked (e.g. jax.value_and_grad, or a library's own loop). Fix: loss, grads, flags = "
                 "jaxamp.value_and_grad(loss)(opt_state, params, batch); then "
-                "optimizer.update(grads, opt_state, params, flags=flags).")
+                "optimizer.update(grads, opt_state, params, flags=flags); in a library's own loop, "
+                "jaxamp.optimizer(inner, amp_state=..., loss=loss) with the loop passing loss's arguments as "
+                "extra arguments of update.")
         found = {} if flags is None else _found_inf(flags, "jaxamp.optimizer")
         grads = unfiltered(updates, "jaxamp.optimizer")
         check_like_params(grads, params, "jaxamp.optimizer")

@@ -62,6 +62,8 @@ class AmpConfig:
         formats ``"float16"``, ``"float8_e4m3fn"``, ``"float8_e5m2"`` (the rest keep the recipe's).
 
     A bad value raises :class:`ConfigError` naming the key, the value and what is allowed.
+    The mapping fields are read-only (sorted, dict-like); equal configs hash equal, however built
+    (a jit static argument, a cache key), and a config pickles and deep-copies.
 
     Example:
       >>> from jaxamp import AmpConfig
@@ -89,8 +91,8 @@ class AmpConfig:
         object.__setattr__(self, "dtype", dtype_name(self.dtype))  # jnp.float16 -> "float16"
         if self.tensor_scaling is not None and not isinstance(self.tensor_scaling, bool):
             fail("tensor_scaling", self.tensor_scaling, "true, false or null (on for float8)")
-        object.__setattr__(self, "tensor_scaling", self.dtype == "float8" if self.tensor_scaling is None
-                           else self.tensor_scaling)  # fmt: skip
+        if self.tensor_scaling is None:  # on for float8, off otherwise
+            object.__setattr__(self, "tensor_scaling", self.dtype == "float8")
         if self.tensor_scaling and self.dtype == "bfloat16":  # it scales float16 / FP8 operands only
             fail("tensor_scaling", True, 'false or null with dtype "bfloat16" (per-tensor scales are for float16 and '
                  'float8 matmul operands; bfloat16 has float32\'s exponent range)')
@@ -124,9 +126,6 @@ class AmpConfig:
             _build("derivative_scaler", lambda: self.derivative_scaler_for(key), note)
         _build("loss_scaler", lambda: loss_scaler(**self.loss_scaler), "")
 
-    def __hash__(self) -> int:  # hashable (a static jit argument, a cache key) despite its mapping fields
-        return hash(repr(self))
-
     @property
     def scaler_enabled(self) -> bool:
         """True when the derivative scalers act: AMP on, dtype float16 and derivative_scaling."""
@@ -147,7 +146,8 @@ class AmpConfig:
     def matmul_formats(self) -> Optional[Tuple[str, str, str]]:
         """The formats of autocast's matmul operands (value, tangent, cotangent) when they differ
         from plain casts to :attr:`compute_dtype` (per-tensor scaling or FP8), else None."""
-        if not self.enabled or self.dtype not in ("float16", "float8") or not (self.tensor_scaling or self.dtype == "float8"):
+        scaled_operands = self.tensor_scaling or self.dtype == "float8"
+        if not self.enabled or self.dtype not in ("float16", "float8") or not scaled_operands:
             return None
         if self.dtype != "float8":
             return ("float16",) * 3

@@ -219,9 +219,9 @@ def run(args) -> Dict[str, Any]:
 
     @functools.partial(jax.jit, in_shardings=(rep, rep, by_batch), out_shardings=rep)
     def user_step(params, opt_state, batch):
-        loss, grads = jaxamp.value_and_grad(loss_fn)(opt_state, params, batch)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss, grads.found_inf
+        loss, grads, flags = jaxamp.value_and_grad(loss_fn)(opt_state, params, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params, flags=flags)
+        return optax.apply_updates(params, updates), opt_state, loss, flags.found_inf
 
     params = parallel.replicate(params0, mesh)
     opt_state = parallel.replicate(optimizer.init(params0), mesh)
@@ -311,8 +311,8 @@ def pmap_compare(steps: int) -> Dict[str, Any]:
 
         @functools.partial(jax.jit, in_shardings=(rep, rep, by_batch), out_shardings=rep)
         def jit_step(params, opt_state, batch):
-            loss, grads = jaxamp.value_and_grad(global_loss)(opt_state, params, batch)
-            updates, opt_state = optimizer.update(grads, opt_state, params)
+            loss, grads, flags = jaxamp.value_and_grad(global_loss)(opt_state, params, batch)
+            updates, opt_state = optimizer.update(grads, opt_state, params, flags=flags)
             return optax.apply_updates(params, updates), opt_state
 
         params, opt_state = parallel.replicate(params0, mesh), parallel.replicate(optimizer.init(params0), mesh)
@@ -337,11 +337,10 @@ def pmap_compare(steps: int) -> Dict[str, Any]:
         tx = jaxamp.optimizer(optax.adam(1e-3), amp_state=amp_state, axis_name="batch")
 
         def pmap_step(params, opt_state, batch, local_loss=local_loss, tx=tx, reduce=reduce):
-            loss, grads = jaxamp.value_and_grad(local_loss)(opt_state, params, batch)
+            loss, grads, flags = jaxamp.value_and_grad(local_loss)(opt_state, params, batch)
             if reduce is not None:
-                replace = getattr(grads, "replace", None) or grads._replace  # ScaledGrads: a class or a NamedTuple
-                grads = replace(grads=getattr(jax.lax, reduce)(grads.grads, "batch"))
-            updates, opt_state = tx.update(grads, opt_state, params)
+                grads = getattr(jax.lax, reduce)(grads, "batch")
+            updates, opt_state = tx.update(grads, opt_state, params, flags=flags)  # flags OR-ed over "batch"
             return optax.apply_updates(params, updates), opt_state
 
         run_pmap = jax.pmap(pmap_step, axis_name="batch")

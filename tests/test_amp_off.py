@@ -89,8 +89,8 @@ def run_port(apply, params, amp, method):
 
     @jax.jit
     def step(params, opt_state, b):
-        value, grads = jaxamp.value_and_grad(loss)(opt_state, params, b)
-        updates, opt_state = opt.update(grads, opt_state, params)
+        value, grads, flags = jaxamp.value_and_grad(loss)(opt_state, params, b)
+        updates, opt_state = opt.update(grads, opt_state, params, flags=flags)
         return optax.apply_updates(params, updates), opt_state, value
 
     return loop(step, params, opt.init(params))

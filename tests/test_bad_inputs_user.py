@@ -62,8 +62,8 @@ def argnums_slip():
     amp_state = jaxamp.init(loss, FP16, from_profile=False)(PARAMS, X)
     tx = jaxamp.optimizer(optax.adam(1e-3), amp_state=amp_state)
     opt_state = tx.init(PARAMS)
-    _, grads = jaxamp.value_and_grad(loss, argnums=1)(opt_state, PARAMS, X)
-    return tx.update(grads, opt_state, PARAMS)
+    _, grads, flags = jaxamp.value_and_grad(loss, argnums=1)(opt_state, PARAMS, X)
+    return tx.update(grads, opt_state, PARAMS, flags=flags)
 
 
 CASES = [

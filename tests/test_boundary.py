@@ -134,8 +134,8 @@ def test_jax_grad_loss_trains_as_the_jaxamp_grad_port():
 
         @jax.jit
         def step(p, s):
-            l, g = jaxamp.value_and_grad(loss)(s, p, xs)
-            up, s = opt.update(g, s, p)
+            l, g, flags = jaxamp.value_and_grad(loss)(s, p, xs)
+            up, s = opt.update(g, s, p, flags=flags)
             return optax.apply_updates(p, up), s, l
 
         p, s, out = params0, opt.init(params0), []

@@ -1,4 +1,4 @@
-"""Headroom per scaler key (``jaxamp.scaled(..., headroom=True)``, ``ScaledGrads.headroom_log2``,
+"""Headroom per scaler key (``jaxamp.scaled(..., headroom=True)``, ``StepFlags.headroom_log2``,
 ``make_train_step(headroom=True)``): analytic values for engines and drop-in programs alike,
 exact shifts under binary scales, overflow and zeros, no recompilation, errors. The headroom is
 read at the program's check marks, at the scales the program runs with."""
@@ -137,13 +137,13 @@ def test_headroom_is_off_by_default_and_value_and_grad_reads_the_states_scales()
     _, metrics = jax.jit(step)(state, POINTS[:64])
     assert not any(k.startswith("headroom_log2/") for k in metrics) and "terms/pde" in metrics
     state8, _, _ = _problem(headroom=True, amp=SCALE8)
-    (_, aux), grads = jaxamp.value_and_grad(loss_fn, has_aux=True, headroom=True)(state8.amp_state, state8.params,
-                                                                                  POINTS[:64])
-    assert sorted(aux) == ["pde"] and sorted(grads.headroom_log2) == ["1", "2"]
+    (_, aux), _, flags = jaxamp.value_and_grad(loss_fn, has_aux=True, headroom=True)(state8.amp_state, state8.params,
+                                                                                     POINTS[:64])
+    assert sorted(aux) == ["pde"] and sorted(flags.headroom_log2) == ["1", "2"]
     # under value_and_grad the headroom reads the state's scales (key "2" at 2^3): 3 below scale 1's
     _, _, at_one = jaxamp.scaled(loss_fn, SCALE8, headroom=True)(ONES, state8.params, POINTS[:64])
-    assert float(at_one["2"]) - float(grads.headroom_log2["2"]) == pytest.approx(3, abs=1e-5)
-    assert float(at_one["1"]) == float(grads.headroom_log2["1"])
+    assert float(at_one["2"]) - float(flags.headroom_log2["2"]) == pytest.approx(3, abs=1e-5)
+    assert float(at_one["1"]) == float(flags.headroom_log2["1"])
 
 
 def test_bad_inputs_name_the_argument_the_value_and_what_is_allowed():

@@ -20,8 +20,8 @@ def run(tx, flags, n):
     def go(params, opt_state):
         def body(carry, _):
             params, opt_state = carry
-            _, grads = jaxamp.value_and_grad(loss)(opt_state, params, batch(**flags))
-            updates, opt_state = tx.update(grads, opt_state, params)
+            _, grads, step_flags = jaxamp.value_and_grad(loss)(opt_state, params, batch(**flags))
+            updates, opt_state = tx.update(grads, opt_state, params, flags=step_flags)
             return (optax.apply_updates(params, updates), opt_state), None
 
         return jax.lax.scan(body, (params, opt_state), None, length=n)[0]
@@ -89,8 +89,8 @@ def test_the_monitor_is_fed_from_the_optimizer_state_in_one_line():
     mstate = monitor.init()
     params, opt_state = PARAMS, tx.init(PARAMS)
     for _ in range(2):
-        _, grads = jaxamp.value_and_grad(loss)(opt_state, params, batch(nan_grad=True))
-        updates, opt_state = tx.update(grads, opt_state, params)
+        _, grads, flags = jaxamp.value_and_grad(loss)(opt_state, params, batch(nan_grad=True))
+        updates, opt_state = tx.update(grads, opt_state, params, flags=flags)
         mstate = monitor.update(mstate, opt_state)
     line = monitor.diagnose(mstate, opt_state)
     assert int(mstate.consecutive_skips) == 2 and "2 consecutive skipped steps" in line
@@ -116,8 +116,8 @@ def test_the_report_is_a_callback_in_the_step_only_where_asked():
         opt_state = tx.init(PARAMS)
 
         def user_step(opt_state, tx=tx):
-            _, grads = jaxamp.value_and_grad(loss)(opt_state, PARAMS, batch())
-            return tx.update(grads, opt_state, PARAMS)
+            _, grads, flags = jaxamp.value_and_grad(loss)(opt_state, PARAMS, batch())
+            return tx.update(grads, opt_state, PARAMS, flags=flags)
 
         assert callbacks(user_step, opt_state) == expected, kwargs
     stalled = make_train(max_skips=2, on_stall=None)

@@ -159,8 +159,8 @@ def test_the_user_step_trains_with_tensor_scaling():
 
     @jax.jit
     def step(p, opt_state):
-        value, grads = jaxamp.value_and_grad(loss)(opt_state, p, xs)
-        updates, opt_state = opt.update(grads, opt_state, p)
+        value, grads, flags = jaxamp.value_and_grad(loss)(opt_state, p, xs)
+        updates, opt_state = opt.update(grads, opt_state, p, flags=flags)
         return optax.apply_updates(p, updates), opt_state, value
 
     first = None

@@ -75,11 +75,11 @@ def test_value_and_grad_and_init_trace_the_loss_once():
     opt = jaxamp.optimizer(optax.sgd(1e-3), amp_state=state)
     opt_state = opt.init(PARAMS)
     del calls[:]
-    value, grads = jaxamp.value_and_grad(loss)(opt_state, PARAMS, *POINTS)
+    value, grads, flags = jaxamp.value_and_grad(loss)(opt_state, PARAMS, *POINTS)
     assert len(calls) == 1
     ref_value, ref_grads = jax.value_and_grad(expected)(PARAMS, *POINTS)
     assert jnp.allclose(value, ref_value, rtol=1e-5)
-    updates, _ = opt.update(grads, opt_state, PARAMS)
+    updates, _ = opt.update(grads, opt_state, PARAMS, flags=flags)
     for k in PARAMS:
         assert jnp.allclose(-1e3 * updates[k], ref_grads[k], rtol=1e-4, atol=1e-6)
 

@@ -14,7 +14,7 @@ import pytest
 from flax.training import train_state
 
 import jaxamp
-from jaxamp.step import ScaledGrads, check_step, update_scalers
+from jaxamp.step import StepFlags, check_step, update_scalers
 
 
 class MLP(nn.Module):
@@ -71,13 +71,13 @@ def test_fp32_means_off_values_and_grads_are_jax_s():
     state = jaxamp.init(loss, amp)(PARAMS, T, X)
     assert state.scales == {} and state.loss_rule is None and float(state.loss_scale) == 1.0
     assert amp.make_loss_scaler() is None and jaxamp.AmpConfig(dtype="float32").make_loss_scaler() is None
-    value, grads = jax.jit(jaxamp.value_and_grad(loss))(state, PARAMS, T, X)
+    value, grads, flags = jax.jit(jaxamp.value_and_grad(loss))(state, PARAMS, T, X)
     with jaxamp._src.core.policy.using(amp):  # the user's program: every jaxamp.grad is jax.grad
         ref_value, ref_grads = jax.jit(jax.value_and_grad(loss))(PARAMS, T, X)
-    assert grads.found_inf == {}
+    assert flags.found_inf == {}
     np.testing.assert_array_equal(value, ref_value)
-    jax.tree.map(np.testing.assert_array_equal, grads.grads, ref_grads)
-    _, state = jaxamp.apply_or_skip(state, grads, PARAMS, PARAMS)
+    jax.tree.map(np.testing.assert_array_equal, grads, ref_grads)
+    _, state = jaxamp.apply_or_skip(state, grads, flags, PARAMS, PARAMS)
     assert float(state.loss_scale) == 1.0 and state.scales == {}
 
 
@@ -85,11 +85,12 @@ def test_has_aux_and_argnums_follow_jax():
     amp = jaxamp.AmpConfig()
     loss = make_loss(amp)
     state = jaxamp.init(loss, amp, from_profile=False)(PARAMS, T, X)
-    (value, aux), grads = jaxamp.value_and_grad(lambda p, t, x: (loss(p, t, x), {"n": 1}), has_aux=True)(
+    (value, aux), grads, flags = jaxamp.value_and_grad(lambda p, t, x: (loss(p, t, x), {"n": 1}), has_aux=True)(
         state, PARAMS, T, X)
-    assert aux == {"n": 1} and sorted(grads.found_inf) == ["1", "2", "nonfinite_values"]
-    _, both = jaxamp.value_and_grad(loss, argnums=(0, 1))(state, PARAMS, T, X)
-    assert isinstance(both.grads, tuple) and both.grads[1].shape == T.shape
+    assert aux == {"n": 1} and sorted(flags.found_inf) == ["1", "2", "nonfinite_values"]
+    assert all(v.dtype == jnp.bool_ for v in flags.found_inf.values())
+    _, both, _ = jaxamp.value_and_grad(loss, argnums=(0, 1))(state, PARAMS, T, X)
+    assert isinstance(both, tuple) and both[1].shape == T.shape
 
 
 def test_skip_decisions_and_scale_trajectories_equal_the_step_pieces():
@@ -102,14 +103,14 @@ def test_skip_decisions_and_scale_trajectories_equal_the_step_pieces():
     params = PARAMS
     for i in range(8):
         bad = jnp.float32(jnp.inf if i in (2, 5) else 1.0)
-        value, grads = vg(state, params, T, X, bad)
-        new = jax.tree.map(lambda p, g: p - 1e-3 * g, params, grads.grads)
-        kept, state = step_fn(state, grads, new, params)
-        check = check_step(scalers, grads.found_inf, grads.grads)
+        value, grads, flags = vg(state, params, T, X, bad)
+        new = jax.tree.map(lambda p, g: p - 1e-3 * g, params, grads)
+        kept, state = step_fn(state, grads, flags, new, params)
+        check = check_step(scalers, flags.found_inf, grads)
         scalers, loss_scale = update_scalers(scalers, loss_scale, rule, check)
         expected = check.select(new, params)
         jax.tree.map(np.testing.assert_array_equal, kept, expected)
-        assert bool(grads.found_inf["2"]) == (i in (2, 5))
+        assert bool(flags.found_inf["2"]) == (i in (2, 5))
         for k in scalers:
             np.testing.assert_array_equal(state.derivative[k].scale, scalers[k].scale)
             np.testing.assert_array_equal(state.derivative[k].growth_tracker, scalers[k].growth_tracker)
@@ -124,24 +125,31 @@ def test_optimizer_skips_with_a_zero_update_and_the_inner_state_unchanged():
     state = jaxamp.init(loss, amp, from_profile=False)(PARAMS, T, X)
     tx = jaxamp.optimizer(optax.adam(1e-2), amp_state=state)
     opt_state = tx.init(PARAMS)
-    _, clean = jaxamp.value_and_grad(loss)(opt_state, PARAMS, T, X)
-    updates, opt_state = tx.update(clean, opt_state, PARAMS)
+    _, clean, flags = jaxamp.value_and_grad(loss)(opt_state, PARAMS, T, X)
+    updates, opt_state = tx.update(clean, opt_state, PARAMS, flags=flags)
     assert int(opt_state.skip_reason) == 0 and int(opt_state.inner[0].count) == 1
-    _, bad = jaxamp.value_and_grad(loss)(opt_state, PARAMS, T, X, jnp.float32(jnp.inf))
-    updates, skipped = tx.update(bad, opt_state, PARAMS)
+    _, bad, flags = jaxamp.value_and_grad(loss)(opt_state, PARAMS, T, X, jnp.float32(jnp.inf))
+    updates, skipped = tx.update(bad, opt_state, PARAMS, flags=flags)
     assert all(float(jnp.max(jnp.abs(u))) == 0.0 for u in jax.tree.leaves(updates))
     jax.tree.map(np.testing.assert_array_equal, skipped.inner, opt_state.inner)
     assert int(skipped.skip_reason) == int(jaxamp.SkipReason.DERIVATIVE_OVERFLOW)
     assert float(skipped.amp.scales["2"]) == 0.5 and float(skipped.amp.scales["1"]) == 1.0
-    # plain gradients: skipped when non-finite, as optax.apply_if_finite but without a limit
-    nan_grads = jax.tree.map(lambda g: g * jnp.nan, clean.grads)
-    updates, after = tx.update(nan_grads, opt_state, PARAMS)
+    # non-finite gradients with clean flags (a plain found_inf dict): skipped, as optax.apply_if_finite
+    # but without a limit, and the loss scale backs off
+    nan_grads = jax.tree.map(lambda g: g * jnp.nan, clean)
+    updates, after = tx.update(nan_grads, opt_state, PARAMS, flags={})
     assert int(after.skip_reason) == int(jaxamp.SkipReason.NONFINITE_GRADS)
     assert float(after.amp.loss_scale) == float(opt_state.amp.loss_scale) / 2
+    # gradients without flags while a scaler acts (e.g. from jax.value_and_grad): unscaled, an error
+    with pytest.raises(TypeError, match=r"without `flags` while a scaler acts.*jaxamp.value_and_grad"):
+        tx.update(clean, opt_state, PARAMS)
 
 
 @pytest.mark.slow  # fast-suite budget: the property keeps a fast test in this file
 def test_flax_train_state_needs_no_new_field():
+    """The AMP state lives in ``ts.opt_state``; apply_gradients passes the optimizer no extra
+    argument, so the step writes out its update given the flags and its replace (an error names
+    value_and_grad where apply_gradients would drop the flags)."""
     amp = jaxamp.AmpConfig()
     loss = make_loss(amp)
     amp_state = jaxamp.init(loss, amp, from_profile=False)(PARAMS, T, X)
@@ -150,14 +158,19 @@ def test_flax_train_state_needs_no_new_field():
 
     @jax.jit
     def step(ts, bad):
-        value, grads = jaxamp.value_and_grad(loss)(ts.opt_state, ts.params, T, X, bad)
-        return ts.apply_gradients(grads=grads), value
+        value, grads, flags = jaxamp.value_and_grad(loss)(ts.opt_state, ts.params, T, X, bad)
+        updates, opt_state = ts.tx.update(grads, ts.opt_state, ts.params, flags=flags)
+        params = optax.apply_updates(ts.params, updates)
+        return ts.replace(step=ts.step + 1, params=params, opt_state=opt_state), value
 
     ts1, v1 = step(ts, jnp.float32(1.0))
     ts2, v2 = step(ts1, jnp.float32(jnp.inf))
     assert np.isfinite(float(v1)) and int(ts1.step) == 1
     jax.tree.map(np.testing.assert_array_equal, ts2.params, ts1.params)
     assert float(ts2.opt_state.amp.scales["2"]) == float(ts1.opt_state.amp.scales["2"]) / 2
+    _, grads, _ = jaxamp.value_and_grad(loss)(ts.opt_state, ts.params, T, X)
+    with pytest.raises(TypeError, match=r"without `flags` while a scaler acts.*jaxamp.value_and_grad"):
+        ts.apply_gradients(grads=grads)
 
 
 def test_a_profile_start_is_not_a_cap():
@@ -167,8 +180,8 @@ def test_a_profile_start_is_not_a_cap():
     state = jaxamp.init(loss, amp, from_profile=False)(PARAMS, T, X)
     low = {k: s._replace(scale=jnp.float32(2.0**-5)) for k, s in state.derivative.items()}
     state = state.replace(derivative=jaxamp.scaler.Scalers(state.derivative.rules, low))
-    clean = ScaledGrads({"w": jnp.ones(2)}, {k: jnp.array(False) for k in state.scales})
-    advance = jax.jit(lambda s: jaxamp.apply_or_skip(s, clean, 0.0, 0.0)[1])
+    clean = StepFlags({k: jnp.array(False) for k in state.scales})
+    advance = jax.jit(lambda s: jaxamp.apply_or_skip(s, {"w": jnp.ones(2)}, clean, 0.0, 0.0)[1])
     for _ in range(40):
         state = advance(state)
     assert {k: float(v) for k, v in state.scales.items()} == {"1": 1.0, "2": 1.0}
@@ -180,8 +193,8 @@ def test_apply_or_skip_decides_alike_on_every_replica():
     flags = {"2": jnp.array([False, True]), "nonfinite_values": jnp.array([False, False])}
 
     def per_replica(f2, fv):
-        g = ScaledGrads({"w": jnp.ones(2)}, {"2": f2, "nonfinite_values": fv})
-        return jaxamp.apply_or_skip(state, g, jnp.float32(1.0), jnp.float32(0.0), axis_name="d")
+        flags = {"2": f2, "nonfinite_values": fv}
+        return jaxamp.apply_or_skip(state, {"w": jnp.ones(2)}, flags, jnp.float32(1.0), jnp.float32(0.0), axis_name="d")
 
     kept, new = jax.vmap(per_replica, axis_name="d")(flags["2"], flags["nonfinite_values"])
     np.testing.assert_array_equal(kept, [0.0, 0.0])
@@ -198,10 +211,10 @@ def test_drop_in_at_scale_one_is_bit_identical_to_scaling_off():
         s_on = jaxamp.init(loss_on, on, from_profile=False)(PARAMS, T, X)
         s_off = jaxamp.init(loss_off, off)(PARAMS, T, X)
         s_on = s_on.replace(loss=s_off.loss)
-        v1, g1 = jax.jit(jaxamp.value_and_grad(loss_on))(s_on, PARAMS, T, X)
-        v0, g0 = jax.jit(jaxamp.value_and_grad(loss_off))(s_off, PARAMS, T, X)
+        v1, g1, _ = jax.jit(jaxamp.value_and_grad(loss_on))(s_on, PARAMS, T, X)
+        v0, g0, _ = jax.jit(jaxamp.value_and_grad(loss_off))(s_off, PARAMS, T, X)
         np.testing.assert_array_equal(v1, v0)
-        jax.tree.map(np.testing.assert_array_equal, g1.grads, g0.grads)
+        jax.tree.map(np.testing.assert_array_equal, g1, g0)
 
 
 def _poisson(amp):
@@ -226,8 +239,8 @@ def test_errors_say_what_to_use():
         jaxamp.value_and_grad(lambda p: p)({"not": "a state"}, 1.0)
     with pytest.raises(TypeError, match="`inner`"):
         jaxamp.optimizer(object(), amp_state=state)
-    with pytest.raises(TypeError, match="`grads`"):
-        jaxamp.apply_or_skip(state, [1.0], 0.0, 0.0)
+    with pytest.raises(TypeError, match="`flags` must be the StepFlags of jaxamp.value_and_grad"):
+        jaxamp.apply_or_skip(state, [1.0], [1.0], 0.0, 0.0)
     with pytest.raises(TypeError, match="`keys`"):
         jaxamp.init(None, amp, keys="2")
 
@@ -250,10 +263,10 @@ def test_a_profile_of_float32_only_large_derivatives_starts_every_key_at_its_max
     # a short run from that start: nothing overflows, every key stays at its configured max
     vg = jax.jit(jaxamp.value_and_grad(lambda p, t, x: jnp.mean((1e-4 * u_xx(p, t, x)) ** 2)))
     for _ in range(3):
-        _, grads = vg(state, params, t, x)
-        new = jax.tree.map(lambda p, g: p - 1e-6 * g, params, grads.grads)
-        params, state = jaxamp.apply_or_skip(state, grads, new, params)
-        assert not any(bool(v) for v in grads.found_inf.values()), grads.found_inf
+        _, grads, flags = vg(state, params, t, x)
+        new = jax.tree.map(lambda p, g: p - 1e-6 * g, params, grads)
+        params, state = jaxamp.apply_or_skip(state, grads, flags, new, params)
+        assert not any(bool(v) for v in flags.found_inf.values()), flags.found_inf
     assert {k: float(s) for k, s in state.scales.items()} == {"1": 1.0, "2": 1.0}
 
 
@@ -274,10 +287,10 @@ def test_non_array_arguments_pass_through_as_in_jax_grad():
 
     args = (PARAMS, MODEL.apply, T, "eval", 2)
     state = jaxamp.init(loss, amp)(*args)
-    value, grads = jaxamp.value_and_grad(loss)(state, *args)
+    value, grads, _ = jaxamp.value_and_grad(loss)(state, *args)
     ref_value, ref_grads = jax.value_and_grad(loss)(*args)
     np.testing.assert_allclose(value, ref_value, rtol=1e-6)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads.grads, ref_grads)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, ref_grads)
     fp16 = jaxamp.AmpConfig()
     state = jaxamp.init(loss, fp16)(*args)  # from a profile, jitted over the array arguments
     assert sorted(state.scales) == ["1"]

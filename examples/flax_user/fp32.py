@@ -12,7 +12,7 @@ fp16.py differs from fp32.py by the lines a port to float16 + DerivScaler needs 
 --plain-fp16: the same port without derivative scaling, for comparison): the network under
 autocast, the scaled hessian, one AMP state started from a float32 profile of the loss on a first
 batch, the optimizer wrapped so that it skips an overflowing step and advances the scalers,
-the scaled value_and_grad in the train step; apply_gradients is unchanged. The port runs the first
+the scaled value_and_grad and the update with its flags in the train step. The port runs the first
 layer in float16 too (autocast_firstlayer=True, as a policy casting everything would), so plain
 fp16 overflows from step 0 and never trains.
 

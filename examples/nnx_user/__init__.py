@@ -3,7 +3,8 @@
 and ``jax.jit`` take the module itself), and its float16 + DerivScaler port (fp16.py): the
 network under ``jaxamp.autocast`` in ``__call__``, its derivatives by ``jaxamp.grad``, one AMP
 state from a float32 profile, ``jaxamp.optimizer`` and ``jaxamp.value_and_grad`` (the module's
-inexact array leaves are differentiated; the gradients are module-shaped).
+inexact array leaves are differentiated; the gradients are module-shaped), its ``flags`` given
+to the update: ``optim.update(grads, opt_state, model, flags=flags)``.
 
     python -m examples.nnx_user.fp16 --steps 2000   (from the repository root)
 """

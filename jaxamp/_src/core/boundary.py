@@ -148,10 +148,22 @@ def _transpose(cts, *operands, jaxpr, level, is_param, scaled):
     kinds = (*(p for p, lin in zip(is_param, linear) if not lin), *(False,) * len(cts))
     outs = boundary_p.bind(*known, *cts, jaxpr=program, level=level, is_param=kinds, scaled=False)
     if scaled:  # checked where float16 holds it scaled; out by 1/c for the unscale and 1/c for the seed's transpose
-        outs = [rescale(deriv_check(g, fresh(c), order=level, term=None), (1.0 / c, 1.0 / c)) if _float(g) else g
+        below = fresh(_finite_or_nan([x for x, lin, p in zip(operands, linear, is_param) if not (lin or p)]))
+        outs = [rescale(deriv_check(g, below, order=level, term=None), (1.0 / c, 1.0 / c)) if _float(g) else g
                 for g in outs]
     it = iter(outs)
     return [next(it) if lin else None for lin in linear]
+
+
+def _finite_or_nan(values) -> jax.Array:
+    """``f32[]``: 0 where every float value (the network's inputs at this point) is finite, else NaN:
+    the value below a transposed derivative for its check, so that a bad input is a bad value
+    (``NONFINITE_VALUES``), not an overflow of the derivative's key."""
+    ok = jnp.bool_(True)
+    for x in values:
+        if _float(x):
+            ok = ok & jnp.all(jnp.isfinite(x))
+    return jnp.where(ok, jnp.float32(0.0), jnp.float32(jnp.nan))
 
 
 def _transposed_program(jaxpr, linear, known_avals, ct_avals) -> jcore.ClosedJaxpr:

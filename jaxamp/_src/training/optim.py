@@ -23,8 +23,8 @@ from jaxamp._src.core.scaled import scaled
 from jaxamp._src.core.modules import filter_grad, unfiltered
 from jaxamp._src.scaling.state import AmpState, find
 from jaxamp._src.training.monitor import STALL_LIMIT, report_stall
-from jaxamp._src.core.marks import any_set
-from jaxamp._src.training.flags import flag_set, zeroed_when
+from jaxamp._src.core.marks import NONFINITE_VALUES, any_set
+from jaxamp._src.training.flags import all_finite, flag_set, zeroed_when
 from jaxamp._src.training.step import (AmpOptState, StepCheck, StepFlags, check_like_params, check_step, find_opt_state,
                                        loss_scaled_grad, update_scalers, with_opt_state)
 
@@ -104,6 +104,16 @@ def _loss_of(out: Any, has_aux: bool, fun: Callable) -> Tuple[jax.Array, Any]:
     return loss, aux
 
 
+def _bad_batch(args: Sequence[Any], kwargs: Dict[str, Any], argnums: Any, found: Dict[str, Any]) -> jax.Array:
+    """``bool[]``: bad values (``NONFINITE_VALUES``): the derivative checks' own, or a non-finite
+    float in the arguments not differentiated (the batch: a NaN point), which no scale cures and
+    which would otherwise read as non-finite weight gradients (bf16 and plain fp16 have no checks)."""
+    nums = {argnums} if isinstance(argnums, int) else set(argnums)
+    batch = [a for i, a in enumerate(args) if i not in nums] + list(kwargs.values())
+    leaves = [x for x in jax.tree_util.tree_leaves(batch) if hasattr(x, "dtype")]
+    return flag_set(found.get(NONFINITE_VALUES, False)) | ~all_finite(leaves)
+
+
 def value_and_grad(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_aux: bool = False, *,
                    merge: bool = True, headroom: bool = False) -> Callable[..., Tuple[Any, Any, StepFlags]]:
     """``jax.value_and_grad`` with the derivative scalers and the loss scaler of an AMP state.
@@ -148,6 +158,7 @@ def value_and_grad(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] =
         held = amp_state.amp.tensor_scaling  # float16 cotangents widened: multiplied as float16 (no amax)
         grads, (loss, (aux, found, room)) = filter_grad(loss_scaled_grad, loss_of, argnums, loss_scale, held)(*args)
         if amp_state.amp.compute_dtype != jnp.float32:  # AMP off: the user's program as written
+            found = {**found, NONFINITE_VALUES: _bad_batch(args, kwargs, argnums, found)}
             # zeroed when a flag is set: a norm of them (a clip, loss weights) stays finite
             grads = zeroed_when([flag_set(v) for v in found.values()], grads)
         flags = StepFlags({k: flag_set(v) for k, v in found.items()}, room if headroom else {}, source=source)

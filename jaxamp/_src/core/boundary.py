@@ -35,8 +35,10 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 from jax.interpreters import ad, batching, mlir
 
+from jaxamp._src.core import control
 from jaxamp._src.core.interpreter import bind, eval_jaxpr, holds
 from jaxamp._src.core.marks import deriv_check, deriv_scale_p, fresh, rescale, seed
+from jaxamp._src.core.rules import RULES, PrimitiveRules
 
 __all__ = ["boundary_p", "network", "crosses", "NAME"]
 
@@ -197,3 +199,6 @@ ad.primitive_jvps[boundary_p] = _jvp
 ad.primitive_transposes[boundary_p] = _transpose
 batching.primitive_batchers[boundary_p] = _batch
 mlir.register_lowering(boundary_p, mlir.lower_fun(_eval, multiple_results=True))
+# a call whose body jaxamp's interpreters inline; jaxamp.scaled inlines it even without a mark
+# inside (its derivatives were taken, and their marks written, when the program was traced)
+RULES[boundary_p] = PrimitiveRules(call="jaxpr", evaluate=control.call, in_trace=True, inline=True)

@@ -1,23 +1,40 @@
-"""The rules of :data:`jaxamp._src.core.evaluate.HANDLERS` for loops, branches,
-``jax.checkpoint`` and ``shard_map`` holding a ``jaxamp.grad``: each body is rebuilt with its
-flags as extra outputs (``rule(eqn, invals, ctx, bodies) -> (outs, flags)``, ``bodies`` the
-infos of each body's inputs). Importing this module registers them.
+"""The evaluation rules of JAX's higher-order primitives holding a ``jaxamp.grad`` (the
+``evaluate`` field of :data:`jaxamp._src.core.rules.RULES`, which lists them): a call's or a
+custom-derivative function's body is inlined (:func:`call`); a loop's, a branch's,
+``jax.checkpoint``'s and ``shard_map``'s body is rebuilt with its flags as extra outputs. Each is
+``rule(eqn, invals, ctx, bodies) -> (outs, flags)``, ``bodies`` the infos of each body's inputs
+(:class:`jaxamp._src.core.nesting.Analysis`), ``ctx`` the evaluation's context
+(:class:`jaxamp._src.core.evaluate.Context`). Nothing here is registered on import: the rule
+table names these functions.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Dict, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.extend import core as jcore
 
-from jaxamp._src.core.evaluate import HANDLERS, full_flags
-
-__all__ = []
+__all__ = ["full_flags", "call", "scan", "while_loop", "cond", "remat", "shard_map"]
 
 
-def _flagged(jaxpr, consts, infos, ctx) -> Callable:
+def full_flags(flags: Mapping[str, jax.Array], keys: Sequence[str]) -> Dict[str, jax.Array]:
+    """``{key: bool[]}`` for every key, False where ``flags`` has none."""
+    return {k: jnp.asarray(flags.get(k, False), bool) for k in keys}
+
+
+def call(eqn, invals, ctx, bodies):
+    """A ``jit`` body (``jaxpr``), or a custom-derivative call's primal body (``call_jaxpr``),
+    inlined: ``(outs, flags)`` (a custom rule around jaxamp.grad would not see the scales)."""
+    body = eqn.params["jaxpr"] if "jaxpr" in eqn.params else eqn.params["call_jaxpr"]
+    if isinstance(body, jcore.Jaxpr):
+        body = jcore.ClosedJaxpr(body, ())
+    return ctx.evaluate(body.jaxpr, body.consts, invals, bodies[0])
+
+
+def _flagged(jaxpr, consts, infos, ctx):
     """The body as a function of its operands, returning ``(outs, flags of every key)``."""
     keys = ctx.keys(jaxpr, infos)
 
@@ -28,7 +45,7 @@ def _flagged(jaxpr, consts, infos, ctx) -> Callable:
     return fn
 
 
-def _scan(eqn, invals, ctx, bodies):
+def scan(eqn, invals, ctx, bodies):
     p = eqn.params
     body, nc, nk = p["jaxpr"], p["num_consts"], p["num_carry"]
     consts, init, xs = invals[:nc], invals[nc : nc + nk], invals[nc + nk :]
@@ -44,7 +61,7 @@ def _scan(eqn, invals, ctx, bodies):
     return [*final, *ys], fl
 
 
-def _while(eqn, invals, ctx, bodies):
+def while_loop(eqn, invals, ctx, bodies):
     p = eqn.params
     cond, body, cn, bn = p["cond_jaxpr"], p["body_jaxpr"], p["cond_nconsts"], p["body_nconsts"]
     cconsts, bconsts, init = invals[:cn], invals[cn : cn + bn], invals[cn + bn :]
@@ -61,7 +78,7 @@ def _while(eqn, invals, ctx, bodies):
     return lax.while_loop(cond_fn, body_fn, (list(init), full_flags({}, keys)))
 
 
-def _cond(eqn, invals, ctx, bodies):
+def cond(eqn, invals, ctx, bodies):
     branches = eqn.params["branches"]
     keys = list(dict.fromkeys(k for b, i in zip(branches, bodies) for k in ctx.keys(b.jaxpr, i)))
 
@@ -75,14 +92,14 @@ def _cond(eqn, invals, ctx, bodies):
     return lax.switch(invals[0], [branch_fn(b, i) for b, i in zip(branches, bodies)], *invals[1:])
 
 
-def _remat(eqn, invals, ctx, bodies):
+def remat(eqn, invals, ctx, bodies):
     # jax.checkpoint keeps its rematerialization: the rewritten body is checkpointed again
     p = eqn.params
     fn = _flagged(p["jaxpr"], (), bodies[0], ctx)
     return jax.checkpoint(fn, prevent_cse=p["prevent_cse"], policy=p["policy"])(*invals)
 
 
-def _shard_map(eqn, invals, ctx, bodies):
+def shard_map(eqn, invals, ctx, bodies):
     # Re-stage through jax.shard_map with one more, replicated output per flag: each flag is
     # ORed over the manual mesh axes inside the body. (jax.pmap is a shard_map too.)
     p = eqn.params
@@ -97,12 +114,3 @@ def _shard_map(eqn, invals, ctx, bodies):
     mapped = jax.shard_map(local, mesh=p["mesh"], in_specs=tuple(p["in_specs"]), out_specs=out_specs,
                            axis_names=set(axes), check_vma=p["check_vma"])  # fmt: skip
     return jax.jit(mapped)(*invals)
-
-
-HANDLERS.update({
-    "remat2": _remat,
-    "shard_map": _shard_map,
-    "scan": _scan,
-    "while": _while,
-    "cond": _cond,
-})

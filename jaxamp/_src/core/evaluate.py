@@ -1,13 +1,12 @@
-"""The one interpreter of the marks (:func:`evaluate`) and its table of rules for higher-order
-primitives (:data:`HANDLERS`).
+"""The one interpreter of the marks (:func:`evaluate`).
 
 ``evaluate`` runs a jaxpr equation by equation (checkify-style, :func:`jaxamp._src.core.interpreter.eval_jaxpr`):
 every ``deriv_scale_p`` becomes the current scale of its key (:class:`Context`), every
 ``deriv_check_p`` adds its flags; an equation whose sub-jaxprs hold a mark goes to its
-primitive's rule in ``HANDLERS``. Call bodies are inlined here (:func:`call`); the rules for
-loops, branches, ``remat`` and ``shard_map`` register themselves from
-:mod:`jaxamp._src.core.control`, the chain rule's from the derivatives layer, as JAX's own rule
-tables are filled by the modules that define the rules.
+primitive's ``evaluate`` rule in the rule table (:data:`jaxamp._src.core.rules.RULES`: call
+bodies inlined, loops, branches, ``jax.checkpoint`` and ``shard_map`` rebuilt by
+:mod:`jaxamp._src.core.control`). What one evaluation knows (the scales, the pending checks,
+the analyses of its jaxprs) lives in its :class:`Context`, passed down to the rules.
 """
 
 from __future__ import annotations
@@ -20,37 +19,22 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from jaxamp._src.scaling.config import AmpConfig
-from jaxamp._src.core.boundary import boundary_p
-from jaxamp._src.core.interpreter import CALL_PRIMITIVES, bind, custom_body, eval_jaxpr, holds, sub_jaxpr, sub_jaxprs
+from jaxamp._src.core.control import full_flags
+from jaxamp._src.core.interpreter import bind, eval_jaxpr, holds, sub_jaxprs
 from jaxamp._src.core.marks import (NONFINITE_VALUES, PRIMITIVES, deriv_check_p, deriv_scale_p, merge_found_inf, or_into,
                                     reduce_flags, scaler_key, step_flags)
-from jaxamp._src.core.nesting import NO_DERIVATIVE, Info, analyze
+from jaxamp._src.core.nesting import NO_DERIVATIVE, Analyses, Info
+from jaxamp._src.core.rules import evaluated, rules_of
 
-__all__ = ["HANDLERS", "call", "full_flags", "evaluate", "inputs", "marks_in", "Context", "Recorder", "ordered", "opaque"]
+__all__ = ["full_flags", "evaluate", "inputs", "marks_in", "Context", "Recorder", "ordered", "opaque"]
 
 Flags = Dict[str, jax.Array]
 
-# {primitive name: rule(eqn, invals, ctx, bodies) -> (outs, flags)}: how a higher-order
-# primitive holding a mark is evaluated (``bodies``: the infos of each body's inputs,
-# jaxamp._src.core.nesting.Analysis.bodies). Filled by the modules that define the rules.
-HANDLERS: Dict[str, Callable] = {}
 
-
-def full_flags(flags: Mapping[str, jax.Array], keys: Sequence[str]) -> Dict[str, jax.Array]:
-    """``{key: bool[]}`` for every key, False where ``flags`` has none."""
-    return {k: jnp.asarray(flags.get(k, False), bool) for k in keys}
-
-
-def call(eqn, invals, ctx, bodies):
-    """A ``jit``/``closed_call`` body, or a custom-derivative call's primal body, inlined:
-    ``(outs, flags)`` (a custom rule around jaxamp.grad would not see the scales)."""
-    body = sub_jaxpr(eqn) or custom_body(eqn)
-    return ctx.evaluate(body.jaxpr, body.consts, invals, bodies[0])
-
-
-def marks_in(jaxpr: jcore.Jaxpr) -> bool:
-    """Whether ``jaxpr`` or one of its sub-jaxprs holds a jaxamp mark (cached)."""
-    return holds(jaxpr, PRIMITIVES)
+def marks_in(jaxpr: jcore.Jaxpr, cache: Optional[Dict[Any, bool]] = None) -> bool:
+    """Whether ``jaxpr`` or one of its sub-jaxprs holds a jaxamp mark (``cache``: as
+    :func:`jaxamp._src.core.interpreter.holds`)."""
+    return holds(jaxpr, PRIMITIVES, cache)
 
 
 def inputs(jaxpr: jcore.Jaxpr) -> List[Info]:
@@ -63,6 +47,10 @@ class Context:
 
     def __init__(self, scales: Mapping[str, Any], amp: Optional[AmpConfig]) -> None:
         self.amp = amp
+        # the nesting analyses of this evaluation's jaxprs and which of them hold marks, computed
+        # once each (shared with the contexts of its bodies: in_body copies the references)
+        self.analyses = Analyses()
+        self.holds: Dict[Any, bool] = {}
         self.active = amp is None or amp.scaler_enabled
         self.scales = opaque(scales) if self.active else {}
         # {key: f32[]} the largest |scaled derivative| checked under each key (the headroom's
@@ -77,7 +65,7 @@ class Context:
 
     def evaluate(self, jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any],
                  infos: Sequence[Info]) -> Tuple[List, Flags]:  # fmt: skip
-        """A body under this context: :func:`evaluate` (what the rules of ``HANDLERS`` call)."""
+        """A body under this context: :func:`evaluate` (what the ``evaluate`` rules call)."""
         return evaluate(jaxpr, consts, args, self, infos)
 
     def in_body(self) -> "Context":
@@ -93,7 +81,7 @@ class Context:
         """The flag keys ``jaxpr`` produces with inputs of ``infos`` (static)."""
         if not self.active:
             return []
-        marked = analyze(jaxpr, infos).marks
+        marked = self.analyses(jaxpr, infos).marks
         keys = ordered(self.key(o, t) for o, t in marked if o > 0)
         return keys + [NONFINITE_VALUES] if marked else []
 
@@ -172,7 +160,7 @@ def evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx
     flags: Flags = {}
     owner = ctx.pending is None  # the outermost evaluation of this trace reduces the checks
     pending = ctx.pending = {} if owner else ctx.pending
-    analysis = analyze(jaxpr, infos)
+    analysis = ctx.analyses(jaxpr, infos)
     recorder = ctx.recorder
 
     def rule(eqn, invals):
@@ -184,29 +172,26 @@ def evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx
     def marked(eqn, invals):
         prim = eqn.primitive
         if prim is deriv_scale_p:
-            return [ctx.scale(eqn.outvars[0].aval.shape, *analysis.resolved[id(eqn)])]
+            return [ctx.scale(eqn.outvars[0].aval.shape, *analysis.resolved[eqn])]
         if prim is deriv_check_p:
-            order, term = analysis.resolved[id(eqn)]
+            order, term = analysis.resolved[eqn]
             if eqn.params["check"]:
                 check(ctx, *invals, order, term)
                 if recorder is not None and order > 0:  # order 0: a value check
                     recorder.derivative(eqn, ctx.key(order, term), invals[0])
             return [invals[0]]
-        if prim is boundary_p:  # its derivatives were taken when the program was traced: the body, inlined
-            outs, sub_flags = call(eqn, invals, ctx, analysis.bodies[id(eqn)])
-            for k, v in sub_flags.items():
-                or_into(flags, k, v)
-            return outs
-        if not any(marks_in(j) for j in sub_jaxprs(eqn)):  # fast path: nothing of ours inside
+        rules = rules_of(prim)
+        # the network boundary (rules.inline): its derivatives were taken when the program was
+        # traced, so its body is inlined; else the fast path when nothing of ours is inside
+        if not rules.inline and not any(marks_in(j, ctx.holds) for j in sub_jaxprs(eqn)):
             return bind(eqn, invals) if recorder is None else recorder.bind(eqn, invals)
-        handler = HANDLERS.get(prim.name, call if prim.name in CALL_PRIMITIVES else None)
-        if handler is None:
+        if rules.evaluate is None:
             raise NotImplementedError(
                 f"jaxamp.scaled: jaxamp.grad inside a `{prim.name}` is not supported; supported "
-                f"are {sorted(set(HANDLERS) | CALL_PRIMITIVES)}. Move the jaxamp.grad call out of it."
+                f"are {evaluated()}. Move the jaxamp.grad call out of it."
             )
-        inlined = handler is call or prim.name.startswith("custom_")  # evaluated in this trace
-        outs, sub_flags = handler(eqn, invals, ctx if inlined else ctx.in_body(), analysis.bodies[id(eqn)])
+        body_ctx = ctx if rules.in_trace else ctx.in_body()  # an inlined body's checks join this trace's
+        outs, sub_flags = rules.evaluate(eqn, invals, body_ctx, analysis.bodies[eqn])
         for k, v in sub_flags.items():
             or_into(flags, k, v)
         return outs
@@ -216,7 +201,3 @@ def evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx
         ctx.pending = None
         flags = merge_found_inf(flags, reduce_flags(pending))
     return outs, flags
-
-
-# a custom-derivative call's primal body is inlined (a custom rule around jaxamp.grad would not see the scales)
-HANDLERS.update({"custom_jvp_call": call, "custom_vjp_call": call})

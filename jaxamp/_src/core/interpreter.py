@@ -10,20 +10,17 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-import weakref
-
 import jax
 import numpy as np
 from jax.extend import core as jcore
+from jax.extend.core import primitives as jp
 
-__all__ = ["Rule", "CALL_PRIMITIVES", "CUSTOM_PRIMITIVES", "eval_jaxpr", "bind", "substitute", "split_arrays", "trace", "sub_jaxpr", "custom_body", "sub_jaxprs", "holds", "atom", "cse"]
+from jaxamp._src.core.rules import rules_of
+
+__all__ = ["Rule", "eval_jaxpr", "bind", "substitute", "split_arrays", "trace", "sub_jaxpr", "custom_body",
+           "sub_jaxprs", "holds", "atom", "cse"]
 
 Rule = Callable[[Any, List[Any]], Sequence[Any]]
-
-# Call-like primitives whose ``jaxpr`` parameter is the whole body, evaluated once.
-CALL_PRIMITIVES = frozenset(("pjit", "jit", "closed_call", "core_call", "remat", "checkpoint", "jaxamp_boundary"))
-# Functions with a custom derivative rule: ``call_jaxpr`` is the primal body.
-CUSTOM_PRIMITIVES = frozenset(("custom_jvp_call", "custom_vjp_call"))
 
 
 def eval_jaxpr(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], rule: Rule, *,
@@ -110,13 +107,16 @@ def _closed(body) -> Optional[jcore.ClosedJaxpr]:
 
 
 def sub_jaxpr(eqn) -> Optional[jcore.ClosedJaxpr]:
-    """The body of a call-like equation (``jit``, ``closed_call``, ``remat``), else None."""
-    return _closed(eqn.params.get("jaxpr")) if eqn.primitive.name in CALL_PRIMITIVES else None
+    """The body of a call-like equation (``jit``, the network boundary: the ``call`` of
+    :data:`jaxamp._src.core.rules.RULES`), else None."""
+    param = rules_of(eqn.primitive).call
+    return _closed(eqn.params.get(param)) if param is not None else None
 
 
 def custom_body(eqn) -> Optional[jcore.ClosedJaxpr]:
     """The primal body of a ``custom_jvp``/``custom_vjp`` call (its rule is not kept), else None."""
-    return _closed(eqn.params["call_jaxpr"]) if eqn.primitive.name in CUSTOM_PRIMITIVES else None
+    param = rules_of(eqn.primitive).custom
+    return _closed(eqn.params[param]) if param is not None else None
 
 
 def sub_jaxprs(eqn) -> List[jcore.Jaxpr]:
@@ -124,16 +124,18 @@ def sub_jaxprs(eqn) -> List[jcore.Jaxpr]:
     return [j.jaxpr if isinstance(j, jcore.ClosedJaxpr) else j for j in jcore.jaxprs_in_params(eqn.params)]
 
 
-_HOLDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def holds(jaxpr: jcore.Jaxpr, primitives: frozenset) -> bool:
-    """Whether ``jaxpr`` or one of its bodies applies one of ``primitives`` (cached per jaxpr)."""
-    cache = _HOLDS.setdefault(jaxpr, {})
-    if primitives not in cache:
-        cache[primitives] = any(eqn.primitive in primitives or any(holds(j, primitives) for j in sub_jaxprs(eqn))
-                                for eqn in jaxpr.eqns)  # fmt: skip
-    return cache[primitives]
+def holds(jaxpr: jcore.Jaxpr, primitives: frozenset, cache: Optional[Dict[Any, bool]] = None) -> bool:
+    """Whether ``jaxpr`` or one of its bodies applies one of ``primitives``. ``cache``: a dict
+    the caller keeps for one interpretation (``{(jaxpr, primitives): bool}``, the jaxprs held
+    alive as its keys), so a body is searched once however often it is asked about."""
+    key = (jaxpr, primitives)
+    if cache is not None and key in cache:
+        return cache[key]
+    found = any(eqn.primitive in primitives or any(holds(j, primitives, cache) for j in sub_jaxprs(eqn))
+                for eqn in jaxpr.eqns)
+    if cache is not None:
+        cache[key] = found
+    return found
 
 
 def atom(v) -> Any:
@@ -150,13 +152,15 @@ def _relabels(eqn: jcore.JaxprEqn) -> bool:
     the same array."""
     if len(eqn.invars) != 1 or isinstance(eqn.invars[0], jcore.Literal) or len(eqn.outvars) != 1:
         return False
-    name, src, out = eqn.primitive.name, eqn.invars[0].aval, eqn.outvars[0].aval
+    prim, src, out = eqn.primitive, eqn.invars[0].aval, eqn.outvars[0].aval
     if getattr(src, "dtype", None) != getattr(out, "dtype", None) or int(np.prod(src.shape)) != int(np.prod(out.shape)):
         return False
-    if name == "transpose":
+    if prim is jp.transpose_p:
         big = [a for a in eqn.params["permutation"] if src.shape[a] != 1]
         return big == sorted(big)
-    return name in ("squeeze", "broadcast_in_dim") or (name == "reshape" and eqn.params.get("dimensions") is None)
+    if prim is jp.reshape_p:
+        return eqn.params.get("dimensions") is None
+    return prim in (jp.squeeze_p, jp.broadcast_in_dim_p)
 
 
 def cse(closed: jcore.ClosedJaxpr, *, held: Sequence[int] = ()) -> jcore.ClosedJaxpr:

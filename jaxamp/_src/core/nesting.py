@@ -8,7 +8,8 @@ derivative (its order, its name ``term__wrt``); a scale's output is no derivativ
 a variable derivatives are taken along (:func:`jaxamp._src.core.marks.fresh`: ``d/dx u(x)`` at an ``x``
 computed from derivatives is a first derivative of ``u``).
 
-The rule is a static pass over the jaxpr (one per jaxpr and input infos, cached), so the order
+The rule is a static pass over the jaxpr (one per jaxpr and input infos, kept by the
+:class:`Analyses` of one interpretation), so the order
 is the same under any ``jax.jit`` (cached or not), ``remat``, custom derivatives, loops and
 branches: nothing is reported while tracing.
 
@@ -22,15 +23,16 @@ Example:
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Dict, FrozenSet, List, NamedTuple, Optional, Sequence, Tuple
 
 from jax.extend import core as jcore
+from jax.extend.core import primitives as jp
 
 from jaxamp._src.core.interpreter import custom_body, sub_jaxpr, sub_jaxprs
 from jaxamp._src.core.marks import SEP, deriv_check_p, deriv_scale_p
+from jaxamp._src.core.rules import rules_of
 
-__all__ = ["Info", "NO_DERIVATIVE", "UNNAMED", "Analysis", "analyze", "resolve", "single_name"]
+__all__ = ["Info", "NO_DERIVATIVE", "UNNAMED", "Analysis", "Analyses", "analyze", "resolve", "single_name"]
 
 UNNAMED = None  # the name of a derivative whose differentiated value or variable has none
 
@@ -50,16 +52,16 @@ class Analysis(NamedTuple):
 
     Attributes:
       outs: the infos of ``jaxpr.outvars``.
-      resolved: ``{id(eqn): (order, term)}`` of every mark equation of this jaxpr (order 0: a
-        value check).
-      bodies: ``{id(eqn): [infos of each body's invars]}`` for equations with bodies, in the
+      resolved: ``{eqn: (order, term)}`` of every mark equation of this jaxpr (order 0: a
+        value check), keyed on the equation objects (held by the map).
+      bodies: ``{eqn: [infos of each body's invars]}`` for equations with bodies, in the
         order the body rules of :mod:`jaxamp._src.core.control` use them.
       marks: ``(order, term)`` of every mark in this jaxpr and its bodies, once each.
     """
 
     outs: List[Info]
-    resolved: Dict[int, Tuple[int, Optional[str]]]
-    bodies: Dict[int, List[List[Info]]]
+    resolved: Dict[jcore.JaxprEqn, Tuple[int, Optional[str]]]
+    bodies: Dict[jcore.JaxprEqn, List[List[Info]]]
     marks: Tuple[Tuple[int, Optional[str]], ...]
 
 
@@ -88,18 +90,31 @@ def _named(order: int, term: Optional[str], wrt: Optional[str]) -> Info:
     return Info(order, frozenset((SEP.join((term, wrt)) if term is not None and wrt is not None else UNNAMED,)))
 
 
-_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+class Analyses:
+    """The analyses of one interpretation (an evaluation, a profile, a trace's checks): each
+    jaxpr under each input infos analysed once, however often its bodies are entered. Calling
+    it is :func:`analyze`; the jaxprs are held alive as the keys of its dict."""
+
+    def __init__(self) -> None:
+        self.done: Dict[Tuple[jcore.Jaxpr, Tuple[Info, ...]], Analysis] = {}
+
+    def __call__(self, jaxpr: jcore.Jaxpr, in_infos: Sequence[Info]) -> Analysis:
+        key = (jaxpr, tuple(in_infos))
+        if key not in self.done:
+            self.done[key] = _analyze(jaxpr, key[1], self)
+        return self.done[key]
 
 
-def analyze(jaxpr: jcore.Jaxpr, in_infos: Sequence[Info]) -> Analysis:
-    """The :class:`Analysis` of ``jaxpr`` whose invars have ``in_infos`` (constvars: none)."""
-    key = tuple(in_infos)
-    per_jaxpr = _CACHE.setdefault(jaxpr, {})
-    if key in per_jaxpr:
-        return per_jaxpr[key]
+def analyze(jaxpr: jcore.Jaxpr, in_infos: Sequence[Info], analyses: Optional[Analyses] = None) -> Analysis:
+    """The :class:`Analysis` of ``jaxpr`` whose invars have ``in_infos`` (constvars: none),
+    kept by ``analyses`` (default: a fresh one, for this call)."""
+    return (Analyses() if analyses is None else analyses)(jaxpr, in_infos)
+
+
+def _analyze(jaxpr: jcore.Jaxpr, key: Tuple[Info, ...], analyses: Analyses) -> Analysis:
     env: Dict[Any, Info] = dict(zip(jaxpr.invars, key))
-    resolved: Dict[int, Tuple[int, Optional[str]]] = {}
-    bodies: Dict[int, List[List[Info]]] = {}
+    resolved: Dict[jcore.JaxprEqn, Tuple[int, Optional[str]]] = {}
+    bodies: Dict[jcore.JaxprEqn, List[List[Info]]] = {}
     marks: List[Tuple[int, Optional[str]]] = []
 
     def read(v) -> Info:
@@ -110,7 +125,7 @@ def analyze(jaxpr: jcore.Jaxpr, in_infos: Sequence[Info]) -> Analysis:
         prim = eqn.primitive
         if prim is deriv_scale_p or prim is deriv_check_p:
             v_info = ins[0] if prim is deriv_scale_p else ins[1]
-            order, term = resolved[id(eqn)] = resolve(eqn.params, v_info)
+            order, term = resolved[eqn] = resolve(eqn.params, v_info)
             marks.append((order, term))
             if prim is deriv_scale_p or (order == 0 and not eqn.params["check"]):
                 outs = [NO_DERIVATIVE]  # a scale, or a variable derivatives are taken along (marks.fresh)
@@ -119,15 +134,13 @@ def analyze(jaxpr: jcore.Jaxpr, in_infos: Sequence[Info]) -> Analysis:
             else:
                 outs = [_named(order, term, eqn.params["wrt"])]
         elif sub_jaxprs(eqn):
-            outs, body_ins, inner = _through_bodies(eqn, ins)
-            bodies[id(eqn)] = body_ins
+            outs, body_ins, inner = _through_bodies(eqn, ins, analyses)
+            bodies[eqn] = body_ins
             marks.extend(inner)
         else:
             outs = [join(ins)] * len(eqn.outvars)
         env.update(zip(eqn.outvars, outs))
-    result = Analysis([read(v) for v in jaxpr.outvars], resolved, bodies, tuple(dict.fromkeys(marks)))
-    per_jaxpr[key] = result
-    return result
+    return Analysis([read(v) for v in jaxpr.outvars], resolved, bodies, tuple(dict.fromkeys(marks)))
 
 
 def _open(j) -> jcore.Jaxpr:
@@ -151,27 +164,28 @@ def _fixpoint(run, consts: List[Info], carry: List[Info], rest: List[Info], n_ca
         "loop in Python, or take the loop's derivatives with jax.grad outside jaxamp.scaled.")
 
 
-def _through_bodies(eqn, ins: List[Info]):
+def _through_bodies(eqn, ins: List[Info], analyze: Analyses):
     """``(out infos, [body invars' infos], marks)`` of an equation with bodies."""
-    p, name = eqn.params, eqn.primitive.name
+    p, prim = eqn.params, eqn.primitive
     body = sub_jaxpr(eqn) or custom_body(eqn)
-    if body is not None or name in ("remat2", "shard_map"):
-        jaxpr = body.jaxpr if body is not None else p["jaxpr"]
+    wrapped = rules_of(prim).wrapped  # jax.checkpoint's, shard_map's body: analysed as a call's
+    if body is not None or wrapped is not None:
+        jaxpr = body.jaxpr if body is not None else _open(p[wrapped])
         an = analyze(jaxpr, ins)
         return an.outs, [ins], an.marks
-    if name == "scan":
+    if prim is jp.scan_p:
         nc, nk = p["num_consts"], p["num_carry"]
         jaxpr = _open(p["jaxpr"])
         an, carry = _fixpoint(lambda i: analyze(jaxpr, i), ins[:nc], ins[nc : nc + nk], ins[nc + nk :], nk)
         return an.outs, [ins[:nc] + carry + ins[nc + nk :]], an.marks
-    if name == "while":
+    if prim is jp.while_p:
         cn, bn = p["cond_nconsts"], p["body_nconsts"]
         body_j, cond_j = _open(p["body_jaxpr"]), _open(p["cond_jaxpr"])
         init = ins[cn + bn :]
         an, carry = _fixpoint(lambda i: analyze(body_j, i), ins[cn : cn + bn], init, [], len(init))
         cond_an = analyze(cond_j, ins[:cn] + carry)
         return carry, [ins[:cn] + carry, ins[cn : cn + bn] + carry], an.marks + cond_an.marks
-    if name == "cond":
+    if prim is jp.cond_p:
         ans = [analyze(_open(b), ins[1:]) for b in p["branches"]]
         outs = [join(list(o)) for o in zip(*(a.outs for a in ans))]
         return outs, [ins[1:]] * len(ans), tuple(m for a in ans for m in a.marks)

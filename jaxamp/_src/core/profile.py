@@ -13,23 +13,18 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
+from jax.extend.core import primitives as jp
 
 from jaxamp._src.scaling.config import AmpConfig, check_flags
 from jaxamp._src.core.marks import NONFINITE_VALUES, deriv_check_p, deriv_scale_p
-from jaxamp._src.core import control  # noqa: F401  (importing it registers the loop / branch rules)
 from jaxamp._src.core.evaluate import Context, Recorder, evaluate, inputs, marks_in
 from jaxamp._src.core.tracing import check_amp, state_config, traced
-from jaxamp._src.core.nesting import analyze
 from jaxamp._src.core.interpreter import bind, custom_body, eval_jaxpr, holds, sub_jaxpr, sub_jaxprs
+from jaxamp._src.core.rules import held_operands, rules_of
 from jaxamp._src.core.window import Profile, check_margin, is_low_precision, promote_eqn, promote_value, recommend, value_range
 from jaxamp._src.scaling.scaler import Scalers
 
-__all__ = ["HELD_OPERANDS", "profile", "profile_traced", "init_scalers", "scalers_of", "keys_of", "scaler_keys"]
-
-# {primitive: rule(*invals, **params) -> [(role, format name, operand as the format holds it)]}:
-# the matmul operands a profile reports against their format's window (``Profile.operands``).
-# Filled by the module that defines the primitive (per-tensor scaling, FP8).
-HELD_OPERANDS: Dict[jcore.Primitive, Callable[..., List[Tuple[str, str, Any]]]] = {}
+__all__ = ["profile", "profile_traced", "init_scalers", "scalers_of", "keys_of", "scaler_keys"]
 
 
 def _inline(eqn, vals):
@@ -38,7 +33,7 @@ def _inline(eqn, vals):
     body = sub_jaxpr(eqn) or custom_body(eqn)
     if body is not None:
         return eval_jaxpr(body.jaxpr, body.consts, vals, _inline)
-    if eqn.primitive.name == "remat2":
+    if eqn.primitive is jp.remat_p:
         return eval_jaxpr(eqn.params["jaxpr"], (), vals, _inline)
     return bind(eqn, vals)
 
@@ -48,7 +43,7 @@ def _key_sets(jaxpr: jcore.Jaxpr, ctx: Context, resolved) -> Dict[Any, frozenset
     after: Dict[Any, frozenset] = {}  # keys of the seeds a var depends on
     for eqn in jaxpr.eqns:
         if eqn.primitive is deriv_scale_p:
-            keys = frozenset((ctx.key(*resolved[id(eqn)]),))
+            keys = frozenset((ctx.key(*resolved[eqn]),))
         elif eqn.primitive is deriv_check_p:  # the identity on its first operand
             keys = after.get(eqn.invars[0], frozenset()) if not isinstance(eqn.invars[0], jcore.Literal) else frozenset()
         else:
@@ -60,7 +55,7 @@ def _key_sets(jaxpr: jcore.Jaxpr, ctx: Context, resolved) -> Dict[Any, frozenset
         ins = [v for v in eqn.invars if not isinstance(v, jcore.Literal)]
         if eqn.primitive is deriv_check_p:  # the scaled gradient feeds the check, the value does not
             ins = ins[:1]
-            down = down | {ctx.key(*resolved[id(eqn)])} if eqn.params["check"] else down
+            down = down | {ctx.key(*resolved[eqn])} if eqn.params["check"] else down
         for v in ins:
             before[v] = before.get(v, frozenset()) | down
     return {v: after[v] & before[v] for v in after if v in before and after[v] & before[v]}
@@ -81,7 +76,7 @@ class _Ranges(Recorder):
         self.found[group].setdefault(key, []).append(jnp.ravel(jnp.asarray(value, jnp.float32)))
 
     def bind(self, eqn: jcore.JaxprEqn, invals: List[Any]) -> List[Any]:
-        rule = HELD_OPERANDS.get(eqn.primitive)
+        rule = rules_of(eqn.primitive).held_operands  # the matmul operands against their format's window
         for role, fmt, held in rule(*[promote_value(v) for v in invals], **eqn.params) if rule else ():
             self.formats[f"{role} {fmt}"] = fmt
             self.record("operands", f"{role} {fmt}", held)
@@ -151,17 +146,17 @@ def profile_traced(closed: jcore.ClosedJaxpr, flat, amp: Optional[AmpConfig],
                    scales: Optional[Mapping[str, Any]] = None) -> Profile:  # fmt: skip
     """:func:`profile` of a program traced by :func:`jaxamp._src.core.tracing.traced` at ``flat``."""
     ctx = Context({}, amp)
-    if not (ctx.active or holds(closed.jaxpr, frozenset(HELD_OPERANDS))):
+    if not (ctx.active or holds(closed.jaxpr, held_operands())):
         return Profile(derivatives={}, hidden={}, keys={})
     flat_jaxpr = jax.make_jaxpr(lambda *a: eval_jaxpr(closed.jaxpr, closed.consts, a, _inline))(*flat)
     for eqn in flat_jaxpr.jaxpr.eqns:
-        if any(marks_in(j) for j in sub_jaxprs(eqn)):
+        if any(marks_in(j, ctx.holds) for j in sub_jaxprs(eqn)):
             raise NotImplementedError("jaxamp.profile: a jaxamp.grad inside a "
                                       f"`{eqn.primitive.name}` body is not profiled; profile "
                                       "the function the loop or branch calls (or start the "
                                       "scalers without a profile: jaxamp.init(loss, amp, "
                                       "from_profile=False)).")  # fmt: skip
-    resolved = analyze(flat_jaxpr.jaxpr, inputs(flat_jaxpr.jaxpr)).resolved
+    resolved = ctx.analyses(flat_jaxpr.jaxpr, inputs(flat_jaxpr.jaxpr)).resolved
     keys = ctx.keys(flat_jaxpr.jaxpr, inputs(flat_jaxpr.jaxpr))
     if unknown := sorted(k for k in (scales or {}) if k not in keys):
         raise KeyError(f"jaxamp.profile: `state` has scales for the key(s) {unknown}, which the program does not take "

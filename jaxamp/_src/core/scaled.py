@@ -17,14 +17,12 @@ from typing import Any, Callable, Mapping, Optional, Tuple
 import jax
 import jax.numpy as jnp
 
-from jaxamp._src.core import control  # noqa: F401  (importing it registers the loop / branch rules)
 from jaxamp._src.core import policy
 from jaxamp._src.scaling.config import AmpConfig, check_flags
 from jaxamp._src.core.checks import check_fun
 from jaxamp._src.core.evaluate import Context, evaluate, full_flags, inputs, opaque, ordered
 from jaxamp._src.core.tracing import check_amp, state_config, traced
 from jaxamp._src.core.interpreter import bind, cse, eval_jaxpr
-from jaxamp._src.core.nesting import analyze
 from jaxamp._src.core.window import LOG2_FP16_MAX
 
 __all__ = ["scaled"]
@@ -95,7 +93,7 @@ def scaled(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *, merge: b
         closed, flat, out_tree = traced(fun, args, kwargs, ctx_amp, "jaxamp.scaled")
         if not ctx.active and ctx_amp.loss_scaling_enabled:
             # plain fp16: every order's scale 1 through one barrier, as the scaled program's scales
-            marked = analyze(closed.jaxpr, inputs(closed.jaxpr)).marks
+            marked = ctx.analyses(closed.jaxpr, inputs(closed.jaxpr)).marks
             ctx.scales = opaque({k: 1.0 for k in ordered(str(o) for o, _ in marked if o > 0)})
         keys = ctx.keys(closed.jaxpr, inputs(closed.jaxpr))
         if not (merge and ctx.scales):  # fp32, bf16, AMP off: the program as JAX would run it

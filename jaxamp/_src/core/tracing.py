@@ -6,39 +6,29 @@ shared."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, List, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import jax.numpy as jnp
-from jax.extend import core as jcore
 
 from jaxamp._src.core import policy
 from jaxamp._src.scaling.config import AmpConfig, ConfigError
-from jaxamp._src.core.interpreter import trace
+from jaxamp._src.core.interpreter import holds, trace
 from jaxamp._src.core.marks import AMP_OFF
 from jaxamp._src.core.nesting import NO_DERIVATIVE, analyze
+from jaxamp._src.core.rules import passes
 from jaxamp._src.scaling.state import find
 
-__all__ = ["PROGRAM_PASSES", "register_pass", "check_amp", "shared_trace", "state_config", "traced"]
-
-# Rewrites of every traced program before it is interpreted, registered by the layer that binds
-# the primitives they rewrite (jaxamp._src.derivatives.chain_call: chain_p's shared plans), so the
-# core never imports the layers above it.
-PROGRAM_PASSES: List[Callable[[jcore.ClosedJaxpr], jcore.ClosedJaxpr]] = []
-
-
-def register_pass(rewrite: Callable[[jcore.ClosedJaxpr], jcore.ClosedJaxpr]) -> Callable:
-    """Add ``rewrite`` to :data:`PROGRAM_PASSES` (once); returns it."""
-    if rewrite not in PROGRAM_PASSES:
-        PROGRAM_PASSES.append(rewrite)
-    return rewrite
+__all__ = ["check_amp", "shared_trace", "state_config", "traced"]
 
 
 def shared_trace(fun: Callable, args, kwargs):
-    """:func:`trace`, once, then every registered pass (the ``jaxamp.grad`` chains of each jaxpr
-    that differentiate the same arguments computed by one plan)."""
+    """:func:`trace`, once, then the ``expand`` pass of every primitive of the rule table that
+    the program holds (:func:`jaxamp._src.core.rules.passes`: the ``jaxamp.grad`` chains of each
+    jaxpr that differentiate the same arguments computed by one plan)."""
     closed, flat, out_tree = trace(fun, args, kwargs)
-    for rewrite in PROGRAM_PASSES:
-        closed = rewrite(closed)
+    for primitive, rewrite in passes():
+        if holds(closed.jaxpr, frozenset((primitive,))):
+            closed = rewrite(closed)
     return closed, flat, out_tree
 
 

@@ -8,7 +8,6 @@ nested calls would have reported (docs/algorithm.md, "Engines").
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import jax
@@ -31,42 +30,45 @@ _PLAN_AMP = AmpConfig(mode="per_term_scaler")
 class Chain:
     """A nest of ``grad`` calls: ``base`` and, innermost first, the argnum and name of each step.
 
-    Equal and hashed by the identity of ``base`` (which the chain keeps alive, so its id is not
-    reused) and the steps: a user's callable is never hashed or compared, as an Equinox or NNX
-    module holding arrays (tracers, under a trace) can be neither."""
+    Equal when ``base`` is the same function object (``is``: the chain holds it) and the steps are
+    equal; hashed by the steps: a user's callable is never hashed or compared by value, as an
+    Equinox or NNX module holding arrays (tracers, under a trace) can be neither."""
 
     base: Callable[..., Any]
     argnums: Tuple[int, ...]
     wrts: Tuple[Optional[str], ...]
     of: Optional[str]
 
-    def _key(self) -> Tuple[Any, ...]:
-        return (id(self.base), self.argnums, self.wrts, self.of)
+    def _steps(self) -> Tuple[Any, ...]:
+        return (self.argnums, self.wrts, self.of)
 
     def __eq__(self, other: Any) -> bool:
-        return isinstance(other, Chain) and self._key() == other._key()
+        return isinstance(other, Chain) and self.base is other.base and self._steps() == other._steps()
 
     def __hash__(self) -> int:
-        return hash(self._key())
+        return hash(self._steps())
 
 
-# The chain each jaxamp.grad derivative function computes, by the function's identity: a wrapper
-# of it (functools.wraps copies attributes: another jaxamp transform, autocast, the user's own)
-# is not that derivative, so it starts a chain of its own.
-_LINKS: "weakref.WeakKeyDictionary[Callable[..., Any], Chain]" = weakref.WeakKeyDictionary()
+# The attribute of a jaxamp.grad derivative function naming the chain it computes, with the code
+# of the function that set it: a wrapper of it (functools.wraps copies attributes: another jaxamp
+# transform, autocast, the user's own) has other code, so it is not that derivative and starts a
+# chain of its own.
+_ATTRIBUTE = "__jaxamp_chain__"
 
 
-def register(derivative: Callable[..., Any], link: Chain) -> None:
-    """Record ``derivative`` (a ``jaxamp.grad`` function) as computing ``link``."""
-    _LINKS[derivative] = link
+def register(derivative: Callable[..., Any], link: Optional[Chain]) -> None:
+    """Record on ``derivative`` (a ``jaxamp.grad`` function) that it computes ``link`` (None: no
+    chain; set on every derivative, so one never keeps what ``functools.wraps`` copied)."""
+    setattr(derivative, _ATTRIBUTE, (link, derivative.__code__))
 
 
 def link_of(fun: Any) -> Optional[Chain]:
     """The chain ``fun`` computes if it is a ``jaxamp.grad`` function registered as one, else None."""
-    try:
-        return _LINKS.get(fun)
-    except TypeError:  # not weak-referenceable or not hashable: not one of ours
+    entry = getattr(fun, _ATTRIBUTE, None)
+    if not (isinstance(entry, tuple) and len(entry) == 2):
         return None
+    link, code = entry
+    return link if code is getattr(fun, "__code__", None) else None
 
 
 def extend(fun: Callable[..., Any], argnums: Any, of: Optional[str], wrt: Any) -> Optional[Chain]:

@@ -6,10 +6,11 @@ that body and the order and name of the body's value. Outside jaxamp's entry poi
 it (eager, ``jit``, ``vmap``, ``jvp``) runs that one chain by the Derivatives engine; ``vmap``
 keeps the equation, recording its batch axes, so the program still shows it.
 
-:func:`expand`, run on each program :func:`jaxamp.scaled`, :func:`jaxamp.profile` and
-:func:`jaxamp.init` trace, replaces the chain equations of one jaxpr that differentiate the same
-arguments by one plan (the passes of ``u_x`` and ``u_xx`` shared): planned from the jaxpr, so
-the user's function is traced once and nothing hangs on tracing order or object identity.
+:func:`expand`, ``chain_p``'s program pass in the rule table (:data:`jaxamp._src.core.rules.RULES`),
+run on each program :func:`jaxamp.scaled`, :func:`jaxamp.profile` and :func:`jaxamp.init` trace,
+replaces the chain equations of one jaxpr that differentiate the same arguments by one plan
+(the passes of ``u_x`` and ``u_xx`` shared): planned from the jaxpr, so the user's function is
+traced once and nothing hangs on tracing order or object identity.
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 from jax import lax
+from jax.extend.core import primitives as jp
 from jax.interpreters import ad, batching, mlir, partial_eval as pe
 
-from jaxamp._src.core.tracing import register_pass
 from jaxamp._src.derivatives import chain
-from jaxamp._src.core.evaluate import HANDLERS, call
-from jaxamp._src.core.interpreter import CALL_PRIMITIVES, atom, bind, eval_jaxpr, holds, split_arrays, sub_jaxprs, trace
+from jaxamp._src.core.interpreter import atom, bind, eval_jaxpr, holds, split_arrays, sub_jaxprs, trace
 from jaxamp._src.core.nesting import NO_DERIVATIVE, analyze, single_name
+from jaxamp._src.core.rules import RULES, PrimitiveRules, evaluated, rules_of
 
 __all__ = ["chain_p", "bind_chain", "expand", "has_chains"]
 
@@ -101,19 +102,21 @@ ad.primitive_jvps[chain_p] = _jvp
 batching.primitive_batchers[chain_p] = _batch
 mlir.register_lowering(chain_p, mlir.lower_fun(_impl, multiple_results=False))
 
-def has_chains(jaxpr: jcore.Jaxpr) -> bool:
-    """Whether ``jaxpr`` or one of its bodies holds a ``chain_p`` equation (cached)."""
-    return holds(jaxpr, frozenset((chain_p,)))
+
+def has_chains(jaxpr: jcore.Jaxpr, cache: Optional[Dict[Any, bool]] = None) -> bool:
+    """Whether ``jaxpr`` or one of its bodies holds a ``chain_p`` equation (``cache``: as
+    :func:`jaxamp._src.core.interpreter.holds`)."""
+    return holds(jaxpr, frozenset((chain_p,)), cache)
 
 
-@register_pass
 def expand(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
     """``closed`` with its chain equations computed, those of one jaxpr at the same arguments by
     one plan (``closed`` itself when it holds none)."""
-    if not has_chains(closed.jaxpr):
+    ctx = _Expanding()
+    if not has_chains(closed.jaxpr, ctx.holds):
         return closed
     closed = _pruned(closed)
-    return jax.make_jaxpr(lambda *a: _evaluate(closed.jaxpr, closed.consts, a, None, None)[0])(*_avals(closed))
+    return jax.make_jaxpr(lambda *a: _evaluate(closed.jaxpr, closed.consts, a, ctx, None)[0])(*_avals(closed))
 
 
 def _avals(closed: jcore.ClosedJaxpr) -> List[jax.ShapeDtypeStruct]:
@@ -128,28 +131,27 @@ def _pruned(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
     if not any(e.primitive.name == "stack" for e in jaxpr.eqns):
         return closed
 
-    stacks: Dict[int, Tuple[Any, int, List[Any]]] = {}  # id(a stack's value) -> (it, its axis, its operands)
+    # a stack's output variable -> (its axis, [(operand variable or None, operand value)])
+    stacks: Dict[Any, Tuple[int, List[Tuple[Any, Any]]]] = {}
 
-    def stacked(x):  # (axis, operands) if x is a stack's value, else None
-        hit = stacks.get(id(x))
-        return hit[1:] if hit is not None and hit[0] is x else None
-
-    def sliced(x, start, limit):  # x[start:limit], read through the stacks x was built by
-        hit = stacked(x)
+    def sliced(var, x, start, limit):  # x[start:limit], read through the stacks x (of var) was built by
+        hit = stacks.get(var)
         if hit is not None and limit[hit[0]] - start[hit[0]] == 1:
             k, parts = hit
             rest = lambda t: t[:k] + t[k + 1:]  # noqa: E731
-            return lax.expand_dims(sliced(parts[start[k]], rest(start), rest(limit)), (k,))
+            return lax.expand_dims(sliced(*parts[start[k]], rest(start), rest(limit)), (k,))
         full = tuple(start) == (0,) * jnp.ndim(x) and tuple(limit) == jnp.shape(x)
         return x if full else lax.slice(x, tuple(start), tuple(limit))
 
     def rule(eqn, vals):
-        p = eqn.params
-        if eqn.primitive.name == "slice" and not p.get("strides") and stacked(vals[0]) is not None:
-            return [sliced(vals[0], p["start_indices"], p["limit_indices"])]
+        p, var = eqn.params, eqn.invars[0] if eqn.invars else None
+        stacked = not isinstance(var, jcore.Literal) and var in stacks
+        if eqn.primitive is jp.slice_p and not p.get("strides") and stacked:
+            return [sliced(var, vals[0], p["start_indices"], p["limit_indices"])]
         outs = bind(eqn, vals)
-        if eqn.primitive.name == "stack":
-            stacks[id(outs[0])] = (outs[0], p["axis"], vals)
+        if eqn.primitive.name == "stack":  # (JAX 0.10 exports no stack_p)
+            operands = [None if isinstance(v, jcore.Literal) else v for v in eqn.invars]
+            stacks[eqn.outvars[0]] = (p["axis"], list(zip(operands, vals)))
         return outs
 
     def run(*args):
@@ -160,7 +162,28 @@ def _pruned(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
     return jcore.ClosedJaxpr(live, traced.consts)
 
 
-def _group_key(eqn) -> Optional[Tuple[Any, ...]]:
+# Equations that only read or relabel their operand's entries (z[k] is a slice and a squeeze):
+# two of them with the same parameters on the same operand give the same values.
+_READS = (jp.slice_p, jp.squeeze_p, jp.reshape_p, jp.transpose_p, jp.broadcast_in_dim_p)
+
+
+def _reads(jaxpr: jcore.Jaxpr) -> Dict[Any, Any]:
+    """``{var: key}`` for each variable a chain of :data:`_READS` computes from another, the key
+    equal for equal reads of the same variable: the entries of a vector ``z`` that two
+    derivative calls at ``z`` each take (``jacfwd`` then ``hessian``) are the same operands."""
+    keys: Dict[Any, Any] = {}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive in _READS and len(eqn.invars) == 1 and not isinstance(eqn.invars[0], jcore.Literal):
+            try:
+                keys[eqn.outvars[0]] = (eqn.primitive, tuple(sorted(eqn.params.items())),
+                                        keys.get(eqn.invars[0], eqn.invars[0]))
+                hash(keys[eqn.outvars[0]])
+            except TypeError:  # an unhashable parameter: the variable is its own key
+                keys.pop(eqn.outvars[0], None)
+    return keys
+
+
+def _group_key(eqn, reads: Dict[Any, Any]) -> Optional[Tuple[Any, ...]]:
     """Chains with equal keys differentiate the same values the same way: one plan computes
     them. None: this chain is planned alone (a level batching none of its arguments: the
     level's vmap could be another chain's)."""
@@ -168,24 +191,26 @@ def _group_key(eqn) -> Optional[Tuple[Any, ...]]:
     n, levels = p["n_consts"], p["levels"]
     if any(all(a is None for a in level[n:]) for level in levels):
         return None
-    return (tuple(atom(v) for v in eqn.invars[n:]), p["base_order"], p["base_term"],
-            tuple(level[n:] for level in levels))  # fmt: skip
+    args = tuple(reads.get(v, atom(v)) if not isinstance(v, jcore.Literal) else atom(v) for v in eqn.invars[n:])
+    return (args, p["base_order"], p["base_term"], tuple(level[n:] for level in levels))
 
 
 def _groups(jaxpr: jcore.Jaxpr) -> Dict[int, List[int]]:
     """``{first: [members]}``: the chain equations (by index) planned with the chain at
-    ``first``; a member joins only if all its operands exist there."""
+    ``first`` (at ``first``'s arguments); a member joins only if its closure constants exist there."""
     defined = {v: -1 for v in [*jaxpr.constvars, *jaxpr.invars]}
     for i, eqn in enumerate(jaxpr.eqns):
         defined.update((v, i) for v in eqn.outvars)
+    reads = _reads(jaxpr)
     open_groups: Dict[Any, List[int]] = {}
     groups: Dict[int, List[int]] = {}
     for i, eqn in enumerate(jaxpr.eqns):
         if eqn.primitive is not chain_p:
             continue
-        key = _group_key(eqn)
+        key = _group_key(eqn, reads)
         first = open_groups.get(key, [None])[0] if key is not None else None
-        if first is not None and all(isinstance(v, jcore.Literal) or defined[v] < first for v in eqn.invars):
+        consts = eqn.invars[:eqn.params["n_consts"]]
+        if first is not None and all(isinstance(v, jcore.Literal) or defined[v] < first for v in consts):
             groups[first].append(i)
             continue
         groups[i] = [i]
@@ -195,8 +220,11 @@ def _groups(jaxpr: jcore.Jaxpr) -> Dict[int, List[int]]:
 
 
 class _Expanding:
-    """The context the rules of :data:`jaxamp._src.core.evaluate.HANDLERS` get from
+    """The context the ``evaluate`` rules of :data:`jaxamp._src.core.rules.RULES` get from
     :func:`expand`: bodies evaluated with their chains computed, no flags."""
+
+    def __init__(self) -> None:
+        self.holds: Dict[Any, bool] = {}  # which of this expansion's jaxprs hold chains
 
     def evaluate(self, jaxpr, consts, args, infos):
         return _evaluate(jaxpr, consts, args, self, infos)
@@ -221,13 +249,13 @@ def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ct
             if i in groups:
                 done.update(zip(groups[i], _run_group([jaxpr.eqns[j] for j in groups[i]], read)))
             outs = [done.pop(i)]
-        elif any(has_chains(j) for j in sub_jaxprs(eqn)):
-            handler = HANDLERS.get(eqn.primitive.name, call if eqn.primitive.name in CALL_PRIMITIVES else None)
+        elif any(has_chains(j, ctx.holds) for j in sub_jaxprs(eqn)):
+            handler = rules_of(eqn.primitive).evaluate
             if handler is None:
                 raise NotImplementedError(
                     f"jaxamp: a nest of jaxamp.grad inside a `{eqn.primitive.name}` is not supported; supported are "
-                    f"{sorted(set(HANDLERS) | CALL_PRIMITIVES)}. Move it out, or use jaxamp.grad(..., method='reverse').")
-            outs = handler(eqn, [read(v) for v in eqn.invars], _Expanding(), [None] * 8)[0]
+                    f"{evaluated()}. Move it out, or use jaxamp.grad(..., method='reverse').")
+            outs = handler(eqn, [read(v) for v in eqn.invars], ctx, [None] * 8)[0]
         else:
             outs = bind(eqn, [read(v) for v in eqn.invars])
         for v, out in zip(eqn.outvars, outs):
@@ -239,14 +267,19 @@ def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ct
 def _run_group(eqns, read) -> List[jax.Array]:
     """One plan for the chain equations ``eqns``; a base is shared by members with the same
     function and the same closure constants."""
-    members, base_of, consts, seen = [], [], [], {}
+    members, base_of, consts, seen = [], [], [], []  # seen: (base, its constants' key) of each base
     for eqn in eqns:
         p, n = eqn.params, eqn.params["n_consts"]
-        key = (id(p["link"].base), tuple(atom(v) for v in eqn.invars[:n]), tuple(lv[:n] for lv in p["levels"]))
-        if key not in seen:
-            seen[key] = len(consts)
+        base, key = p["link"].base, (tuple(atom(v) for v in eqn.invars[:n]), tuple(lv[:n] for lv in p["levels"]))
+        b = next((i for i, (f, k) in enumerate(seen) if f is base and k == key), None)  # the function itself, by `is`
+        if b is None:
+            b = len(seen)
+            seen.append((base, key))
             consts.append([read(v) for v in eqn.invars[:n]])
         members.append(p)
-        base_of.append(seen[key])
+        base_of.append(b)
     n = eqns[0].params["n_consts"]
     return _run(members, base_of, consts, [read(v) for v in eqns[0].invars[n:]])
+
+
+RULES[chain_p] = PrimitiveRules(expand=expand)  # the program pass of jaxamp's entry points

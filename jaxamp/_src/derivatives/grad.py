@@ -123,8 +123,8 @@ def _reverse(transform: Callable, caller: str, fun: Callable, argnums, has_aux: 
             grads = checked(grads, wrt)
         return (grads, aux) if has_aux else grads
 
-    if link is not None and not has_aux:
-        chain.register(derivative, link)  # an outer grad along a scalar extends this chain
+    # an outer grad along a scalar extends this chain (None: no chain, whatever wraps copied)
+    chain.register(derivative, link if not has_aux else None)
     return derivative
 
 

@@ -12,8 +12,6 @@ them; every other call takes JAX's route (:mod:`jaxamp._src.derivatives.forward`
 
 from __future__ import annotations
 
-import collections
-import weakref
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import jax
@@ -27,11 +25,6 @@ __all__ = ["MAX_SIZE", "NotScalar", "Route", "eligible"]
 # Entries of ``z`` up to which derivatives are planned entry by entry (a Hessian is
 # MAX_SIZE * (MAX_SIZE + 1) / 2 chains); a longer vector takes JAX's batched route.
 MAX_SIZE = 16
-
-# id(z) -> (weak reference to z, z's entries): one set of entry values per vector and trace, for
-# the vectors met last (a bounded cache: entries are tracers of their trace)
-_ENTRIES: "collections.OrderedDict[int, Tuple[Any, Tuple[Any, ...]]]" = collections.OrderedDict()
-_ENTRIES_KEPT = 64
 
 
 class NotScalar(Exception):
@@ -53,17 +46,9 @@ def eligible(argnums: Any, args: Tuple[Any, ...], kwargs: dict, has_aux: bool = 
 
 
 def _entries(z: Any) -> Tuple[Any, ...]:
-    """``z``'s entries, the same values for every call at ``z`` in its trace (a derivative's
-    chains group by their arguments)."""
-    hit = _ENTRIES.get(id(z))
-    if hit is not None and hit[0]() is z:
-        return hit[1]
-    entries = tuple(z[k] for k in range(jnp.shape(z)[0]))
-    if all(getattr(e, "_trace", None) is getattr(z, "_trace", None) for e in entries):
-        _ENTRIES[id(z)] = (weakref.ref(z), entries)  # not entries of an inner trace: they cannot leave it
-        while len(_ENTRIES) > _ENTRIES_KEPT:
-            _ENTRIES.popitem(last=False)
-    return entries
+    """``z``'s entries ``z[k]``. Two calls at ``z`` read them twice; the chains still group
+    (:func:`jaxamp._src.derivatives.chain_call.expand` reads equal reads of one variable as one)."""
+    return tuple(z[k] for k in range(jnp.shape(z)[0]))
 
 
 class Route:

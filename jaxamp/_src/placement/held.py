@@ -26,11 +26,11 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
 import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
+from jax.extend.core import primitives as jp
 
 from jaxamp._src.core.interpreter import bind, eval_jaxpr, sub_jaxpr, trace
 from jaxamp._src.placement.tensor_scale import scaled_dot_p
 from jaxamp._src.scaling.config_values import ROLES
-from jaxamp._src.taylor.rules import INLINED_CALLS
 
 __all__ = ["evaluate_held", "held_operands"]
 
@@ -41,21 +41,20 @@ class _Held(NamedTuple):
 
 def _rule(sole_readers: bool) -> Callable:
     def rule(eqn: jcore.JaxprEqn, invals: List[_Held], uses: Dict[Any, int]) -> List[_Held]:
-        name = eqn.primitive.name
-        if name in INLINED_CALLS:  # entered; a rematerialised body is left as written
-            body = sub_jaxpr(eqn)
-            if body is not None:  # readers are counted per jaxpr: a value read outside too enters plain
-                if sole_readers:
-                    invals = [v if uses.get(var) == 1 else _Held(v.x) for v, var in zip(invals, eqn.invars)]
-                return _evaluate(body.jaxpr, [_Held(c) for c in body.consts], invals, sole_readers)
+        prim = eqn.primitive
+        body = sub_jaxpr(eqn)  # a call is entered; a rematerialised body is left as written
+        if body is not None:  # readers are counted per jaxpr: a value read outside too enters plain
+            if sole_readers:
+                invals = [v if uses.get(var) == 1 else _Held(v.x) for v, var in zip(invals, eqn.invars)]
+            return _evaluate(body.jaxpr, [_Held(c) for c in body.consts], invals, sole_readers)
         xs = [v.x for v in invals]
-        if name == "jaxamp_scaled_dot":
+        if prim is scaled_dot_p:
             fmt = jnp.dtype(eqn.params["formats"][ROLES.index(eqn.params["role"])])
             xs = [v.narrow if v.narrow is not None and v.narrow.dtype == fmt and (not sole_readers or uses.get(var) == 1)
                   else v.x for v, var in zip(invals, eqn.invars)]  # fmt: skip
             return [_Held(scaled_dot_p.bind(*xs, **eqn.params))]
         outs = bind(eqn, xs)
-        if name == "convert_element_type" and _widens(jnp.result_type(xs[0]), outs[0].dtype):
+        if prim is jp.convert_element_type_p and _widens(jnp.result_type(xs[0]), outs[0].dtype):
             return [_Held(outs[0], xs[0])]
         return [_Held(o) for o in outs]
 

@@ -175,12 +175,15 @@ def autocast(fn: Callable, amp: Optional[AmpConfig] = _ACTIVE, *,
         arrays = [x for x, t in zip(leaves, traced) if t]
         types = [jax.typeof(x) for x in arrays]
         key = (config, tree, tuple(traced), tuple(x for x, t in zip(leaves, traced) if not t),
-               tuple((t.shape, t.dtype, t.weak_type) for t in types),
-               module and tuple(map(id, jax.tree_util.tree_leaves(fn))))  # an NNX module updated in place
+               tuple((t.shape, t.dtype, t.weak_type) for t in types))
+        # a module's own leaves, compared by `is` (an NNX module updated in place is traced again)
+        held = tuple(jax.tree_util.tree_leaves(fn)) if module else ()
         try:
             entry = cache.get(key)
         except TypeError:  # an unhashable static argument: trace every call
             key, entry = None, None
+        if entry is not None and not (len(entry[2]) == len(held) and all(a is b for a, b in zip(entry[2], held))):
+            entry = None
         is_param = [i in argnums for i, a in enumerate(args) for _ in jax.tree_util.tree_leaves(a)]
         is_param += [False] * (len(leaves) - len(is_param))
         is_param = [p for p, t in zip(is_param, traced) if t]
@@ -193,10 +196,10 @@ def autocast(fn: Callable, amp: Optional[AmpConfig] = _ACTIVE, *,
                 return fn(*args, **kwargs)
 
             with policy.using(config, f"autocast({name})"):  # a nested autocast(g) takes this config
-                entry = _rewrite(fn, call, config, types, is_param, argnums)
+                entry = (*_rewrite(fn, call, config, types, is_param, argnums), held)
             if key is not None and not any(isinstance(c, jax.core.Tracer) for c in entry[0].consts):
                 cache[key] = entry  # a closure over an outer tracer is traced again next call
-        closed, out_tree = entry
+        closed, out_tree, _ = entry
 
         def placed(consts, *xs):
             if config.matmul_formats:  # scaled products read the float16 results they follow as float16

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from jaxamp._src.scaling.config import AmpConfig
-from jaxamp._src.core.interpreter import CUSTOM_PRIMITIVES, bind, custom_body, eval_jaxpr, sub_jaxpr
+from jaxamp._src.core.interpreter import bind, custom_body, eval_jaxpr, sub_jaxpr
+from jaxamp._src.core.rules import rules_of
 from jaxamp._src.placement.tensor_scale import scaled_dot
 
 __all__ = ["COMPUTE_PRIMITIVES", "ACTIVATION_PRIMITIVES", "BODY_PRIMITIVES", "Val", "merge", "primitive_counts", "Placement"]
@@ -73,8 +74,9 @@ class Placement:
 
     def __call__(self, eqn: jcore.JaxprEqn, invals: List[Val]) -> List[Val]:
         name = eqn.primitive.name
+        custom = rules_of(eqn.primitive).custom is not None  # a custom-derivative function
         body = sub_jaxpr(eqn)
-        if body is None and name in CUSTOM_PRIMITIVES and self._move_inside(eqn, invals):
+        if body is None and custom and self._move_inside(eqn, invals):
             body = custom_body(eqn)
         if body is not None:  # inline: the body's equations get their own decisions
             return self._evaluate(body.jaxpr, [Val(c) for c in body.consts], invals)
@@ -100,7 +102,7 @@ class Placement:
         elif name in ACTIVATION_PRIMITIVES and floating and self.activation and flags.low:
             return self._lowered(eqn, invals, flags)
         else:
-            if name not in CUSTOM_PRIMITIVES:  # custom calls were counted by _move_inside
+            if not custom:  # custom calls were counted by _move_inside
                 self._count_as_written(eqn)
             outs = bind(eqn, xs)
         return [flags._replace(x=o) for o in outs]

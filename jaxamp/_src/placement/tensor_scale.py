@@ -32,7 +32,7 @@ from jax import lax
 from jax.extend import core as jcore
 from jax.interpreters import ad, batching, mlir
 
-from jaxamp._src.core.profile import HELD_OPERANDS
+from jaxamp._src.core.rules import RULES, PrimitiveRules
 from jaxamp._src.scaling.config_values import FP8_FORMATS, ROLES
 
 __all__ = ["ROLES", "FP8_FORMATS", "MARGIN_LOG2", "scale_for", "scaled_dot", "scaled_dot_p"]
@@ -256,4 +256,4 @@ ad.primitive_jvps[scaled_dot_p] = _jvp
 ad.primitive_transposes[scaled_dot_p] = _transpose
 batching.primitive_batchers[scaled_dot_p] = _batch
 mlir.register_lowering(scaled_dot_p, mlir.lower_fun(_impl, multiple_results=False))
-HELD_OPERANDS[scaled_dot_p] = _profiled
+RULES[scaled_dot_p] = PrimitiveRules(held_operands=_profiled)  # what a profile reports of its operands

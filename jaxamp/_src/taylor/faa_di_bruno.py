@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from functools import lru_cache
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import jax
@@ -131,7 +130,6 @@ def _product(fn: Callable[..., List[jax.Array]], primals: Tuple[jax.Array, ...],
     return multilinear(fn, primals, tangents)
 
 
-@lru_cache(maxsize=None)
 def partitions(k: int) -> Tuple[Tuple[Tuple[int, ...], int], ...]:
     """The integer partitions of ``k >= 1`` (parts decreasing, ``(k,)`` first), each with
     Faa di Bruno's coefficient ``c = k! / prod_j (mult_j! (j!)^mult_j)``.

@@ -14,7 +14,7 @@ from jax.extend import core as jcore
 
 from jaxamp._src.core import interpreter
 
-__all__ = ["LINEAR", "BILINEAR", "CONSTANT", "INLINED_CALLS", "degree", "body"]
+__all__ = ["LINEAR", "BILINEAR", "CONSTANT", "degree", "body"]
 
 # Linear in their x-dependent operands (the others held fixed).
 LINEAR = frozenset(
@@ -28,10 +28,6 @@ LINEAR = frozenset(
 CONSTANT = frozenset(("jaxamp_deriv_scale",))
 # Linear in each operand: linear when one operand depends on x, degree 2 when two do.
 BILINEAR = frozenset(("mul", "dot_general", "jaxamp_scaled_dot"))  # the last: jaxamp.tensor_scale
-# Call-like primitives whose body is interpreted equation by equation. Rematerialised bodies
-# (remat/checkpoint) are differentiated whole, so that their rematerialisation policy still
-# applies to the weight gradient taken through the Taylor coefficients.
-INLINED_CALLS = interpreter.CALL_PRIMITIVES - {"remat", "checkpoint"}
 
 
 def degree(name: str, n_dependent: int) -> Optional[int]:
@@ -51,8 +47,11 @@ def degree(name: str, n_dependent: int) -> Optional[int]:
 
 
 def body(eqn: jcore.JaxprEqn) -> Optional[jcore.ClosedJaxpr]:
-    """The body evaluated in place of an :data:`INLINED_CALLS` equation (e.g. a ``jit``-ed
-    function such as flax's activations), else None.
+    """The body evaluated in place of a call-like equation (e.g. a ``jit``-ed function such as
+    flax's activations: the ``call`` of :data:`jaxamp._src.core.rules.RULES`), else None.
+    Rematerialised bodies (``jax.checkpoint``) are differentiated whole, so that their
+    rematerialisation policy still applies to the weight gradient taken through the Taylor
+    coefficients.
 
     Example:
       >>> import jax
@@ -61,4 +60,4 @@ def body(eqn: jcore.JaxprEqn) -> Optional[jcore.ClosedJaxpr]:
       >>> body(eqn) is not None
       True
     """
-    return interpreter.sub_jaxpr(eqn) if eqn.primitive.name in INLINED_CALLS else None
+    return interpreter.sub_jaxpr(eqn)

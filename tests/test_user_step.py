@@ -34,19 +34,20 @@ X = jnp.linspace(-1.0, 1.0, 32)
 
 @jax.custom_jvp
 def inject(v, bad):
-    """``v`` itself, whose derivative is multiplied by ``bad``: an injected overflow of the next
-    derivative step (``bad = inf``) below which every value stays finite."""
+    """``v`` itself, whose derivative is multiplied by inf where ``bad`` (a bool: a non-finite
+    argument would be bad data): an injected overflow of the next derivative step below which
+    every value stays finite."""
     return v
 
 
 @inject.defjvp
 def _inject_jvp(primals, tangents):
     (v, bad), (dv, _) = primals, tangents
-    return v, dv * bad
+    return v, dv * jnp.where(bad, jnp.inf, 1.0).astype(dv.dtype)
 
 
 def make_loss(amp):
-    """A Burgers-like residual loss by nested jaxamp.grad; ``bad`` (inf) injects an overflow into
+    """A Burgers-like residual loss by nested jaxamp.grad; ``bad`` (True) injects an overflow into
     the step of u_xx (key "2")."""
 
     def u_net(params, t, x):
@@ -58,7 +59,7 @@ def make_loss(amp):
         u_xx = jaxamp.grad(lambda p, t, x: inject(jaxamp.grad(u_net, 2)(p, t, x), bad), argnums=2)(params, t, x)
         return u_t + u * u_x - 0.01 * u_xx
 
-    def loss(params, t, x, bad=1.0):
+    def loss(params, t, x, bad=False):
         return jnp.mean(jax.vmap(r_net, (None, 0, 0, None))(params, t, x, bad) ** 2)
 
     return loss
@@ -102,7 +103,7 @@ def test_skip_decisions_and_scale_trajectories_equal_the_step_pieces():
     scalers, loss_scale, rule = state.derivative, state.loss, amp.make_loss_scaler()
     params = PARAMS
     for i in range(8):
-        bad = jnp.float32(jnp.inf if i in (2, 5) else 1.0)
+        bad = jnp.bool_(i in (2, 5))
         value, grads, flags = vg(state, params, T, X, bad)
         new = jax.tree.map(lambda p, g: p - 1e-3 * g, params, grads)
         kept, state = step_fn(state, grads, flags, new, params)
@@ -128,7 +129,7 @@ def test_optimizer_skips_with_a_zero_update_and_the_inner_state_unchanged():
     _, clean, flags = jaxamp.value_and_grad(loss)(opt_state, PARAMS, T, X)
     updates, opt_state = tx.update(clean, opt_state, PARAMS, flags=flags)
     assert int(opt_state.skip_reason) == 0 and int(opt_state.inner[0].count) == 1
-    _, bad, flags = jaxamp.value_and_grad(loss)(opt_state, PARAMS, T, X, jnp.float32(jnp.inf))
+    _, bad, flags = jaxamp.value_and_grad(loss)(opt_state, PARAMS, T, X, jnp.bool_(True))
     updates, skipped = tx.update(bad, opt_state, PARAMS, flags=flags)
     assert all(float(jnp.max(jnp.abs(u))) == 0.0 for u in jax.tree.leaves(updates))
     jax.tree.map(np.testing.assert_array_equal, skipped.inner, opt_state.inner)
@@ -163,8 +164,8 @@ def test_flax_train_state_needs_no_new_field():
         params = optax.apply_updates(ts.params, updates)
         return ts.replace(step=ts.step + 1, params=params, opt_state=opt_state), value
 
-    ts1, v1 = step(ts, jnp.float32(1.0))
-    ts2, v2 = step(ts1, jnp.float32(jnp.inf))
+    ts1, v1 = step(ts, jnp.bool_(False))
+    ts2, v2 = step(ts1, jnp.bool_(True))
     assert np.isfinite(float(v1)) and int(ts1.step) == 1
     jax.tree.map(np.testing.assert_array_equal, ts2.params, ts1.params)
     assert float(ts2.opt_state.amp.scales["2"]) == float(ts1.opt_state.amp.scales["2"]) / 2

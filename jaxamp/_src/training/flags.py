@@ -6,12 +6,12 @@ of a skipped step.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Sequence
+import functools
+from typing import Any, Dict, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
 
-from jaxamp._src.core.evaluate import opaque
 from jaxamp._src.core.marks import any_set
 
 __all__ = ["flag_set", "zeroed_when", "all_finite", "skipped_updates"]
@@ -24,27 +24,35 @@ def flag_set(flag: Any) -> jax.Array:
 
 
 def zeroed_when(flags: Sequence[Any], grads: Any) -> Any:
-    """``grads``, or zeros when one of ``flags`` (bools) is set, as a ``lax.cond``: XLA writes the
-    gradients out once and every consumer (a global norm, the finiteness check, each optimizer
-    moment) reads them, where a select would be fused into each consumer with the gradients' last
-    elementwise stage recomputed there. With no flags (plain float16, bfloat16) the clear flag
-    passes an optimisation barrier, so the step compiles as a scaled one whose flags are clear
-    (docs/algorithm.md, "How jaxamp computes it", one graph)."""
-    flagged = any_set(flags) if flags else opaque({"clear": False}, bool)["clear"]
-    return jax.lax.cond(flagged, lambda g: jax.tree_util.tree_map(jnp.zeros_like, g), lambda g: g, grads)
+    """``grads``, or zeros when one of ``flags`` (bools) is set: a select per leaf, which XLA fuses
+    into each gradient's producer or consumer (no kernel of its own: a ``lax.cond`` would copy the
+    gradients in each branch, a kernel per leaf on a GPU, docs/gpu.md)."""
+    if not flags:
+        return grads
+    flagged = any_set(flags)
+    return jax.tree_util.tree_map(lambda g: jnp.where(flagged, jnp.zeros_like(g), g), grads)
 
 
 def all_finite(tree: Any) -> jax.Array:
-    """``bool[]``: every inexact leaf of ``tree`` is finite (integer and bool leaves always are).
-    The leaves of one shape and dtype are checked together, elementwise, then reduced once: a
-    few reductions, each fused with what computes its leaves (a concatenation of the leaves would
-    first write every one of them out)."""
+    """``bool[]``: every inexact leaf of ``tree`` is finite (integer and bool leaves always are)."""
+    return finite_both(tree, ())[0]
+
+
+def finite_both(first: Any, second: Any) -> Tuple[jax.Array, jax.Array]:
+    """``(bool[], bool[])``: every inexact leaf of ``first`` is finite; of ``second``. One pass: the
+    leaves of one shape and dtype are checked together, elementwise, into a code (1: ``first``
+    non-finite there, 2: ``second``), reduced once per shape by a maximum, each fused with what
+    computes its leaves (a concatenation would first write every leaf out); then the few codes."""
     groups: Dict[Any, jax.Array] = {}
-    for x in map(jnp.asarray, jax.tree_util.tree_leaves(tree)):
-        if jnp.issubdtype(x.dtype, jnp.inexact):
-            key, ok = (x.shape, x.dtype), jnp.isfinite(x)
-            groups[key] = ok if key not in groups else groups[key] & ok
-    return ~any_set([~jnp.all(ok) for ok in groups.values()])
+    for bit, tree in ((1, first), (2, second)):
+        for x in map(jnp.asarray, jax.tree_util.tree_leaves(tree)):
+            if jnp.issubdtype(x.dtype, jnp.inexact):
+                key, code = (x.shape, x.dtype), jnp.where(jnp.isfinite(x), jnp.uint8(0), jnp.uint8(bit))
+                groups[key] = code if key not in groups else groups[key] | code
+    if not groups:
+        return jnp.bool_(True), jnp.bool_(True)
+    code = functools.reduce(jnp.bitwise_or, [jnp.max(c) for c in groups.values()])
+    return (code & 1) == 0, (code & 2) == 0
 
 
 def skipped_updates(updates: Any) -> Any:

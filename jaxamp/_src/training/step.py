@@ -20,7 +20,7 @@ import jmp
 from jaxamp._src.core.marks import NONFINITE_VALUES, any_set
 from jaxamp._src.placement.held import held_operands
 from jaxamp._src.scaling.config import check_flags
-from jaxamp._src.training.flags import all_finite, flag_set, skipped_updates
+from jaxamp._src.training.flags import finite_both, flag_set, skipped_updates
 from jaxamp._src.scaling.scaler import DynamicScaler, Scalers, ScaleState
 
 __all__ = ["check_like_params", "Flags", "SkipReason", "StepFlags", "loss_scaled_grad", "StepCheck", "check_step", "update_scalers", "AmpOptState", "find_opt_state", "with_opt_state"]
@@ -140,10 +140,11 @@ class StepCheck(NamedTuple):
     def keep(self, updates: T, new_inner: Any, old_inner: Any) -> Tuple[T, Any]:
         """An optimizer's outputs after the decision: ``updates``, or on a skip ``-0.0``
         (:func:`~jaxamp._src.training.flags.skipped_updates`: ``optax.apply_updates`` then leaves
-        every parameter bit for bit), and the new inner state or the old one, kept or replaced
-        whole (a ``lax.cond``: buffer copies, not a select per leaf for XLA to compile)."""
+        every parameter bit for bit), and the new inner state or the old one: selects per leaf,
+        which XLA fuses into the kernels computing them (a ``lax.cond`` copies every leaf in its
+        branches: a kernel per leaf on a GPU, docs/gpu.md)."""
         updates = self.select(updates, skipped_updates(updates))
-        return updates, jax.lax.cond(self.apply, lambda new, old: new, lambda new, old: old, new_inner, old_inner)
+        return updates, self.select(new_inner, old_inner)
 
 
 def check_step(scalers: Mapping[str, Any], found_inf: Flags, grads: Any, *, axis_name: Optional[Any] = None,
@@ -182,10 +183,9 @@ def check_step(scalers: Mapping[str, Any], found_inf: Flags, grads: Any, *, axis
             f"{sorted(scalers)}). Create the state with jaxamp.init(loss, amp)(*args) or TrainState.create(..., "
             "engines=[every engine the loss uses])."
         )
-    finite = all_finite(grads)
+    finite, new_finite = finite_both(grads, new)
     flags = {k: flag_set(found_inf.get(k, False)) for k in scalers}
     values = flag_set(found_inf.get(NONFINITE_VALUES, False))
-    new_finite = all_finite(new)
     if axis_name is not None:
         reduce = lambda b: jax.lax.pmax(b.astype(jnp.int32), axis_name) > 0  # noqa: E731
         flags, values = {k: reduce(v) for k, v in flags.items()}, reduce(values)

@@ -121,8 +121,9 @@ def test_series_of_order_2_is_second_order(placement):
 def test_primitive_table():
     """Degrees: linear primitives 1, bilinear ones 1 or 2 by their dependent operands, others
     unbounded; jit bodies are entered, remat bodies and custom_jvp calls are not."""
-    assert [rules.degree(n, 1) for n in ("add", "dot_general", "mul", "tanh")] == [1, 1, 1, None]
-    assert [rules.degree(n, 2) for n in ("add", "dot_general", "mul", "exp")] == [1, 2, 2, None]
+    p = jax.lax
+    assert [rules.degree(q, 1) for q in (p.add_p, p.dot_general_p, p.mul_p, p.tanh_p)] == [1, 1, 1, None]
+    assert [rules.degree(q, 2) for q in (p.add_p, p.dot_general_p, p.mul_p, p.exp_p)] == [1, 2, 2, None]
     assert rules.LINEAR.isdisjoint(rules.BILINEAR)
 
     def first(fn):

@@ -17,6 +17,8 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 from jax.interpreters import ad, batching, mlir
 
+from jaxamp._src.core.rules import RULES, PrimitiveRules
+
 __all__ = ["SEP", "NONFINITE_VALUES", "AMP_OFF", "scaler_key", "step_flags", "seed", "rescale", "unscale", "or_into", "any_set", "merge_found_inf",
            "reduce_flags", "UNINTERPRETED", "UnscaledDerivativeWarning", "deriv_scale_p", "deriv_check_p", "deriv_scale", "deriv_check", "fresh", "PRIMITIVES"]
 
@@ -206,6 +208,7 @@ deriv_scale_p.def_abstract_eval(lambda v, **params: jax.core.ShapedArray(_scale_
 ad.primitive_jvps[deriv_scale_p] = _scale_jvp
 batching.primitive_batchers[deriv_scale_p] = _scale_batch
 mlir.register_lowering(deriv_scale_p, mlir.lower_fun(_scale_impl, multiple_results=False))
+RULES[deriv_scale_p] = PrimitiveRules(taylor="constant")  # its operand gives its shape only
 
 # ---------------------------------------------------------------- deriv_check_p
 # deriv_check_p(g, v) -> g, the scaled gradient of v (one scalar per point): a key overflows
@@ -243,6 +246,7 @@ ad.primitive_jvps[deriv_check_p] = _check_jvp
 ad.primitive_transposes[deriv_check_p] = lambda ct, g, v, **_: [ct, None]
 batching.primitive_batchers[deriv_check_p] = _check_batch
 mlir.register_lowering(deriv_check_p, mlir.lower_fun(_check_impl, multiple_results=False))
+RULES[deriv_check_p] = PrimitiveRules(taylor="linear")  # the identity on its first operand
 
 PRIMITIVES = frozenset((deriv_scale_p, deriv_check_p))
 

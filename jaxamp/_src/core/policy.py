@@ -24,6 +24,7 @@ from jax.interpreters import ad, batching, mlir
 
 from jaxamp._src.scaling.config import AmpConfig, ConfigError
 from jaxamp._src.core.interpreter import sub_jaxprs
+from jaxamp._src.core.rules import RULES, PrimitiveRules
 
 __all__ = ["Policy", "policy_p", "mark", "policies_in", "derivative_taken", "check", "using", "active", "active_caller"]
 
@@ -94,6 +95,7 @@ ad.primitive_jvps[policy_p] = _jvp
 ad.primitive_transposes[policy_p] = _transpose
 batching.primitive_batchers[policy_p] = _batch
 mlir.register_lowering(policy_p, lambda ctx, x, **_: [x])  # no operation in the compiled program
+RULES[policy_p] = PrimitiveRules(taylor="linear")  # the identity
 
 
 def mark(outputs: Any, policy: Policy) -> Any:

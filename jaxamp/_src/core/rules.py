@@ -6,9 +6,12 @@ higher-order primitives are listed here, with the evaluation rules of
 defines it, next to its JVP and batching rules (as JAX fills ``ad.primitive_jvps``), so a
 primitive never exists without its rules:
 
+* ``jaxamp_deriv_scale``, ``jaxamp_deriv_check`` (:mod:`jaxamp._src.core.marks`),
+  ``jaxamp_policy`` (:mod:`jaxamp._src.core.policy`): their Taylor degree;
 * ``jaxamp_boundary`` (:mod:`jaxamp._src.core.boundary`): a call, always inlined by ``evaluate``;
 * ``jaxamp_chain`` (:mod:`jaxamp._src.derivatives.chain_call`): a program pass (``expand``);
-* ``jaxamp_scaled_dot`` (:mod:`jaxamp._src.placement.tensor_scale`): its held operands.
+* ``jaxamp_scaled_dot`` (:mod:`jaxamp._src.placement.tensor_scale`): its held operands, its
+  Taylor degree.
 
 A primitive without an entry is evaluated as written (:func:`jaxamp._src.core.interpreter.bind`)
 and, if it holds a mark in a body, rejected by name. ``import jaxamp`` imports every module that
@@ -56,6 +59,10 @@ class PrimitiveRules:
       held_operands: ``rule(*invals, **params) -> [(role, format name, operand as the format
         holds it)]``: the operands a profile reports against their format's window
         (:func:`jaxamp._src.core.profile.profile`).
+      taylor: the primitive's degree in its ``x``-dependent operands for Taylor mode
+        (:func:`jaxamp._src.taylor.rules.degree`): ``"constant"`` (0), ``"linear"`` (1) or
+        ``"bilinear"`` (1 in one operand, 2 in two); JAX's primitives are listed by
+        :mod:`jaxamp._src.taylor.rules` itself.
     """
 
     call: Optional[str] = None
@@ -66,6 +73,7 @@ class PrimitiveRules:
     inline: bool = False
     expand: Optional[Callable[[jcore.ClosedJaxpr], jcore.ClosedJaxpr]] = None
     held_operands: Optional[Callable[..., List[Tuple[str, str, Any]]]] = None
+    taylor: Optional[str] = None
 
 
 NO_RULES = PrimitiveRules()

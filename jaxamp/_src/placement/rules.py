@@ -10,6 +10,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
+from jax.extend.core import primitives as jp
 
 from jaxamp._src.scaling.config import AmpConfig
 from jaxamp._src.core.interpreter import bind, custom_body, eval_jaxpr, sub_jaxpr
@@ -18,13 +19,14 @@ from jaxamp._src.placement.tensor_scale import scaled_dot
 
 __all__ = ["COMPUTE_PRIMITIVES", "ACTIVATION_PRIMITIVES", "BODY_PRIMITIVES", "Val", "merge", "primitive_counts", "Placement"]
 
-COMPUTE_PRIMITIVES = frozenset(("dot_general", "conv_general_dilated"))
+COMPUTE_PRIMITIVES = frozenset((jp.dot_general_p, jp.conv_general_dilated_p))
 ACTIVATION_PRIMITIVES = frozenset((
-    "tanh", "logistic", "sin", "cos", "tan", "asin", "acos", "atan", "atan2", "sinh", "cosh",
-    "asinh", "acosh", "atanh", "exp", "exp2", "expm1", "log", "log1p", "erf", "erfc", "erf_inv",
+    jp.tanh_p, jp.logistic_p, jp.sin_p, jp.cos_p, jp.tan_p, jp.asin_p, jp.acos_p, jp.atan_p, jp.atan2_p,
+    jp.sinh_p, jp.cosh_p, jp.asinh_p, jp.acosh_p, jp.atanh_p, jp.exp_p, jp.exp2_p, jp.expm1_p, jp.log_p,
+    jp.log1p_p, jp.erf_p, jp.erfc_p, jp.erf_inv_p,
 ))
 # Bodies rewritten in place (same structure, same avals): checkpoint and control flow.
-BODY_PRIMITIVES = frozenset(("remat2", "checkpoint", "cond", "scan", "while"))
+BODY_PRIMITIVES = frozenset((jp.remat_p, jp.cond_p, jp.scan_p, jp.while_p))
 
 
 class Val(NamedTuple):
@@ -51,7 +53,7 @@ def _floating(dtype: Any) -> bool:
 
 def primitive_counts(jaxpr: jcore.Jaxpr) -> collections.Counter:
     """How many times each primitive occurs in ``jaxpr`` and all its sub-jaxprs."""
-    found = collections.Counter(eqn.primitive.name for eqn in jaxpr.eqns)
+    found = collections.Counter(eqn.primitive for eqn in jaxpr.eqns)
     for sub in jcore.subjaxprs(jaxpr):
         found.update(primitive_counts(sub))
     return found
@@ -73,21 +75,21 @@ class Placement:
         return eval_jaxpr(jaxpr, consts, invals, self, literal=Val)
 
     def __call__(self, eqn: jcore.JaxprEqn, invals: List[Val]) -> List[Val]:
-        name = eqn.primitive.name
-        custom = rules_of(eqn.primitive).custom is not None  # a custom-derivative function
+        prim = eqn.primitive
+        custom = rules_of(prim).custom is not None  # a custom-derivative function
         body = sub_jaxpr(eqn)
         if body is None and custom and self._move_inside(eqn, invals):
             body = custom_body(eqn)
         if body is not None:  # inline: the body's equations get their own decisions
             return self._evaluate(body.jaxpr, [Val(c) for c in body.consts], invals)
-        if name in BODY_PRIMITIVES:
+        if prim in BODY_PRIMITIVES:
             outs = self._rewrite_bodies(eqn, invals)
             if outs is not None:
                 return outs
         flags = merge(invals)
         xs = [v.x for v in invals]
         floating = bool(eqn.outvars) and _floating(eqn.outvars[0].aval.dtype)
-        if name in COMPUTE_PRIMITIVES and floating:
+        if prim in COMPUTE_PRIMITIVES and floating:
             if not flags.params:
                 why = "without a parameter"
             elif flags.inputs and not flags.deep and not self.firstlayer:
@@ -99,7 +101,7 @@ class Placement:
             if why == "compute dtype":
                 return self._lowered(eqn, invals, flags)
             outs = bind(eqn, xs)
-        elif name in ACTIVATION_PRIMITIVES and floating and self.activation and flags.low:
+        elif prim in ACTIVATION_PRIMITIVES and floating and self.activation and flags.low:
             return self._lowered(eqn, invals, flags)
         else:
             if not custom:  # custom calls were counted by _move_inside
@@ -113,7 +115,7 @@ class Placement:
         is a result cast back is handed over narrow when the program runs,
         :func:`jaxamp._src.placement.held.evaluate_held`)."""
         xs = [v.x for v in invals]
-        if self.formats and eqn.primitive.name == "dot_general" and all(_floating(jnp.result_type(x)) for x in xs):
+        if self.formats and eqn.primitive is jp.dot_general_p and all(_floating(jnp.result_type(x)) for x in xs):
             out = scaled_dot(*xs, eqn.params["dimension_numbers"], self.formats, scaling=self.tensor_scaling)
             return [flags._replace(x=jax.lax.convert_element_type(out, eqn.outvars[0].aval.dtype))]
         xs = [jax.lax.convert_element_type(x, self.dtype) if _floating(jnp.result_type(x)) else x for x in xs]
@@ -168,23 +170,23 @@ class Placement:
 
     def _rewrite_bodies(self, eqn: jcore.JaxprEqn, invals: List[Val]) -> Optional[List[Val]]:
         """Checkpoint/cond/scan/while with their bodies rewritten; None to bind as written."""
-        params, name = eqn.params, eqn.primitive.name
+        params, prim = eqn.params, eqn.primitive
         flags = [v._replace(x=None) for v in invals]
         bodies = jcore.jaxprs_in_params(params)
         if any(not hasattr(v.aval, "shape") for b in bodies for v in b.invars):
             return None  # tokens or other non-array operands
-        if name in ("remat2", "checkpoint"):
+        if prim is jp.remat_p:
             if params["jaxpr"].constvars:
                 return None
             body, out = self.placed(jcore.ClosedJaxpr(params["jaxpr"], ()), flags)
             if body.consts:
                 return None
             new: Dict[str, Any] = {"jaxpr": body.jaxpr}
-        elif name == "cond":
+        elif prim is jp.cond_p:
             placed = [self.placed(b, flags[1:]) for b in params["branches"]]
             new = {"branches": tuple(b for b, _ in placed)}
             out = [merge(fs) for fs in zip(*(o for _, o in placed))]
-        elif name == "scan":
+        elif prim is jp.scan_p:
             n, carry = params["num_consts"], params["num_carry"]
             body, out = self._loop(params["jaxpr"], flags, n, n + carry)
             new = {"jaxpr": body}

@@ -256,4 +256,5 @@ ad.primitive_jvps[scaled_dot_p] = _jvp
 ad.primitive_transposes[scaled_dot_p] = _transpose
 batching.primitive_batchers[scaled_dot_p] = _batch
 mlir.register_lowering(scaled_dot_p, mlir.lower_fun(_impl, multiple_results=False))
-RULES[scaled_dot_p] = PrimitiveRules(held_operands=_profiled)  # what a profile reports of its operands
+# what a profile reports of its operands; bilinear, as dot_general, for Taylor mode
+RULES[scaled_dot_p] = PrimitiveRules(held_operands=_profiled, taylor="bilinear")

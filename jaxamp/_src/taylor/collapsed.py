@@ -17,6 +17,7 @@ from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
+from jax.extend.core import primitives as jp
 
 from jaxamp._src.core import interpreter
 from jaxamp._src.core.marks import rescale
@@ -44,9 +45,9 @@ class CJet(NamedTuple):
 
 
 def _degree(eqn: jcore.JaxprEqn, ones: Sequence[int]) -> Optional[int]:
-    if eqn.primitive.name == "div" and tuple(ones) == (0,):  # a / c is linear in a
+    if eqn.primitive is jp.div_p and tuple(ones) == (0,):  # a / c is linear in a
         return 1
-    return rules.degree(eqn.primitive.name, len(ones))
+    return rules.degree(eqn.primitive, len(ones))
 
 
 def _restrict(eqn: jcore.JaxprEqn, values: Sequence[Any], which: Sequence[int], keep: Sequence[int]) -> Callable:

@@ -73,13 +73,13 @@ def propagate(f: Callable[[jax.Array], jax.Array], x: jax.Array, seed: Coefficie
     def step(eqn: jcore.JaxprEqn, invals: List[Jet]) -> List[Jet]:
         values = tuple(v.value for v in invals)
         dependent = tuple(i for i, v in enumerate(invals) if v.coefficients is not None)
-        if not dependent or rules.degree(eqn.primitive.name, len(dependent)) == 0:
+        if not dependent or rules.degree(eqn.primitive, len(dependent)) == 0:
             return [Jet(out) for out in interpreter.bind(eqn, values)]
         body = rules.body(eqn)
         if body is not None:
             return run(body, invals)
         app = Application(eqn, values, dependent, tuple(invals[i].coefficients for i in dependent),
-                          rules.degree(eqn.primitive.name, len(dependent)))  # fmt: skip
+                          rules.degree(eqn.primitive, len(dependent)))  # fmt: skip
         outs, coefficients = rule(app)
         return [Jet(out, c if inexact(v.aval.dtype) else None) for v, out, c in zip(eqn.outvars, outs, coefficients)]
 

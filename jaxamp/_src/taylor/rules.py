@@ -4,6 +4,8 @@ A primitive's *degree* in its ``x``-dependent operands is the highest order of i
 them that is not identically zero; it bounds the nonzero terms of Faa di Bruno's formula
 (:mod:`jaxamp._src.taylor.faa_di_bruno`): 1 (linear) has no product terms, 2 keeps products of two
 coefficients, ``None`` keeps every term. Call-like primitives are entered (:func:`body`).
+JAX's primitives are listed here by name; jaxamp's own give their degree in the rule table
+(the ``taylor`` field of :data:`jaxamp._src.core.rules.RULES`).
 """
 
 from __future__ import annotations
@@ -13,37 +15,40 @@ from typing import Optional
 from jax.extend import core as jcore
 
 from jaxamp._src.core import interpreter
+from jaxamp._src.core.rules import rules_of
 
-__all__ = ["LINEAR", "BILINEAR", "CONSTANT", "degree", "body"]
+__all__ = ["LINEAR", "BILINEAR", "degree", "body"]
 
 # Linear in their x-dependent operands (the others held fixed).
 LINEAR = frozenset(
     "add add_any sub neg convert_element_type reshape broadcast_in_dim squeeze expand_dims transpose "
     "slice concatenate reduce_sum copy real imag conj pad rev select_n dynamic_slice "
-    "dynamic_update_slice gather stack unstack split cumsum scatter_add "
-    "jaxamp_deriv_check jaxamp_policy".split()  # the last two: jaxamp's marks, identities on values
+    "dynamic_update_slice gather stack unstack split cumsum scatter_add".split()
 )
-# Whose outputs do not vary with their operands' values: a scaler key's scale (jaxamp's mark
-# ``jaxamp_deriv_scale`` takes its operand for its shape only). Degree 0: no coefficients.
-CONSTANT = frozenset(("jaxamp_deriv_scale",))
 # Linear in each operand: linear when one operand depends on x, degree 2 when two do.
-BILINEAR = frozenset(("mul", "dot_general", "jaxamp_scaled_dot"))  # the last: jaxamp.tensor_scale
+BILINEAR = frozenset(("mul", "dot_general"))
 
 
-def degree(name: str, n_dependent: int) -> Optional[int]:
-    """The degree of primitive ``name`` in its ``n_dependent >= 1`` x-dependent operands, or
-    ``None`` when no derivative order is known to vanish.
+def degree(primitive: jcore.Primitive, n_dependent: int) -> Optional[int]:
+    """The degree of ``primitive`` in its ``n_dependent >= 1`` x-dependent operands, or
+    ``None`` when no derivative order is known to vanish. A scaler key's scale (jaxamp's
+    ``deriv_scale_p``) takes its operand for its shape only: degree 0, no coefficients.
 
     Example:
+      >>> from jax import lax
+      >>> from jaxamp._src.core.marks import deriv_scale_p
       >>> from jaxamp._src.taylor.rules import degree
-      >>> degree("mul", 1), degree("mul", 2), degree("tanh", 1), degree("jaxamp_deriv_scale", 1)
+      >>> degree(lax.mul_p, 1), degree(lax.mul_p, 2), degree(lax.tanh_p, 1), degree(deriv_scale_p, 1)
       (1, 2, None, 0)
     """
-    if name in CONSTANT:
+    kind = rules_of(primitive).taylor
+    if kind is None:
+        kind = "linear" if primitive.name in LINEAR else "bilinear" if primitive.name in BILINEAR else None
+    if kind == "constant":
         return 0
-    if name in LINEAR or (name in BILINEAR and n_dependent == 1):
+    if kind == "linear" or (kind == "bilinear" and n_dependent == 1):
         return 1
-    return 2 if name in BILINEAR else None
+    return 2 if kind == "bilinear" else None
 
 
 def body(eqn: jcore.JaxprEqn) -> Optional[jcore.ClosedJaxpr]:

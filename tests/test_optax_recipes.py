@@ -267,3 +267,12 @@ def test_a_librarys_own_loop_gets_scaled_gradients_from_loss_given_to_the_optimi
         assert same(params, ref[i + 1][0]) and same(opt_state, ref[i + 1][1])
     with pytest.raises(TypeError, match="drop one of them"):
         tx.update(jax.grad(loss)(PARAMS, batch()), tx.init(PARAMS), PARAMS, batch=batch(), flags={})
+
+
+def test_containers_that_are_not_optax_states_are_looked_through():
+    """A train state holding the optimizer state beside its own arrays (a Flax TrainState, an
+    ``nnx.Optimizer``, a dict) is not a transformation: the wrapper's state inside it is found."""
+    tx = jaxamp.optimizer(optax.adam(1e-2), amp_state=amp_state())
+    holder = {"step": jnp.int32(3), "params": PARAMS, "opt_state": tx.init(PARAMS)}
+    _, _, flags = jaxamp.value_and_grad(loss)(holder, PARAMS, batch(overflow=True))
+    assert bool(flags.found_inf["2"]) and flags.source == "optimizer"

@@ -57,10 +57,24 @@ def with_amp_state(opt_state: Any, amp_state: AmpState) -> Any:
     return jax.tree_util.tree_map(lambda x: x._replace(amp=amp_state) if is_amp(x) else x, opt_state, is_leaf=is_amp)
 
 
-def _outside(tree: Any) -> list:
-    """The array leaves of an optimizer state outside its one :class:`AmpOptState`."""
+def _inside_stateful(node: Any) -> bool:
+    """Whether ``node`` holds the :class:`AmpOptState` inside an optax state (a tuple or NamedTuple:
+    ``optax.chain``'s, ``MultiSteps``') beside arrays of that state's own. Other containers (a Flax
+    TrainState, an ``nnx.Optimizer``, a dict) are looked through."""
     is_opt = lambda x: isinstance(x, AmpOptState)  # noqa: E731
-    return [x for x in jax.tree_util.tree_leaves(tree, is_leaf=is_opt) if not is_opt(x) and hasattr(x, "shape")]
+
+    def holds(x: Any) -> bool:
+        return any(is_opt(y) for y in jax.tree_util.tree_leaves(x, is_leaf=is_opt))
+
+    def arrays(x: Any) -> bool:
+        return any(hasattr(y, "shape") for y in jax.tree_util.tree_leaves(x, is_leaf=is_opt) if not is_opt(y))
+
+    if is_opt(node) or not holds(node):
+        return False
+    kids = jax.tree_util.tree_leaves(node, is_leaf=lambda x: x is not node)  # one level down
+    if isinstance(node, tuple) and any(arrays(k) for k in kids if not holds(k)):
+        return True
+    return any(_inside_stateful(k) for k in kids if holds(k))
 
 
 def locate(state: Any, caller: str) -> Tuple[AmpState, str]:
@@ -75,7 +89,7 @@ def locate(state: Any, caller: str) -> Tuple[AmpState, str]:
         raise TypeError(f"{caller}: the optimizer's state has no AmpState yet (built by jaxamp.optimizer(inner) "
                         "without one); set it once: opt_state = jaxamp.step.with_amp_state(opt_state, "
                         "jaxamp.init(loss, amp)(params, batch)), or build jaxamp.optimizer(inner, amp_state=amp_state).")
-    if opt is not None and _outside(state):
+    if opt is not None and _inside_stateful(state):
         raise TypeError(
             f"{caller}: `state` ({type(state).__name__}) holds jaxamp.optimizer's state inside another "
             "transformation's state that has arrays of its own (e.g. optax.chain(jaxamp.optimizer(a), b) with a "

@@ -3,7 +3,8 @@ step in every precision mode, engines, memory) and ``python -m benchmarks matrix
 (the DerivScaler's cost over a matrix of PINN problems, :mod:`benchmarks.matrix`) and
 ``python -m benchmarks roofline`` (XLA cost per mode and a GPU prediction, :mod:`benchmarks.roofline`) and
 ``python -m benchmarks peers`` (the Laplacian vs folx and jax.hessian, :mod:`benchmarks.peers`) and
-``python -m benchmarks idioms`` (every way of writing derivatives vs the engine, :mod:`benchmarks.idioms`)."""
+``python -m benchmarks idioms`` (every way of writing derivatives vs the engine, :mod:`benchmarks.idioms`;
+``idioms --random N --seed S``: random derivative programs, :mod:`benchmarks.idioms_random`)."""
 
 import sys
 
@@ -16,6 +17,10 @@ if __name__ == "__main__":
         from benchmarks.peers import main as peers_main
 
         peers_main(sys.argv[2:])
+    elif sys.argv[1:2] == ["idioms"] and any(a.split("=")[0] == "--random" for a in sys.argv[2:]):
+        from benchmarks.idioms_random import main as idioms_random_main
+
+        idioms_random_main(sys.argv[2:])
     elif sys.argv[1:2] == ["idioms"]:
         from benchmarks.idioms import main as idioms_main
 

@@ -540,7 +540,7 @@ def terms_fn(prog: Program, lib: str, net: Callable) -> Callable:
 
     def point(p, z):
         args = _unpack(prog, z)
-        y = net(p, z)
+        y = net(p, _pack(prog, args))  # the value factor as the terms' u computes it
         vals = []
         for t, f in zip(prog.terms, fs):
             v = f(p, *args)
@@ -559,17 +559,34 @@ def engine_names(prog: Program) -> List[str]:
     return sorted(names)
 
 
-def engine_fn(prog: Program, net: Callable, amp: Optional[jaxamp.AmpConfig] = None) -> Callable:
-    """The engine's plan of the terms' derivative set, the terms summed from its values."""
+def chain_names(prog: Program) -> Optional[List[str]]:
+    """Where every term is a nest of ``grad`` over scalar arguments of one output: the names of
+    the chains' steps in the program's order (``grad(grad(u, x), t)``: ``u0__x``, ``u0__x__t``),
+    the engine's plan of the same paths; else None."""
+    names = set()
+    for t in prog.terms:
+        if t.output is None or any(op.kind != "grad" or prog.args[op.arg].kind != "s" for op in t.ops):
+            return None
+        path = [f"u{t.output}"]
+        for op in t.ops:
+            path.append(COORDS[prog.args[op.arg].coords[0]])
+            names.add("__".join(path))
+    return sorted(names)
+
+
+def engine_fn(prog: Program, net: Callable, amp: Optional[jaxamp.AmpConfig] = None,
+              names: Optional[Sequence[str]] = None) -> Callable:  # fmt: skip
+    """The engine's plan of the terms' derivative set (``names``: default every partial the terms
+    read, each named by its sorted coordinates), the terms summed from its values."""
     outputs = tuple(f"u{o}" for o in range(prog.m))
-    names = engine_names(prog) or [outputs[0]]
+    names = list(names or engine_names(prog) or [outputs[0]])
     fn = net if amp is None else jaxamp.autocast(net, amp)
     eng = jaxamp.Derivatives(fn, inputs=COORDS[:prog.D], outputs=outputs, derivatives=names, amp=amp)
 
     def combine(values):
         cols = []
         for t, r in zip(prog.terms, prog.reads):
-            v = sum(c * values["__".join((f"u{o}",) + tuple(COORDS[i] for i in idx))] for (o, idx), c in r.items())
+            v = sum(c * values[_name_of(o, idx, values)] for (o, idx), c in r.items())
             cols.append(v * values[f"u{t.times}"] if t.times is not None else v)
         return jnp.stack(cols, axis=-1)
 
@@ -577,6 +594,18 @@ def engine_fn(prog: Program, net: Callable, amp: Optional[jaxamp.AmpConfig] = No
         return lambda p, Z: combine(eng(p, Z))
     scales = {k: jnp.float32(1.0) for k in eng.scaler_keys}
     return lambda p, Z: combine(jaxamp.scaled(eng)(scales, p, Z)[0])
+
+
+def _name_of(o: int, idx: Tuple[int, ...], values: Dict[str, Any]) -> str:
+    """The engine's name of the partial ``(o, idx)`` among ``values`` (in any order of its steps)."""
+    name = "__".join((f"u{o}",) + tuple(COORDS[i] for i in idx))
+    if name in values:
+        return name
+    for k in values:
+        parts = k.split("__")
+        if parts[0] == f"u{o}" and sorted(parts[1:]) == sorted(COORDS[i] for i in idx):
+            return k
+    raise KeyError(name)
 
 
 def _amp_wrap(fn: Callable, amp: Optional[jaxamp.AmpConfig]) -> Callable:
@@ -634,6 +663,8 @@ def measure(prog: Program, amp_mode: str = "off") -> Dict[str, Any]:
         "jax": terms_fn(prog, "jax", net),
         "engine": engine_fn(prog, net, amp),
     }
+    if chain_names(prog) is not None:  # nests of scalar grad: also the engine along the same paths
+        forms["engine_paths"] = engine_fn(prog, net, amp, chain_names(prog))
     row: Dict[str, Any] = {"flops": {}, "compile_s": {}}
     out = {}
     for name, fn in forms.items():
@@ -647,6 +678,8 @@ def measure(prog: Program, amp_mode: str = "off") -> Dict[str, Any]:
     row["engine_over_jax"] = round(fl["engine"] / fl["jax"], 4) if fl["jax"] else None
     row["compile_over_jax"] = round(row["compile_s"]["jaxamp"] / row["compile_s"]["jax"], 3)
     row["compile_over_engine"] = round(row["compile_s"]["jaxamp"] / row["compile_s"]["engine"], 3)
+    if "engine_paths" in fl:
+        row["flops_over_engine_paths"] = round(fl["jaxamp"] / fl["engine_paths"], 4)
     row["error_f32"] = max_error(out["jaxamp"], out["jax"]) if amp is None else None
     row["engine_error_f32"] = max_error(out["engine"], out["jax"]) if amp is None else None
     return row
@@ -752,6 +785,7 @@ def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
     mism = [r["index"] for r in rows if isinstance(r.get("error_f32"), float) and not r["error_f32"] <= tol["f32"]]
     mism64 = [r["index"] for r in rows if "error_f64" in r and not (isinstance(r["error_f64"], float)
                                                                     and r["error_f64"] <= tol["f64"])]  # fmt: skip
+    chains = [r for r in ok if "flops_over_engine_paths" in r]
     by_template: Dict[str, List[float]] = {}
     for r in ok:
         by_template.setdefault(r["template"], []).append(r["flops_over_engine"])
@@ -763,6 +797,9 @@ def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
         "engine_over_jax": _quantiles([r["engine_over_jax"] for r in ok]),
         "compile_over_jax": _quantiles([r["compile_over_jax"] for r in ok]),
         "compile_over_engine": _quantiles([r["compile_over_engine"] for r in ok]),
+        "chain_programs_within_1_05_of_engine_paths": [sum(r["flops_over_engine_paths"] <= 1.05 for r in chains),
+                                                       len(chains)],
+        "flops_over_engine_paths": _quantiles([r["flops_over_engine_paths"] for r in chains]),
         "flops_over_engine_by_template": {k: _quantiles(v) | {"n": len(v)} for k, v in sorted(by_template.items())},
         "value_tolerance": tol,
         "value_mismatches_f32": mism, "value_mismatches_f64": mism64,
@@ -776,6 +813,8 @@ def print_summary(s: Dict[str, Any]) -> None:
           f"({len(s['failures'])} failed: {s['failures']})")  # fmt: skip
     for k in ("flops_over_engine", "flops_over_jax", "engine_over_jax", "compile_over_jax", "compile_over_engine"):
         print(f"  {k}: {s[k]}")
+    print(f"  scalar grad chains: {s['chain_programs_within_1_05_of_engine_paths']} within 1.05x the engine along "
+          f"the same paths: {s['flops_over_engine_paths']}")
     for k, v in s["flops_over_engine_by_template"].items():
         print(f"  [{k}] flops/engine {v}")
     print(f"  value mismatches: float32 {s['value_mismatches_f32']}, float64 {s['value_mismatches_f64']}")

@@ -150,6 +150,26 @@ def test_autocast_of_a_module_needs_no_params_argnums():
     assert "f16[16,16]" in program and "fn='MLP(...)'" in program  # hidden layers in float16
 
 
+def test_autocast_of_a_module_is_a_module_with_the_same_leaves_that_trains():
+    """A library that takes "a module" (jinns's ``eqx_network=``) trains the placed network:
+    ``autocast(net)`` is an ``eqx.Module`` whose arrays are ``net``'s, whose module gradients are
+    ``net``'s under ``.module``, and ``eqx.apply_updates`` keeps it placed."""
+    net, amp = eqx.nn.MLP(2, "scalar", 16, 2, activation=jnp.tanh, key=jax.random.PRNGKey(0)), jaxamp.AmpConfig()
+    placed, z = jaxamp.autocast(net, amp), jnp.array([0.3, -0.4])
+    assert isinstance(placed, eqx.Module)
+    arrays = lambda m: jax.tree_util.tree_leaves(eqx.filter(m, eqx.is_array))  # noqa: E731
+    leaves, own = arrays(placed), arrays(net)
+    assert len(leaves) == len(own) and all(a is b for a, b in zip(leaves, own))
+    assert float(placed(z)) == float(jaxamp.autocast(net, amp, params_argnums=())(z))
+    assert "f16[16,16]" in str(jax.make_jaxpr(placed)(z))
+    grads = eqx.filter_grad(lambda m: m(z) ** 2)(placed)
+    ref = eqx.filter_grad(lambda m: jaxamp.autocast(m, amp, params_argnums=())(z) ** 2)(net)
+    for a, b in zip(jax.tree_util.tree_leaves(grads.module), jax.tree_util.tree_leaves(ref)):
+        np.testing.assert_array_equal(a, b)
+    moved = eqx.apply_updates(placed, jax.tree_util.tree_map(lambda g: -0.1 * g, grads))
+    assert isinstance(moved, type(placed)) and float(moved(z) ** 2) < float(placed(z) ** 2)
+
+
 SIBLINGS = {  # jaxamp's form and JAX's of each sibling, on a module and on its unbound __call__
     "jacfwd": lambda d, net, z: d.jacfwd(type(net).__call__, argnums=1)(net, z),
     "jacrev": lambda d, net, z: d.jacrev(type(net).__call__, argnums=1)(net, z),

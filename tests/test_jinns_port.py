@@ -15,9 +15,8 @@ on this CPU, with no XLA_FLAGS. With the first layer in float32 (jaxamp's defaul
 overflows on this problem and plain fp16 trains too (docs/jinns.md).
 
 ``fp16_program`` differs from ``fp32_program`` by 4 lines (counted by difflib below; the
-signature's ``amp`` argument aside): the network under ``jaxamp.autocast`` (through
-``Autocast``, a 5-line Equinox wrapper outside the program: ``jaxamp.autocast(eqx_module)``
-returns a function and jinns partitions an ``eqx.Module``), the loss as a function of what
+signature's ``amp`` argument aside): the network under ``jaxamp.autocast`` (an ``eqx.Module``
+again, with the network's leaves, as jinns partitions it), the loss as a function of what
 jinns's loop passes, the optimizer wrapped by ``jaxamp.optimizer(..., loss=)`` around an AMP
 state from ``jaxamp.init``, and ``extra_optax_args_and_kwargs`` on ``jinns.solve`` (so its
 ``optimizer.update`` recomputes jaxamp's scaled gradients and flags from jinns's batch and loss).
@@ -73,14 +72,6 @@ def network(key):
     return eqx.tree_at(lambda n: n.layers[0].weight, net, jax.random.normal(k2, (32, 1)) / L)
 
 
-class Autocast(eqx.Module):  # jinns needs an eqx.Module; jaxamp.autocast(module) is a function
-    net: eqx.Module
-    amp: jaxamp.AmpConfig = eqx.field(static=True)
-
-    def __call__(self, x):
-        return jaxamp.autocast(self.net, self.amp)(x)
-
-
 def fp32_program(steps=STEPS, seed=SEED):
     k_net, k_data = jax.random.split(jax.random.PRNGKey(seed))
     u, nn_params = jinns.nn.PINN_MLP.create(eq_type="PDEStatio", eqx_network=network(k_net))
@@ -98,7 +89,7 @@ def fp32_program(steps=STEPS, seed=SEED):
 
 def fp16_program(amp, steps=STEPS, seed=SEED):
     k_net, k_data = jax.random.split(jax.random.PRNGKey(seed))
-    u, nn_params = jinns.nn.PINN_MLP.create(eq_type="PDEStatio", eqx_network=Autocast(network(k_net), amp))
+    u, nn_params = jinns.nn.PINN_MLP.create(eq_type="PDEStatio", eqx_network=jaxamp.autocast(network(k_net), amp))
     params = jinns.parameters.Params(nn_params=nn_params, eq_params={})
     data = jinns.data.CubicMeshPDEStatio(key=k_data, n=1024, nb=2, omega_batch_size=128, dim=1,
                                          min_pts=(0.0,), max_pts=(L,))

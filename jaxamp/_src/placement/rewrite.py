@@ -156,6 +156,21 @@ def autocast(fn: Callable, amp: Optional[AmpConfig] = _ACTIVE, *,
     argnums = _argnums(params_argnums)
     if amp is None or (amp is not _ACTIVE and amp.compute_dtype == jnp.float32):
         return fn
+    if module and _equinox_instance(fn):  # a module stays a module, with the same leaves
+        from jaxamp._src.placement.eqx_module import AutocastModule
+
+        return AutocastModule(fn, amp, argnums, params_argnums)
+    return placed_function(fn, amp, module, argnums, params_argnums)
+
+
+def _equinox_instance(fn: Any) -> bool:
+    """Whether ``fn`` is an Equinox module itself (not a method bound to one)."""
+    eqx = sys.modules.get("equinox")
+    return eqx is not None and isinstance(fn, eqx.Module) and not hasattr(fn, "__self__")
+
+
+def placed_function(fn: Callable, amp: Any, module: bool, argnums: Tuple[int, ...], params_argnums: Any) -> Callable:
+    """The function :func:`autocast` returns for ``fn`` (its arguments already checked)."""
     cache: Dict[Any, Tuple[jcore.ClosedJaxpr, Any]] = {}
     name = _describe(fn)
 

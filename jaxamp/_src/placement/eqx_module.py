@@ -1,0 +1,33 @@
+""":func:`jaxamp.autocast` of an Equinox module: a module again (:class:`AutocastModule`), whose
+leaves are the network's, so a library that trains "a module" (jinns's ``eqx_network=``,
+``eqx.filter_grad``, ``eqx.apply_updates``) trains the placed network. Imported only when
+Equinox is (an optional extra)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import equinox as eqx
+
+from jaxamp._src.placement import rewrite
+
+__all__ = ["AutocastModule"]
+
+
+class AutocastModule(eqx.Module):
+    """``module`` with jaxamp's precision placement: calling it is ``autocast(module, amp)(...)``.
+
+    Attributes:
+      module: the network (its arrays are this module's arrays: same leaves, same paths under
+        ``.module``).
+      amp, params_argnums: as :func:`jaxamp.autocast` (static); argnums: ``params_argnums`` as a tuple.
+    """
+
+    module: Any
+    amp: Any = eqx.field(static=True)
+    argnums: Any = eqx.field(static=True)
+    params_argnums: Any = eqx.field(static=True)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        call = rewrite.placed_function(self.module, self.amp, True, self.argnums, self.params_argnums)
+        return call(*args, **kwargs)

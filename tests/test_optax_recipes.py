@@ -276,3 +276,24 @@ def test_containers_that_are_not_optax_states_are_looked_through():
     holder = {"step": jnp.int32(3), "params": PARAMS, "opt_state": tx.init(PARAMS)}
     _, _, flags = jaxamp.value_and_grad(loss)(holder, PARAMS, batch(overflow=True))
     assert bool(flags.found_inf["2"]) and flags.source == "optimizer"
+
+
+def test_the_optimizer_state_round_trips_through_pickle_deepcopy_and_flax():
+    """The optimizer's state (inner state, AMP state, skip reason and count) after steps with skips:
+    pickle, ``copy.deepcopy`` and ``flax.serialization`` give it back bit for bit, and a restored
+    state steps exactly as the original."""
+    import copy
+    import pickle
+
+    from flax import serialization
+
+    tx = jaxamp.optimizer(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)), amp_state=amp_state())
+    params, state = run(tx, SKIPS, steps=4)[-1]
+    restored = [pickle.loads(pickle.dumps(state)), copy.deepcopy(state),
+                serialization.from_bytes(tx.init(PARAMS), serialization.to_bytes(state))]
+    step = make_step(tx)
+    want = step(params, state, batch())
+    for other in restored:
+        assert same(other, state) and type(other.amp) is type(state.amp) and other.amp.amp == state.amp.amp
+        got = step(params, other, batch())
+        assert same(got[0], want[0]) and same(got[1], want[1])

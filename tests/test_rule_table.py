@@ -68,3 +68,34 @@ def test_the_table_is_keyed_on_primitive_objects_and_holds_jaxamps_primitives():
     for p, r in RULES.items():
         if r.call or r.custom or r.wrapped:
             assert r.evaluate is not None, p.name
+
+
+def test_no_jaxamp_module_is_imported_for_its_side_effects():
+    """Every jaxamp module a ``jaxamp/_src`` module imports as a module (``from jaxamp._src.core
+    import control``) is used there: none is imported only to register something (package
+    ``__init__`` files re-export, and are left out)."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    src = root / "jaxamp" / "_src"
+
+    def is_module(dotted):
+        path = root.joinpath(*dotted.split("."))
+        return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+    unused = []
+    for path in sorted(src.rglob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        tree = ast.parse(path.read_text())
+        used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jaxamp"):
+                names = [a.asname or a.name for a in node.names if is_module(f"{node.module}.{a.name}")]
+            elif isinstance(node, ast.Import):
+                names = [(a.asname or a.name).split(".")[0] for a in node.names if a.name.startswith("jaxamp")]
+            else:
+                continue
+            unused += [f"{path.relative_to(root)}:{node.lineno}: {n}" for n in names if n not in used]
+    assert unused == [], "\n".join(unused)

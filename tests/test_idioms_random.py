@@ -1,0 +1,92 @@
+"""Random derivative programs (:mod:`benchmarks.idioms_random`, issue #56): jaxamp's transforms give
+JAX's own values, on a fresh sample each run.
+
+A failure names its seed; reproduce it with ``JAXAMP_IDIOMS_SEED=<seed> pytest tests/test_idioms_random.py``
+or ``python -m benchmarks idioms --random 4 --seed <seed>``.
+"""
+
+import os
+
+import pytest
+
+from benchmarks import idioms_random as ir
+
+
+def _seed() -> int:
+    env = os.environ.get("JAXAMP_IDIOMS_SEED")
+    return int(env) if env else int.from_bytes(os.urandom(3), "little")
+
+
+def _check(seed: int, index: int) -> None:
+    prog = ir.generate(seed, index)
+    where = f"seed {seed} program {index}: {prog.desc} (JAXAMP_IDIOMS_SEED={seed} to rerun)"
+    try:
+        got = ir.values_check(prog)
+    except Exception as e:  # a form JAX runs and jaxamp refuses is a failure too
+        raise AssertionError(f"{where}: {type(e).__name__}: {e}") from e
+    assert got["error"] <= 1e-3, f"{where}: largest error {got['error']:.3g} against JAX's own (float32)"
+
+
+# compiling hessian(trace(hessian(u))) through jaxamp takes 4-12 s of CPU: the slow tests' and the benchmark's
+HEAVY = ("biharmonic_hessian",)
+
+
+def test_random_programs_give_jaxs_values():
+    seed = _seed()
+    indices = [i for i in range(40) if ir.generate(seed, i).template not in HEAVY][:4]
+    for index in indices:
+        _check(seed, index)
+
+
+@pytest.mark.slow
+def test_every_named_form_gives_jaxs_values():
+    """One program of each of #56's named forms (templates), the heavy ones included."""
+    seed, seen = _seed(), set()
+    for index in range(200):
+        template = ir.generate(seed, index).template
+        if template != "random" and template not in seen:
+            seen.add(template)
+            _check(seed, index)
+    assert len(seen) == 6, f"seed {seed}: templates drawn {sorted(seen)}"
+
+
+def test_generator_is_reproducible_and_covers_the_forms():
+    """The same (seed, index) gives the same program; the named forms of #56 are drawn."""
+    seed = _seed()
+    assert ir.generate(seed, 3).desc == ir.generate(seed, 3).desc
+    descs = [ir.generate(seed, i).desc for i in range(300)]
+    text = "\n".join(descs)
+    for form in ("jacfwd(jacrev(", "trace(hessian(trace(hessian(", "laplacian(laplacian(", "jvp(", "{t:R",
+                 "jax.checkpoint", "flax", "[scalar_chain]", "[vector_field]", "[grad_t_hessian_xy]"):  # fmt: skip
+        assert form in text, f"seed {seed}: no program with {form!r} in 300"
+    assert max(ir.order_of(ir.generate(seed, i)) for i in range(50)) == 4
+
+
+@pytest.mark.slow
+def test_random_programs_give_jaxs_values_in_float64():
+    import jax
+    import jax.numpy as jnp
+
+    seed = _seed()
+    with jax.enable_x64(True):
+        for index in range(6):
+            prog = ir.generate(seed, index)
+            err = ir.values_check(prog, jnp.float64)["error"]
+            assert err <= 1e-9, f"seed {seed} program {index}: {prog.desc}: error {err:.3g} (float64)"
+
+
+@pytest.mark.slow
+def test_nested_scalar_grad_chains_at_the_engines_flops():
+    """Nests of ``jaxamp.grad`` over scalar arguments: XLA FLOPs <= 1.05x the engine's plan of the
+    same paths (``u0__x``, ``u0__x__t`` for ``grad(grad(u, x), t)``), on random chain programs."""
+    seed, found, index = _seed(), 0, 0
+    while found < 4:
+        prog = ir.generate(seed, index)
+        index += 1
+        if ir.chain_names(prog) is None:
+            continue
+        found += 1
+        row = ir.measure(prog)
+        assert row["error_f32"] <= 1e-3, f"seed {seed} program {index - 1}: {prog.desc}"
+        ratio = row["flops_over_engine_paths"]
+        assert ratio <= 1.05, f"seed {seed} program {index - 1}: {prog.desc}: FLOPs {ratio}x the engine's ({row['flops']})"

@@ -5,11 +5,9 @@ Equinox is (an optional extra)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import equinox as eqx
-
-from jaxamp._src.placement import rewrite
 
 __all__ = ["AutocastModule"]
 
@@ -21,13 +19,16 @@ class AutocastModule(eqx.Module):
       module: the network (its arrays are this module's arrays: same leaves, same paths under
         ``.module``).
       amp, params_argnums: as :func:`jaxamp.autocast` (static); argnums: ``params_argnums`` as a tuple.
+      place: ``jaxamp._src.placement.rewrite.placed_function`` (static; given, not imported: the
+        placement imports this module).
     """
 
     module: Any
     amp: Any = eqx.field(static=True)
     argnums: Any = eqx.field(static=True)
     params_argnums: Any = eqx.field(static=True)
+    place: Callable[..., Callable] = eqx.field(static=True)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        call = rewrite.placed_function(self.module, self.amp, True, self.argnums, self.params_argnums)
-        return call(*args, **kwargs)
+        # placed for the module as it is now (its leaves change as it trains)
+        return self.place(self.module, self.amp, True, self.argnums, self.params_argnums)(*args, **kwargs)

@@ -159,7 +159,7 @@ def autocast(fn: Callable, amp: Optional[AmpConfig] = _ACTIVE, *,
     if module and _equinox_instance(fn):  # a module stays a module, with the same leaves
         from jaxamp._src.placement.eqx_module import AutocastModule
 
-        return AutocastModule(fn, amp, argnums, params_argnums)
+        return AutocastModule(fn, amp, argnums, params_argnums, placed_function)
     return placed_function(fn, amp, module, argnums, params_argnums)
 
 

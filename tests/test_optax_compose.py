@@ -16,14 +16,7 @@ import pytest
 
 import jaxamp
 
-AMP = jaxamp.AmpConfig(dtype="float16", loss_scaler={"init_scale": 2.0**8})
-N = 16
-PARAMS = {"w": jnp.linspace(0.5, 1.5, N)}
-
-
-def inject(hit, order):
-    """A flag raised as an engine raises it: an overflow of key ``order`` where ``hit``."""
-    return jaxamp._src.core.marks.deriv_check(jnp.where(hit, jnp.inf, 0.0), jnp.float32(0.0), order=order, term=None)
+from tests.helpers.injected import AMP, N, PARAMS, amp_state, inject  # noqa: F401
 
 
 def loss(params, b):
@@ -36,10 +29,6 @@ def loss(params, b):
 def batch(overflow=False, nan_grad=False, scale=1.0):
     return {"x": scale * jnp.linspace(0.0, 1.0, N), "overflow": jnp.asarray(overflow),
             "nan_grad": jnp.asarray(nan_grad)}
-
-
-def amp_state():
-    return jaxamp.init(None, AMP, keys=["1", "2"])()
 
 
 def chains():

@@ -86,7 +86,7 @@ def scaled(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *, merge: b
 
     def wrapped(scales: Any, *args, **kwargs):
         ctx_amp, scales = state_config(scales, amp, "jaxamp.scaled")
-        if ctx_amp is not None and ctx_amp.compute_dtype == jnp.float32:  # AMP off: fun as written
+        if ctx_amp is not None and ctx_amp.off:  # AMP off: fun as written
             with policy.using(ctx_amp, "jaxamp.scaled"):  # jaxamp.grad is jax.grad under it
                 return result(fun(*args, **kwargs), {}, {})
         ctx = Context(scales, ctx_amp)

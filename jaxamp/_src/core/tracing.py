@@ -67,7 +67,7 @@ def traced(fun: Callable, args, kwargs, amp: Optional[AmpConfig], caller: str,
         closed, flat, out_tree = shared_trace(fun, args, kwargs)
     if amp is not None:
         policy.check(policy.policies_in(closed), amp, caller, against)
-    if amp is not None and amp.compute_dtype != jnp.float32 and (0, AMP_OFF) in analyze(
+    if amp is not None and not amp.off and (0, AMP_OFF) in analyze(
             closed.jaxpr, [NO_DERIVATIVE] * len(closed.jaxpr.invars)).marks:  # fmt: skip
         raise ConfigError(
             f"{caller}: the program holds a jaxamp derivative traced with AMP off (plain JAX, unscaled), "

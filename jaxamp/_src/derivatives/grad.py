@@ -27,7 +27,7 @@ def amp_off() -> bool:
     float32): ``grad`` is then ``jax.grad`` (unless ``method="forward"``), so the program is the
     user's as written, bit for bit."""
     amp = policy.active()
-    return amp is not None and amp.compute_dtype == jnp.float32
+    return amp is not None and amp.off
 
 
 def step(of: Optional[str], wrt: Any) -> Dict[str, Any]:

@@ -23,7 +23,7 @@ def precision_fields(config: AmpConfig) -> dict:
     """The precision fields of a network module (``dtype``, ``fp32_first_layer``,
     ``fp32_activations``, ``matmul_formats``, ``tensor_scaling``) for ``config``: the
     ``autocast_*`` flags act for any reduced dtype; per-tensor scaling and FP8 as for autocast."""
-    reduced = config.compute_dtype != jnp.float32
+    reduced = not config.off
     return dict(
         dtype=config.compute_dtype,
         matmul_formats=config.matmul_formats,

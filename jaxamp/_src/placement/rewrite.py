@@ -154,7 +154,7 @@ def autocast(fn: Callable, amp: Optional[AmpConfig] = _ACTIVE, *,
     if params_argnums is None:  # a module holds its parameters: every argument is an input
         params_argnums = () if module else 0
     argnums = _argnums(params_argnums)
-    if amp is None or (amp is not _ACTIVE and amp.compute_dtype == jnp.float32):
+    if amp is None or (amp is not _ACTIVE and amp.off):
         return fn
     if module and _equinox_instance(fn):  # a module stays a module, with the same leaves
         from jaxamp._src.placement.eqx_module import AutocastModule
@@ -178,7 +178,7 @@ def placed_function(fn: Callable, amp: Any, module: bool, argnums: Tuple[int, ..
     def wrapped(*args, **kwargs):
         config = _config(amp, name)
         _check_flax_args(fn, args, argnums)
-        if config.compute_dtype == jnp.float32:  # the active config is AMP off: fn as written
+        if config.off:  # the active config is AMP off: fn as written
             return fn(*args, **kwargs)
         if argnums and max(argnums) >= len(args):
             raise ValueError(

@@ -143,6 +143,12 @@ class AmpConfig:
         return jnp.dtype(("float16" if self.dtype == "float8" else self.dtype) if self.enabled else "float32")
 
     @property
+    def off(self) -> bool:
+        """AMP off (``enabled=False`` or ``dtype="float32"``): nothing is cast, no scaler acts, every
+        jaxamp call is the user's program as written. The one home of that test."""
+        return self.compute_dtype == jnp.float32
+
+    @property
     def matmul_formats(self) -> Optional[Tuple[str, str, str]]:
         """The formats of autocast's matmul operands (value, tangent, cotangent) when they differ
         from plain casts to :attr:`compute_dtype` (per-tensor scaling or FP8), else None."""

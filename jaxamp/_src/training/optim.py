@@ -171,7 +171,7 @@ def value_and_grad(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] =
 
         held = amp_state.amp.tensor_scaling  # float16 cotangents widened: multiplied as float16 (no amax)
         grads, (loss, (aux, found, room)) = filter_grad(loss_scaled_grad, loss_of, argnums, loss_scale, held)(*args)
-        if amp_state.amp.compute_dtype != jnp.float32:  # AMP off: the user's program as written
+        if not amp_state.amp.off:  # AMP off: the user's program as written
             found = {**found, NONFINITE_VALUES: _bad_batch(args, kwargs, argnums, found)}
             # zeroed when a flag is set: a norm of them (a clip, loss weights) stays finite
             grads = zeroed_when([flag_set(v) for v in found.values()], grads)
@@ -307,7 +307,7 @@ class AmpOptimizer(optax.GradientTransformationExtraArgs):
 def _needs_flags(amp: AmpState) -> bool:
     """Whether gradients for ``amp`` must come from :func:`value_and_grad`: a scaler acts (a loss
     scale or a derivative scale), so plain gradients would be unscaled."""
-    return amp.amp.compute_dtype != jnp.float32 and (amp.loss_rule is not None or len(amp.derivative) > 0)
+    return not amp.amp.off and (amp.loss_rule is not None or len(amp.derivative) > 0)
 
 
 def scaled_value_fn(value_fn: Callable[..., Any], amp: AmpState) -> Callable[..., jax.Array]:
@@ -427,10 +427,10 @@ def optimizer(inner: optax.GradientTransformation, *, amp_state: Optional[AmpSta
         found = {} if flags is None else _found_inf(flags, "jaxamp.optimizer")
         grads = unfiltered(updates, "jaxamp.optimizer")
         check_like_params(grads, params, "jaxamp.optimizer")
-        if "value_fn" in extra and amp.amp.compute_dtype != jnp.float32:
+        if "value_fn" in extra and not amp.amp.off:
             extra = {**extra, "value_fn": scaled_value_fn(extra["value_fn"], amp)}
         new_updates, new_inner = inner.update(grads, opt_state.inner, params, **extra)
-        if amp.amp.compute_dtype == jnp.float32 and not skip_when_off:  # AMP off: inner as written
+        if amp.amp.off and not skip_when_off:  # AMP off: inner as written
             return new_updates, opt_state._replace(inner=new_inner)
         check = check_step(amp.derivative, found, grads, axis_name=axis_name, new=(new_updates, new_inner))
         new_updates, new_inner = check.keep(new_updates, new_inner, opt_state.inner)

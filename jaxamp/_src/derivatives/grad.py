@@ -59,14 +59,15 @@ def _value_of(caller: str, fun: Callable) -> Callable:
     return lambda *args, **kwargs: _pair(caller, fun(*args, **kwargs))[0]
 
 
-def _reverse(transform: Callable, caller: str, fun: Callable, argnums, has_aux: bool, of, wrt,
-             method: str = "reverse", **options) -> Callable:  # fmt: skip
-    """``transform`` (jax.grad or jax.jacrev) of ``fun``, its seed scaled, its result checked."""
+def _reverse(transform: Callable, caller: str, scalar: bool, fun: Callable, argnums, has_aux: bool, of, wrt,
+             method: str = "reverse", **options) -> Callable:
+    """``transform`` (jax.grad, ``scalar``: of a scalar output; or jax.jacrev) of ``fun``, its seed
+    scaled, its result checked; ``caller`` names it in errors only."""
     check_fun(caller, fun, of)
     argnums = check_wrt(caller, argnums, wrt)
     if method not in chain.METHODS:
         raise ValueError(f"{caller}: `method`={method!r} is not allowed: expected one of {list(chain.METHODS)}.")
-    chained = not any(options.values()) and method != "reverse" and (not has_aux or caller == "jaxamp.grad")
+    chained = not any(options.values()) and method != "reverse" and (not has_aux or scalar)
     # has_aux: the chain differentiates fun's value (its first output); the aux is fun's own
     base = _value_of(caller, fun) if has_aux else fun
     link = chain.extend(base, argnums, of, wrt) if chained else None
@@ -74,7 +75,7 @@ def _reverse(transform: Callable, caller: str, fun: Callable, argnums, has_aux: 
     # a tuple of scalar argnums (grad(u, (1, 2)) -> (u_t, u_x)): one chain per argnum, their
     # passes shared as those of separate grad calls at the same point
     links: Tuple[chain.Chain, ...] = ()
-    if chained and isinstance(argnums, tuple) and caller == "jaxamp.grad":
+    if chained and isinstance(argnums, tuple) and scalar:
         names = tuple(wrt) if wrt is not None else (None,) * len(argnums)
         links = tuple(chain.extend(base, a, of, w) for a, w in zip(argnums, names))
 
@@ -91,7 +92,7 @@ def _reverse(transform: Callable, caller: str, fun: Callable, argnums, has_aux: 
             return (fresh(out[0], term=AMP_OFF), out[1]) if has_aux else fresh(out, term=AMP_OFF)
         if chain.eligible(link, args, kwargs) or (links and all(chain.eligible(c, args, kwargs) for c in links)):
             return chains(args)
-        if caller == "jaxamp.jacrev" and vector.eligible(argnums, args, kwargs, has_aux, options["holomorphic"]):
+        if not scalar and vector.eligible(argnums, args, kwargs, has_aux, options["holomorphic"]):
             try:
                 return route.jacobian(args, of, wrt)
             except vector.NotScalar:
@@ -106,7 +107,7 @@ def _reverse(transform: Callable, caller: str, fun: Callable, argnums, has_aux: 
         def seeded(*a, **kw):
             out = fun(*substitute(a, nums, [fresh(a[i]) for i in nums]), **kw)
             out, aux = out if has_aux else (out, None)
-            chain.check_output(caller, fun, out, scalar=caller == "jaxamp.grad")
+            chain.check_output(caller, fun, out, scalar=scalar)
             s = deriv_scale(out, **step(of, wrt))
             return seed(out, s), (out, s, aux)
 
@@ -157,7 +158,7 @@ def grad(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_au
       >>> abs(float(r)) < 1e-5, sorted(found_inf)
       (True, ['1', '2', 'nonfinite_values'])
     """
-    return _reverse(jax.grad, "jaxamp.grad", fun, argnums, has_aux, of, wrt, method, holomorphic=holomorphic,
+    return _reverse(jax.grad, "jaxamp.grad", True, fun, argnums, has_aux, of, wrt, method, holomorphic=holomorphic,
                     allow_int=allow_int)
 
 
@@ -181,5 +182,5 @@ def jacrev(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_
       Array([[2., 0.],
              [0., 6.]], dtype=float32)
     """
-    return _reverse(jax.jacrev, "jaxamp.jacrev", fun, argnums, has_aux, of, wrt, holomorphic=holomorphic,
+    return _reverse(jax.jacrev, "jaxamp.jacrev", False, fun, argnums, has_aux, of, wrt, holomorphic=holomorphic,
                     allow_int=allow_int)

@@ -121,6 +121,22 @@ def test_autocast_of_a_module_needs_no_params_argnums_and_sees_in_place_updates(
     assert abs(float(ours(0.3)) - float(model(0.3))) < 1e-2  # not the cached program of the old values
 
 
+def test_autocast_of_a_module_is_a_module_holding_its_variables_that_trains():
+    """Code that takes "a module" trains the placed network: ``autocast(model)`` is an
+    ``nnx.Module`` whose parameters are the model's (under ``.module``), ``nnx.grad`` of it gives
+    them gradients, and an update through it moves the model itself."""
+    model, amp = Net(), jaxamp.AmpConfig()
+    placed = jaxamp.autocast(model, amp)
+    assert isinstance(placed, nnx.Module) and placed.module is model
+    ours, own = (jax.tree_util.tree_leaves(nnx.state(m, nnx.Param)) for m in (placed, model))
+    assert len(ours) == len(own) and all(bool(jnp.array_equal(a, b)) for a, b in zip(ours, own))
+    assert float(placed(0.3)) == float(jaxamp.autocast(model, amp, params_argnums=())(0.3))
+    grads = nnx.grad(lambda m: m(0.3) ** 2)(placed)
+    before = float(placed(0.3) ** 2)
+    nnx.update(placed, jax.tree_util.tree_map(lambda p, g: p - 0.05 * g, nnx.state(placed, nnx.Param), grads))
+    assert float(model(0.3) ** 2) < before  # the model itself moved
+
+
 def test_nnx_optimizer_takes_the_flags_and_without_them_is_an_error_before_any_update():
     """nnx.Optimizer.update passes its keyword arguments to the transformation: ``flags=flags``
     steps it; without them (jaxamp's gradients are plain, nnx would take them) an error naming

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["is_module", "holds_module", "filter_grad", "unfiltered"]
+__all__ = ["is_module", "holds_module", "filter_grad"]
 
 
 def _module_types() -> Tuple[type, ...]:
@@ -88,17 +88,3 @@ def filter_grad(make_grad: Callable[..., Callable], fun: Callable[..., Any], arg
         return grads, aux
 
     return g
-
-
-def unfiltered(updates: Any, caller: str) -> Any:
-    """``updates``, unless they are jaxamp gradients that ``nnx.Optimizer.update`` filtered to its
-    ``wrt`` variables (``nnx.state(grads, nnx.Param)``), which drops their overflow flags: then
-    a TypeError naming the functional form that keeps them."""
-    if hasattr(updates, "keys") and list(updates.keys()) == ["grads"]:
-        raise TypeError(
-            f"{caller}: the gradients reached the optimizer without their overflow flags, as one entry 'grads': "
-            "nnx.Optimizer.update(model, grads) keeps only the nnx.Param variables of jaxamp's gradients, so a "
-            "step with an overflow could not be skipped. Fix: the functional optax form, "
-            "updates, opt_state = optim.update(grads, opt_state, model); model = optax.apply_updates(model, "
-            "updates) with optim = jaxamp.optimizer(tx, amp_state=amp_state) (see examples/nnx_user/fp16.py).")
-    return updates

@@ -160,6 +160,10 @@ def autocast(fn: Callable, amp: Optional[AmpConfig] = _ACTIVE, *,
         from jaxamp._src.placement.eqx_module import AutocastModule
 
         return AutocastModule(fn, amp, argnums, params_argnums, placed_function)
+    if module and _nnx_instance(fn):
+        from jaxamp._src.placement.nnx_module import AutocastNNX
+
+        return AutocastNNX(fn, amp, argnums, params_argnums, placed_function)
     return placed_function(fn, amp, module, argnums, params_argnums)
 
 
@@ -167,6 +171,12 @@ def _equinox_instance(fn: Any) -> bool:
     """Whether ``fn`` is an Equinox module itself (not a method bound to one)."""
     eqx = sys.modules.get("equinox")
     return eqx is not None and isinstance(fn, eqx.Module) and not hasattr(fn, "__self__")
+
+
+def _nnx_instance(fn: Any) -> bool:
+    """Whether ``fn`` is a Flax NNX module itself (not a method bound to one)."""
+    nnx = sys.modules.get("flax.nnx")
+    return nnx is not None and hasattr(nnx, "Module") and isinstance(fn, nnx.Module)
 
 
 def placed_function(fn: Callable, amp: Any, module: bool, argnums: Tuple[int, ...], params_argnums: Any) -> Callable:

@@ -20,7 +20,7 @@ import optax
 from jaxamp._src.scaling.config import check_flags
 from jaxamp._src.core.checks import check_fun
 from jaxamp._src.core.scaled import scaled
-from jaxamp._src.core.modules import filter_grad, unfiltered
+from jaxamp._src.core.modules import filter_grad
 from jaxamp._src.scaling.state import AmpState, find
 from jaxamp._src.training.monitor import STALL_LIMIT, report_stall
 from jaxamp._src.core.marks import NONFINITE_VALUES, any_set
@@ -425,7 +425,7 @@ def optimizer(inner: optax.GradientTransformation, *, amp_state: Optional[AmpSta
                 "jaxamp.optimizer(inner, amp_state=..., loss=loss) with the loop passing loss's arguments as "
                 "extra arguments of update.")
         found = {} if flags is None else _found_inf(flags, "jaxamp.optimizer")
-        grads = unfiltered(updates, "jaxamp.optimizer")
+        grads = updates
         check_like_params(grads, params, "jaxamp.optimizer")
         if "value_fn" in extra and not amp.amp.off:
             extra = {**extra, "value_fn": scaled_value_fn(extra["value_fn"], amp)}

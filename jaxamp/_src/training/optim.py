@@ -408,7 +408,7 @@ def optimizer(inner: optax.GradientTransformation, *, amp_state: Optional[AmpSta
             if flags is not None:
                 raise TypeError("jaxamp.optimizer: `flags` given to an optimizer built with `loss=`: it computes "
                                 "the gradients and flags itself; drop one of them.")
-            _, updates, flags = value_and_grad(lambda p, **kw: loss(p, **kw))(opt_state, params, **extra)
+            _, updates, flags = value_and_grad(loss)(opt_state, params, **extra)
         if isinstance(flags, StepFlags) and flags.source != "optimizer":
             raise ValueError(
                 "jaxamp.optimizer: `flags` were computed by jaxamp.value_and_grad from a bare AmpState, not from "
@@ -424,8 +424,7 @@ def optimizer(inner: optax.GradientTransformation, *, amp_state: Optional[AmpSta
                 "optimizer.update(grads, opt_state, params, flags=flags); in a library's own loop, "
                 "jaxamp.optimizer(inner, amp_state=..., loss=loss) with the loop passing loss's arguments as "
                 "extra arguments of update.")
-        found = {} if flags is None else _found_inf(flags, "jaxamp.optimizer")
-        grads = updates
+        found, grads = ({} if flags is None else _found_inf(flags, "jaxamp.optimizer")), updates
         check_like_params(grads, params, "jaxamp.optimizer")
         if "value_fn" in extra and not amp.amp.off:
             extra = {**extra, "value_fn": scaled_value_fn(extra["value_fn"], amp)}

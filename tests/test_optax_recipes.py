@@ -286,3 +286,12 @@ def test_the_optimizer_state_round_trips_through_pickle_deepcopy_and_flax():
         assert same(other, state) and type(other.amp) is type(state.amp) and other.amp.amp == state.amp.amp
         got = step(params, other, batch())
         assert same(got[0], want[0]) and same(got[1], want[1])
+
+
+def test_apply_or_skip_refuses_value_and_grads_flags_without_their_gradients():
+    state = amp_state()
+    _, grads, flags = jaxamp.value_and_grad(loss)(state, PARAMS, batch())
+    with pytest.raises(TypeError, match=r"`grads` is None beside the StepFlags"):
+        jaxamp.apply_or_skip(state, None, flags, PARAMS, PARAMS)
+    kept, _ = jaxamp.apply_or_skip(state, grads, flags, PARAMS, PARAMS)
+    assert same(kept, PARAMS)

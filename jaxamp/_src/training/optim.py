@@ -270,6 +270,10 @@ def apply_or_skip(state: Any, grads: Any, flags: Union[StepFlags, dict], applied
                         f"{jax.tree_util.tree_structure(skipped)}; pass e.g. (new_params, new_opt) and (params, opt).")
     amp = find(state, "jaxamp.apply_or_skip")
     found = _found_inf(flags, "jaxamp.apply_or_skip")
+    if grads is None and isinstance(flags, StepFlags) and amp.loss_rule is not None:
+        raise TypeError("jaxamp.apply_or_skip: `grads` is None beside the StepFlags of jaxamp.value_and_grad: their "
+                        "gradients were loss-scaled, and unchecked they could never back the loss scale off. Fix: "
+                        "pass them, jaxamp.apply_or_skip(state, grads, flags, applied, skipped).")
     check = check_step(amp.derivative, found, () if grads is None else grads, axis_name=axis_name, new=applied)
     new = advance(check, amp)
     if grads is None:  # flags only: the loss scaler stays

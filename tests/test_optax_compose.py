@@ -61,12 +61,12 @@ def test_both_chain_forms_train_and_skip_bit_identically(name):
         params, opt_state, value = step(params, opt_state, batch())
         first = float(value) if first is None else first
     assert float(value) < first
-    amp = jaxamp._src.training.optim.find_opt_state(opt_state)
+    amp = jaxamp._src.training.step.find_opt_state(opt_state)
     assert int(amp.skip_reason) == 0 and int(amp.consecutive_skips) == 0
     for flags, reason in (dict(overflow=True), jaxamp.SkipReason.DERIVATIVE_OVERFLOW), \
                          (dict(nan_grad=True), jaxamp.SkipReason.NONFINITE_GRADS):
         new_params, new_state, _ = step(params, opt_state, batch(**flags))
-        new = jaxamp._src.training.optim.find_opt_state(new_state)
+        new = jaxamp._src.training.step.find_opt_state(new_state)
         assert same(new_params, params) and same(new.inner, amp.inner)
         assert int(new.skip_reason) == reason and int(new.consecutive_skips) == 1
         # the flags reach jaxamp.optimizer past the clip, naming the one key that overflowed (or none)
@@ -115,7 +115,7 @@ def test_flags_of_reduced_gradients_are_a_global_or(reduce):
 
         two = jax.tree_util.tree_map(lambda a, b: jnp.stack([a, b]), batch(), batch(overflow=True, scale=2.0))
         params, new_state = jax.jit(jax.vmap(replica, in_axes=(None, None, 0), axis_name="d"))(PARAMS, tx.init(PARAMS), two)
-        return params, jaxamp._src.training.optim.find_opt_state(new_state)
+        return params, jaxamp._src.training.step.find_opt_state(new_state)
 
     params, new = run("d")
     assert new.skip_reason.tolist() == [1, 1] and new.amp.scales["2"].tolist() == [0.5, 0.5]
@@ -139,7 +139,7 @@ PMAP_SCRIPT = textwrap.dedent("""
     rep = lambda t: jax.tree_util.tree_map(lambda x: jnp.stack([x, x]), t)
     two = jax.tree_util.tree_map(lambda a, b: jnp.stack([a, b]), batch(), batch(overflow=True))
     params, st = jax.pmap(step, axis_name="i")(rep(PARAMS), rep(tx.init(PARAMS)), two)
-    new = jaxamp._src.training.optim.find_opt_state(st)
+    new = jaxamp._src.training.step.find_opt_state(st)
     assert new.skip_reason.tolist() == [1, 1] and new.amp.scales["2"].tolist() == [0.5, 0.5], new
     assert np.array_equal(np.asarray(params["w"][1]), np.asarray(PARAMS["w"]))
     # jit over a batch sharded on a 2-device mesh: the flags are the whole batch's (no axis_name)
@@ -154,9 +154,9 @@ PMAP_SCRIPT = textwrap.dedent("""
         updates, opt_state = tx.update(grads, opt_state, params, flags=flags)
         return optax.apply_updates(params, updates), opt_state
     p2, st2 = jstep(PARAMS, opt_state, b)
-    assert int(jaxamp._src.training.optim.find_opt_state(st2).skip_reason) == 1 and np.array_equal(p2["w"], PARAMS["w"])
+    assert int(jaxamp._src.training.step.find_opt_state(st2).skip_reason) == 1 and np.array_equal(p2["w"], PARAMS["w"])
     p3, st3 = jstep(PARAMS, opt_state, jax.device_put(batch(), {"x": shard, "overflow": None, "nan_grad": None}))
-    assert int(jaxamp._src.training.optim.find_opt_state(st3).skip_reason) == 0 and not np.array_equal(p3["w"], PARAMS["w"])
+    assert int(jaxamp._src.training.step.find_opt_state(st3).skip_reason) == 0 and not np.array_equal(p3["w"], PARAMS["w"])
     print("ok")
 """)
 
@@ -172,15 +172,15 @@ def test_pmap_with_pmean_and_jit_over_a_sharded_batch():
 
 def test_an_optimizer_built_before_the_loss_takes_its_state_later():
     tx = jaxamp.optimizer(optax.adam(1e-2))  # no AMP state yet
-    later = jaxamp.step.with_amp_state(tx.init(PARAMS), amp_state())
+    later = jaxamp._src.training.optim.with_amp_state(tx.init(PARAMS), amp_state())
     assert sorted(later.amp.scales) == ["1", "2"]
     chained = optax.chain(optax.clip_by_global_norm(1.0), tx)
     bare = chained.init(PARAMS)
-    with pytest.raises(TypeError, match=r"no AmpState yet.*jaxamp.step.with_amp_state\(opt_state"):
+    with pytest.raises(TypeError, match=r"no AmpState yet.*jaxamp._src.training.optim.with_amp_state\(opt_state"):
         jaxamp.value_and_grad(loss)(bare, PARAMS, batch())
-    opt_state = jaxamp.step.with_amp_state(bare, amp_state())
+    opt_state = jaxamp._src.training.optim.with_amp_state(bare, amp_state())
     params, opt_state, _ = make_step(chained)(PARAMS, opt_state, batch())
-    assert int(jaxamp._src.training.optim.find_opt_state(opt_state).skip_reason) == 0 and not same(params, PARAMS)
+    assert int(jaxamp._src.training.step.find_opt_state(opt_state).skip_reason) == 0 and not same(params, PARAMS)
 
 
 def test_a_stale_bare_amp_state_is_an_error_at_trace_time():
@@ -231,7 +231,7 @@ def test_apply_or_skip_fits_back_where_it_came_from_and_checks_its_trees():
     _, grads, flags = jaxamp.value_and_grad(loss)(opt_state, PARAMS, batch(overflow=True))
     kept, new_state = jaxamp.apply_or_skip(opt_state, grads, flags, {"w": PARAMS["w"] + 1.0}, PARAMS)
     assert jax.tree_util.tree_structure(new_state) == jax.tree_util.tree_structure(opt_state)
-    new = jaxamp._src.training.optim.find_opt_state(new_state)
+    new = jaxamp._src.training.step.find_opt_state(new_state)
     assert same(kept, PARAMS) and int(new.skip_reason) == 1 and int(new.consecutive_skips) == 1
     with pytest.raises(TypeError, match=r"`applied` and `skipped` must have the same pytree structure"):
         jaxamp.apply_or_skip(opt_state, grads, flags, {"w": PARAMS["w"]}, (PARAMS["w"],))

@@ -1,6 +1,6 @@
 """A stall is said: consecutive skips counted in the optimizer's state (and TrainState), a
 StallWarning (or StallError) when the count reaches max_consecutive_skips, from a host callback
-taken only then; a clean run says nothing; jaxamp.monitor is fed from the optimizer's state."""
+taken only then; a clean run says nothing; jaxamp.StallMonitor is fed from the optimizer's state."""
 
 import warnings
 
@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import jaxamp
-from jaxamp.monitor import StallWarning
+from jaxamp import StallWarning
 from tests.test_optax_compose import PARAMS, amp_state, batch, loss
 
 
@@ -53,13 +53,13 @@ def test_a_clean_2000_step_run_says_nothing():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _, opt_state = run(tx, {}, 2000)
-    assert int(jaxamp._src.training.optim.find_opt_state(opt_state).consecutive_skips) == 0
+    assert int(jaxamp._src.training.step.find_opt_state(opt_state).consecutive_skips) == 0
 
 
 def make_train(max_skips=100, on_stall="warn"):
     amp = jaxamp.AmpConfig(dtype="float16", loss_scaler={"init_scale": 2.0**8})
-    state = jaxamp.train.TrainState.create(params=PARAMS, optimizer=optax.adam(1e-3), amp=amp, amp_state=amp_state())
-    step = jaxamp.train.make_train_step(lambda p, b: (loss(p, b), {}), optax.adam(1e-3), amp=amp,
+    state = jaxamp.TrainState.create(params=PARAMS, optimizer=optax.adam(1e-3), amp=amp, amp_state=amp_state())
+    step = jaxamp.make_train_step(lambda p, b: (loss(p, b), {}), optax.adam(1e-3), amp=amp,
                                         max_consecutive_skips=max_skips, on_stall=on_stall)
 
     @jax.jit(static_argnames="n")
@@ -85,7 +85,7 @@ def test_make_train_step_counts_and_says_a_stall_and_a_clean_run_says_nothing():
 
 def test_the_monitor_is_fed_from_the_optimizer_state_in_one_line():
     tx = optax.chain(optax.clip_by_global_norm(1.0), jaxamp.optimizer(optax.adam(1e-2), amp_state=amp_state()))
-    monitor = jaxamp.monitor.StallMonitor(max_consecutive_skips=2, window=10)
+    monitor = jaxamp.StallMonitor(max_consecutive_skips=2, window=10)
     mstate = monitor.init()
     params, opt_state = PARAMS, tx.init(PARAMS)
     for _ in range(2):
@@ -107,9 +107,9 @@ def test_the_report_is_a_callback_in_the_step_only_where_asked():
 
     start = amp_state()
     amp = start.amp
-    state = jaxamp.train.TrainState.create(params=PARAMS, optimizer=optax.adam(1e-3), amp=amp, amp_state=start)
+    state = jaxamp.TrainState.create(params=PARAMS, optimizer=optax.adam(1e-3), amp=amp, amp_state=start)
     for on_stall, expected in ((None, 0), ("warn", 1)):
-        step = jaxamp.train.make_train_step(lambda p, b: (loss(p, b), {}), optax.adam(1e-3), amp=amp, on_stall=on_stall)
+        step = jaxamp.make_train_step(lambda p, b: (loss(p, b), {}), optax.adam(1e-3), amp=amp, on_stall=on_stall)
         assert callbacks(step, state, batch()) == expected, on_stall
     for kwargs, expected in (({}, 1), ({"on_stall": None}, 0)):
         tx = jaxamp.optimizer(optax.adam(1e-3), amp_state=amp_state(), **kwargs)

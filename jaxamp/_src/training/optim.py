@@ -1,12 +1,14 @@
 """A user's train step in three lines: :func:`value_and_grad`, :func:`optimizer`, :func:`apply_or_skip`.
 
 docs/algorithm.md, "Training step", over one :class:`~jaxamp.AmpState`: :func:`value_and_grad` scales every
-derivative in the loss and the loss itself and returns ``(value, grads, flags)``: the gradients the plain tree
-of the parameters, the flags (:class:`~jaxamp.step.StepFlags`) what the step decides on. :func:`optimizer`
-is an optax ``GradientTransformationExtraArgs`` wrapping the whole optimizer, as ``optax.MultiSteps`` does:
-``update(grads, opt_state, params, flags=flags)`` applies or skips the inner update and advances every
-scaler; the AMP state, the decision and the skip count live in its state (an :class:`AmpOptState`).
-:func:`apply_or_skip` does the same for any pytrees. Every decision is a select.
+derivative in the loss and the loss itself (:func:`loss_scaled_grad`) and returns ``(value, grads, flags)``:
+the gradients the plain tree of the parameters, the flags (:class:`~jaxamp._src.training.step.StepFlags`)
+what the step decides on. :func:`optimizer` is an optax ``GradientTransformationExtraArgs`` wrapping the whole
+optimizer, as ``optax.MultiSteps`` does: ``update(grads, opt_state, params, flags=flags)`` applies or skips
+the inner update and advances every scaler; the AMP state, the decision and the skip count live in its state
+(an :class:`~jaxamp._src.training.step.AmpOptState`). :func:`apply_or_skip` does the same for any pytrees.
+The decision itself is :func:`jaxamp._src.training.step.decide`, which both call; this module checks the
+user's arguments, computes the gradients and reports a stall.
 """
 
 from __future__ import annotations
@@ -17,22 +19,59 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxamp._src.scaling.config import check_flags
 from jaxamp._src.core.checks import check_fun
-from jaxamp._src.core.scaled import scaled
-from jaxamp._src.core.modules import filter_grad
-from jaxamp._src.scaling.state import AmpState, find
-from jaxamp._src.training.monitor import STALL_LIMIT, report_stall
 from jaxamp._src.core.marks import NONFINITE_VALUES, any_set
-from jaxamp._src.training.flags import all_finite, flag_set, zeroed_when
-from jaxamp._src.training.step import (AmpOptState, StepCheck, StepFlags, check_like_params, check_step, find_opt_state,
-                                       loss_scaled_grad, update_scalers, with_opt_state)
+from jaxamp._src.core.modules import filter_grad
+from jaxamp._src.core.scaled import scaled
+from jaxamp._src.placement.held import held_operands
+from jaxamp._src.scaling.config import check_flags
+from jaxamp._src.scaling.state import AmpState, find
+from jaxamp._src.training.flags import all_finite, flag_set, skipped_updates, zeroed_when
+from jaxamp._src.training.monitor import STALL_LIMIT, report_stall
+from jaxamp._src.training.step import AmpOptState, StepCheck, StepFlags, decide, find_opt_state, found_inf_of, locate
 
-__all__ = ["value_and_grad", "grad_norms", "apply_or_skip", "optimizer", "AmpOptState", "AmpOptimizer", "advance", "with_amp_state",
-           "replace_amp", "step_state", "scaled_value_fn"]
+__all__ = ["loss_scaled_grad", "value_and_grad", "grad_norms", "apply_or_skip", "optimizer", "AmpOptimizer",
+           "scaled_value_fn", "check_like_params", "with_amp_state"]
 
 T = TypeVar("T")
 ON_STALL = ("warn", "raise", None)
+
+
+def loss_scaled_grad(fun: Callable[..., Tuple[jax.Array, Any]], argnums: Any, loss_scale: Optional[jax.Array],
+                     held: bool = False) -> Callable[..., Tuple[Any, Tuple[jax.Array, Any]]]:
+    """The gradients of ``fun``'s loss times ``loss_scale`` (float32), divided by it, as in
+    :func:`value_and_grad`: float16 weight gradients that would underflow survive.
+
+    Args:
+      fun: ``fun(*args) -> (loss, aux)``.
+      argnums: as ``jax.grad``.
+      loss_scale: ``f32[]``, or None (loss scaling off: nothing multiplies).
+      held: per-tensor scaled products take widened operands as they are held
+        (:func:`jaxamp._src.placement.held.held_operands`: the cotangents of float16 activations).
+
+    Returns:
+      ``g(*args) -> (grads, (loss, aux))``, ``loss`` unscaled.
+    """
+
+    def g(*args: Any) -> Tuple[Any, Tuple[jax.Array, Any]]:
+        s = None if loss_scale is None else jnp.asarray(loss_scale, jnp.float32)
+
+        def scaled_loss(*a: Any) -> Tuple[jax.Array, Tuple[jax.Array, Any]]:
+            loss, aux = fun(*a)
+            return (loss if s is None else loss.astype(jnp.float32) * s), (loss, aux)
+
+        grads, out = jax.grad(scaled_loss, argnums, has_aux=True)(*args)
+        if s is None:
+            return grads, out
+        inv = jnp.float32(1.0) / s
+        # the gradients written out as the backward pass made them, the unscale and the skip's
+        # selects fused into their consumers: without it XLA fuses the gradients' last stage into
+        # each consumer and keeps more of the backward pass live (H100 program, 4x512/6000: 33 MiB
+        # more device temp memory, 9 kernels fewer; docs/gpu.md)
+        grads = jax.lax.optimization_barrier(grads)
+        return jax.tree_util.tree_map(lambda x: x * inv.astype(x.dtype), grads), out
+
+    return held_operands(g) if held else g
 
 
 def with_amp_state(opt_state: Any, amp_state: AmpState) -> Any:
@@ -41,68 +80,24 @@ def with_amp_state(opt_state: Any, amp_state: AmpState) -> Any:
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxamp
+      >>> from jaxamp._src.training.optim import with_amp_state
+      >>> from jaxamp._src.training.step import find_opt_state
       >>> tx = optax.chain(optax.clip_by_global_norm(1.0), jaxamp.optimizer(optax.adam(1e-3)))
       >>> opt_state = tx.init({"w": jnp.zeros(3)})  # no AMP state yet
-      >>> opt_state = jaxamp.step.with_amp_state(opt_state, jaxamp.init(None, jaxamp.AmpConfig())())
-      >>> float(jaxamp._src.training.optim.find_opt_state(opt_state).amp.loss_scale)
+      >>> opt_state = with_amp_state(opt_state, jaxamp.init(None, jaxamp.AmpConfig())())
+      >>> float(find_opt_state(opt_state).amp.loss_scale)
       65536.0
     """
     if not isinstance(amp_state, AmpState):
-        raise TypeError(f"jaxamp.step.with_amp_state: `amp_state`={amp_state!r} must be a jaxamp.AmpState "
+        raise TypeError(f"jaxamp._src.training.optim.with_amp_state: `amp_state`={amp_state!r} must be a "
+                        "jaxamp.AmpState "
                         "(from jaxamp.init(loss, amp)(params, batch)).")
     if find_opt_state(opt_state) is None:
-        raise TypeError(f"jaxamp.step.with_amp_state: `opt_state` (a {type(opt_state).__name__}) must hold exactly "
+        raise TypeError(f"jaxamp._src.training.optim.with_amp_state: `opt_state` (a {type(opt_state).__name__}) "
+                        "must hold exactly "
                         "one AmpOptState: the state of jaxamp.optimizer(...).init(params).")
-    is_amp = lambda x: isinstance(x, AmpOptState)  # noqa: E731
-    return jax.tree_util.tree_map(lambda x: x._replace(amp=amp_state) if is_amp(x) else x, opt_state, is_leaf=is_amp)
-
-
-def _inside_stateful(node: Any) -> bool:
-    """Whether ``node`` holds the :class:`AmpOptState` inside an optax state (a tuple or NamedTuple:
-    ``optax.chain``'s, ``MultiSteps``') beside arrays of that state's own. Other containers (a Flax
-    TrainState, an ``nnx.Optimizer``, a dict) are looked through."""
     is_opt = lambda x: isinstance(x, AmpOptState)  # noqa: E731
-
-    def holds(x: Any) -> bool:
-        return any(is_opt(y) for y in jax.tree_util.tree_leaves(x, is_leaf=is_opt))
-
-    def arrays(x: Any) -> bool:
-        return any(hasattr(y, "shape") for y in jax.tree_util.tree_leaves(x, is_leaf=is_opt) if not is_opt(y))
-
-    if is_opt(node) or not holds(node):
-        return False
-    kids = jax.tree_util.tree_leaves(node, is_leaf=lambda x: x is not node)  # one level down
-    if isinstance(node, tuple) and any(arrays(k) for k in kids if not holds(k)):
-        return True
-    return any(_inside_stateful(k) for k in kids if holds(k))
-
-
-def locate(state: Any, caller: str) -> Tuple[AmpState, str]:
-    """The AMP state the step runs with, and ``"optimizer"`` or ``"amp_state"``: where it came from.
-
-    An optimizer state whose :class:`AmpOptState` sits inside another transformation's state
-    holding arrays (``optax.chain(jaxamp.optimizer(a), b)`` with a stateful ``b``,
-    ``optax.MultiSteps(jaxamp.optimizer(a))``) is refused: that state would move on a skipped step
-    (or see only some of the flags); ``jaxamp.optimizer`` wraps the whole optimizer."""
-    opt = find_opt_state(state) if not isinstance(state, AmpState) else None
-    if opt is not None and opt.amp is None:
-        raise TypeError(f"{caller}: the optimizer's state has no AmpState yet (built by jaxamp.optimizer(inner) "
-                        "without one); set it once: opt_state = jaxamp.step.with_amp_state(opt_state, "
-                        "jaxamp.init(loss, amp)(params, batch)), or build jaxamp.optimizer(inner, amp_state=amp_state).")
-    if opt is not None and _inside_stateful(state):
-        raise TypeError(
-            f"{caller}: `state` ({type(state).__name__}) holds jaxamp.optimizer's state inside another "
-            "transformation's state that has arrays of its own (e.g. optax.chain(jaxamp.optimizer(a), b) with a "
-            "stateful b, or optax.MultiSteps(jaxamp.optimizer(a))): that state would advance on skipped steps, or "
-            "see only some steps' flags. Fix: wrap the whole optimizer, jaxamp.optimizer(optax.chain(a, b)) or "
-            "jaxamp.optimizer(optax.MultiSteps(a, k)); stateless transformations (a clip) may stand outside.")
-    return find(state, caller), ("optimizer" if opt is not None else "amp_state")
-
-
-def advance(check: StepCheck, state: AmpState) -> AmpState:
-    """Every scaler of ``state`` advanced after the step ``check`` decided (``update_scalers``)."""
-    derivative, loss = update_scalers(state.derivative, state.loss, state.loss_rule, check)
-    return state.replace(derivative=derivative, loss=loss)
+    return jax.tree_util.tree_map(lambda x: x._replace(amp=amp_state) if is_opt(x) else x, opt_state, is_leaf=is_opt)
 
 
 def _loss_of(out: Any, has_aux: bool, fun: Callable) -> Tuple[jax.Array, Any]:
@@ -110,7 +105,8 @@ def _loss_of(out: Any, has_aux: bool, fun: Callable) -> Tuple[jax.Array, Any]:
         return f"an array of shape {jnp.shape(x)}" if hasattr(x, "shape") else type(x).__name__
 
     if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
-        raise TypeError(f"jaxamp.value_and_grad: `fun`={fun!r} with has_aux=True must return (loss, aux), got {what(out)}.")
+        raise TypeError(f"jaxamp.value_and_grad: `fun`={fun!r} with has_aux=True must return (loss, aux), "
+                        f"got {what(out)}.")
     loss, aux = out if has_aux else (out, None)
     if not (hasattr(loss, "shape") and jnp.shape(loss) == () and jnp.issubdtype(jnp.result_type(loss), jnp.floating)):
         raise TypeError(f"jaxamp.value_and_grad: `fun`={fun!r} must return a float scalar loss (or (loss, aux) with "
@@ -144,7 +140,7 @@ def value_and_grad(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] =
       ``vg(state, *args, **kwargs) -> (value, grads, flags)``: ``state`` the state of
       :func:`optimizer` (or a bare :class:`~jaxamp.AmpState` for :func:`apply_or_skip`);
       ``value`` unscaled (``(loss, aux)`` with ``has_aux``); ``grads`` the plain gradient tree,
-      loss scale divided out, zeros when a flag is set; ``flags`` a :class:`~jaxamp.step.StepFlags`
+      loss scale divided out, zeros when a flag is set; ``flags`` a :class:`~jaxamp._src.training.step.StepFlags`
       for ``optimizer.update(grads, opt_state, params, flags=flags)``.
 
     Example:
@@ -223,16 +219,6 @@ def grad_norms(losses: Callable[..., Dict[str, Any]], argnums: Union[int, Sequen
     return norms
 
 
-def _found_inf(flags: Any, caller: str) -> Dict[str, Any]:
-    if isinstance(flags, StepFlags):
-        return flags.found_inf
-    if isinstance(flags, dict):  # e.g. the found_inf of jaxamp.scaled(jax.jacrev(losses))
-        return flags
-    raise TypeError(f"{caller}: `flags` must be the StepFlags of jaxamp.value_and_grad (loss, grads, flags = "
-                    f"jaxamp.value_and_grad(loss)(state, params, ...)) or the found_inf dict of jaxamp.scaled, got "
-                    f"{type(flags).__name__}.")
-
-
 def apply_or_skip(state: Any, grads: Any, flags: Union[StepFlags, dict], applied: T, skipped: T, *,
                   axis_name: Optional[Any] = None, return_reason: bool = False) -> Tuple[Any, ...]:
     """Apply or skip an update of any pytrees, and advance every scaler.
@@ -244,7 +230,7 @@ def apply_or_skip(state: Any, grads: Any, flags: Union[StepFlags, dict], applied
       state: the :class:`~jaxamp.AmpState` the step ran with, or an optimizer state holding one.
       grads: the step's gradients (checked finite: the loss scaler steps on them), or None for
         flags without gradients (then the loss scaler does not move).
-      flags: the :class:`~jaxamp.step.StepFlags` of :func:`value_and_grad`, or the ``found_inf``
+      flags: the :class:`~jaxamp._src.training.step.StepFlags` of :func:`value_and_grad`, or the ``found_inf``
         dict of :func:`jaxamp.scaled`.
       applied, skipped: pytrees of the same structure: the new values and those kept on a skip.
       axis_name: inside ``pmap``/``shard_map``: OR the flags over this axis.
@@ -269,37 +255,28 @@ def apply_or_skip(state: Any, grads: Any, flags: Union[StepFlags, dict], applied
                         f"values and those kept on a skip), got {jax.tree_util.tree_structure(applied)} and "
                         f"{jax.tree_util.tree_structure(skipped)}; pass e.g. (new_params, new_opt) and (params, opt).")
     amp = find(state, "jaxamp.apply_or_skip")
-    found = _found_inf(flags, "jaxamp.apply_or_skip")
+    found = found_inf_of(flags, "jaxamp.apply_or_skip")
     if grads is None and isinstance(flags, StepFlags) and amp.loss_rule is not None:
         raise TypeError("jaxamp.apply_or_skip: `grads` is None beside the StepFlags of jaxamp.value_and_grad: their "
                         "gradients were loss-scaled, and unchecked they could never back the loss scale off. Fix: "
                         "pass them, jaxamp.apply_or_skip(state, grads, flags, applied, skipped).")
-    check = check_step(amp.derivative, found, () if grads is None else grads, axis_name=axis_name, new=applied)
-    new = advance(check, amp)
-    if grads is None:  # flags only: the loss scaler stays
-        new = new.replace(loss=amp.loss)
-    opt = find_opt_state(state) if not isinstance(state, AmpState) else None
-    if opt is None:
-        out_state = new if isinstance(state, AmpState) else replace_amp(state, new)
-    else:  # counted as jaxamp.optimizer counts, a stall reported at its default limit
-        stepped = step_state(opt, new, check)
-        report_stall(stepped.consecutive_skips, check.skip_reason, check.found_inf, limit=STALL_LIMIT, on_stall="warn",
-                     caller="jaxamp.apply_or_skip", loss_scale=None if amp.loss_rule is None else new.loss_scale)
-        out_state = with_opt_state(state, stepped)
-    out = (check.select(applied, skipped), out_state)
+    chosen, new_state, check = decide(state, found, grads, applied, skipped, caller="jaxamp.apply_or_skip",
+                                      axis_name=axis_name)
+    # an optimizer state counts its skips as jaxamp.optimizer does, a stall reported at the default limit
+    _report_stall(new_state, check, limit=STALL_LIMIT, on_stall="warn", caller="jaxamp.apply_or_skip")
+    out = (chosen, new_state)
     return out + (check.skip_reason,) if return_reason else out
 
 
-def replace_amp(tree: Any, amp: AmpState) -> Any:
-    """``tree`` with its one :class:`~jaxamp.AmpState` replaced by ``amp``."""
-    is_amp = lambda x: isinstance(x, AmpState)  # noqa: E731
-    return jax.tree_util.tree_map(lambda x: amp if is_amp(x) else x, tree, is_leaf=is_amp)
-
-
-def step_state(opt: AmpOptState, amp: AmpState, check: StepCheck, inner: Any = None) -> AmpOptState:
-    """``opt`` after a step: the advanced AMP state, the reason, the consecutive skip count."""
-    count = jnp.where(check.apply, 0, jnp.asarray(opt.consecutive_skips, jnp.int32) + 1).astype(jnp.int32)
-    return AmpOptState(opt.inner if inner is None else inner, amp, check.skip_reason, count)
+def _report_stall(state: Any, check: StepCheck, *, limit: int, on_stall: Optional[str], caller: str) -> None:
+    """The stall report of :func:`jaxamp._src.training.monitor.report_stall` for ``state`` after a step,
+    when it is an optimizer state (which counts the skips in a row) and ``on_stall`` is not None."""
+    opt = find_opt_state(state) if not isinstance(state, AmpState) else None
+    if opt is None or on_stall is None:
+        return
+    loss_scale = None if opt.amp.loss_rule is None else opt.amp.loss_scale
+    report_stall(opt.consecutive_skips, check.skip_reason, check.found_inf, limit=limit, on_stall=on_stall,
+                 caller=caller, loss_scale=loss_scale)
 
 
 class AmpOptimizer(optax.GradientTransformationExtraArgs):
@@ -328,6 +305,48 @@ def scaled_value_fn(value_fn: Callable[..., Any], amp: AmpState) -> Callable[...
     return value
 
 
+def _check_optimizer_args(inner: Any, amp_state: Any, loss: Any, max_consecutive_skips: Any, on_stall: Any,
+                          skip_when_off: Any) -> None:
+    """:func:`optimizer`'s arguments checked, the first bad one raising with its fix."""
+    if amp_state is not None and not isinstance(amp_state, AmpState):
+        raise TypeError(f"jaxamp.optimizer: `amp_state`={amp_state!r} must be a jaxamp.AmpState (from jaxamp.init) "
+                        "or None "
+                        "(then set it later: jaxamp._src.training.optim.with_amp_state(opt_state, amp_state)).")
+    if not (hasattr(inner, "init") and hasattr(inner, "update")):
+        raise TypeError(f"jaxamp.optimizer: `inner`={inner!r} must be an optax GradientTransformation.")
+    if loss is not None and not callable(loss):
+        raise TypeError(f"jaxamp.optimizer: `loss`={loss!r} must be None or callable as loss(params, **extra_args) "
+                        "-> a float scalar (the extra arguments the training loop passes to update).")
+    n = max_consecutive_skips
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"jaxamp.optimizer: `max_consecutive_skips`={n!r} is not allowed: expected a positive "
+                         "integer (steps skipped in a row before a stall is reported), e.g. 100.")
+    check_flags("jaxamp.optimizer", skip_when_off=skip_when_off)
+    if on_stall not in ON_STALL:
+        raise ValueError(f"jaxamp.optimizer: `on_stall`={on_stall!r} is not allowed: expected one of {ON_STALL}.")
+
+
+def _update_flags(flags: Any, amp: AmpState) -> Dict[str, Any]:
+    """The ``found_inf`` of the ``flags`` given to the optimizer's ``update`` (``{}`` for none), or the
+    error naming :func:`value_and_grad` when they cannot be the flags of its gradients."""
+    if isinstance(flags, StepFlags) and flags.source != "optimizer":
+        raise ValueError(
+            "jaxamp.optimizer: `flags` were computed by jaxamp.value_and_grad from a bare AmpState, not from "
+            "the optimizer's state: the scales in the optimizer's state advance each step, a bare AmpState "
+            "stays at its first scales. Fix: jaxamp.value_and_grad(loss)(opt_state, params, ...) with the "
+            "state this optimizer returned.")
+    if flags is None and _needs_flags(amp):
+        raise TypeError(
+            "jaxamp.optimizer: gradients without `flags` while a scaler acts (loss scale, derivative scales "
+            f"{sorted(amp.derivative)}): gradients not computed by jaxamp.value_and_grad are unscaled and "
+            "unchecked (e.g. jax.value_and_grad, or a library's own loop). Fix: loss, grads, flags = "
+            "jaxamp.value_and_grad(loss)(opt_state, params, batch); then "
+            "optimizer.update(grads, opt_state, params, flags=flags); in a library's own loop, "
+            "jaxamp.optimizer(inner, amp_state=..., loss=loss) with the loop passing loss's arguments as "
+            "extra arguments of update.")
+    return {} if flags is None else found_inf_of(flags, "jaxamp.optimizer")
+
+
 def optimizer(inner: optax.GradientTransformation, *, amp_state: Optional[AmpState] = None,
               loss: Optional[Callable[..., Any]] = None, axis_name: Optional[Any] = None,
               max_consecutive_skips: int = STALL_LIMIT, on_stall: Optional[str] = "warn",
@@ -335,7 +354,7 @@ def optimizer(inner: optax.GradientTransformation, *, amp_state: Optional[AmpSta
     """Wrap a whole optax optimizer: skip the update on overflow and advance every scaler.
 
     ``update(grads, opt_state, params, flags=flags, **extra)`` takes the plain gradients and the
-    :class:`~jaxamp.step.StepFlags` of :func:`value_and_grad`. On a skip the update is ``-0.0``
+    :class:`~jaxamp._src.training.step.StepFlags` of :func:`value_and_grad`. On a skip the update is ``-0.0``
     (``optax.apply_updates`` leaves the parameters bit for bit) and the inner state is the old one,
     whole: its moments, counts, schedules' steps, ``reduce_on_plateau``'s history and
     ``MultiSteps``' accumulator do not move (a schedule counts applied steps). Unlike
@@ -366,7 +385,7 @@ def optimizer(inner: optax.GradientTransformation, *, amp_state: Optional[AmpSta
       axis_name: inside ``pmap``/``shard_map`` with per-device gradients: OR the flags over this axis.
       max_consecutive_skips: this many skipped steps in a row is a stall, reported each time the
         count reaches a multiple of it (a host callback taken only then), a positive int.
-      on_stall: ``"warn"`` (a :class:`~jaxamp.monitor.StallWarning`), ``"raise"`` (a :class:`~jaxamp.monitor.StallError`,
+      on_stall: ``"warn"`` (a :class:`~jaxamp.StallWarning`), ``"raise"`` (a :class:`~jaxamp.StallError`,
         a JAX runtime error from the step) or None: no report in the step (``consecutive_skips`` still counts).
       skip_when_off: with AMP off (float32): False, ``inner`` as written (the user's program bit
         for bit); True, non-finite steps still skip (``make_train_step``'s rule in every precision).
@@ -383,21 +402,7 @@ def optimizer(inner: optax.GradientTransformation, *, amp_state: Optional[AmpSta
       >>> float(opt_state.amp.loss_scale), int(opt_state.consecutive_skips)
       (65536.0, 0)
     """
-    if amp_state is not None and not isinstance(amp_state, AmpState):
-        raise TypeError(f"jaxamp.optimizer: `amp_state`={amp_state!r} must be a jaxamp.AmpState (from jaxamp.init) or None "
-                        "(then set it later: jaxamp.step.with_amp_state(opt_state, amp_state)).")
-    if not (hasattr(inner, "init") and hasattr(inner, "update")):
-        raise TypeError(f"jaxamp.optimizer: `inner`={inner!r} must be an optax GradientTransformation.")
-    if loss is not None and not callable(loss):
-        raise TypeError(f"jaxamp.optimizer: `loss`={loss!r} must be None or callable as loss(params, **extra_args) "
-                        "-> a float scalar (the extra arguments the training loop passes to update).")
-    n = max_consecutive_skips
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"jaxamp.optimizer: `max_consecutive_skips`={n!r} is not allowed: expected a positive "
-                         "integer (steps skipped in a row before a stall is reported), e.g. 100.")
-    check_flags("jaxamp.optimizer", skip_when_off=skip_when_off)
-    if on_stall not in ON_STALL:
-        raise ValueError(f"jaxamp.optimizer: `on_stall`={on_stall!r} is not allowed: expected one of {ON_STALL}.")
+    _check_optimizer_args(inner, amp_state, loss, max_consecutive_skips, on_stall, skip_when_off)
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params: Any) -> AmpOptState:
@@ -413,35 +418,30 @@ def optimizer(inner: optax.GradientTransformation, *, amp_state: Optional[AmpSta
                 raise TypeError("jaxamp.optimizer: `flags` given to an optimizer built with `loss=`: it computes "
                                 "the gradients and flags itself; drop one of them.")
             _, updates, flags = value_and_grad(loss)(opt_state, params, **extra)
-        if isinstance(flags, StepFlags) and flags.source != "optimizer":
-            raise ValueError(
-                "jaxamp.optimizer: `flags` were computed by jaxamp.value_and_grad from a bare AmpState, not from "
-                "the optimizer's state: the scales in the optimizer's state advance each step, a bare AmpState "
-                "stays at its first scales. Fix: jaxamp.value_and_grad(loss)(opt_state, params, ...) with the "
-                "state this optimizer returned.")
-        if flags is None and _needs_flags(amp):
-            raise TypeError(
-                "jaxamp.optimizer: gradients without `flags` while a scaler acts (loss scale, derivative scales "
-                f"{sorted(amp.derivative)}): gradients not computed by jaxamp.value_and_grad are unscaled and "
-                "unchecked (e.g. jax.value_and_grad, or a library's own loop). Fix: loss, grads, flags = "
-                "jaxamp.value_and_grad(loss)(opt_state, params, batch); then "
-                "optimizer.update(grads, opt_state, params, flags=flags); in a library's own loop, "
-                "jaxamp.optimizer(inner, amp_state=..., loss=loss) with the loop passing loss's arguments as "
-                "extra arguments of update.")
-        found, grads = ({} if flags is None else _found_inf(flags, "jaxamp.optimizer")), updates
+        found, grads = _update_flags(flags, amp), updates
         check_like_params(grads, params, "jaxamp.optimizer")
         if "value_fn" in extra and not amp.amp.off:
             extra = {**extra, "value_fn": scaled_value_fn(extra["value_fn"], amp)}
         new_updates, new_inner = inner.update(grads, opt_state.inner, params, **extra)
         if amp.amp.off and not skip_when_off:  # AMP off: inner as written
             return new_updates, opt_state._replace(inner=new_inner)
-        check = check_step(amp.derivative, found, grads, axis_name=axis_name, new=(new_updates, new_inner))
-        new_updates, new_inner = check.keep(new_updates, new_inner, opt_state.inner)
-        new_state = step_state(opt_state, advance(check, amp), check, new_inner)
-        if on_stall is not None:
-            report_stall(new_state.consecutive_skips, check.skip_reason, check.found_inf, limit=n,
-                         on_stall=on_stall, caller="jaxamp.optimizer",
-                         loss_scale=None if amp.loss_rule is None else new_state.amp.loss_scale)
+        # on a skip: updates of -0.0 (optax.apply_updates leaves every parameter bit for bit), the old inner state
+        applied, skipped = (new_updates, new_inner), (skipped_updates(new_updates), opt_state.inner)
+        (new_updates, new_inner), new_state, check = decide(opt_state, found, grads, applied, skipped,
+                                                            caller="jaxamp.optimizer", axis_name=axis_name)
+        new_state = new_state._replace(inner=new_inner)
+        _report_stall(new_state, check, limit=max_consecutive_skips, on_stall=on_stall, caller="jaxamp.optimizer")
         return new_updates, new_state
 
     return AmpOptimizer(init_fn, update_fn)
+
+
+def check_like_params(grads: Any, params: Any, caller: str) -> None:
+    """Raise unless ``grads`` has ``params``' leaves (None for a module's non-array ones): a slip of argnums."""
+    none_leaf = lambda x: x is None  # noqa: E731
+    got = jax.tree_util.tree_structure(grads, is_leaf=none_leaf)
+    want = jax.tree_util.tree_structure(params, is_leaf=none_leaf)
+    if params is not None and got.num_leaves != want.num_leaves:
+        raise TypeError(f"{caller}: the gradients have {got.num_leaves} leaves but `params` has {want.num_leaves}: "
+                        "were they taken with respect to another argument (e.g. value_and_grad(loss, argnums=1))? "
+                        "Fix: differentiate the parameters, jaxamp.value_and_grad(loss)(opt_state, params, batch).")

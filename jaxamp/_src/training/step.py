@@ -1,32 +1,40 @@
-"""The pieces of a mixed-precision train step (docs/algorithm.md, "Training step"): gradients
-(:func:`loss_scaled_grad`), the flags reported beside them (:class:`StepFlags`), the apply-or-skip
-decision (:func:`check_step`), the scaler updates (:func:`update_scalers`) and the optimizer's
-state (:class:`AmpOptState`). All branches are selects: no host synchronisation, one compilation.
+"""The step decision of a mixed-precision train step (docs/algorithm.md, "Training step"), top to bottom:
 
-The gradients are the plain tree of the parameters (zeroed when a flag is set, so a norm of them
-stays finite); the flags reach the optimizer as its ``flags`` extra argument, the decision and
-every scaler live in its state.
+1. the flags :func:`jaxamp.value_and_grad` reports beside the gradients (:class:`StepFlags`);
+2. the check: apply or skip, and why (:func:`check_step`, a :class:`StepCheck` and its :class:`SkipReason`);
+3. the selects of the applied or the kept values (:meth:`StepCheck.select`);
+4. the scaler updates (:func:`update_scalers`);
+5. the new state: the :class:`~jaxamp.AmpState` advanced, an optimizer state's (:class:`AmpOptState`) reason
+   and skip count (:func:`after_step`);
+
+and :func:`decide`, the five in that order, which :func:`jaxamp.apply_or_skip` and :func:`jaxamp.optimizer`
+call. Every branch is a select: no host synchronisation, one compilation. Where the AMP state lives in a
+user's state (:func:`locate`) closes the module.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Any, Callable, Dict, Mapping, NamedTuple, Optional, Tuple, TypeVar
+from typing import Any, Dict, Mapping, NamedTuple, Optional, Tuple, TypeVar, Union
 
 import jax
 import jax.numpy as jnp
 import jmp
 
 from jaxamp._src.core.marks import NONFINITE_VALUES, any_set
-from jaxamp._src.placement.held import held_operands
-from jaxamp._src.scaling.config import check_flags
-from jaxamp._src.training.flags import finite_both, flag_set, skipped_updates
 from jaxamp._src.scaling.scaler import DynamicScaler, Scalers, ScaleState
+from jaxamp._src.scaling.state import AmpState, find
+from jaxamp._src.training.flags import finite_both, flag_set
 
-__all__ = ["check_like_params", "Flags", "SkipReason", "StepFlags", "loss_scaled_grad", "StepCheck", "check_step", "update_scalers", "AmpOptState", "find_opt_state", "with_opt_state"]
+__all__ = ["Flags", "SkipReason", "StepFlags", "found_inf_of", "StepCheck", "check_step", "update_scalers",
+           "AmpOptState", "after_step", "Decision", "decide", "find_opt_state", "with_opt_state", "replace_amp",
+           "locate"]
 
 T = TypeVar("T")
 Flags = Mapping[str, jax.Array]
+
+
+# 1. The flags.
 
 
 class SkipReason(enum.IntEnum):
@@ -34,7 +42,7 @@ class SkipReason(enum.IntEnum):
     enum to compare with the ``i32`` arrays.
 
     Example:
-      >>> from jaxamp.step import SkipReason
+      >>> from jaxamp import SkipReason
       >>> SkipReason(1).name
       'DERIVATIVE_OVERFLOW'
     """
@@ -81,41 +89,19 @@ jax.tree_util.register_pytree_with_keys(
 )
 
 
-def loss_scaled_grad(fun: Callable[..., Tuple[jax.Array, Any]], argnums: Any, loss_scale: Optional[jax.Array],
-                     held: bool = False) -> Callable[..., Tuple[Any, Tuple[jax.Array, Any]]]:  # fmt: skip
-    """The gradients of ``fun``'s loss times ``loss_scale`` (float32), divided by it, as in
-    :func:`jaxamp.value_and_grad`: float16 weight gradients that would underflow survive.
+def found_inf_of(flags: Union[StepFlags, Flags], caller: str) -> Dict[str, Any]:
+    """The ``{key: flag}`` a step decides on: a :class:`StepFlags`' ``found_inf``, or such a dict
+    itself (e.g. the ``found_inf`` of ``jaxamp.scaled(jax.jacrev(losses))``)."""
+    if isinstance(flags, StepFlags):
+        return flags.found_inf
+    if isinstance(flags, dict):
+        return flags
+    raise TypeError(f"{caller}: `flags` must be the StepFlags of jaxamp.value_and_grad (loss, grads, flags = "
+                    f"jaxamp.value_and_grad(loss)(state, params, ...)) or the found_inf dict of jaxamp.scaled, got "
+                    f"{type(flags).__name__}.")
 
-    Args:
-      fun: ``fun(*args) -> (loss, aux)``.
-      argnums: as ``jax.grad``.
-      loss_scale: ``f32[]``, or None (loss scaling off: nothing multiplies).
-      held: per-tensor scaled products take widened operands as they are held
-        (:func:`jaxamp._src.placement.held.held_operands`: the cotangents of float16 activations).
 
-    Returns:
-      ``g(*args) -> (grads, (loss, aux))``, ``loss`` unscaled.
-    """
-
-    def g(*args: Any) -> Tuple[Any, Tuple[jax.Array, Any]]:
-        s = None if loss_scale is None else jnp.asarray(loss_scale, jnp.float32)
-
-        def scaled(*a: Any) -> Tuple[jax.Array, Tuple[jax.Array, Any]]:
-            loss, aux = fun(*a)
-            return (loss if s is None else loss.astype(jnp.float32) * s), (loss, aux)
-
-        grads, out = jax.grad(scaled, argnums, has_aux=True)(*args)
-        if s is None:
-            return grads, out
-        inv = jnp.float32(1.0) / s
-        # the gradients written out as the backward pass made them, the unscale and the skip's
-        # selects fused into their consumers: without it XLA fuses the gradients' last stage into
-        # each consumer and keeps more of the backward pass live (H100 program, 4x512/6000: 33 MiB
-        # more device temp memory, 9 kernels fewer; docs/gpu.md)
-        grads = jax.lax.optimization_barrier(grads)
-        return jax.tree_util.tree_map(lambda x: x * inv.astype(x.dtype), grads), out
-
-    return held_operands(g) if held else g
+# 2. The check, 3. the selects.
 
 
 class StepCheck(NamedTuple):
@@ -131,25 +117,19 @@ class StepCheck(NamedTuple):
 
     def select(self, applied: T, skipped: T) -> T:
         """``applied`` where the step applies, else ``skipped``, leaf by leaf, for any pytrees of
-        the same structure. A select, not a blend: inf/NaN in the unselected tree never leak.
+        the same structure. A select per leaf, not a blend (inf/NaN in the unselected tree never
+        leak), nor a ``lax.cond`` (which copies every leaf in its branches: a kernel per leaf on a
+        GPU, docs/gpu.md): XLA fuses each select into the kernel computing its leaf.
 
         Example:
           >>> import jax.numpy as jnp, jaxamp
+          >>> from jaxamp._src.training.step import check_step
           >>> scalers = jaxamp.init(None, jaxamp.AmpConfig(dtype="float16"), keys=["2"])().derivative
-          >>> check = jaxamp.step.check_step(scalers, {"2": jnp.array(True)}, {"w": jnp.ones(2)})
+          >>> check = check_step(scalers, {"2": jnp.array(True)}, {"w": jnp.ones(2)})
           >>> check.select({"w": jnp.full(2, jnp.nan)}, {"w": jnp.ones(2)})  # skipped: the old params
           {'w': Array([1., 1.], dtype=float32)}
         """
         return jmp.select_tree(self.apply, applied, skipped)
-
-    def keep(self, updates: T, new_inner: Any, old_inner: Any) -> Tuple[T, Any]:
-        """An optimizer's outputs after the decision: ``updates``, or on a skip ``-0.0``
-        (:func:`~jaxamp._src.training.flags.skipped_updates`: ``optax.apply_updates`` then leaves
-        every parameter bit for bit), and the new inner state or the old one: selects per leaf,
-        which XLA fuses into the kernels computing them (a ``lax.cond`` copies every leaf in its
-        branches: a kernel per leaf on a GPU, docs/gpu.md)."""
-        updates = self.select(updates, skipped_updates(updates))
-        return updates, self.select(new_inner, old_inner)
 
 
 def check_step(scalers: Mapping[str, Any], found_inf: Flags, grads: Any, *, axis_name: Optional[Any] = None,
@@ -175,9 +155,10 @@ def check_step(scalers: Mapping[str, Any], found_inf: Flags, grads: Any, *, axis
 
     Example (flags as a derivative engine returns them: key ``"2"`` overflowed):
       >>> import jax.numpy as jnp, jaxamp
+      >>> from jaxamp._src.training.step import check_step
       >>> scalers = jaxamp.init(None, jaxamp.AmpConfig(dtype="float16"), keys=["1", "2"])().derivative
       >>> found_inf = {"1": jnp.array(False), "2": jnp.array(True), "nonfinite_values": jnp.array(False)}
-      >>> check = jaxamp.step.check_step(scalers, found_inf, {"w": jnp.ones(2)})
+      >>> check = check_step(scalers, found_inf, {"w": jnp.ones(2)})
       >>> bool(check.apply), jaxamp.SkipReason(int(check.skip_reason)).name
       (False, 'DERIVATIVE_OVERFLOW')
     """
@@ -197,13 +178,17 @@ def check_step(scalers: Mapping[str, Any], found_inf: Flags, grads: Any, *, axis
         finite, new_finite = ~reduce(~finite), ~reduce(~new_finite)
     overflow = any_set(list(flags.values()))
     applied = jnp.where(new_finite, int(SkipReason.APPLIED), int(SkipReason.NONFINITE_UPDATES))
-    reason = jnp.where(values, int(SkipReason.NONFINITE_VALUES), jnp.where(overflow, int(SkipReason.DERIVATIVE_OVERFLOW),
-                       jnp.where(finite, applied, int(SkipReason.NONFINITE_GRADS))))
+    unscaled = jnp.where(finite, applied, int(SkipReason.NONFINITE_GRADS))
+    reason = jnp.where(values, int(SkipReason.NONFINITE_VALUES),
+                       jnp.where(overflow, int(SkipReason.DERIVATIVE_OVERFLOW), unscaled))
     # the decision every select of the step reads: one reduction, not the chain of selects above
     apply = ~any_set([values, overflow, ~finite, ~new_finite])
     return StepCheck(apply=apply, skip_reason=reason.astype(jnp.int32), found_inf=flags,
                      nonfinite_values=values, derivative_overflow=overflow, grads_finite=finite,
                      nonfinite_updates=reason == int(SkipReason.NONFINITE_UPDATES))
+
+
+# 4. The scaler updates.
 
 
 def update_scalers(
@@ -222,17 +207,18 @@ def update_scalers(
 
     Example (key ``"2"`` overflowed: it backs off, key ``"1"`` and the loss scale stay):
       >>> import jax.numpy as jnp, jaxamp
+      >>> from jaxamp._src.training.step import check_step, update_scalers
       >>> amp = jaxamp.AmpConfig(dtype="float16")
       >>> state = jaxamp.init(None, amp, keys=["1", "2"])()
       >>> scalers, loss_scale = state.derivative, state.loss
-      >>> check = jaxamp.step.check_step(scalers, {"2": jnp.array(True)}, {"w": jnp.ones(2)})
-      >>> scalers, loss_scale = jaxamp.step.update_scalers(scalers, loss_scale, amp.make_loss_scaler(), check)
+      >>> check = check_step(scalers, {"2": jnp.array(True)}, {"w": jnp.ones(2)})
+      >>> scalers, loss_scale = update_scalers(scalers, loss_scale, amp.make_loss_scaler(), check)
       >>> {k: float(v) for k, v in scalers.scales.items()}, float(loss_scale.scale)
       ({'1': 1.0, '2': 0.5}, 65536.0)
     """
     if not isinstance(scalers, Scalers):
-        raise TypeError(f"update_scalers: `scalers` must be a jaxamp.scaler.Scalers (jaxamp.init pairs each "
-                        f"key with its rule), got {type(scalers).__name__}.")
+        raise TypeError(f"update_scalers: `scalers` must be a jaxamp._src.scaling.scaler.Scalers (jaxamp.init "
+                        f"pairs each key with its rule), got {type(scalers).__name__}.")
     frozen = check.nonfinite_values | check.nonfinite_updates
     scalers = jmp.select_tree(frozen, scalers, scalers.update(check.found_inf))
     if loss_rule is not None:
@@ -240,6 +226,8 @@ def update_scalers(
         loss_scale = jmp.select_tree(frozen | check.derivative_overflow, loss_scale, stepped)
     return scalers, loss_scale
 
+
+# 5. The new state.
 
 
 class AmpOptState(NamedTuple):
@@ -263,25 +251,111 @@ class AmpOptState(NamedTuple):
         return cls(inner, amp, zero, zero)
 
 
+def _is_opt(x: Any) -> bool:
+    return isinstance(x, AmpOptState)
+
+
 def find_opt_state(tree: Any) -> Optional[AmpOptState]:
     """The one :class:`AmpOptState` in ``tree`` (an optimizer state, e.g. of ``optax.chain``), or None."""
-    found = [x for x in jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, AmpOptState))
-             if isinstance(x, AmpOptState)]  # fmt: skip
+    found = [x for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_opt) if _is_opt(x)]
     return found[0] if len(found) == 1 else None
 
 
 def with_opt_state(tree: Any, opt: AmpOptState) -> Any:
     """``tree`` with its one :class:`AmpOptState` replaced by ``opt``."""
-    is_opt = lambda x: isinstance(x, AmpOptState)  # noqa: E731
-    return jax.tree_util.tree_map(lambda x: opt if is_opt(x) else x, tree, is_leaf=is_opt)
+    return jax.tree_util.tree_map(lambda x: opt if _is_opt(x) else x, tree, is_leaf=_is_opt)
 
 
-def check_like_params(grads: Any, params: Any, caller: str) -> None:
-    """Raise unless ``grads`` has ``params``' leaves (None for a module's non-array ones): a slip of argnums."""
-    none_leaf = lambda x: x is None  # noqa: E731
-    got = jax.tree_util.tree_structure(grads, is_leaf=none_leaf)
-    want = jax.tree_util.tree_structure(params, is_leaf=none_leaf)
-    if params is not None and got.num_leaves != want.num_leaves:
-        raise TypeError(f"{caller}: the gradients have {got.num_leaves} leaves but `params` has {want.num_leaves}: "
-                        "were they taken with respect to another argument (e.g. value_and_grad(loss, argnums=1))? "
-                        "Fix: differentiate the parameters, jaxamp.value_and_grad(loss)(opt_state, params, batch).")
+def replace_amp(tree: Any, amp: AmpState) -> Any:
+    """``tree`` with its one :class:`~jaxamp.AmpState` replaced by ``amp``."""
+    is_amp = lambda x: isinstance(x, AmpState)  # noqa: E731
+    return jax.tree_util.tree_map(lambda x: amp if is_amp(x) else x, tree, is_leaf=is_amp)
+
+
+def after_step(state: Any, amp: AmpState, check: StepCheck) -> Any:
+    """``state`` (of its own type) after the step ``check`` decided, its AMP state ``amp``: a bare
+    :class:`~jaxamp.AmpState` is ``amp``; an optimizer state's :class:`AmpOptState` also takes the
+    step's reason and counts the skips in a row; any other tree holding one ``AmpState`` has it replaced."""
+    if isinstance(state, AmpState):
+        return amp
+    opt = find_opt_state(state)
+    if opt is None:
+        return replace_amp(state, amp)
+    count = jnp.where(check.apply, 0, jnp.asarray(opt.consecutive_skips, jnp.int32) + 1).astype(jnp.int32)
+    return with_opt_state(state, AmpOptState(opt.inner, amp, check.skip_reason, count))
+
+
+class Decision(NamedTuple):
+    """What :func:`decide` returns."""
+
+    chosen: Any  # the applied values, or the skipped ones
+    state: Any  # the state after the step, of the given state's type
+    check: StepCheck  # the decision
+
+
+def decide(state: Any, found_inf: Flags, grads: Any, applied: T, skipped: T, *, caller: str,
+           axis_name: Optional[Any] = None) -> Decision:
+    """One step's decision, whole: the check of the flags, the gradients and the new values
+    (:func:`check_step`), the select of ``applied`` or ``skipped``, every scaler updated
+    (:func:`update_scalers`) and the new state (:func:`after_step`).
+
+    Args:
+      state: a bare :class:`~jaxamp.AmpState`, or a tree holding one (an optimizer state).
+      found_inf: the step's flags (:func:`found_inf_of`).
+      grads: the unscaled weight gradients, or None for flags without gradients: then the loss
+        scaler does not move (nothing loss-scaled was checked).
+      applied, skipped: pytrees of one structure: the new values (checked finite) and those kept on a skip.
+      caller: the public function deciding, for errors.
+      axis_name: inside ``pmap``/``shard_map``: OR the flags over this axis.
+    """
+    amp = find(state, caller)
+    check = check_step(amp.derivative, found_inf, () if grads is None else grads, axis_name=axis_name, new=applied)
+    chosen = check.select(applied, skipped)
+    loss_rule = None if grads is None else amp.loss_rule
+    derivative, loss = update_scalers(amp.derivative, amp.loss, loss_rule, check)
+    return Decision(chosen, after_step(state, amp.replace(derivative=derivative, loss=loss), check), check)
+
+
+# Where the AMP state lives in the user's state.
+
+
+def _inside_stateful(node: Any) -> bool:
+    """Whether ``node`` holds the :class:`AmpOptState` inside an optax state (a tuple or NamedTuple:
+    ``optax.chain``'s, ``MultiSteps``') beside arrays of that state's own. Other containers (a Flax
+    TrainState, an ``nnx.Optimizer``, a dict) are looked through."""
+
+    def holds(x: Any) -> bool:
+        return any(_is_opt(y) for y in jax.tree_util.tree_leaves(x, is_leaf=_is_opt))
+
+    def arrays(x: Any) -> bool:
+        return any(hasattr(y, "shape") for y in jax.tree_util.tree_leaves(x, is_leaf=_is_opt) if not _is_opt(y))
+
+    if _is_opt(node) or not holds(node):
+        return False
+    kids = jax.tree_util.tree_leaves(node, is_leaf=lambda x: x is not node)  # one level down
+    if isinstance(node, tuple) and any(arrays(k) for k in kids if not holds(k)):
+        return True
+    return any(_inside_stateful(k) for k in kids if holds(k))
+
+
+def locate(state: Any, caller: str) -> Tuple[AmpState, str]:
+    """The AMP state the step runs with, and ``"optimizer"`` or ``"amp_state"``: where it came from.
+
+    An optimizer state whose :class:`AmpOptState` sits inside another transformation's state
+    holding arrays (``optax.chain(jaxamp.optimizer(a), b)`` with a stateful ``b``,
+    ``optax.MultiSteps(jaxamp.optimizer(a))``) is refused: that state would move on a skipped step
+    (or see only some of the flags); ``jaxamp.optimizer`` wraps the whole optimizer."""
+    opt = find_opt_state(state) if not isinstance(state, AmpState) else None
+    if opt is not None and opt.amp is None:
+        raise TypeError(f"{caller}: the optimizer's state has no AmpState yet (built by jaxamp.optimizer(inner) "
+                        "without one); set it once: opt_state = jaxamp._src.training.optim.with_amp_state(opt_state, "
+                        "jaxamp.init(loss, amp)(params, batch)), or build jaxamp.optimizer(inner, "
+                        "amp_state=amp_state).")
+    if opt is not None and _inside_stateful(state):
+        raise TypeError(
+            f"{caller}: `state` ({type(state).__name__}) holds jaxamp.optimizer's state inside another "
+            "transformation's state that has arrays of its own (e.g. optax.chain(jaxamp.optimizer(a), b) with a "
+            "stateful b, or optax.MultiSteps(jaxamp.optimizer(a))): that state would advance on skipped steps, or "
+            "see only some steps' flags. Fix: wrap the whole optimizer, jaxamp.optimizer(optax.chain(a, b)) or "
+            "jaxamp.optimizer(optax.MultiSteps(a, k)); stateless transformations (a clip) may stand outside.")
+    return find(state, caller), ("optimizer" if opt is not None else "amp_state")

@@ -37,7 +37,7 @@ class TrainState(NamedTuple):
     Attributes:
       step: ``i32[]``, steps taken, applied or skipped. params: the parameters (float32 pytree).
       opt_state: the state of :func:`jaxamp.optimizer` around the step's optax optimizer (an
-        :class:`~jaxamp.step.AmpOptState`): the optax state (``.inner``), every scaler (``.amp``,
+        :class:`~jaxamp._src.training.step.AmpOptState`): the optax state (``.inner``), every scaler (``.amp``,
         an :class:`~jaxamp.AmpState`), the last step's reason and the skips in a row.
     """
 
@@ -61,8 +61,8 @@ class TrainState(NamedTuple):
 
     @classmethod
     def create(
-        cls, *, params: Any, optimizer: optax.GradientTransformation, amp: AmpConfig, engines: Iterable[Derivatives] = (),
-        amp_state: Optional[AmpState] = None,
+        cls, *, params: Any, optimizer: optax.GradientTransformation, amp: AmpConfig,
+        engines: Iterable[Derivatives] = (), amp_state: Optional[AmpState] = None,
     ) -> "TrainState":
         """The initial state.
 
@@ -77,7 +77,7 @@ class TrainState(NamedTuple):
 
         Example:
           >>> import jax.numpy as jnp, optax, jaxamp
-          >>> from jaxamp.train import TrainState
+          >>> from jaxamp import TrainState
           >>> amp, params = jaxamp.AmpConfig(dtype="float16"), {"w": jnp.float32(1.0)}
           >>> engine = jaxamp.Derivatives(lambda p, x: p["w"] * jnp.sin(x), inputs=("x",), outputs=("u",),
           ...                             derivatives=("u__x__x",), amp=amp)
@@ -131,7 +131,8 @@ def step_metrics(loss: jax.Array, terms: Any, flags: StepFlags, opt_state: AmpOp
     """The metrics of one step, as :func:`make_train_step` reports them (for users' own loops).
 
     Args:
-      loss: the unscaled loss. terms: ``{name: f32[]}``. flags: the step's :class:`~jaxamp.step.StepFlags`.
+      loss: the unscaled loss. terms: ``{name: f32[]}``.
+      flags: the step's :class:`~jaxamp._src.training.step.StepFlags`.
       opt_state: the state of :func:`jaxamp.optimizer` after the step.
       grad_norm: the global norm of the unscaled gradients (0 when a flag is set: they are zeroed).
       extra: ``{name: f32[]}`` more metrics, reported under their names (not the step's own).
@@ -143,11 +144,13 @@ def step_metrics(loss: jax.Array, terms: Any, flags: StepFlags, opt_state: AmpOp
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxamp
-      >>> tx = jaxamp.optimizer(optax.sgd(0.1), amp_state=jaxamp.init(None, jaxamp.AmpConfig(dtype="float16"), keys=["2"])())
-      >>> grads, flags = {"w": jnp.ones(2)}, jaxamp.step.StepFlags({"2": jnp.bool_(False)}, source="optimizer")
+      >>> from jaxamp._src.training.step import StepFlags
+      >>> from jaxamp._src.training.train import step_metrics
+      >>> amp_state = jaxamp.init(None, jaxamp.AmpConfig(dtype="float16"), keys=["2"])()
+      >>> tx = jaxamp.optimizer(optax.sgd(0.1), amp_state=amp_state)
+      >>> grads, flags = {"w": jnp.ones(2)}, StepFlags({"2": jnp.bool_(False)}, source="optimizer")
       >>> opt_state = tx.update(grads, tx.init({"w": jnp.ones(2)}), flags=flags)[1]
-      >>> metrics = jaxamp.train.step_metrics(jnp.float32(0.5), {"pde": jnp.float32(0.5)}, flags, opt_state,
-      ...                                     optax.tree.norm(grads))
+      >>> metrics = step_metrics(jnp.float32(0.5), {"pde": jnp.float32(0.5)}, flags, opt_state, optax.tree.norm(grads))
       >>> sorted(metrics)  # doctest: +NORMALIZE_WHITESPACE
       ['consecutive_skips', 'found_inf/2', 'found_nonfinite_values', 'grad_norm', 'loss', 'scale_log2/2',
        'scale_log2/loss', 'skip_reason', 'skipped', 'terms/pde']
@@ -227,7 +230,7 @@ def make_train_step(
       merge: as :func:`jaxamp.scaled` (the default of :func:`jaxamp.value_and_grad`).
       headroom: also report ``headroom_log2/<key>`` (``StepFlags.headroom_log2``).
       max_consecutive_skips, on_stall: as :func:`jaxamp.optimizer`, but ``on_stall`` None by default:
-        the metrics carry ``consecutive_skips`` for a host-side :class:`jaxamp.monitor.StallMonitor`
+        the metrics carry ``consecutive_skips`` for a host-side :class:`jaxamp.StallMonitor`
         (as the examples feed one), with no callback in the step; ``"warn"``/``"raise"``: in the step.
 
     Returns:
@@ -242,9 +245,9 @@ def make_train_step(
       ...     values = engine(params, batch)
       ...     pde = jnp.mean((values["u__x__x"] + values["u"]) ** 2)
       ...     return pde, {"pde": pde}
-      >>> state = jaxamp.train.TrainState.create(params={"w": jnp.float32(1.0)}, optimizer=optax.adam(1e-3),
+      >>> state = jaxamp.TrainState.create(params={"w": jnp.float32(1.0)}, optimizer=optax.adam(1e-3),
       ...                                        amp=amp, engines=[engine])
-      >>> step = jax.jit(jaxamp.train.make_train_step(loss_fn, optax.adam(1e-3), amp=amp))
+      >>> step = jax.jit(jaxamp.make_train_step(loss_fn, optax.adam(1e-3), amp=amp))
       >>> state, metrics = step(state, {"x": jnp.linspace(0.0, 1.0, 8)})
       >>> int(state.step), bool(metrics["skipped"]), float(metrics["scale_log2/loss"])
       (1, False, 16.0)

@@ -106,6 +106,16 @@ def _node(chain: Chain, k: int, output: str) -> str:
     return SEP.join((output,) + tuple(f"a{i}" for i in chain.argnums[:k]))
 
 
+def canonical(chain: Chain) -> Chain:
+    """``chain`` with its steps in the order of their arguments where that changes none of its
+    marks (the variables' names read in the same order): mixed partials are symmetric, so
+    ``u__y__x`` and ``u__x__y`` are one path of the plan."""
+    order = sorted(range(len(chain.argnums)), key=lambda k: chain.argnums[k])
+    if tuple(chain.wrts[k] for k in order) != chain.wrts:
+        return chain
+    return Chain(chain.base, tuple(chain.argnums[k] for k in order), chain.wrts, chain.of)
+
+
 def evaluate(chains: Sequence[Chain], base_of: Sequence[int], bases: Sequence[Callable], args: Tuple[Any, ...],
              base_order: int, base_term: Optional[str]) -> List[jax.Array]:  # fmt: skip
     """The top derivatives of ``chains`` at the positional ``args`` by one engine plan, marked.
@@ -114,6 +124,7 @@ def evaluate(chains: Sequence[Chain], base_of: Sequence[int], bases: Sequence[Ca
     scalar); ``base_order``, ``base_term``: the order and name of the bases' values
     (:mod:`jaxamp._src.core.nesting`); a chain's ``of`` names its base first. Each value is marked as its
     last step's derivative."""
+    chains = [canonical(c) for c in chains]
     cols = tuple(sorted({i for c in chains for i in c.argnums}))
     inputs = tuple(f"a{i}" for i in cols)
     output = {i: f"u{b}" for i, b in enumerate(base_of)}

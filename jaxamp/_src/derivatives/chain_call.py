@@ -15,6 +15,7 @@ traced once and nothing hangs on tracing order or object identity.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import jax
@@ -25,7 +26,9 @@ from jax.extend.core import primitives as jp
 from jax.interpreters import ad, batching, mlir, partial_eval as pe
 
 from jaxamp._src.derivatives import chain
-from jaxamp._src.core.interpreter import atom, bind, eval_jaxpr, holds, split_arrays, sub_jaxprs, trace
+from jaxamp._src.core.interpreter import (atom, bind, eval_jaxpr, holds, split_arrays, sub_jaxprs, substitute,
+                                            trace)
+from jaxamp._src.core.marks import deriv_check, deriv_scale, fresh, seed, unscale
 from jaxamp._src.core.nesting import NO_DERIVATIVE, analyze, single_name
 from jaxamp._src.core.rules import RULES, PrimitiveRules, evaluated, rules_of
 
@@ -40,14 +43,15 @@ def bind_chain(link: chain.Chain, args: Tuple[Any, ...]) -> jax.Array:
     cols = set(link.argnums)
     args = tuple(jnp.float32(a) if i in cols and not hasattr(a, "dtype") else a for i, a in enumerate(args))
     closed, flat, _ = trace(lambda *a: chain.check_output("jaxamp.grad", link.base, link.base(*a)), args, {})
-    closed = expand(closed)
-    base = analyze(closed.jaxpr, [NO_DERIVATIVE] * len(flat)).outs[0]
     # each differentiated argument is one array leaf: its position among the body's arguments
     starts, n = [], 0
     for a in args:
         starts.append(n)
         n += len(split_arrays((a,), {})[0])
     flat_link = chain.Chain(link.base, tuple(starts[i] for i in link.argnums), link.wrts, link.of)
+    if has_chains(closed.jaxpr):  # derivatives of derivatives: each inner chain one step longer
+        return _along(closed, flat_link, flat)
+    base = analyze(closed.jaxpr, [NO_DERIVATIVE] * len(flat)).outs[0]
     params = dict(link=flat_link, body=closed.jaxpr, n_consts=len(closed.consts), base_order=base.order,
                   base_term=single_name(base), levels=(), shape=())  # fmt: skip
     return chain_p.bind(*closed.consts, *flat, **params)
@@ -91,9 +95,60 @@ def _batch(vals, dims, **params):
     return out, 0
 
 
+def _along(closed: jcore.ClosedJaxpr, link: chain.Chain, flat: Sequence[Any]) -> jax.Array:
+    """The derivative of ``closed`` (a body holding chains) along its scalar arguments
+    ``link.argnums``, innermost first, by forward steps: each chain inside becomes longer chains
+    (:func:`_jvp`), planned with the point's others; the rest of the body is differentiated as
+    JAX does. Each step is scaled and checked as a ``jaxamp.grad`` step is."""
+
+    def g(*a):
+        return eval_jaxpr(closed.jaxpr, closed.consts, a, bind)[0]
+
+    for k, (i, wrt) in enumerate(zip(link.argnums, link.wrts)):
+        g = _step(g, i, dict(order=1, term=link.of if k == 0 else None, wrt=wrt))
+    return g(*flat)
+
+
+def _step(g, i: int, marks: Dict[str, Any]):
+    """``g``'s derivative along its scalar argument ``i``: the tangent seeded with the scale of
+    the step's key, the result checked and unscaled."""
+
+    def derivative(*a):
+        value = g(*a)
+        s = deriv_scale(value, **marks)
+        _, d = jax.jvp(lambda ai: g(*a[:i], fresh(ai), *a[i + 1:]), (a[i],), (seed(jnp.ones_like(a[i]), s),))
+        return unscale(deriv_check(d, value, **marks), jnp.float32(1.0) / s)
+
+    return derivative
+
+
+def _steppable(params: Dict[str, Any], i: int, primal: Any) -> bool:
+    """Whether operand ``i`` is a point's float32 scalar the chain can take one more step along:
+    an argument (not a closure constant), batched at axis 0 by every level of the equation's
+    vmaps (so that its tangent is laid out as the chain's value)."""
+    return (i >= params["n_consts"] and jnp.result_type(primal) == jnp.float32
+            and all(level[i] == 0 for level in params["levels"]) and jnp.shape(primal) == params["shape"])
+
+
 def _jvp(primals, tangents, **params):
-    tangents = [ad.instantiate_zeros(t) for t in tangents]
-    return jax.jvp(lambda *ops: _impl(*ops, **params), list(primals), tangents)
+    """The tangent of a chain: along its point's scalars, the chains one step longer (a request
+    on the program, planned with the others at the point, whatever transformation asked); along
+    anything else (the parameters), the derivative of the chain's plan."""
+    out = chain_p.bind(*primals, **params)
+    link, n = params["link"], params["n_consts"]
+    live = [i for i, t in enumerate(tangents) if type(t) is not ad.Zero]
+    steps = [i for i in live if _steppable(params, i, primals[i])]
+    rest = [i for i in live if i not in steps]
+    parts = []
+    for i in steps:
+        longer = chain.Chain(link.base, link.argnums + (i - n,), link.wrts + (None,), link.of)
+        parts.append(chain_p.bind(*primals, **{**params, "link": longer}) * tangents[i])
+    if rest:
+        parts.append(jax.jvp(lambda *r: _impl(*substitute(primals, rest, r), **params), [primals[i] for i in rest],
+                             [ad.instantiate_zeros(tangents[i]) for i in rest])[1])
+    if not parts:
+        return out, ad.Zero(jax.typeof(out).to_tangent_aval())
+    return out, functools.reduce(lambda a, b: a + b, parts)
 
 
 chain_p.def_impl(_impl)

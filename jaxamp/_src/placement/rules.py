@@ -17,7 +17,8 @@ from jaxamp._src.core.interpreter import bind, custom_body, eval_jaxpr, sub_jaxp
 from jaxamp._src.core.rules import rules_of
 from jaxamp._src.placement.tensor_scale import scaled_dot
 
-__all__ = ["COMPUTE_PRIMITIVES", "ACTIVATION_PRIMITIVES", "BODY_PRIMITIVES", "Val", "merge", "primitive_counts", "Placement"]
+__all__ = ["COMPUTE_PRIMITIVES", "ACTIVATION_PRIMITIVES", "BODY_PRIMITIVES", "Val", "merge", "primitive_counts",
+           "Placement"]
 
 COMPUTE_PRIMITIVES = frozenset((jp.dot_general_p, jp.conv_general_dilated_p))
 ACTIVATION_PRIMITIVES = frozenset((
@@ -66,7 +67,7 @@ class Placement:
         self.dtype = amp.compute_dtype
         self.firstlayer = amp.autocast_firstlayer
         self.activation = amp.autocast_activation
-        # per-tensor scales and/or FP8 operands for matmuls (jaxamp.tensor_scale); None: plain casts
+        # per-tensor scales and/or FP8 operands for matmuls (jaxamp/_src/placement/tensor_scale.py); None: plain casts
         self.formats, self.tensor_scaling = amp.matmul_formats, amp.tensor_scaling
         self.counts: Dict[str, int] = collections.Counter()
 
@@ -111,7 +112,7 @@ class Placement:
 
     def _lowered(self, eqn: jcore.JaxprEqn, invals: List[Val], flags: Val) -> List[Val]:
         """``eqn`` in the compute dtype: floating operands cast at use, results cast back (a
-        matmul with per-tensor scaling: :func:`jaxamp.tensor_scale.scaled_dot`; an operand that
+        matmul with per-tensor scaling: :func:`jaxamp._src.placement.tensor_scale.scaled_dot`; an operand that
         is a result cast back is handed over narrow when the program runs,
         :func:`jaxamp._src.placement.held.evaluate_held`)."""
         xs = [v.x for v in invals]
@@ -141,7 +142,7 @@ class Placement:
         return False
 
     def placed(self, closed: jcore.ClosedJaxpr, flags: Sequence[Val],
-               const: Val = Val(None)) -> Tuple[jcore.ClosedJaxpr, List[Val]]:  # fmt: skip
+               const: Val = Val(None)) -> Tuple[jcore.ClosedJaxpr, List[Val]]:
         """``closed`` rewritten for operands with ``flags`` and constants with ``const``'s: same
         avals, and its outputs' flags."""
         out_flags: List[Val] = []

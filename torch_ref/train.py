@@ -1,7 +1,7 @@
 """The skip-on-overflow training step in docs/algorithm.md's order ("Training step"), with
 torch.optim and clip_grad_norm_.
 
-Mirrors ``jaxamp.train.make_train_step``: (1) loss and derivatives with per-key overflow flags and
+Mirrors ``jaxamp.make_train_step``: (1) loss and derivatives with per-key overflow flags and
 the bad-values flag; (2) gradients of ``loss * loss_scale``; (3) bad values skip the update
 and change no scaler at all; (4) any derivative overflow skips the update -- parameters,
 optimizer state and loss scaler stay as they were; (5) otherwise the unscaled gradients, if
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -45,16 +45,22 @@ class TrainState:
 
     @classmethod
     def create(cls, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, amp: Any,
-               engines: Iterable[Derivatives] = ()) -> "TrainState":
-        """Loss scaler and one derivative scaler per key of ``engines`` (loss scale fixed at 1 when
-        the scalers are inactive: AMP off, bf16, fp32)."""
+               engines: Iterable[Derivatives] = (), keys: Sequence[str] = ()) -> "TrainState":
+        """Loss scaler and one derivative scaler per key of ``engines`` and per key in ``keys``
+        (the keys a :class:`torch_ref.Boundary` loss crosses: ``Scaling.ones().keys`` after one
+        evaluation), none when the scalers are inactive (AMP off, bf16, fp32: loss scale 1)."""
         amp = as_settings(amp)
         device = next(model.parameters()).device
+        if isinstance(keys, str) or not all(isinstance(k, str) for k in keys):
+            raise TypeError(f"TrainState.create: `keys`={keys!r} must be a list of scaler keys (strings), e.g. "
+                            "('1', '2').")
         deriv: Dict[str, ScaleState] = {}
         for e in engines:
             if not isinstance(e, Derivatives):
                 raise TypeError(f"TrainState.create: `engines` must hold torch_ref Derivatives, got {e!r}.")
             deriv.update(e.init_scaler_states(device))
+        if amp.scaler_enabled:
+            deriv.update({k: amp.derivative_scaler_for(k).init(device) for k in keys if k not in deriv})
         if amp.loss_scaling_enabled:
             loss_scale = amp.make_loss_scaler().init(device)
         else:

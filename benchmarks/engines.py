@@ -2,13 +2,13 @@
 
 Every engine is a ``jaxamp.Derivatives`` (same plan, interface, per-point scales and checks);
 the alternatives plug in as point engines, ``Derivatives(..., method=engine)`` with
-``engine(plan, f, x, scales) -> (values, scaled)`` (see ``jaxamp.plan.PointEngine``):
+``engine(plan, f, x, scales) -> (values, scaled)`` (see ``jaxamp._src.derivatives.engine.PointEngine``):
 
 - ``"reverse"``: ``method="reverse"`` (nested reverse mode), the reference.
 - ``"forward"``: ``method="forward"``, the default: nested ``jax.jvp``, one pass per
   derivative path, tangents seeded with the scales; pure second orders propagate one tangent
-  (``jaxamp.taylor.second_order``), pure orders >= 3 take scaled Taylor mode
-  (``jaxamp.taylor.series``), mixed higher orders are ``jax.jvp`` of the pure second order.
+  (``jaxamp._src.taylor.second_order``), pure orders >= 3 take scaled Taylor mode
+  (``jaxamp._src.taylor.series``), mixed higher orders are ``jax.jvp`` of the pure second order.
 - ``"fwd_nested"``: the forward engine with pure orders >= 3 by nested ``jax.jvp`` of the
   pure second order (the measured alternative to Taylor mode).
 - ``"fwd_over_rev"``: order 1 by reverse mode (``jax.jacrev``), every higher order by
@@ -17,7 +17,7 @@ the alternatives plug in as point engines, ``Derivatives(..., method=engine)`` w
   every order at once. Only pure derivatives (``u__x__x``, not ``u__x__y``) and only
   *unscaled*: a single jet seeds all orders with one number ``t`` (order k sees ``t**k``),
   so per-order scales ``s_k`` cannot be reproduced; it raises for a scaled config. (The
-  forward engine's own Taylor mode, ``jaxamp.taylor.series``, keeps one scale per order.)
+  forward engine's own Taylor mode, ``jaxamp._src.taylor.series``, keeps one scale per order.)
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ import jax.numpy as jnp
 from jax.experimental import jet as jet_mod
 
 import jaxamp
-from jaxamp.plan import Plan, parse_name, point_values
+from jaxamp._src.derivatives.plan import Plan, parse_name
+from jaxamp._src.derivatives.forward_engine import point_values
 
 KINDS = ("reverse", "forward", "fwd_nested", "fwd_over_rev", "jet")
 Values = Tuple[Dict[str, jax.Array], Dict[str, jax.Array]]

@@ -17,7 +17,7 @@ Modes (see :data:`MODES`): the same step, weights and points, in
   ``derivative_scaling=False``: isolates the scalers' own cost;
 - ``fp16_scaled_order`` / ``fp16_scaled_term``: DerivScaler, per-order / per-term.
 
-and, with per-tensor scaling of the matmul operands (``jaxamp.tensor_scale``; not in
+and, with per-tensor scaling of the matmul operands (``jaxamp/_src/placement/tensor_scale.py``; not in
 :data:`MODES`, the default set of the runner's presets, but in :data:`ALL_MODES`):
 
 - ``fp16_tensor``: ``fp16_scaled_order`` plus ``tensor_scaling=True`` (float16 operands, each
@@ -94,8 +94,8 @@ class LDCStep:
     """One mode's ready-to-run step: ``step(state, batch) -> (state, metrics)`` (not jitted)."""
 
     mode: str
-    step: Callable[[jaxamp.train.TrainState, Any], Tuple[jaxamp.train.TrainState, Dict[str, jax.Array]]]
-    state: jaxamp.train.TrainState
+    step: Callable[[jaxamp.TrainState, Any], Tuple[jaxamp.TrainState, Dict[str, jax.Array]]]
+    state: jaxamp.TrainState
     batch: Dict[str, jax.Array]
     precision: Callable[[], ContextManager]  # enter while tracing/compiling this mode
     engine: jaxamp.Derivatives
@@ -193,8 +193,8 @@ def build_step(mode: str, size: LDCSize, params: Any = None, points: Dict[str, j
         return sum(terms.values()), terms
 
     opt = optax.adam(1e-3)
-    state = jaxamp.train.TrainState.create(params=params, optimizer=opt, amp=step_amp, engines=[engine])
-    step = jaxamp.train.make_train_step(loss_fn, opt, amp=step_amp)
+    state = jaxamp.TrainState.create(params=params, optimizer=opt, amp=step_amp, engines=[engine])
+    step = jaxamp.make_train_step(loss_fn, opt, amp=step_amp)
 
     def ctx() -> ContextManager:
         return jax.default_matmul_precision("highest") if precision == "highest" else contextlib.nullcontext()

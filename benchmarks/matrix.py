@@ -1,7 +1,7 @@
 """``python -m benchmarks matrix``: the DerivScaler's cost over a matrix of PINN problems.
 
 For every problem of :data:`benchmarks.problems.PROBLEMS` and every case
-``<placement>/<mode>`` the whole jitted train step (``jaxamp.train.make_train_step``, Adam) is
+``<placement>/<mode>`` the whole jitted train step (``jaxamp.make_train_step``, Adam) is
 compiled on shared weights and points, and measured:
 
 - placements: ``default`` (``FullyConnected.from_amp(AmpConfig())``: first layer and
@@ -74,7 +74,7 @@ class Case:
     """One compiled train step of the matrix."""
 
     name: str
-    state: jaxamp.train.TrainState
+    state: jaxamp.TrainState
     compiled: Any
     compile_s: float
 
@@ -82,7 +82,7 @@ class Case:
 def build_case(problem: Problem, placement: str, mode: str, params: Any, batch: Dict[str, jax.Array],
                layers: int, width: int, merge: bool = False, on_stall: Any = None) -> Case:  # fmt: skip
     """Compile the train step of ``problem`` for one placement and mode (public jaxamp API only);
-    ``merge`` and ``on_stall`` as :func:`jaxamp.train.make_train_step`'s."""
+    ``merge`` and ``on_stall`` as :func:`jaxamp.make_train_step`'s."""
     amp = case_amp(placement, mode)
     shape = dict(out_features=len(problem.outputs), layer_size=width, nr_layers=layers, activation="tanh")
     if placement == "autocast":
@@ -100,8 +100,8 @@ def build_case(problem: Problem, placement: str, mode: str, params: Any, batch: 
         return sum(terms.values()), terms
 
     opt = optax.adam(1e-3)
-    state = jaxamp.train.TrainState.create(params=params, optimizer=opt, amp=amp, engines=[engine])
-    step = jaxamp.train.make_train_step(loss_fn, opt, amp=amp, merge=merge, on_stall=on_stall)
+    state = jaxamp.TrainState.create(params=params, optimizer=opt, amp=amp, engines=[engine])
+    step = jaxamp.make_train_step(loss_fn, opt, amp=amp, merge=merge, on_stall=on_stall)
     t = time.perf_counter()
     compiled = jax.jit(step).lower(state, batch).compile()
     case = Case(f"{problem.name}/{placement}/{mode}", state, compiled, time.perf_counter() - t)

@@ -7,7 +7,7 @@ hand and measured with XLA's cost analysis (FLOPs, bytes accessed) and by its pr
   every ``dot_general`` still has the dtype the mode asked for (XLA's CPU compiler later
   computes float16 dots in float32, so the optimised program does not tell);
 - the rest of XLA's FLOPs (elementwise work, reductions; with per-tensor scaling also the
-  amax reductions, scale and unscale multiplies of :mod:`jaxamp.tensor_scale`);
+  amax reductions, scale and unscale multiplies of ``jaxamp/_src/placement/tensor_scale.py``);
 - bytes accessed (optimised program) and the bytes the dots' operands and results occupy in
   their own dtypes (a floor: the traffic if everything else fused into them; FP8 operands
   ``f8E4M3FN`` / ``f8E5M2`` are 1 byte, the scaled dots' float32 results 4);

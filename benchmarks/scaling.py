@@ -67,7 +67,7 @@ def main() -> None:
     import optax
 
     import jaxamp
-    from jaxamp import parallel
+    from jaxamp._src.training import parallel
     from jaxamp.models import FullyConnected
 
     available = len(jax.devices())
@@ -89,8 +89,8 @@ def main() -> None:
         return pde + bc, {"pde": pde, "bc": bc}
 
     opt = optax.adam(1e-3)
-    state0 = jaxamp.train.TrainState.create(params=params, optimizer=opt, amp=amp, engines=[engine])
-    step = jaxamp.train.make_train_step(loss_fn, opt, amp=amp)
+    state0 = jaxamp.TrainState.create(params=params, optimizer=opt, amp=amp, engines=[engine])
+    step = jaxamp.make_train_step(loss_fn, opt, amp=amp)
     rng = np.random.default_rng(0)
 
     def time_step(n: int, batch_size: int) -> float:

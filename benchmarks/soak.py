@@ -2,7 +2,7 @@
 
 float16 + per-order DerivScaler on a small 1-D Poisson PINN (u'' = -pi^2 sin(pi x) on [0, 1],
 u(0) = u(1) = 0; a 2x16 tanh network, Adam 1e-3 with a cosine decay), trained through the public API
-(:func:`jaxamp.train.make_train_step`). Every step draws 32 fresh collocation points; 10 % of the
+(:func:`jaxamp.make_train_step`). Every step draws 32 fresh collocation points; 10 % of the
 steps are faulty:
 
 - 9 %: one collocation point is NaN (bad values: the step must be skipped with
@@ -65,8 +65,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import jaxamp  # noqa: E402
-from jaxamp.models import FullyConnected  # noqa: E402
-from jaxamp.scaler import exact_log2  # noqa: E402
+from jaxamp.models import FullyConnected# noqa: E402
+from jaxamp._src.scaling.scaler import exact_log2# noqa: E402
 
 N_POINTS = 32  # interior collocation points per step (two boundary points follow them)
 NAN_RATE, OVERFLOW_RATE = 0.09, 0.01
@@ -101,8 +101,8 @@ def build(amp: jaxamp.AmpConfig = AMP, *, steps: int = 10_000, layer_size: int =
         return pde + bc, {"pde": pde, "bc": bc}
 
     optimizer = optax.adam(optax.cosine_decay_schedule(LR, decay_steps=steps, alpha=0.01))
-    state = jaxamp.train.TrainState.create(params=params, optimizer=optimizer, amp=amp, engines=[engine])
-    return state, jaxamp.train.make_train_step(loss_fn, optimizer, amp=amp), loss_fn, engine
+    state = jaxamp.TrainState.create(params=params, optimizer=optimizer, amp=amp, engines=[engine])
+    return state, jaxamp.make_train_step(loss_fn, optimizer, amp=amp), loss_fn, engine
 
 
 def schedule(steps: int, seed: int = 0) -> Dict[str, np.ndarray]:

@@ -81,8 +81,8 @@ DEFAULT_VARIANTS = (
 # The cavity's named mode presets (examples/common/config.py MODES) for the variants that have one.
 LDC_PRESETS = {"fp32": "fp32", "bf16": "bf16", "fp16_plain": "fp16_plain", "fp16_scaler": "fp16_scaler_per_order"}
 DEFAULT_STEPS = {"jax_burgers": 1500, "ldc_demo": 3000, "flax_poisson": 1500}
-ROLES = jaxamp.tensor_scale.ROLES
-FP8_DEFAULT_ROLES = dict(zip(ROLES, jaxamp.tensor_scale.FP8_FORMATS))  # the library's recipe, recorded in each file
+ROLES = jaxamp._src.placement.tensor_scale.ROLES
+FP8_DEFAULT_ROLES = dict(zip(ROLES, jaxamp._src.placement.tensor_scale.FP8_FORMATS))  # the library's recipe, recorded in each file
 # The recipe of result files written before they recorded theirs (eda1c05's: E4M3 tangents, E5M2 cotangents).
 FP8_UNRECORDED_ROLES = {"value": "float16", "tangent": "float8_e4m3fn", "cotangent": "float8_e5m2"}
 

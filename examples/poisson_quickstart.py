@@ -27,8 +27,8 @@ def loss_fn(params, x):  # u'' = -pi^2 sin(pi x), u(0) = u(1) = 0
 
 optimizer = optax.adam(optax.cosine_decay_schedule(1e-3, 3000))
 params = model.init(jax.random.PRNGKey(0), jnp.zeros(1))
-state = jaxamp.train.TrainState.create(params=params, optimizer=optimizer, amp=amp, engines=[engine])
-step = jax.jit(jaxamp.train.make_train_step(loss_fn, optimizer, amp=amp, grad_clip_max_norm=0.5))
+state = jaxamp.TrainState.create(params=params, optimizer=optimizer, amp=amp, engines=[engine])
+step = jax.jit(jaxamp.make_train_step(loss_fn, optimizer, amp=amp, grad_clip_max_norm=0.5))
 x = jnp.linspace(0.0, 1.0, 128)
 losses, skipped = [], 0
 for i in range(3000):

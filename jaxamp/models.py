@@ -3,8 +3,6 @@
 Public names of :mod:`jaxamp._src.models` (the implementation).
 """
 
-from jaxamp._src.models import (  # noqa: F401
-    FourierNet, fourier_matrix, FullyConnected, WeightNormDense, ACTIVATIONS,
-)
+from jaxamp._src.models import FourierNet, FullyConnected
 
-__all__ = ['FourierNet', 'fourier_matrix', 'FullyConnected', 'WeightNormDense', 'ACTIVATIONS']
+__all__ = ["FullyConnected", "FourierNet"]

@@ -1,14 +1,8 @@
-"""Data-parallel training: meshes, sharded batches, one global skip decision.
+"""Data-parallel training: a mesh, the batch split over it, one global skip decision.
 
 Public names of :mod:`jaxamp._src.training.parallel` (the implementation).
 """
 
-from jaxamp._src.training.parallel import (  # noqa: F401
-    BATCH_AXIS, make_mesh, batch_sharding, replicated_sharding, shard_batch, replicate,
-    data_parallel_step, replicas_identical,
-)
+from jaxamp._src.training.parallel import data_parallel_step, make_mesh, replicate, shard_batch
 
-__all__ = [
-    'BATCH_AXIS', 'make_mesh', 'batch_sharding', 'replicated_sharding', 'shard_batch', 'replicate',
-    'data_parallel_step', 'replicas_identical',
-]
+__all__ = ["make_mesh", "shard_batch", "replicate", "data_parallel_step"]

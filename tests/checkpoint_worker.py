@@ -12,7 +12,7 @@ def main(directory, steps):
     state, step, _, batch, _ = cached_problem("fp16")
     for i in range(steps):
         state, _ = step(state, batch(poisoned(i)))
-    jaxamp.checkpoint.Checkpointer(directory).save(state)
+    jaxamp.Checkpointer(directory).save(state)
     print("saved", int(state.step), flush=True)
     os.kill(os.getpid(), signal.SIGKILL)  # no clean shutdown: the checkpoint must already be whole
 

@@ -25,7 +25,7 @@ so the run also overflows derivatives (and backs off) without injection.
 
 Both user paths run, each ``STEPS`` steps from the same start: the README's
 (``jaxamp.value_and_grad`` + ``jaxamp.optimizer`` + ``optax.apply_updates`` under one
-``jax.jit`` with explicit shardings) and ``jaxamp.train.make_train_step`` under
+``jax.jit`` with explicit shardings) and ``jaxamp.make_train_step`` under
 ``jaxamp.parallel.data_parallel_step``. The last stdout line is one JSON object of raw
 measurements (arrays as the hex of their bytes, so equal means bit-for-bit equal); the test
 asserts.
@@ -163,7 +163,7 @@ def amp_scales(tree: Any) -> Dict[str, float]:
 
 def run(args) -> Dict[str, Any]:
     import jaxamp
-    from jaxamp import parallel
+    from jaxamp._src.training import parallel
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     out: Dict[str, Any] = {"jax": jax.__version__}
@@ -242,8 +242,8 @@ def run(args) -> Dict[str, Any]:
 
     # ---- make_train_step under data_parallel_step ----
     opt = optax.adam(1e-3)
-    state0 = jaxamp.train.TrainState.create(params=params0, optimizer=opt, amp=amp, amp_state=amp_state)
-    train_step = parallel.data_parallel_step(jaxamp.train.make_train_step(loss_terms, opt, amp=amp), mesh)
+    state0 = jaxamp.TrainState.create(params=params0, optimizer=opt, amp=amp, amp_state=amp_state)
+    train_step = parallel.data_parallel_step(jaxamp.make_train_step(loss_terms, opt, amp=amp), mesh)
     state = parallel.replicate(state0, mesh)
     trained: List[Dict[str, Any]] = []
     for step in range(STEPS):
@@ -282,7 +282,7 @@ def pmap_compare(steps: int) -> Dict[str, Any]:
     and whether all 8 replicas of the params are bit-identical.
     """
     import jaxamp
-    from jaxamp import parallel
+    from jaxamp._src.training import parallel
 
     n = jax.device_count()
     amp = amp_config()

@@ -45,10 +45,10 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import jaxamp  # noqa: E402
-from jaxamp import parallel  # noqa: E402
+from jaxamp._src.training import parallel  # noqa: E402
 from jaxamp._src.derivatives.plan import mark_params  # noqa: E402
 from jaxamp._src.core.marks import deriv_check  # noqa: E402
-from jaxamp.models import FullyConnected  # noqa: E402
+from jaxamp.models import FullyConnected# noqa: E402
 
 GLOBAL_BATCH = 64
 BAD_INDEX = 37  # device 0 of 1, device 1 of 2, device 4 of 8 (shards of 64, 32, 8 points)
@@ -89,8 +89,8 @@ def build(dtype: str):
         return pde + bc, {"pde": pde, "bc": bc}
 
     opt = optax.adam(1e-3)
-    state = jaxamp.train.TrainState.create(params=params, optimizer=opt, amp=amp, engines=[engine])
-    return state, jaxamp.train.make_train_step(loss_fn, opt, amp=amp)
+    state = jaxamp.TrainState.create(params=params, optimizer=opt, amp=amp, engines=[engine])
+    return state, jaxamp.make_train_step(loss_fn, opt, amp=amp)
 
 
 _RUNNERS: Dict[Any, Any] = {}

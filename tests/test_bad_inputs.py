@@ -15,8 +15,9 @@ import optax
 import pytest
 
 import jaxamp
-from jaxamp import AmpConfig, ConfigError, DynamicScaler
-from jaxamp.monitor import StallMonitor
+from jaxamp import AmpConfig, ConfigError
+from jaxamp._src.scaling.scaler import DynamicScaler
+from jaxamp import StallMonitor
 from jaxamp.models import FullyConnected
 from tests.helpers.files import yaml_file
 
@@ -31,23 +32,23 @@ def engine(**overrides):
 
 def toy_state():
     params = {"w": jnp.ones(3)}
-    return jaxamp.train.TrainState.create(params=params, optimizer=optax.sgd(0.1), amp=FP16, engines=[engine()])
+    return jaxamp.TrainState.create(params=params, optimizer=optax.sgd(0.1), amp=FP16, engines=[engine()])
 
 
 def step_with(loss_fn):
     """Call one train step with ``loss_fn`` (eagerly: the contract is checked while tracing)."""
-    return jaxamp.train.make_train_step(loss_fn, optax.sgd(0.1), amp=FP16)(toy_state(), {"x": jnp.ones(3)})
+    return jaxamp.make_train_step(loss_fn, optax.sgd(0.1), amp=FP16)(toy_state(), {"x": jnp.ones(3)})
 
 
 def restore_mismatched():
     state = toy_state()
-    with jaxamp.checkpoint.Checkpointer(tempfile.mkdtemp()) as ckpt:
+    with jaxamp.Checkpointer(tempfile.mkdtemp()) as ckpt:
         ckpt.save(state, step=1)
         ckpt.restore(state._replace(params={"w": jnp.ones(4)}))
 
 
 def restore_missing_step():
-    with jaxamp.checkpoint.Checkpointer(tempfile.mkdtemp()) as ckpt:
+    with jaxamp.Checkpointer(tempfile.mkdtemp()) as ckpt:
         ckpt.save(toy_state(), step=1)
         ckpt.restore(toy_state(), step=7)
 
@@ -55,7 +56,7 @@ def restore_missing_step():
 def checkpointer_on_a_file():
     path = os.path.join(tempfile.mkdtemp(), "file")
     open(path, "w").close()
-    jaxamp.checkpoint.Checkpointer(path)
+    jaxamp.Checkpointer(path)
 
 
 def shard_indivisible_batch():
@@ -155,24 +156,24 @@ CASES = [
      ["`keys`", "'12'", "a list of scaler keys"]),
     ("scalers.unknown_flag", lambda: jaxamp.init(None, FP16, keys=["1"])().derivative.update({"7": True}), KeyError,
      ["`found_inf`", "['7']", "keys are ['1']"]),
-    ("step.update_scalers_dict", lambda: jaxamp.step.update_scalers(
+    ("step.update_scalers_dict", lambda: jaxamp._src.training.step.update_scalers(
         {"1": DynamicScaler().init()}, DynamicScaler().init(), None,
-        jaxamp.step.check_step({"1": None}, {}, {"w": jnp.ones(2)})), TypeError, ["`scalers`", "got dict", "must be a jaxamp.scaler.Scalers"]),
+        jaxamp._src.training.step.check_step({"1": None}, {}, {"w": jnp.ones(2)})), TypeError, ["`scalers`", "got dict", "must be a jaxamp._src.scaling.scaler.Scalers"]),
     ("value_and_grad.fun", lambda: jaxamp.value_and_grad("loss"), TypeError,
      ["jaxamp.value_and_grad", "`fun`='loss'", "must be callable"]),
     ("value_and_grad.has_aux", lambda: jaxamp.value_and_grad(bare_loss, has_aux=1), TypeError,
      ["jaxamp.value_and_grad", "`has_aux`=1", "must be True or False"]),
     # ---------------------------------------------------------------- train step and loss_fn contract
-    ("train.amp_dict", lambda: jaxamp.train.make_train_step(bare_loss, optax.sgd(0.1), amp={"dtype": "float16"}), TypeError,
+    ("train.amp_dict", lambda: jaxamp.make_train_step(bare_loss, optax.sgd(0.1), amp={"dtype": "float16"}), TypeError,
      ["`amp`", "{'dtype': 'float16'}", "must be an AmpConfig"]),
-    ("train.clip_negative", lambda: jaxamp.train.make_train_step(bare_loss, optax.sgd(0.1), amp=FP16, grad_clip_max_norm=-1),
+    ("train.clip_negative", lambda: jaxamp.make_train_step(bare_loss, optax.sgd(0.1), amp=FP16, grad_clip_max_norm=-1),
      ValueError, ["`grad_clip_max_norm`", "-1", "None or a finite number >= 0"]),
-    ("train.clip_nan", lambda: jaxamp.train.make_train_step(bare_loss, optax.sgd(0.1), amp=FP16,
+    ("train.clip_nan", lambda: jaxamp.make_train_step(bare_loss, optax.sgd(0.1), amp=FP16,
                                                       grad_clip_max_norm=float("nan")),
      ValueError, ["`grad_clip_max_norm`", "nan", "None or a finite number >= 0"]),
-    ("train.optimizer", lambda: jaxamp.train.make_train_step(bare_loss, "adam", amp=FP16), TypeError,
+    ("train.optimizer", lambda: jaxamp.make_train_step(bare_loss, "adam", amp=FP16), TypeError,
      ["`optimizer`", "'adam'", "optax GradientTransformation"]),
-    ("train.loss_fn", lambda: jaxamp.train.make_train_step("loss", optax.sgd(0.1), amp=FP16), TypeError,
+    ("train.loss_fn", lambda: jaxamp.make_train_step("loss", optax.sgd(0.1), amp=FP16), TypeError,
      ["`loss_fn`='loss'", "must be callable as loss_fn(params, batch)"]),
     ("loss_fn.bare_loss", lambda: step_with(bare_loss), TypeError,
      ["`fun`=<function bare_loss", "with has_aux=True must return (loss, aux)"]),
@@ -185,11 +186,11 @@ CASES = [
      ["scaler key '2'", "`scales` has only the keys ['1']", "pass a scale for every key"]),
     ("loss_fn.unknown_key", lambda: step_with(loss_with_unknown_key), KeyError,
      ["found_inf has scaler key(s) ['2']", "the scalers have ['1']", "engines=[every engine the loss uses]"]),
-    ("state.amp_dict", lambda: jaxamp.train.TrainState.create(params={}, optimizer=optax.sgd(0.1), amp={}), TypeError,
+    ("state.amp_dict", lambda: jaxamp.TrainState.create(params={}, optimizer=optax.sgd(0.1), amp={}), TypeError,
      ["`amp`={}", "must be an AmpConfig"]),
-    ("state.engines", lambda: jaxamp.train.TrainState.create(params={}, optimizer=optax.sgd(0.1), amp=FP16, engines=["e"]),
+    ("state.engines", lambda: jaxamp.TrainState.create(params={}, optimizer=optax.sgd(0.1), amp=FP16, engines=["e"]),
      TypeError, ["`engines`", "'e'", "jaxamp.Derivatives engines"]),
-    ("state.engine_amp_mismatch", lambda: jaxamp.train.TrainState.create(
+    ("state.engine_amp_mismatch", lambda: jaxamp.TrainState.create(
         params={}, optimizer=optax.sgd(0.1), amp=AmpConfig(derivative_scaling=False), engines=[engine()]),
      ValueError, ["scaler keys ['1']", "derivative_scaling=False", "build the engines with the same amp"]),
     # ---------------------------------------------------------------- checkpoints
@@ -197,7 +198,7 @@ CASES = [
      ["does not match `like`", "params.w (checkpoint float32[3], like float32[4])", "same model, optimizer"]),
     ("ckpt.missing_step", restore_missing_step, FileNotFoundError, ["`step`=7", "available steps: [1]"]),
     ("ckpt.file", checkpointer_on_a_file, ValueError, ["`directory`=", "exists and is not a directory"]),
-    ("ckpt.max_to_keep", lambda: jaxamp.checkpoint.Checkpointer(tempfile.mkdtemp(), max_to_keep=0), ValueError,
+    ("ckpt.max_to_keep", lambda: jaxamp.Checkpointer(tempfile.mkdtemp(), max_to_keep=0), ValueError,
      ["`max_to_keep`=0", "a positive integer or None"]),
     # ---------------------------------------------------------------- stall monitor
     ("monitor.skips", lambda: StallMonitor(max_consecutive_skips=0), ValueError,

@@ -54,7 +54,7 @@ def as_error(fn):
 
 
 def checkpointer():
-    return jaxamp.checkpoint.Checkpointer(tempfile.mkdtemp())
+    return jaxamp.Checkpointer(tempfile.mkdtemp())
 
 
 def argnums_slip():
@@ -144,7 +144,7 @@ CASES = [
     # ---------------------------------------------------------------- checkpoints
     ("ckpt.restore_empty", lambda: checkpointer().restore({"w": jnp.ones(2)}), FileNotFoundError,
      ["no checkpoint in", "to restore"]),
-    ("ckpt.directory_none", lambda: jaxamp.checkpoint.Checkpointer(None), TypeError,
+    ("ckpt.directory_none", lambda: jaxamp.Checkpointer(None), TypeError,
                  ["Checkpointer: `directory`=None", "a path"]),
     ("ckpt.save_dict_without_step", lambda: checkpointer().save({"w": jnp.ones(2)}), TypeError,
                  ["`state`", "has no .step", "pass step="]),

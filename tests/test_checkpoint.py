@@ -33,10 +33,10 @@ def test_save_kill_restore_continue_is_bit_identical(tmp_path):
         uninterrupted, m = step(uninterrupted, batch(poisoned(i)))
         skipped.append(bool(m["skipped"]))
 
-    ckpt = jaxamp.checkpoint.Checkpointer(tmp_path / "ckpt")
+    ckpt = jaxamp.Checkpointer(tmp_path / "ckpt")
     assert ckpt.latest_step() == cut
     resumed = ckpt.restore(fresh)
-    assert isinstance(resumed, jaxamp.train.TrainState) and int(resumed.step) == cut
+    assert isinstance(resumed, jaxamp.TrainState) and int(resumed.step) == cut
     assert jax.tree_util.tree_structure(resumed) == jax.tree_util.tree_structure(fresh)
     for i in range(cut, total):
         resumed, _ = step(resumed, batch(poisoned(i)))
@@ -44,12 +44,12 @@ def test_save_kill_restore_continue_is_bit_identical(tmp_path):
     assert all(jax.tree_util.tree_leaves(same))
     # the run skipped steps on both sides of the cut, so the skip logic is part of what matched
     assert any(skipped[:cut]) and any(skipped[cut:]) and not all(skipped)
-    assert isinstance(resumed.amp_state.derivative, jaxamp.scaler.Scalers)
+    assert isinstance(resumed.amp_state.derivative, jaxamp._src.scaling.scaler.Scalers)
 
 
 def test_restore_errors_and_keeping(tmp_path):
     state = cached_problem("fp16")[0]
-    ckpt = jaxamp.checkpoint.Checkpointer(tmp_path / "c", max_to_keep=2)
+    ckpt = jaxamp.Checkpointer(tmp_path / "c", max_to_keep=2)
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         ckpt.restore(state)
     for s in (1, 2, 3):
@@ -59,9 +59,9 @@ def test_restore_errors_and_keeping(tmp_path):
         ckpt.restore(state, step=1)
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="exists and is not a directory"):
-        jaxamp.checkpoint.Checkpointer(tmp_path / "file")
+        jaxamp.Checkpointer(tmp_path / "file")
     with pytest.raises(ValueError, match="`max_to_keep`=0"):
-        jaxamp.checkpoint.Checkpointer(tmp_path / "d", max_to_keep=0)
+        jaxamp.Checkpointer(tmp_path / "d", max_to_keep=0)
 
 
 @pytest.mark.slow  # an end-to-end run (fast-suite budget); CI runs it
@@ -69,7 +69,7 @@ def test_monitor_state_beside_the_train_state_resumes_bit_identical(tmp_path):
     """A stall monitor's state saved with the train state: the resumed run counts on as the
     uninterrupted one, and the Scalers container with its rules comes back."""
     fresh, step, _, batch, _ = cached_problem("fp16")
-    monitor = jaxamp.monitor.StallMonitor(max_consecutive_skips=3, window=4, max_skip_rate=0.5)
+    monitor = jaxamp.StallMonitor(max_consecutive_skips=3, window=4, max_skip_rate=0.5)
     update = jax.jit(monitor.update)
 
     def run(carry, steps):
@@ -80,7 +80,7 @@ def test_monitor_state_beside_the_train_state_resumes_bit_identical(tmp_path):
 
     start = {"train": fresh, "monitor": monitor.init()}
     half = run(start, range(6))
-    with jaxamp.checkpoint.Checkpointer(tmp_path / "c") as ckpt:
+    with jaxamp.Checkpointer(tmp_path / "c") as ckpt:
         ckpt.save(half, step=6)
         resumed = ckpt.restore(start)
     assert resumed["train"].amp_state.derivative.rules == fresh.amp_state.derivative.rules
@@ -99,7 +99,7 @@ def test_monitor_state_beside_the_train_state_resumes_bit_identical(tmp_path):
 ])
 def test_restore_into_a_mismatched_state_names_the_leaves(tmp_path, change, fragment):
     state = cached_problem("fp16")[0]
-    with jaxamp.checkpoint.Checkpointer(tmp_path / "m") as ckpt:
+    with jaxamp.Checkpointer(tmp_path / "m") as ckpt:
         ckpt.save(state, step=1)
         with pytest.raises(ValueError) as e:
             ckpt.restore(change(state))

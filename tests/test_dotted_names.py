@@ -44,4 +44,4 @@ def test_every_written_jaxamp_name_resolves():
 
 def test_the_resolver_rejects_a_missing_name():
     assert resolves("jaxamp.grad") and resolves("jaxamp._src.core.profile.scaler_keys")
-    assert not resolves("jaxamp._src.derivatives.scaler_keys") and not resolves("jaxamp.make_train_step")
+    assert not resolves("jaxamp._src.derivatives.scaler_keys") and not resolves("jaxamp.train_step")

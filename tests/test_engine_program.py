@@ -90,13 +90,13 @@ def test_the_train_step_merges_only_when_asked_and_the_loss_is_the_same():
         return pde, {"pde": pde}
 
     opt = optax.sgd(1e-2)
-    state = jaxamp.train.TrainState.create(params=jnp.float32(2.0), optimizer=opt, amp=eng.amp, engines=[eng])
-    steps = {m: jax.jit(jaxamp.train.make_train_step(loss_fn, opt, amp=eng.amp, merge=m)) for m in (False, True)}
+    state = jaxamp.TrainState.create(params=jnp.float32(2.0), optimizer=opt, amp=eng.amp, engines=[eng])
+    steps = {m: jax.jit(jaxamp.make_train_step(loss_fn, opt, amp=eng.amp, merge=m)) for m in (False, True)}
     (a, ma), (b, mb) = (steps[m](state, POINTS) for m in (False, True))
     assert float(ma["loss"]) == float(mb["loss"]) and not bool(ma["skipped"]) and not bool(mb["skipped"])
     np.testing.assert_allclose(a.params, b.params, rtol=1e-6)
     with pytest.raises(TypeError, match="`merge`='yes' must be True or False"):
-        jaxamp.train.make_train_step(loss_fn, opt, amp=eng.amp, merge="yes")
+        jaxamp.make_train_step(loss_fn, opt, amp=eng.amp, merge="yes")
 
 
 def test_a_train_state_starts_from_the_profile_of_an_engine_loss():
@@ -112,17 +112,17 @@ def test_a_train_state_starts_from_the_profile_of_an_engine_loss():
     loss_fn = lambda p, x: (jnp.mean(eng(p, x)["u__x__x"] ** 2) * 1e-9, {})  # noqa: E731
     p, x = jnp.float32(2.0**15), jnp.linspace(1.0, 1.5, 8)[:, None]
     started = jaxamp.init(lambda p, x: loss_fn(p, x)[0], amp)(p, x)
-    state = jaxamp.train.TrainState.create(params=p, optimizer=optax.sgd(0.0), amp=amp, engines=[eng],
+    state = jaxamp.TrainState.create(params=p, optimizer=optax.sgd(0.0), amp=amp, engines=[eng],
                                            amp_state=started)
     assert {k: float(v) for k, v in state.scales.items()} == {k: float(v) for k, v in started.scales.items()}
     assert float(state.scales["2"]) < 1.0  # the profile put key 2 below its max of 1
-    _, metrics = jax.jit(jaxamp.train.make_train_step(loss_fn, optax.sgd(0.0), amp=amp))(state, x)
+    _, metrics = jax.jit(jaxamp.make_train_step(loss_fn, optax.sgd(0.0), amp=amp))(state, x)
     assert not bool(metrics["found_inf/2"])
     with pytest.raises(ValueError, match="`amp_state` was created with another AmpConfig"):
-        jaxamp.train.TrainState.create(params=p, optimizer=optax.sgd(0.0), amp=jaxamp.AmpConfig(mode="per_term_scaler"),
+        jaxamp.TrainState.create(params=p, optimizer=optax.sgd(0.0), amp=jaxamp.AmpConfig(mode="per_term_scaler"),
                                        amp_state=started)
     with pytest.raises(TypeError, match="`amp_state`=.* must be None or the AmpState"):
-        jaxamp.train.TrainState.create(params=p, optimizer=optax.sgd(0.0), amp=amp, amp_state=started.scales)
+        jaxamp.TrainState.create(params=p, optimizer=optax.sgd(0.0), amp=amp, amp_state=started.scales)
     with pytest.raises(KeyError, match=r"no scaler for the engines' key\(s\) \['1', '2'\]"):
-        jaxamp.train.TrainState.create(params=p, optimizer=optax.sgd(0.0), amp=amp, engines=[eng],
+        jaxamp.TrainState.create(params=p, optimizer=optax.sgd(0.0), amp=amp, engines=[eng],
                                        amp_state=jaxamp.init(None, amp)())

@@ -102,8 +102,8 @@ def _problem(headroom: bool, amp=None):
         return loss, {"pde": loss}
 
     opt = optax.adam(1e-3)
-    state = jaxamp.train.TrainState.create(params={"a": jnp.float32(1.0)}, optimizer=opt, amp=amp, engines=[eng])
-    return state, jaxamp.train.make_train_step(loss_fn, opt, amp=amp, headroom=headroom), loss_fn
+    state = jaxamp.TrainState.create(params={"a": jnp.float32(1.0)}, optimizer=opt, amp=amp, engines=[eng])
+    return state, jaxamp.make_train_step(loss_fn, opt, amp=amp, headroom=headroom), loss_fn
 
 
 @pytest.mark.parametrize("amp,shift2", [(None, 0), (SCALE8, 3)], ids=["scale1", "scale8"])
@@ -151,7 +151,7 @@ def test_bad_inputs_name_the_argument_the_value_and_what_is_allowed():
     with pytest.raises(TypeError, match=r"jaxamp.scaled: `headroom`='yes' must be True or False"):
         jaxamp.scaled(eng, headroom="yes")
     with pytest.raises(TypeError, match=r"make_train_step: `headroom`=1 must be True or False"):
-        jaxamp.train.make_train_step(lambda p, b: (0.0, {}), optax.adam(1e-3), amp=jaxamp.AmpConfig(), headroom=1)
+        jaxamp.make_train_step(lambda p, b: (0.0, {}), optax.adam(1e-3), amp=jaxamp.AmpConfig(), headroom=1)
 
     state, _, _ = _problem(headroom=False)
     amp, opt = jaxamp.AmpConfig(), optax.adam(1e-3)
@@ -161,7 +161,7 @@ def test_bad_inputs_name_the_argument_the_value_and_what_is_allowed():
         return jnp.mean(v["u"]), ({}, {"loss": jnp.mean(v["u"])})
 
     with pytest.raises(ValueError, match=r"metric name\(s\) \['loss'\] are not allowed"):
-        jaxamp.train.make_train_step(clashing, opt, amp=amp)(state, POINTS[:64])
+        jaxamp.make_train_step(clashing, opt, amp=amp)(state, POINTS[:64])
 
 
 def test_a_non_scalar_metric_is_rejected_naming_it_and_what_is_allowed():
@@ -174,4 +174,4 @@ def test_a_non_scalar_metric_is_rejected_naming_it_and_what_is_allowed():
         return jnp.mean(v["u"]), ({}, {"peak": jnp.abs(v["u"])})
 
     with pytest.raises(TypeError, match=r"metric 'peak'.*shape \(64,\).*scalar"):
-        jaxamp.train.make_train_step(vector_metric, opt, amp=amp)(state, POINTS[:64])
+        jaxamp.make_train_step(vector_metric, opt, amp=amp)(state, POINTS[:64])

@@ -114,7 +114,7 @@ def relative_error(u, params):
 def summary(u, out):
     params, opt_state = out[0], out[5]  # jinns.solve: (params, train_loss_values, ..., opt_state, ...)
     row = {"error": relative_error(u, params)}
-    if isinstance(opt_state, jaxamp.step.AmpOptState):
+    if isinstance(opt_state, jaxamp._src.training.step.AmpOptState):
         row["scales"] = {k: float(v) for k, v in opt_state.amp.scales.items()}
         row["applied"] = int(optax.tree_utils.tree_get_all_with_path(opt_state.inner, "count")[0][1])  # adam's: skips not counted
     return row

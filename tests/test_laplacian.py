@@ -1,7 +1,7 @@
 """jaxamp._src.derivatives.laplacian: the scaled Laplacian by collapsed Taylor mode, and its baselines.
 
 Oracles: ``jnp.trace(jax.hessian(f))`` (float32 to rounding, float64 to 1e-12) and the sum of
-:func:`jaxamp.taylor.second_order` over the directions; every method gives the same value. On
+:func:`jaxamp._src.taylor.second_order` over the directions; every method gives the same value. On
 a float32 network, scales ``2**k`` give bit-identical values (binary scaling commutes with
 rounding); on a float16 network a too-large input factor overflows key "2" at scale 1 and not
 at a small scale; the value is differentiable with respect to the parameters through
@@ -16,7 +16,7 @@ from jax import lax
 from jax.extend import core as jcore
 
 import jaxamp
-from jaxamp import taylor
+from jaxamp._src import taylor
 from jaxamp._src.derivatives.laplacian import METHODS, laplacian
 from jaxamp._src.core.profile import scaler_keys
 from jaxamp._src.core.marks import NONFINITE_VALUES

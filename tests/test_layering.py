@@ -128,4 +128,4 @@ def test_every_src_module_is_in_a_layer_and_the_public_modules_only_re_export():
 
 
 def test_the_layer_checker_finds_an_upward_import():
-    assert layer_of("jaxamp._src.core.scaled") < layer_of("jaxamp._src.derivatives.grad") < layer_of("jaxamp.train")
+    assert layer_of("jaxamp._src.core.scaled") < layer_of("jaxamp._src.derivatives.grad") < layer_of("jaxamp.models")

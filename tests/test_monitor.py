@@ -1,11 +1,11 @@
-"""The stall detector (jaxamp.monitor.StallMonitor) on synthetic step metrics."""
+"""The stall detector (jaxamp.StallMonitor) on synthetic step metrics."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 import jaxamp
-from jaxamp.monitor import MonitorState
+from jaxamp._src.training.monitor import MonitorState
 
 
 def metrics(reason=jaxamp.SkipReason.APPLIED, flagged=(), scales=None):
@@ -30,7 +30,7 @@ def feed(monitor, sequence, state=None, update=None):
     (jaxamp.SkipReason.NONFINITE_GRADS, (), "non-finite weight gradients"),
 ])
 def test_consecutive_skips_name_the_reason_and_what_to_try(reason, flagged, cause):
-    monitor = jaxamp.monitor.StallMonitor(max_consecutive_skips=5, window=100)
+    monitor = jaxamp.StallMonitor(max_consecutive_skips=5, window=100)
     state = feed(monitor, [metrics()] * 3 + [metrics(reason, flagged)] * 4)
     assert int(state.consecutive_skips) == 4 and monitor.diagnose(state, metrics(reason, flagged)) is None
     state = monitor.update(state, metrics(reason, flagged))
@@ -41,7 +41,7 @@ def test_consecutive_skips_name_the_reason_and_what_to_try(reason, flagged, caus
 
 
 def test_skip_rate_over_a_full_window():
-    monitor = jaxamp.monitor.StallMonitor(max_consecutive_skips=100, window=8, max_skip_rate=0.5)
+    monitor = jaxamp.StallMonitor(max_consecutive_skips=100, window=8, max_skip_rate=0.5)
     bad = metrics(jaxamp.SkipReason.NONFINITE_VALUES)
     state = feed(monitor, [bad, bad, metrics()] * 2)  # 4 of 6: the window is not full yet
     assert monitor.diagnose(state, metrics()) is None
@@ -53,18 +53,18 @@ def test_skip_rate_over_a_full_window():
 
 
 def test_a_scale_at_its_floor():
-    monitor = jaxamp.monitor.StallMonitor()
+    monitor = jaxamp.StallMonitor()
     line = monitor.diagnose(feed(monitor, [metrics()]), metrics(scales={"2": -126.0}))
     assert "scale `2` at its floor, the last for overflow in derivative scaler `2`" in line
     amp = jaxamp.AmpConfig(derivative_scaler={"min_scale": 2.0**-10})
-    floored = jaxamp.monitor.StallMonitor(amp=amp)
+    floored = jaxamp.StallMonitor(amp=amp)
     assert floored.floor_log2("2") == -10.0 and floored.floor_log2("loss") == -126.0
     assert floored.diagnose(floored.init(), metrics(scales={"1": -9.0})) is None
     assert "scale `1` at its floor" in floored.diagnose(floored.init(), metrics(scales={"1": -10.0}))
 
 
 def test_update_is_pure_and_the_same_under_jit_and_scan():
-    monitor = jaxamp.monitor.StallMonitor(max_consecutive_skips=3, window=4)
+    monitor = jaxamp.StallMonitor(max_consecutive_skips=3, window=4)
     reasons = [0, 1, 1, 3, 0, 2, 2, 2, 2, 0]
     sequence = [metrics(r) for r in reasons]
     eager = feed(monitor, sequence)
@@ -87,5 +87,5 @@ def test_update_is_pure_and_the_same_under_jit_and_scan():
 ])
 def test_bad_arguments(kwargs, error, fragment):
     with pytest.raises(error) as e:
-        jaxamp.monitor.StallMonitor(**kwargs)
+        jaxamp.StallMonitor(**kwargs)
     assert fragment in str(e.value)

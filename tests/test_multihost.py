@@ -3,7 +3,7 @@
 tests/multihost_worker.py trains a float16 PINN (tanh MLP under ``jaxamp.autocast``, ``u''``
 by nested ``jaxamp.grad``) over a global mesh of 8 CPU devices, by the README's user path
 (``jaxamp.value_and_grad`` + ``jaxamp.optimizer`` under ``jax.jit`` with shardings) and by
-``jaxamp.train.make_train_step``. It runs twice at once: as 2 processes with 4 fake devices
+``jaxamp.make_train_step``. It runs twice at once: as 2 processes with 4 fake devices
 each, joined by ``jax.distributed.initialize`` on 127.0.0.1 (gloo collectives, pinned to the
 loopback address), and as 1 process with 8 fake devices. Two injected faults lie in process
 1's part of the batch only (a huge input: the float16 backward overflows; an inf: bad values);
@@ -34,7 +34,7 @@ import pytest
 
 WORKER = Path(__file__).with_name("multihost_worker.py")
 TIMEOUT_S = 600  # per subprocess; a process left waiting for its peer is killed
-# SkipReason values (jaxamp.step.SkipReason), by name so that a renumbering fails loudly
+# SkipReason values (jaxamp._src.training.step.SkipReason), by name so that a renumbering fails loudly
 APPLIED, DERIVATIVE_OVERFLOW, NONFINITE_GRADS, NONFINITE_VALUES = 0, 1, 2, 3
 
 

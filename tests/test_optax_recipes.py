@@ -153,7 +153,7 @@ def lbfgs_run(amp, steps):
         params, opt_state, _ = step(params, opt_state, batch())
     b = batch()
     after_adam = float(loss(params, b))
-    lb_state = jaxamp.step.with_amp_state(lbfgs.init(params), opt_state.amp)
+    lb_state = jaxamp._src.training.optim.with_amp_state(lbfgs.init(params), opt_state.amp)
     lb_step = make_step(lbfgs, value=lambda v, g, p, b: v, grad=lambda v, g, p, b: g,
                         value_fn=lambda v, g, p, b: (lambda q: loss(q, b)))
     for _ in range(steps):
@@ -222,7 +222,7 @@ def test_a_stall_on_plain_float16_with_the_loss_scale_at_its_floor_names_derivat
         return optax.apply_updates(params, updates), opt_state
 
     params, opt_state = PARAMS, tx.init(PARAMS)
-    with pytest.warns(jaxamp.monitor.StallWarning) as record:
+    with pytest.warns(jaxamp.StallWarning) as record:
         for _ in range(40):
             params, opt_state = step(params, opt_state, batch())
         jax.block_until_ready(params)

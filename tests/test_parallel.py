@@ -29,7 +29,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jaxamp
-from jaxamp import parallel
+from jaxamp._src.training import parallel
 
 WORKER = Path(__file__).with_name("parallel_worker.py")
 STEPS = 100

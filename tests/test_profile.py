@@ -161,7 +161,7 @@ def test_recommendation_applied_to_amp_starts_each_key_at_its_scale_and_never_ca
 
 
 def test_apply_keeps_a_start_at_or_below_a_lower_custom_max_scale():
-    rec = jaxamp.window.Recommendation(scales_log2={"1": 0, "2": -3}, custom_init_scales_log2={"2": -3}, margin_log2=2)
+    rec = jaxamp._src.core.window.Recommendation(scales_log2={"1": 0, "2": -3}, custom_init_scales_log2={"2": -3}, margin_log2=2)
     amp = rec.apply(jaxamp.AmpConfig(custom_max_scales_log2={2: -9}, custom_init_scales_log2={"nu": -1}))
     assert dict(amp.custom_init_scales_log2) == {"nu": -1, "2": -9} and amp.max_scale_log2("2") == -9
 

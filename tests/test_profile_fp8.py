@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jaxamp
-from jaxamp.window import format_profile, value_range
+from jaxamp._src.core.window import format_profile, value_range
 
 X = jnp.linspace(0.0, 0.01, 64)
 

@@ -115,7 +115,7 @@ def test_comparison_png_hides_no_curve_and_gives_the_loss_scale_its_own_axis(tmp
 
 
 def test_profile_png_says_what_every_row_and_color_means(tmp_path):
-    from jaxamp.window import Profile, value_range
+    from jaxamp._src.core.window import Profile, value_range
 
     from examples.common.plots import PROFILE_COLORS, plot_profile, profile_figure
 

@@ -8,9 +8,9 @@ import pytest
 
 import jaxamp
 from jaxamp import NONFINITE_VALUES
-from jaxamp import DynamicScaler
-from jaxamp.scaler import Scalers, ScaleState
-from jaxamp.scaler import loss_scaler
+from jaxamp._src.scaling.scaler import DynamicScaler
+from jaxamp._src.scaling.scaler import Scalers, ScaleState
+from jaxamp._src.scaling.scaler import loss_scaler
 from tests.helpers.scaler_reference import reference_update
 
 VECTOR_A = dict(growth_factor=2.0, backoff_factor=0.25, growth_interval=2, max_scale=8.0,

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import jaxamp
-from jaxamp import AmpConfig, AmpState, DynamicScaler
+from jaxamp import AmpConfig, AmpState
+from jaxamp._src.scaling.scaler import DynamicScaler
 from jaxamp._src.scaling.config_values import FrozenMapping
 
 CONFIGS = {

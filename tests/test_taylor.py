@@ -1,4 +1,4 @@
-"""jaxamp.taylor.second_order and the package's core: nested jax.jvp's values with one
+"""jaxamp._src.taylor.second_order and the package's core: nested jax.jvp's values with one
 propagated tangent; the primitive table; the pure second order as series(order=2)."""
 
 import functools
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jaxamp
-from jaxamp import taylor
+from jaxamp._src import taylor
 from jaxamp.models import FullyConnected
 from jaxamp._src.taylor import faa_di_bruno, rules
 from tests.helpers.taylor import FUNCTIONS, STRICT_FP16, cost, fp16_net, nested_second

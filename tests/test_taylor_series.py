@@ -1,4 +1,4 @@
-"""jaxamp.taylor.series: pure derivatives of order K by Taylor mode, one scale per order."""
+"""jaxamp._src.taylor.series: pure derivatives of order K by Taylor mode, one scale per order."""
 
 import functools
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jaxamp
-from jaxamp import taylor
+from jaxamp._src import taylor
 from jaxamp._src.derivatives import forward_engine as forward
 from jaxamp.models import FullyConnected
 from jaxamp._src.taylor import faa_di_bruno

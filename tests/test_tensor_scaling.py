@@ -1,4 +1,4 @@
-"""Per-tensor scaling (jaxamp.tensor_scale, AmpConfig(tensor_scaling=True)).
+"""Per-tensor scaling (jaxamp/_src/placement/tensor_scale.py, AmpConfig(tensor_scaling=True)).
 
 Oracles: binary scaling commutes with rounding for normal numbers, so a per-tensor scaled
 float16 product equals the unscaled float16 product (float32 accumulation) bit for bit while
@@ -14,7 +14,7 @@ from jax import lax
 from jax.extend import core as jcore
 
 import jaxamp
-from jaxamp.tensor_scale import scale_for, scaled_dot
+from jaxamp._src.placement.tensor_scale import scale_for, scaled_dot
 
 MM = (((1,), (0,)), ((), ()))  # a @ b
 VM = (((0,), (0,)), ((), ()))  # x @ b for a vector x

@@ -67,8 +67,8 @@ def batch(bad=False, overflow=False, overflow1=False, nan_grad=False):
 @functools.lru_cache(maxsize=None)
 def problem(amp=FP16, clip=None, opt=optax.adam(1e-2)):
     params = {"w": jnp.linspace(0.5, 1.5, N)}
-    state = jaxamp.train.TrainState.create(params=params, optimizer=opt, amp=amp, engines=[keys_engine(amp)])
-    step = jaxamp.train.make_train_step(toy_loss, opt, amp=amp, grad_clip_max_norm=clip)
+    state = jaxamp.TrainState.create(params=params, optimizer=opt, amp=amp, engines=[keys_engine(amp)])
+    step = jaxamp.make_train_step(toy_loss, opt, amp=amp, grad_clip_max_norm=clip)
     return state, jax.jit(step), step, opt
 
 
@@ -116,7 +116,7 @@ def test_bad_values_skip_and_change_no_scaler_whatever_else_is_flagged(overflow)
 
 def test_nonfinite_weight_gradients_back_off_the_loss_scaler_and_skip():
     before, step = warm()
-    state = before.replace_amp(before.amp_state.replace(loss=jaxamp.scaler.ScaleState(jnp.float32(2.0**30), jnp.int32(7))))
+    state = before.replace_amp(before.amp_state.replace(loss=jaxamp._src.scaling.scaler.ScaleState(jnp.float32(2.0**30), jnp.int32(7))))
     new, m = step(state, batch(nan_grad=True))
     assert int(m["skip_reason"]) == jaxamp.SkipReason.NONFINITE_GRADS and bool(m["skipped"])
     assert float(new.amp_state.loss.scale) == 2.0**29 and int(new.amp_state.loss.growth_tracker) == 0
@@ -203,8 +203,8 @@ def test_real_network_nan_point_is_bad_values_and_the_step_compiles_once_with_no
         return pde, {"pde": pde}
 
     opt = optax.adam(1e-3)
-    state = jaxamp.train.TrainState.create(params=params, optimizer=opt, amp=FP16, engines=[engine])
-    step = jaxamp.train.make_train_step(loss_fn, opt, amp=FP16)
+    state = jaxamp.TrainState.create(params=params, optimizer=opt, amp=FP16, engines=[engine])
+    step = jaxamp.make_train_step(loss_fn, opt, amp=FP16)
     traces = []
 
     def counted(s, b):
@@ -226,7 +226,7 @@ def test_real_network_nan_point_is_bad_values_and_the_step_compiles_once_with_no
     # no host callback by default (the metrics report a stall); with on_stall="warn" one, the
     # stall report, inside a cond taken only when the run stalls
     assert "callback" not in str(jax.make_jaxpr(step)(state, batch()))
-    warn = jaxamp.train.make_train_step(loss_fn, opt, amp=FP16, on_stall="warn")
+    warn = jaxamp.make_train_step(loss_fn, opt, amp=FP16, on_stall="warn")
     jaxpr = jax.make_jaxpr(warn)(state, batch()).jaxpr
     top = [str(e.primitive) for e in jaxpr.eqns]
     assert "debug_callback" not in top and str(jaxpr).count("debug_callback[") == 1
@@ -279,13 +279,13 @@ def test_a_flag_beside_nonfinite_gradients_is_an_overflow():
     flags = {"2": jnp.array(True), NONFINITE_VALUES: jnp.array(True)}
     grads = {"w": jnp.array([1.0, jnp.nan])}
     reason = lambda check: jaxamp.SkipReason(int(check.skip_reason))  # noqa: E731
-    assert reason(jaxamp.step.check_step(scalers, flags, grads)) == jaxamp.SkipReason.NONFINITE_VALUES
+    assert reason(jaxamp._src.training.step.check_step(scalers, flags, grads)) == jaxamp.SkipReason.NONFINITE_VALUES
     del flags[NONFINITE_VALUES]
-    check = jaxamp.step.check_step(scalers, flags, grads)
+    check = jaxamp._src.training.step.check_step(scalers, flags, grads)
     assert reason(check) == jaxamp.SkipReason.DERIVATIVE_OVERFLOW and bool(check.found_inf["2"])
-    check = jaxamp.step.check_step(scalers, flags, {"w": jnp.ones(2)})  # finite: the flag counts
+    check = jaxamp._src.training.step.check_step(scalers, flags, {"w": jnp.ones(2)})  # finite: the flag counts
     assert reason(check) == jaxamp.SkipReason.DERIVATIVE_OVERFLOW
-    assert reason(jaxamp.step.check_step(scalers, {}, grads)) == jaxamp.SkipReason.NONFINITE_GRADS
+    assert reason(jaxamp._src.training.step.check_step(scalers, {}, grads)) == jaxamp.SkipReason.NONFINITE_GRADS
 
 
 def test_unknown_flag_keys_and_bad_arguments_are_rejected():
@@ -297,11 +297,11 @@ def test_unknown_flag_keys_and_bad_arguments_are_rejected():
         return jnp.float32(0.0) * sum(jnp.sum(p) for p in jax.tree_util.tree_leaves(params)), {}
 
     with pytest.raises(KeyError, match=r"scaler key\(s\) \['7'\]"):
-        jaxamp.train.make_train_step(loss_fn, opt, amp=FP16)(state, batch())
+        jaxamp.make_train_step(loss_fn, opt, amp=FP16)(state, batch())
     with pytest.raises(ValueError, match="`grad_clip_max_norm`=-1 is not allowed"):
-        jaxamp.train.make_train_step(loss_fn, opt, amp=FP16, grad_clip_max_norm=-1)
+        jaxamp.make_train_step(loss_fn, opt, amp=FP16, grad_clip_max_norm=-1)
     with pytest.raises(TypeError, match="must be an AmpConfig"):
-        jaxamp.train.make_train_step(loss_fn, opt, amp={"dtype": "float16"})
+        jaxamp.make_train_step(loss_fn, opt, amp={"dtype": "float16"})
 
 
 def test_a_bare_loss_gets_an_error_that_shows_the_contract():
@@ -311,7 +311,7 @@ def test_a_bare_loss_gets_an_error_that_shows_the_contract():
         return jnp.sum(jax.tree_util.tree_leaves(params)[0])
 
     with pytest.raises(TypeError) as e:
-        jaxamp.train.make_train_step(bare, optax.adam(1e-3), amp=FP16)(state, batch())
+        jaxamp.make_train_step(bare, optax.adam(1e-3), amp=FP16)(state, batch())
     assert "jaxamp.value_and_grad: `fun`=" in str(e.value)
     assert "with has_aux=True must return (loss, aux)" in str(e.value)
 
@@ -327,7 +327,7 @@ def test_a_bad_aux_gets_an_error_that_shows_the_contract(aux):
                       "old_contract_with_metrics": ({"mse": loss}, {"2": jnp.bool_(False)}, {"m": loss})}[aux]
 
     with pytest.raises(TypeError) as e:
-        jaxamp.train.make_train_step(loss_fn, optax.adam(1e-3), amp=FP16)(state, batch())
+        jaxamp.make_train_step(loss_fn, optax.adam(1e-3), amp=FP16)(state, batch())
     assert str(e.value).startswith("make_train_step: loss_fn returned the ")
     assert "loss_fn(params, batch) must return (loss, terms) or (loss, (terms, metrics))" in str(e.value)
 
@@ -339,11 +339,11 @@ def test_a_non_scalar_loss_gets_an_error_that_names_it():
         return params["w"] * b["x"], {}
 
     with pytest.raises(TypeError) as e:
-        jaxamp.train.make_train_step(loss_fn, optax.adam(1e-3), amp=FP16)(state, batch())
+        jaxamp.make_train_step(loss_fn, optax.adam(1e-3), amp=FP16)(state, batch())
     assert "jaxamp.value_and_grad: `fun`=" in str(e.value)
     assert f"must return a float scalar loss (or (loss, aux) with has_aux=True), got an array of shape ({N},)" in str(e.value)
     with pytest.raises(TypeError, match="make_train_step: `loss_fn`=3 must be callable as loss_fn\\(params, batch\\)"):
-        jaxamp.train.make_train_step(3, optax.adam(1e-3), amp=FP16)
+        jaxamp.make_train_step(3, optax.adam(1e-3), amp=FP16)
 
 
 def test_pieces_in_a_users_own_step_with_extra_state_match_make_train_step():
@@ -355,13 +355,13 @@ def test_pieces_in_a_users_own_step_with_extra_state_match_make_train_step():
     @jax.jit
     def user_step(params, opt_state, scalers, loss_scale, extra, b):
         (loss, terms), grads, flags = grad_fn(jaxamp.AmpState(FP16, scalers, loss_scale, rule), params, b)
-        check = jaxamp.step.check_step(scalers, flags.found_inf, grads)
+        check = jaxamp._src.training.step.check_step(scalers, flags.found_inf, grads)
         updates, new_opt_state = opt.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
         new_extra = {"weights": extra["weights"] * 0.9 + 0.1,
                      "ema": jax.tree_util.tree_map(lambda e, p: 0.99 * e + 0.01 * p, extra["ema"], new_params)}
         params, opt_state, extra = check.select((new_params, new_opt_state, new_extra), (params, opt_state, extra))
-        scalers, loss_scale = jaxamp.step.update_scalers(scalers, loss_scale, rule, check)
+        scalers, loss_scale = jaxamp._src.training.step.update_scalers(scalers, loss_scale, rule, check)
         return params, opt_state, scalers, loss_scale, extra
 
     carry = (state.params, state.opt_state.inner, state.amp_state.derivative, state.amp_state.loss,
@@ -383,10 +383,10 @@ def test_pieces_inside_a_named_axis_step_decide_alike_on_every_replica():
     def replica(params, opt_state, scalers, loss_scale, b):
         _, grads, flags = grad_fn(jaxamp.AmpState(FP16, scalers, loss_scale, rule), params, b)
         grads = jax.lax.pmean(grads, "devices")
-        check = jaxamp.step.check_step(scalers, flags.found_inf, grads, axis_name="devices")
+        check = jaxamp._src.training.step.check_step(scalers, flags.found_inf, grads, axis_name="devices")
         updates, new_opt_state = opt.update(grads, opt_state, params)
         params, opt_state = check.select((optax.apply_updates(params, updates), new_opt_state), (params, opt_state))
-        scalers, loss_scale = jaxamp.step.update_scalers(scalers, loss_scale, rule, check)
+        scalers, loss_scale = jaxamp._src.training.step.update_scalers(scalers, loss_scale, rule, check)
         return params, opt_state, scalers, loss_scale, check.skip_reason
 
     run = jax.jit(jax.vmap(replica, in_axes=(None, None, None, None, 0), axis_name="devices"))

@@ -1,7 +1,7 @@
 """The user's step: jaxamp.init, value_and_grad, apply_or_skip and the optax wrapper.
 
 Oracles: JAX's own value_and_grad (fp32 means off), the step pieces they replace
-(jaxamp.step.check_step / update_scalers: skip decisions and scale trajectories bit for bit),
+(jaxamp._src.training.step.check_step / update_scalers: skip decisions and scale trajectories bit for bit),
 the update rule's arithmetic (a clean run grows every scaler to its configured max).
 """
 
@@ -14,7 +14,7 @@ import pytest
 from flax.training import train_state
 
 import jaxamp
-from jaxamp.step import StepFlags, check_step, update_scalers
+from jaxamp._src.training.step import StepFlags, check_step, update_scalers
 
 
 class MLP(nn.Module):
@@ -180,7 +180,7 @@ def test_a_profile_start_is_not_a_cap():
     loss = make_loss(amp)
     state = jaxamp.init(loss, amp, from_profile=False)(PARAMS, T, X)
     low = {k: s._replace(scale=jnp.float32(2.0**-5)) for k, s in state.derivative.items()}
-    state = state.replace(derivative=jaxamp.scaler.Scalers(state.derivative.rules, low))
+    state = state.replace(derivative=jaxamp._src.scaling.scaler.Scalers(state.derivative.rules, low))
     clean = StepFlags({k: jnp.array(False) for k in state.scales})
     advance = jax.jit(lambda s: jaxamp.apply_or_skip(s, {"w": jnp.ones(2)}, clean, 0.0, 0.0)[1])
     for _ in range(40):

@@ -78,7 +78,7 @@ def _scale_fields(key: str, state: Any) -> Mapping[str, Any]:
         return {"scale": state.scale, "growth_tracker": state.growth_tracker}
     if isinstance(state, Mapping):
         return state
-    if hasattr(state, "scale") and hasattr(state, "growth_tracker"):  # jaxamp.scaler.ScaleState (a NamedTuple)
+    if hasattr(state, "scale") and hasattr(state, "growth_tracker"):  # jaxamp._src.scaling.scaler.ScaleState (a NamedTuple)
         return {"scale": state.scale, "growth_tracker": state.growth_tracker}
     raise TypeError(
         f"scaler state {key!r}={state!r} must be a ScaleState (jaxamp or torch_ref) or a mapping "
@@ -89,10 +89,10 @@ def _scale_fields(key: str, state: Any) -> Mapping[str, Any]:
 def scale_states_from_jax(
     states: Mapping[str, Any], device: Union[str, torch.device, None] = None
 ) -> Dict[str, ScaleState]:
-    """``{key: jaxamp.scaler.ScaleState or {"scale", "growth_tracker"}}`` -> ``{key: torch_ref.ScaleState}``.
+    """``{key: jaxamp._src.scaling.scaler.ScaleState or {"scale", "growth_tracker"}}`` -> ``{key: torch_ref.ScaleState}``.
 
     Accepts jax, numpy or torch scalars (e.g. ``TrainState.deriv_scales`` restored by
-    ``jaxamp.checkpoint.Checkpointer``); float32 scale and int32 tracker are kept exactly.
+    ``jaxamp.Checkpointer``); float32 scale and int32 tracker are kept exactly.
     """
     if not isinstance(states, Mapping):
         raise TypeError(f"scale_states_from_jax: `states`={states!r} must be a mapping {{key: state}}.")
@@ -103,7 +103,7 @@ def scale_states_to_jax(states: Mapping[str, Any]) -> Dict[str, Dict[str, np.nda
     """``{key: torch_ref.ScaleState or its state_dict}`` -> ``{key: {"scale": f32[], "growth_tracker": i32[]}}``.
 
     numpy 0-d arrays (torch_ref never imports jax): build jaxamp states with
-    ``{k: jaxamp.scaler.ScaleState(**v) for k, v in out.items()}``.
+    ``{k: jaxamp._src.scaling.scaler.ScaleState(**v) for k, v in out.items()}``.
     """
     if not isinstance(states, Mapping):
         raise TypeError(f"scale_states_to_jax: `states`={states!r} must be a mapping {{key: state}}.")

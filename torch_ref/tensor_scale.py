@@ -1,4 +1,4 @@
-"""The per-tensor scale rule (jaxamp.tensor_scale) in PyTorch: a power-of-two scale per matmul
+"""The per-tensor scale rule (jaxamp/_src/placement/tensor_scale.py) in PyTorch: a power-of-two scale per matmul
 operand from its own amax, the scaled operands cast to float16 or FP8, the product accumulated
 in float32 and unscaled. Written from docs/algorithm.md's rule, not from jaxamp's code."""
 

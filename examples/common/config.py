@@ -39,7 +39,7 @@ Check = Tuple[Callable[[Any], bool], str]
 # The examples' own keys of the ``amp:`` section (not AmpConfig's; every config has them, with
 # these defaults). init_scales_from_profile: before training, profile the initial parameters on
 # the first batch and start every derivative scaler at the recommended scale
-# (jaxamp.window.recommend(...).apply(amp); examples/common/train.py).
+# (jaxamp.profile(...)(...).recommend().apply(amp); examples/common/train.py).
 EXAMPLE_AMP_DEFAULTS: Dict[str, Any] = {"init_scales_from_profile": False}
 
 
@@ -70,7 +70,7 @@ COMMON_CHECKS: Dict[str, Check] = {
     "model.arch": one_of("fully_connected", "fourier"),
     "model.layer_size": positive_int(),
     "model.nr_layers": positive_int(),
-    "model.activation": one_of(*sorted(jaxamp.models.ACTIVATIONS)),
+    "model.activation": one_of(*jaxamp.models.FullyConnected.activations),
     "optimizer.lr": positive(),
     "optimizer.decay_rate": in_open_unit(),
     "optimizer.decay_steps": positive_int(),
@@ -89,10 +89,12 @@ COMMON_CHECKS: Dict[str, Check] = {
 
 
 def _frequencies_ok(spec: Any) -> bool:
-    from jaxamp.models import fourier_matrix
+    """Whether jaxamp.models.FourierNet accepts ``spec`` (its init traced on a 2-D point, nothing computed)."""
+    import jax
 
+    net = jaxamp.models.FourierNet(out_features=1, layer_size=4, nr_layers=1, frequencies=tuple(spec))
     try:
-        fourier_matrix(2, spec)
+        jax.eval_shape(net.init, jax.random.PRNGKey(0), jax.numpy.zeros(2))
     except (ValueError, TypeError):
         return False
     return True

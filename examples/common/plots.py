@@ -249,7 +249,7 @@ PROFILE_COLORS = (("C3", "red: the bar leaves the band (labelled: overflow or un
 
 
 def profile_color(r: Any) -> str:
-    """The color of one :class:`jaxamp.window.Range`'s bar in ``profile.png``: ``C3`` (red)
+    """The color of one range's bar in ``profile.png``: ``C3`` (red)
     exactly when the drawn bar leaves the band (its max above 65504 or its 1st percentile
     below 2^-14: ``headroom_up`` or ``headroom_down`` negative), ``C1`` (orange) when the bar
     is inside but a fraction of the values under the 1st percentile lies below 2^-14, else
@@ -306,7 +306,7 @@ def profile_figure(prof: Any):
     rows_help = ("rows: key K is a derivative scaler (per order: 1 = first derivatives, 2 = second ...; per term: "
                  "u__x ...).\n'derivatives it checks': the derivatives whose overflow check skips a step; "
                  "'every value it scales': those\nand the hidden float16 values of the passes its seed scales "
-                 "(what jaxamp.window.recommend fits a start scale to).")
+                 "(what the profile's recommend() fits a start scale to).")
     fig.legend(handles=handles, fontsize=7.5, loc="lower center", bbox_to_anchor=(0.5, 0.8 / height), ncol=2)
     fig.text(0.5, 0.12 / height, rows_help, ha="center", va="bottom", fontsize=7.5)
     return fig
@@ -315,7 +315,7 @@ def profile_figure(prof: Any):
 def plot_profile(workdir: str, prof: Any) -> str:
     """``profile.png``: where each derivative and each scaler key sits in float16's window.
 
-    ``prof`` is a :class:`jaxamp.window.Profile` of the final parameters and scales. One bar
+    ``prof`` is a result of :func:`jaxamp.profile` for the final parameters and scales. One bar
     per scaler key's checked derivatives ("key K: derivatives it checks") and per key's every
     scaled value ("key K: every value it scales": those plus the hidden passes its seed
     scales), from the 1st percentile of its nonzero magnitudes to its largest (log2, scaled as

@@ -1,4 +1,4 @@
-"""Stall detection in the examples' training loop, with :class:`jaxamp.monitor.StallMonitor`.
+"""Stall detection in the examples' training loop, with :class:`jaxamp.StallMonitor`.
 
 The monitor counts every step inside the jitted chunk (its state is carried beside the
 train state and saved in each checkpoint with it, so a resumed run behaves as an
@@ -22,12 +22,12 @@ import jaxamp
 NEVER = 2**31 - 1  # a number of consecutive skips no run reaches (int32)
 
 
-def make_monitor(limit: int, amp: jaxamp.AmpConfig) -> jaxamp.monitor.StallMonitor:
+def make_monitor(limit: int, amp: jaxamp.AmpConfig) -> jaxamp.StallMonitor:
     """The monitor for ``training.max_consecutive_skips=limit`` (0: never stop)."""
-    return jaxamp.monitor.StallMonitor(max_consecutive_skips=limit or NEVER, amp=amp)
+    return jaxamp.StallMonitor(max_consecutive_skips=limit or NEVER, amp=amp)
 
 
-def monitored_step(step_fn, monitor: jaxamp.monitor.StallMonitor, stop: bool):
+def monitored_step(step_fn, monitor: jaxamp.StallMonitor, stop: bool):
     """``((state, mstate), batch) -> ((state, mstate), metrics)``: one train step counted by the
     monitor. With ``stop``, a run that has reached the monitor's limit of consecutive skips
     stays where it is (both states unchanged)."""
@@ -44,7 +44,7 @@ def monitored_step(step_fn, monitor: jaxamp.monitor.StallMonitor, stop: bool):
     return step
 
 
-def stop_line(monitor: jaxamp.monitor.StallMonitor, mstate: Any, last_metrics: Mapping[str, Any], stop: bool) -> Optional[str]:
+def stop_line(monitor: jaxamp.StallMonitor, mstate: Any, last_metrics: Mapping[str, Any], stop: bool) -> Optional[str]:
     """The diagnosis to stop on (None while the run goes on)."""
     if stop and int(mstate.consecutive_skips) >= monitor.max_consecutive_skips:
         return monitor.diagnose(mstate, last_metrics)

@@ -19,7 +19,6 @@ import os
 import time
 from typing import Any, Dict, Iterable, Mapping
 
-import jax.numpy as jnp
 import numpy as np
 
 import jaxamp
@@ -85,20 +84,19 @@ class TensorBoardLog:
         self.writer.flush()
 
     def write_profile(self, step: int, prof: Any, scaled: Mapping[str, Any]) -> None:
-        """A derivative profile at ``step``: as scalars
-        ``profile/<derivative or scaler_<key>>/{log2_max,headroom_up,headroom_down}`` the range
-        of each derivative's values times its key's scale (``scaled``) and of each key's float16
-        values (:class:`jaxamp.window.Profile` ``keys``), and a histogram of ``log2 |value|`` per
-        derivative, ``log2_abs/<derivative>`` (zeros and non-finite values left out)."""
-        groups = {name: jaxamp.window.value_range(jnp.asarray(v)) for name, v in scaled.items()}
-        groups.update({f"scaler_{k}": r for k, r in prof.keys.items()})
-        for name, r in groups.items():
+        """A derivative profile at ``step``: as scalars ``profile/scaler_<key>/{log2_max,headroom_up,
+        headroom_down}`` each key's range in float16 (``prof.keys``, from :func:`jaxamp.profile`),
+        ``profile/<derivative>/log2_max`` the largest magnitude of each derivative's values times its
+        key's scale (``scaled``), and a histogram of ``log2 |value|`` per derivative,
+        ``log2_abs/<derivative>`` (zeros and non-finite values left out)."""
+        for key, r in prof.keys.items():
             for field in ("log2_max", "headroom_up", "headroom_down"):
-                self.writer.add_scalar(f"profile/{name}/{field}", float(getattr(r, field)), step)
+                self.writer.add_scalar(f"profile/scaler_{key}/{field}", float(getattr(r, field)), step)
         for name, values in scaled.items():
             mags = np.abs(np.asarray(values, np.float64)).ravel()
             mags = mags[np.isfinite(mags) & (mags > 0)]
             if mags.size:
+                self.writer.add_scalar(f"profile/{name}/log2_max", float(np.log2(mags.max())), step)
                 self.writer.add_histogram(f"log2_abs/{name}", np.log2(mags), step)
         self.writer.flush()
 

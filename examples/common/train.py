@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 import jaxamp
 from examples.common.config import ConfigError, amp_settings, to_yaml
@@ -29,8 +30,7 @@ from examples.common.records import (
 )
 from examples.common.stall import make_monitor, monitored_step, stop_line
 from examples.common.tensorboard import TensorBoardLog, skip_counts
-from jaxamp.models import FullyConnected
-from jaxamp.models import FourierNet
+from jaxamp.models import FourierNet, FullyConnected
 
 
 def build_model(cfg: Mapping[str, Any], amp: jaxamp.AmpConfig, n_out: int):
@@ -76,7 +76,7 @@ class Setup:
         schedule = optax.exponential_decay(o["lr"], transition_steps=o["decay_steps"], decay_rate=o["decay_rate"])
         self.optimizer = optax.adam(schedule)
         # The library does not clip by default; the configs pass Modulus' 0.5 (0 turns it off).
-        self.step_fn = jaxamp.train.make_train_step(
+        self.step_fn = jaxamp.make_train_step(
             self._loss_fn, self.optimizer, amp=self.amp, grad_clip_max_norm=o["grad_clip_max_norm"] or None,
             headroom=True,  # metrics headroom_log2/<key>: powers of two left below 65504, one max per check
         )
@@ -84,14 +84,13 @@ class Setup:
         self.mesh = self._make_mesh(cfg["training"]["devices"])
 
     def _recommend_from_profile(self):
-        """:func:`jaxamp.window.recommend` for the initial parameters on the first batch at
-        scale 1 (its ``apply`` starts each key at its scale, never growing past it)."""
-        from jaxamp.window import recommend
-
+        """The start scales recommended by the profile (``jaxamp.profile(...)(...).recommend``) of the
+        initial parameters on the first batch at scale 1 (its ``apply`` starts each key at its
+        scale, never growing past it)."""
         parts = self.problem.sample(jax.random.fold_in(self.sample_key, 0)).values()
         points = {name: jnp.concatenate([part[name] for part in parts]) for name in self.problem.inputs}
         prof = jax.jit(jaxamp.profile(self.engines[0]))(None, self.init_params(), points)
-        return recommend(prof, default_max_scale_log2=self.amp.default_max_scale_log2)
+        return prof.recommend(default_max_scale_log2=self.amp.default_max_scale_log2)
 
     def _make_mesh(self, devices: int):
         """A data-parallel mesh for ``training.devices > 1`` (None for one device)."""
@@ -126,16 +125,16 @@ class Setup:
         x0 = jnp.zeros(len(self.problem.inputs), jnp.float32)
         return self.model.init(jax.random.PRNGKey(self.cfg["seed"]), x0)
 
-    def init_state(self) -> jaxamp.train.TrainState:
+    def init_state(self) -> jaxamp.TrainState:
         params = self.init_params()
-        state = jaxamp.train.TrainState.create(params=params, optimizer=self.optimizer, amp=self.amp, engines=self.engines)
+        state = jaxamp.TrainState.create(params=params, optimizer=self.optimizer, amp=self.amp, engines=self.engines)
         return self.place(state)
 
-    def place(self, state: jaxamp.train.TrainState) -> jaxamp.train.TrainState:
+    def place(self, state: jaxamp.TrainState) -> jaxamp.TrainState:
         """Replicate the state over the mesh (a no-op on one device)."""
         return state if self.mesh is None else jaxamp.parallel.replicate(state, self.mesh)
 
-    def monitor(self, limit: int) -> jaxamp.monitor.StallMonitor:
+    def monitor(self, limit: int) -> jaxamp.StallMonitor:
         """The stall monitor of ``training.max_consecutive_skips=limit`` (0: never stop)."""
         return make_monitor(limit, self.amp)
 
@@ -151,14 +150,14 @@ class Setup:
             def body(carry, _):
                 batch = self.problem.sample(jax.random.fold_in(self.sample_key, carry[0].step))
                 if self.mesh is not None:  # points split over the devices, state replicated
-                    sharding = jaxamp.parallel.batch_sharding(self.mesh)
+                    sharding = NamedSharding(self.mesh, PartitionSpec(self.mesh.axis_names[0]))
                     batch = jax.tree_util.tree_map(lambda a: jax.lax.with_sharding_constraint(a, sharding), batch)
                 return step(carry, batch)
 
             self._chunks[key] = jax.jit(lambda c: jax.lax.scan(body, c, None, length=n))
         return self._chunks[key]
 
-    def profile(self, state: jaxamp.train.TrainState):
+    def profile(self, state: jaxamp.TrainState):
         """``(profile, scaled)`` of the next batch (every part together) with the state's
         parameters and scales: where each derivative sits in float16's window
         (:func:`jaxamp.profile`), and each derivative's values times its key's scale
@@ -193,7 +192,7 @@ def get_setup(problem_cls: Type[Problem], cfg: Mapping[str, Any]) -> Setup:
     return _SETUPS[key]
 
 
-def _check_workdir(workdir: str, cfg: Mapping[str, Any], resume: bool, ckpt: jaxamp.checkpoint.Checkpointer) -> None:
+def _check_workdir(workdir: str, cfg: Mapping[str, Any], resume: bool, ckpt: jaxamp.Checkpointer) -> None:
     saved_path = os.path.join(workdir, "config.yaml")
     if ckpt.latest_step() is not None and not resume:
         raise ConfigError(
@@ -226,7 +225,7 @@ def train_and_evaluate(
     setup = get_setup(problem_cls, cfg)
     setup.cfg = cfg
     t = cfg["training"]
-    ckpt = jaxamp.checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=2)
+    ckpt = jaxamp.Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=2)
     _check_workdir(workdir, cfg, resume, ckpt)
     with open(os.path.join(workdir, "config.yaml"), "w") as f:
         f.write(to_yaml(cfg))
@@ -308,7 +307,7 @@ def _postfix(recs: List[Dict[str, Any]]) -> Dict[str, Any]:
     return out
 
 
-def evaluate(setup: Setup, state: jaxamp.train.TrainState, workdir: str, *, train_s: float, plots: bool,
+def evaluate(setup: Setup, state: jaxamp.TrainState, workdir: str, *, train_s: float, plots: bool,
              earlier_s: float = 0.0, stalled: Optional[str] = None,
              stalled_at_end: Optional[str] = None) -> Dict[str, Any]:  # fmt: skip
     """Relative L2 errors against the reference, failure steps, plots; writes summary.json.

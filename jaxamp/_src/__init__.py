@@ -11,7 +11,7 @@
   models       Flax networks
 
 The public names are those of :mod:`jaxamp` and its public modules (``jaxamp.models``,
-``jaxamp.train``, ``jaxamp.window``, ...); nothing under ``_src`` is a stable name.
+``jaxamp.parallel``); nothing under ``_src`` is a stable name.
 """
 
 __all__: list = []

@@ -65,8 +65,8 @@ def test_resume_drops_the_dead_runs_later_events(tmp_path):
     hist = histograms(tmp_path / "tensorboard")
     assert set(hist) == {"log2_abs/u__t", "log2_abs/u__x", "log2_abs/u__x__x"}
     step, value = hist["log2_abs/u__x__x"][0]
-    # One value per point of the batch (8 initial, 8 boundary, 16 interior); the largest is
-    # the profile's (the same points and network, unscaled in fp32).
+    # One value per point of the batch (8 initial, 8 boundary, 16 interior); the scalar
+    # log2_max is the largest of them.
     assert step == 4 and value.num == 8 + 8 + 16
     assert value.max == pytest.approx(tb["profile/u__x__x/log2_max"][0][1], abs=1e-3)
 

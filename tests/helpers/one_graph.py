@@ -106,8 +106,8 @@ def train_case(placement: str, steps: int = 3) -> dict:
                      "cont": jnp.mean((d["u__x"] + d["v__y"]) ** 2)}  # fmt: skip
             return sum(terms.values()), terms
 
-        state = jaxamp.train.TrainState.create(params=params, optimizer=opt, amp=engine.amp, engines=[engine])
-        step = jax.jit(jaxamp.train.make_train_step(loss_fn, opt, amp=engine.amp, merge=False))
+        state = jaxamp.TrainState.create(params=params, optimizer=opt, amp=engine.amp, engines=[engine])
+        step = jax.jit(jaxamp.make_train_step(loss_fn, opt, amp=engine.amp, merge=False))
         losses = []
         for _ in range(steps):
             state, metrics = step(state, x)

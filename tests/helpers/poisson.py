@@ -27,8 +27,8 @@ def make_problem(amp, *, layer_size=16, nr_layers=2, lr=1e-3, seed=0, n=32):
         return pde + bc, {"pde": pde, "bc": bc}
 
     optimizer = optax.adam(lr)
-    state = jaxamp.train.TrainState.create(params=params, optimizer=optimizer, amp=amp, engines=[engine])
-    step = jaxamp.train.make_train_step(loss_fn, optimizer, amp=amp)
+    state = jaxamp.TrainState.create(params=params, optimizer=optimizer, amp=amp, engines=[engine])
+    step = jaxamp.make_train_step(loss_fn, optimizer, amp=amp)
     batch = lambda poison=False: {"x": jnp.linspace(0.0, 1.0, n), "poison": jnp.asarray(poison)}
     return state, step, batch, engine
 

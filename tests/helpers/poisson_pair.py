@@ -104,7 +104,7 @@ def jax_side(config: str):
     je = jaxamp.Derivatives(lambda p, x: jm.apply(p, x), inputs=("x",), outputs=("u",),
                             derivatives=("u__x__x",), amp=amp, method="reverse")
     opt = optax.adam(optax.exponential_decay(lr0, 100, 0.5))
-    step = jax.jit(jaxamp.train.make_train_step(_jax_loss(je), opt, amp=amp, grad_clip_max_norm=CLIP),
+    step = jax.jit(jaxamp.make_train_step(_jax_loss(je), opt, amp=amp, grad_clip_max_norm=CLIP),
                    compiler_options=NO_EXCESS)
     return je, opt, step, params
 
@@ -115,7 +115,7 @@ def fresh_pair(config: str):
     je, opt, jstep, params = jax_side(config)
     tm = torch_twin(amp, params, 1, 1)
     te = torch_ref.Derivatives(tm, inputs=("x",), outputs=("u",), derivatives=("u__x__x",), amp=amp.to_dict())
-    jstate = jaxamp.train.TrainState.create(params=params, optimizer=opt, amp=amp, engines=[je])
+    jstate = jaxamp.TrainState.create(params=params, optimizer=opt, amp=amp, engines=[je])
     tstate = torch_ref.TrainState.create(model=tm, optimizer=torch.optim.Adam(tm.parameters(), lr=lr0),
                                          amp=amp.to_dict(), engines=[te])
     return jstate, jstep, tstate, torch_ref.make_train_step(_torch_loss(te), lr_schedule=schedule(lr0),

@@ -1,4 +1,4 @@
-"""Builders shared by the jaxamp.taylor tests: test functions, nested-jvp references, costs."""
+"""Builders shared by the Taylor-mode tests (jaxamp/_src/taylor): test functions, nested-jvp references, costs."""
 
 from typing import Callable, Dict, Optional, Sequence, Tuple
 

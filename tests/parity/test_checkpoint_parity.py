@@ -2,10 +2,10 @@
 
 1. Scalers alone (the per-order fp16 setup: keys "1", "2" and the loss scaler, with the rules of
    tests.helpers.poisson_pair's fp16 config), driven by random found_inf flags:
-   (a) jaxamp runs K steps, saves with ``jaxamp.checkpoint.Checkpointer``; the restored arrays go into
+   (a) jaxamp runs K steps, saves with ``jaxamp.Checkpointer``; the restored arrays go into
        torch_ref ``ScaleState``s (``torch_ref.scale_states_from_jax``); both continue K steps;
    (b) torch_ref runs K steps, ``torch.save``s its state_dicts; ``torch.load`` ->
-       ``torch_ref.scale_states_to_jax`` -> ``jaxamp.scaler.ScaleState``; both continue K steps.
+       ``torch_ref.scale_states_to_jax`` -> ``jaxamp._src.scaling.scaler.ScaleState``; both continue K steps.
    Every (scale, tracker) of the continuations is identical. The checkpoint is cut right after
    a burst of overflows, in recover mode with a non-zero tracker, so what is carried matters:
    a tracker reset to 0 on load gives a different trajectory (checked).
@@ -28,7 +28,7 @@ import torch
 
 import jaxamp
 import torch_ref
-from jaxamp.scaler import Scalers
+from jaxamp._src.scaling.scaler import Scalers
 from tests.helpers.poisson_pair import CONFIGS, fresh_pair, losses, run_jax, run_torch, trajectory
 
 AMP = CONFIGS["fp16"][0]
@@ -108,7 +108,7 @@ def test_jaxamp_checkpoint_continues_identically_in_torch_ref(tmp_path):
     init = {k: r.init() for k, r in _rules("jax").items()}
     saved, _ = _jax_run(init, flags[:K])
     _assert_cut_in_recover_mode(saved, _rules("jax"))
-    with jaxamp.checkpoint.Checkpointer(tmp_path / "ckpt") as ckpt:
+    with jaxamp.Checkpointer(tmp_path / "ckpt") as ckpt:
         ckpt.save(saved, step=K)
         restored = _uncommitted(ckpt.restore(init))
     assert all(jnp.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(restored), jax.tree_util.tree_leaves(saved)))
@@ -133,7 +133,7 @@ def test_torch_ref_checkpoint_continues_identically_in_jaxamp(tmp_path):
     torch.save({k: s.state_dict() for k, s in saved.items()}, tmp_path / "scalers.pt")
     loaded = torch.load(tmp_path / "scalers.pt")
 
-    jax_states = {k: jaxamp.scaler.ScaleState(**v) for k, v in torch_ref.scale_states_to_jax(loaded).items()}
+    jax_states = {k: jaxamp._src.scaling.scaler.ScaleState(**v) for k, v in torch_ref.scale_states_to_jax(loaded).items()}
     _, jt = _jax_run(jax_states, flags[K:])
     _, tt = _torch_run({k: torch_ref.ScaleState.from_state_dict(v) for k, v in loaded.items()}, flags[K:])
     _assert_same(jt, tt)
@@ -153,7 +153,7 @@ def _adam(opt_state):
     return adam, sched
 
 
-def jax_state_into_torch(js: jaxamp.train.TrainState, ts: torch_ref.TrainState) -> None:
+def jax_state_into_torch(js: jaxamp.TrainState, ts: torch_ref.TrainState) -> None:
     """Load a jaxamp TrainState (params, Adam moments and counts, scalers) into a torch_ref one."""
     adam, sched = _adam(js.opt_state.inner)
     ts.model.load_state_dict(torch_ref.flax_to_torch(jax.device_get(js.params)))
@@ -168,7 +168,7 @@ def jax_state_into_torch(js: jaxamp.train.TrainState, ts: torch_ref.TrainState) 
                                "deriv_scales": {k: s._asdict() for k, s in js.amp_state.derivative.items()}})
 
 
-def torch_checkpoint_to_jax(ckpt: dict, like: jaxamp.train.TrainState) -> jaxamp.train.TrainState:
+def torch_checkpoint_to_jax(ckpt: dict, like: jaxamp.TrainState) -> jaxamp.TrainState:
     """A torch checkpoint ``{"model", "optimizer", "scalers"}`` -> a jaxamp TrainState shaped like ``like``."""
     names = list(ckpt["model"])
     opt = ckpt["optimizer"]["state"]
@@ -178,17 +178,17 @@ def torch_checkpoint_to_jax(ckpt: dict, like: jaxamp.train.TrainState) -> jaxamp
     adam, sched = _adam(like.opt_state.inner)
     count = jnp.int32(ckpt["scalers"]["applied"])
     sc = ckpt["scalers"]
-    return jaxamp.train.TrainState(
+    return jaxamp.TrainState(
         step=jnp.int32(sc["step"]),
         params=jax.tree_util.tree_map(jnp.asarray, torch_ref.torch_to_flax(ckpt["model"])),
-        opt_state=jaxamp.step.AmpOptState(
+        opt_state=jaxamp._src.training.step.AmpOptState(
             inner=(adam._replace(count=count, mu=jax.tree_util.tree_map(jnp.asarray, moment("exp_avg")),
                                  nu=jax.tree_util.tree_map(jnp.asarray, moment("exp_avg_sq"))),
                    sched._replace(count=count)),
             amp=like.amp_state.replace(
-                loss=jaxamp.scaler.ScaleState(**torch_ref.scale_states_to_jax({"l": sc["loss_scale"]})["l"]),
+                loss=jaxamp._src.scaling.scaler.ScaleState(**torch_ref.scale_states_to_jax({"l": sc["loss_scale"]})["l"]),
                 derivative=Scalers(like.amp_state.derivative.rules, {
-                    k: jaxamp.scaler.ScaleState(**v) for k, v in torch_ref.scale_states_to_jax(sc["deriv_scales"]).items()})),
+                    k: jaxamp._src.scaling.scaler.ScaleState(**v) for k, v in torch_ref.scale_states_to_jax(sc["deriv_scales"]).items()})),
             skip_reason=jnp.int32(0), consecutive_skips=jnp.int32(0)),
     )
 
@@ -210,7 +210,7 @@ def _check_continuation(jm, tm):
 def test_training_checkpoint_jaxamp_to_torch_ref(tmp_path):
     js, jstep, ts, tstep = fresh_pair("fp16")
     js, _ = run_jax(js, jstep, range(CUT), INJECT)
-    with jaxamp.checkpoint.Checkpointer(tmp_path / "ckpt") as ckpt:
+    with jaxamp.Checkpointer(tmp_path / "ckpt") as ckpt:
         ckpt.save(js)
         restored = _uncommitted(ckpt.restore(js))
     assert int(restored.step) == CUT and float(restored.amp_state.derivative["2"].scale) == 2.0**-3

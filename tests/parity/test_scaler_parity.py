@@ -9,6 +9,7 @@ import torch
 
 import jaxamp
 import torch_ref
+from jaxamp._src.scaling.scaler import DynamicScaler
 from torch_ref.models import FullyConnected
 
 
@@ -80,7 +81,7 @@ def test_random_found_inf_sequence_10000_steps(p_inf, min_scale):
     p = np.where(np.arange(10_000) % 2000 < 1000, p_inf, 0.01)
     flags = np.random.default_rng(int(p_inf * 100)).random(10_000) < p
     rule = dict(RULE, min_scale=min_scale)
-    js, jt = _jax_trajectory(jaxamp.DynamicScaler(**rule), flags)
+    js, jt = _jax_trajectory(DynamicScaler(**rule), flags)
     ts, tt = _torch_trajectory(torch_ref.DynamicScaler(**rule), flags)
     np.testing.assert_array_equal(js, ts)
     np.testing.assert_array_equal(jt, tt)
@@ -95,7 +96,7 @@ def test_scales_stop_at_the_smallest_normal_float32_in_both():
     130 backoffs would leave jaxamp at 0 (which never grows back) and torch at 2^-130. Both
     rules therefore floor the scale at 2^-126, and agree step for step."""
     flags = np.array([True] * 130 + [False] * 3)
-    js, _ = _jax_trajectory(jaxamp.DynamicScaler(**RULE), flags)
+    js, _ = _jax_trajectory(DynamicScaler(**RULE), flags)
     ts, _ = _torch_trajectory(torch_ref.DynamicScaler(**RULE), flags)
     np.testing.assert_array_equal(js, ts)
     assert ts[129] == np.float32(2.0**-126) and ts.min() == np.float32(2.0**-126)
@@ -105,7 +106,7 @@ def test_scales_stop_at_the_smallest_normal_float32_in_both():
                                  dict(recover_growth_interval=20, growth_interval=10), dict(backoff_factor=0.0),
                                  dict(growth_interval=0)])
 def test_both_reject_the_same_bad_hyperparameters(bad):
-    for cls in (jaxamp.DynamicScaler, torch_ref.DynamicScaler):
+    for cls in (DynamicScaler, torch_ref.DynamicScaler):
         with pytest.raises((ValueError, TypeError)) as e:
             cls(**bad)
         assert any(k in str(e.value) for k in bad)

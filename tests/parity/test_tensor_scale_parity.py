@@ -1,4 +1,4 @@
-"""The per-tensor scale rule: jaxamp.tensor_scale == torch_ref.tensor_scale, scale for scale and
+"""The per-tensor scale rule: jaxamp._src.placement.tensor_scale == torch_ref.tensor_scale, scale for scale and
 product for product (float16, E4M3, E5M2), over operands whose magnitudes span 2^-40 .. 2^30."""
 
 import jax.numpy as jnp
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from jaxamp.tensor_scale import scale_for, scaled_dot
+from jaxamp._src.placement.tensor_scale import scale_for, scaled_dot
 from torch_ref import tensor_scale as ref
 
 FORMATS = [(jnp.float16, torch.float16), (jnp.float8_e4m3fn, torch.float8_e4m3fn),

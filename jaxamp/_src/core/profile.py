@@ -3,7 +3,7 @@
 :func:`profile` evaluates the function promoted to float32 and reports per scaler key the
 range of ``derivatives`` (the scaled derivatives the key's checks look at), ``hidden`` (the
 float16/bfloat16 values that depend on the key's seed and feed its check) and ``keys`` (what
-:func:`jaxamp.window.recommend` fits: those held in float16/bfloat16).
+:func:`jaxamp._src.core.window.recommend` fits: those held in float16/bfloat16).
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def profile(fun: Callable[..., Any], amp: Optional[AmpConfig] = None) -> Callabl
       >>> u = lambda p, x: jnp.tanh((p * x).astype(jnp.float16)).astype(jnp.float32)
       >>> losses = jax.vmap(jaxamp.grad(jaxamp.grad(u, 1), 1), (None, 0))
       >>> prof = jaxamp.profile(losses, jaxamp.AmpConfig())(None, 300.0, jnp.linspace(0.0, 0.01, 8))
-      >>> sorted(prof.keys), jaxamp.window.recommend(prof).scales_log2
+      >>> sorted(prof.keys), jaxamp._src.core.window.recommend(prof).scales_log2
       (['1', '2'], {'1': 0, '2': -3})
     """
     if callable(getattr(fun, "marked_program", None)) and isinstance(getattr(fun, "amp", None), AmpConfig):
@@ -184,7 +184,7 @@ def init_scalers(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *, fr
     Args:
       fun: as for :func:`profile` (typically the function of the per-point losses).
       amp: the settings (None: ``AmpConfig()``).
-      from_profile: start each key at the scale :func:`jaxamp.window.recommend` gives a
+      from_profile: start each key at the scale :func:`jaxamp._src.core.window.recommend` gives a
         profile at every scale 1; False: at ``amp``'s rules.
       margin_log2: powers of two kept free below 65504 (as ``recommend``).
 

@@ -51,6 +51,14 @@ class Profile(NamedTuple):
     keys: Dict[str, Range]
     operands: Dict[str, Range] = {}
 
+    def recommend(self, *, margin_log2: int = 2, default_max_scale_log2: int = 0) -> "Recommendation":
+        """Start scales that fit this profile (measured at scale 1): :func:`recommend`."""
+        return recommend(self, margin_log2=margin_log2, default_max_scale_log2=default_max_scale_log2)
+
+    def format(self, *, legend: bool = True) -> str:
+        """This profile as a fixed-width table: :func:`format_profile`."""
+        return format_profile(self, legend=legend)
+
 
 def value_range(values: jax.Array, scale=1.0, dtype=jnp.float16) -> Range:
     """The :class:`Range` of ``values * scale`` (any shape; zeros are ignored) in ``dtype``'s
@@ -128,7 +136,7 @@ class Recommendation(NamedTuple):
 
         Example:
           >>> import jaxamp
-          >>> from jaxamp.window import Recommendation
+          >>> from jaxamp._src.core.window import Recommendation
           >>> rec = Recommendation(scales_log2={"1": 0, "2": -6}, custom_init_scales_log2={"2": -6}, margin_log2=2)
           >>> amp = rec.apply(jaxamp.AmpConfig(dtype="float16", custom_max_scales_log2={"2": -8}))
           >>> dict(amp.custom_init_scales_log2)  # -6 is above key "2"'s max scale 2**-8
@@ -164,11 +172,10 @@ def recommend(prof: Profile, *, margin_log2: int = 2, default_max_scale_log2: in
 
     Example (``u = w sin(x)`` in float16, ``w = 2**15``: both keys reach ``2**14.8``):
       >>> import jax, jax.numpy as jnp, jaxamp
-      >>> from jaxamp.window import recommend
       >>> amp = jaxamp.AmpConfig(dtype="float16")
       >>> u = lambda w, x: (w.astype(jnp.float16) * jnp.sin(x.astype(jnp.float16))).astype(jnp.float32)
       >>> u_xx = jax.vmap(jaxamp.grad(jaxamp.grad(u, 1), 1), (None, 0))
-      >>> rec = recommend(jaxamp.profile(u_xx, amp)(None, jnp.float32(2.0**15), jnp.linspace(0.5, 1.0, 8)))
+      >>> rec = jaxamp.profile(u_xx, amp)(None, jnp.float32(2.0**15), jnp.linspace(0.5, 1.0, 8)).recommend()
       >>> print(rec.to_yaml(), end="")
       amp:
         custom_init_scales_log2:
@@ -214,11 +221,10 @@ def format_profile(prof: Profile, *, legend: bool = True) -> str:
 
     Example (a float16 network: both keys' float16 values reach ``2**14.8``):
       >>> import jax, jax.numpy as jnp, jaxamp
-      >>> from jaxamp.window import format_profile
       >>> u = lambda w, x: (w.astype(jnp.float16) * jnp.sin(x.astype(jnp.float16))).astype(jnp.float32)
       >>> u_xx = jax.vmap(jaxamp.grad(jaxamp.grad(u, 1), 1), (None, 0))
       >>> prof = jaxamp.profile(u_xx, jaxamp.AmpConfig())(None, jnp.float32(2.0**15), jnp.linspace(0.5, 1.0, 8))
-      >>> print(format_profile(prof))  # doctest: +ELLIPSIS
+      >>> print(prof.format())  # doctest: +ELLIPSIS
       quantity                     log2 max     p1    p50    p99  <normal   >max    up  down
       key 1                            14.8   -0.9    0.0   14.8    0.000  0.000   1.2  13.1
       key 2                            14.8   -1.1   -0.1   14.7    0.000  0.000   1.2  12.9

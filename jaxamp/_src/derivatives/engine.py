@@ -42,7 +42,7 @@ class Derivatives:
         flag (weigh them out with :meth:`point_weights`); else they flag :data:`NONFINITE_VALUES`.
 
     Use ``jaxamp.scaled(engine)(scales, params, points) -> (values, found_inf)`` or a loss under
-    :func:`jaxamp.value_and_grad` / :func:`jaxamp.train.make_train_step`.
+    :func:`jaxamp.value_and_grad` / :func:`jaxamp.make_train_step`.
 
     Example:
       >>> import jax.numpy as jnp, jaxamp

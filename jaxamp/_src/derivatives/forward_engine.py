@@ -3,7 +3,7 @@
 Step k of a path is ``jax.jvp`` of the *scaled* level below with the seed ``s_k / s_{k-1}``, so no
 float16 value carries ``s_{k-1} s_k``. One pass per maximal path; paths differing only in keys share
 one at the smallest scales (:func:`shared_scales`, :func:`as_scaled`). Pure second orders take
-:func:`jaxamp.taylor.second_order`, pure orders >= ``series_min_order`` :func:`jaxamp.taylor.series`.
+:func:`jaxamp._src.taylor.second_order`, pure orders >= ``series_min_order`` :func:`jaxamp._src.taylor.series`.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from jaxamp._src.core.marks import unscale
 
 __all__ = ["SERIES_MIN_ORDER", "Levels", "Chain", "point_values", "shared_scales", "as_scaled"]
 
-# Pure derivatives of at least this order take Taylor mode (jaxamp.taylor.series); pure
-# second orders take jaxamp.taylor.second_order.
+# Pure derivatives of at least this order take Taylor mode (jaxamp._src.taylor.series); pure
+# second orders take jaxamp._src.taylor.second_order.
 SERIES_MIN_ORDER = 3
 
 Levels = Tuple[List[jax.Array], List[jax.Array]]  # (unscaled [y, d1, ..., dk], scaled [d1, ..., dk])

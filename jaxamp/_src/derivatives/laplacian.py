@@ -44,7 +44,7 @@ def _each(one: Callable, rows: jax.Array) -> Step:
 
 def _taylor(closed, g, x, basis, s1, s2) -> Step:
     # one second-order propagation per direction: the collapsed interpreter with D = 1
-    # (jaxamp.taylor.second_order gives the same values, but its float32 factors round float64)
+    # (jaxamp._src.taylor.second_order gives the same values, but its float32 factors round float64)
     def one(t):
         _, first, second = propagate_jaxpr(closed, x, t[None], (s2 / s1, 1.0 / s1))
         return first[0], second

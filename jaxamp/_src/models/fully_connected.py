@@ -6,14 +6,14 @@ Parameters are always float32. Each layer is told its compute dtype explicitly (
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import ClassVar, Optional, Tuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from jaxamp._src.scaling.config import AmpConfig
-from jaxamp._src.models.activations import apply_activation, check_activation
+from jaxamp._src.models.activations import ACTIVATIONS, apply_activation, check_activation
 from jaxamp._src.placement.tensor_scale import scaled_dot
 
 __all__ = ["precision_fields", "WeightNormDense", "FullyConnected"]
@@ -39,7 +39,7 @@ class WeightNormDense(nn.Module):
     Float32 params ``kernel`` (Glorot-uniform), ``weight_g`` (ones, with weight norm) and ``bias``
     (zeros); the effective weight is built in float32, the matmul runs in ``dtype``, or, with
     ``matmul_formats`` (value, tangent, cotangent: float16 or FP8), as
-    :func:`jaxamp.tensor_scale.scaled_dot` (per-tensor scales when ``tensor_scaling``).
+    :func:`jaxamp._src.placement.tensor_scale.scaled_dot` (per-tensor scales when ``tensor_scaling``).
     """
 
     features: int
@@ -72,6 +72,9 @@ class FullyConnected(nn.Module):
     activation in float32. ``skip_connections``: as Modulus, the output of every second hidden
     layer (0, 2, 4, ...) is added to the next such output.
     """
+
+    # the activation names ``activation`` accepts
+    activations: ClassVar[Tuple[str, ...]] = tuple(sorted(ACTIVATIONS))
 
     out_features: int
     layer_size: int = 512

@@ -105,7 +105,7 @@ def held_operands(fun: Callable[..., Any]) -> Callable[..., Any]:
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from jaxamp.tensor_scale import scaled_dot
+      >>> from jaxamp._src.placement.tensor_scale import scaled_dot
       >>> f = lambda c, w: scaled_dot(c.astype(jnp.float32), w, (((1,), (0,)), ((), ())))
       >>> c, w = jnp.ones((2, 3), jnp.float16), jnp.ones((3, 2))
       >>> bool((held_operands(f)(c, w) == f(c, w)).all())

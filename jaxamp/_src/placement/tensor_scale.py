@@ -161,9 +161,9 @@ def scaled_dot(a: jax.Array, b: jax.Array, dimension_numbers, formats: Sequence[
       1.0
     """
     if role not in ROLES:
-        raise ValueError(f"jaxamp.tensor_scale.scaled_dot: `role`={role!r} is not allowed: expected one of {ROLES}.")
+        raise ValueError(f"jaxamp._src.placement.tensor_scale.scaled_dot: `role`={role!r} is not allowed: expected one of {ROLES}.")
     if not jnp.issubdtype(jnp.dtype(out_dtype), jnp.floating):
-        raise ValueError(f"jaxamp.tensor_scale.scaled_dot: `out_dtype`={out_dtype!r} is not allowed: expected a "
+        raise ValueError(f"jaxamp._src.placement.tensor_scale.scaled_dot: `out_dtype`={out_dtype!r} is not allowed: expected a "
                          "floating dtype (float32, float16, bfloat16); the product is not rounded to integers.")
     names = tuple(jnp.dtype(f).name for f in formats)
     return scaled_dot_p.bind(a, b, dimension_numbers=_dims(dimension_numbers), formats=names, scaling=bool(scaling),

@@ -48,15 +48,15 @@ class AmpConfig:
       default_max_scale_log2: every derivative scaler's max scale is ``2**this``.
       custom_max_scales_log2: per-key overrides of that exponent, e.g. ``{2: -4, "nu": 20}``.
       custom_init_scales_log2: per-key start scales, e.g. ``{2: -4}``: key ``"2"`` starts at 2^-4
-        (as :meth:`jaxamp.window.Recommendation.apply` sets) and grows up to its max scale.
+        (as :meth:`jaxamp._src.core.window.Recommendation.apply` sets) and grows up to its max scale.
       special_terms: variables with their own derivative scaler even in per-order mode.
       derivative_scaler: overrides of the derivative scalers' hyper-parameters.
       loss_scaler: overrides of the weight-gradient loss scaler's hyper-parameters.
       derivative_scaling: scale the input derivatives; False with float16: the loss scaler only.
-      dtype ``"float8"``: autocast's matmuls take FP8 operands (:data:`jaxamp.tensor_scale.FP8_FORMATS`
+      dtype ``"float8"``: autocast's matmuls take FP8 operands (:data:`jaxamp._src.placement.tensor_scale.FP8_FORMATS`
         per role), everything else runs as for ``"float16"`` (scalers included).
       tensor_scaling: per-tensor power-of-two scales for autocast's float16 / FP8 matmul operands
-        (:mod:`jaxamp.tensor_scale`); None (default): on for ``"float8"``, off otherwise.
+        (``jaxamp/_src/placement/tensor_scale.py``); None (default): on for ``"float8"``, off otherwise.
       float8_formats: with dtype ``"float8"``, overrides of the recipe's operand format per role,
         e.g. ``{"tangent": "float8_e5m2"}``: roles ``"value"``, ``"tangent"``, ``"cotangent"``,
         formats ``"float16"``, ``"float8_e4m3fn"``, ``"float8_e5m2"`` (the rest keep the recipe's).
@@ -170,7 +170,7 @@ class AmpConfig:
           key: a scaler key (an order ``"1"``, ``"2"``, or a term name).
 
         Returns:
-          :class:`~jaxamp.DynamicScaler` with the ``derivative_scaler`` overrides, max scale
+          :class:`~jaxamp._src.scaling.scaler.DynamicScaler` with the ``derivative_scaler`` overrides, max scale
           ``2**max_scale_log2(key)`` and the key's ``custom_init_scales_log2`` start; a max scale
           below the default ``init_scale`` or ``recover_threshold`` caps them.
 

@@ -15,7 +15,7 @@ __all__ = ["DTYPE_NAMES", "ROLES", "FP8_FORMATS", "LOG2_RANGE", "FLOAT8_ROLE_FOR
 
 DTYPE_NAMES = ("float16", "bfloat16", "float32")  # dtype objects a config accepts by name
 FLOAT8_ROLE_FORMATS = ("float16", "float8_e4m3fn", "float8_e5m2")  # a float8 matmul operand's format per role
-# A matmul operand's role (jaxamp.tensor_scale).
+# A matmul operand's role (jaxamp/_src/placement/tensor_scale.py).
 ROLES = ("value", "tangent", "cotangent")
 # The FP8 recipe's operand formats per role: the network's values keep float16's 10 mantissa
 # bits, and so do the derivative tangents (E4M3 tangents cost 5-8x fp32's error on a second-order

@@ -48,7 +48,7 @@ class DynamicScaler:
       min_scale: optional floor of backoff, in ``(0, init_scale]``.
 
     Example:
-      >>> from jaxamp import DynamicScaler
+      >>> from jaxamp._src.scaling.scaler import DynamicScaler
       >>> rule = DynamicScaler(max_scale=4.0, growth_interval=2, recover_growth_interval=2)
       >>> state = rule.update(rule.init(), True)  # an overflow: back off
       >>> float(state.scale)
@@ -129,7 +129,7 @@ def loss_scaler(**overrides: Any) -> DynamicScaler:
     defaults, then ``overrides``.
 
     Example:
-      >>> from jaxamp.scaler import loss_scaler
+      >>> from jaxamp._src.scaling.scaler import loss_scaler
       >>> loss_scaler(growth_interval=500).init_scale
       65536.0
     """

@@ -25,7 +25,7 @@ class AmpState:
     """The scalers of a run: derivative scalers per key and the loss scaler, with their rules.
 
     Create it with :func:`init`. Attributes: ``amp``, the :class:`~jaxamp.AmpConfig` (static);
-    ``derivative``, a :class:`~jaxamp.scaler.Scalers`; ``loss``, the loss scaler's ``ScaleState``
+    ``derivative``, a :class:`~jaxamp._src.scaling.scaler.Scalers`; ``loss``, the loss scaler's ``ScaleState``
     (scale 1 when loss scaling is off); ``loss_rule``, its ``DynamicScaler`` or None (static).
 
     Example:

@@ -6,7 +6,7 @@ beside one ``z1_i`` per direction: linear primitives take ``A z2``; elementwise 
 are one batch (``jax.vmap`` of each rule over the leading axis of the stacked ``z1``), so the
 program and its compile time do not grow with their number. Call and custom-derivative primal
 bodies are entered.
-Scaling as :func:`jaxamp.taylor.second_order`: seeds carry ``S_1``, product terms ``(S_2 / S_1,
+Scaling as :func:`jaxamp._src.taylor.second_order`: seeds carry ``S_1``, product terms ``(S_2 / S_1,
 1 / S_1)``, in float32 after the product or as two powers of two on float16 tangents before it.
 """
 
@@ -151,7 +151,7 @@ def collapsed_second_order(f: Callable[[jax.Array], jax.Array], x: jax.Array, ta
                            ratio: Optional[Sequence[jax.Array]] = None) -> Tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
     """``f(x)``, ``[df[t_i]]_i`` and ``ratio * sum_i d2f[t_i, t_i]`` in one propagation.
 
-    Equal, up to rounding, to summing :func:`jaxamp.taylor.second_order` over the rows of
+    Equal, up to rounding, to summing :func:`jaxamp._src.taylor.second_order` over the rows of
     ``tangents``; the summed second-order coefficient is propagated once instead of ``D`` times.
 
     Example:

@@ -32,15 +32,15 @@ def series(f: Callable[[jax.Array], jax.Array], x: jax.Array, direction: jax.Arr
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from jaxamp.taylor import series
+      >>> from jaxamp._src.taylor import series
       >>> y, (d1, d2, d3) = series(jnp.sin, jnp.float32(0.5), jnp.float32(1.0), 3)
       >>> bool(jnp.allclose(d3, -jnp.cos(0.5)))
       True
     """
     if isinstance(order, bool) or not isinstance(order, int) or order < 1:
-        raise ValueError(f"jaxamp.taylor.series: `order`={order!r} must be an integer >= 1.")
+        raise ValueError(f"jaxamp._src.taylor.series: `order`={order!r} must be an integer >= 1.")
     if scales is not None and len(scales) != order:
-        raise ValueError(f"jaxamp.taylor.series: got {len(scales)} scales for order {order}; "
+        raise ValueError(f"jaxamp._src.taylor.series: got {len(scales)} scales for order {order}; "
                          "pass one per order (S_1, ..., S_K) or None.")  # fmt: skip
     scaling = None if scales is None else Scales(scales)
     first = seed(direction, scaling.scales[0] if scaling is not None else 1.0, x.dtype)
@@ -65,7 +65,7 @@ def second_order(f: Callable[[jax.Array], jax.Array], x: jax.Array, tangent: jax
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from jaxamp.taylor import second_order
+      >>> from jaxamp._src.taylor import second_order
       >>> y, d1, d2 = second_order(jnp.sin, jnp.float32(0.5), jnp.float32(2.0), jnp.float32(0.25))
       >>> bool(jnp.allclose(d2, -jnp.sin(0.5)))
       True

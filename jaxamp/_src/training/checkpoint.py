@@ -1,4 +1,4 @@
-"""Atomic checkpoints of a whole :class:`~jaxamp.train.TrainState` with orbax-checkpoint
+"""Atomic checkpoints of a whole :class:`~jaxamp.TrainState` with orbax-checkpoint
 (written to a temporary directory, renamed when complete: an interrupted save harms nothing).
 """
 
@@ -27,10 +27,10 @@ class Checkpointer:
       directory: where checkpoints live (created if missing). Must be a path, not a file.
       max_to_keep: how many of the newest checkpoints to keep (``None``: all).
 
-    Example (a dict has no ``.step``: pass ``step=``; a :class:`~jaxamp.train.TrainState` needs none):
-      >>> import tempfile, jax.numpy as jnp, jaxamp.checkpoint
+    Example (a dict has no ``.step``: pass ``step=``; a :class:`~jaxamp.TrainState` needs none):
+      >>> import tempfile, jax.numpy as jnp, jaxamp
       >>> state = {"train": {"w": jnp.arange(3.0)}, "monitor": jnp.int32(7)}
-      >>> with tempfile.TemporaryDirectory() as d, jaxamp.checkpoint.Checkpointer(d) as ckpt:
+      >>> with tempfile.TemporaryDirectory() as d, jaxamp.Checkpointer(d) as ckpt:
       ...     ckpt.save(state, step=7)
       ...     restored = ckpt.restore({"train": {"w": jnp.zeros(3)}, "monitor": jnp.int32(0)})
       7

@@ -85,7 +85,7 @@ def stall_line(caller: str, n: int, limit: int, reason: int, keys: list, *, loss
     cause, advice = explain(reason, keys, loss_scale_log2=loss_scale_log2, derivative_keys=derivative_keys)
     return (f"{caller}: training stalled: {n} consecutive skipped steps (max_consecutive_skips={limit}), the last "
             f"for {cause}. Try: {advice}. The count and reason are in the optimizer's state (consecutive_skips, "
-            "skip_reason): jaxamp.monitor.StallMonitor().update(mstate, opt_state) reads them.")
+            "skip_reason): jaxamp.StallMonitor().update(mstate, opt_state) reads them.")
 
 
 def report_stall(consecutive_skips: jax.Array, skip_reason: jax.Array, found_inf: Mapping[str, jax.Array], *,
@@ -117,7 +117,7 @@ def opt_state_metrics(opt_state: Any) -> Dict[str, jax.Array]:
     state of :func:`jaxamp.optimizer` (or any optimizer state holding it)."""
     opt = find_opt_state(opt_state)
     if opt is None:
-        raise TypeError(f"jaxamp.monitor: `metrics`={type(opt_state).__name__} must be the step's metrics (a "
+        raise TypeError(f"jaxamp.StallMonitor: `metrics`={type(opt_state).__name__} must be the step's metrics (a "
                         "mapping with 'skipped' and 'skip_reason') or an optimizer state holding one AmpOptState "
                         "(from jaxamp.optimizer), e.g. monitor.update(mstate, opt_state).")
     reason = jnp.asarray(opt.skip_reason, jnp.int32)
@@ -156,8 +156,8 @@ class StallMonitor:
             raise SystemExit(line)
 
     Example (two steps skipped for key ``"2"``, with hand-made metrics):
-      >>> import jaxamp.monitor
-      >>> monitor = jaxamp.monitor.StallMonitor(max_consecutive_skips=2, window=10)
+      >>> import jaxamp
+      >>> monitor = jaxamp.StallMonitor(max_consecutive_skips=2, window=10)
       >>> metrics = {"skipped": True, "skip_reason": jaxamp.SkipReason.DERIVATIVE_OVERFLOW, "found_inf/2": True}
       >>> mstate = monitor.update(monitor.init(), metrics)
       >>> print(monitor.diagnose(mstate, metrics))

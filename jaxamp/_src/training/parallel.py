@@ -1,7 +1,7 @@
 """Data-parallel training over a device mesh, with one global skip decision.
 
 The batch is split along a ``"batch"`` mesh axis; parameters, optimizer state and scaler states
-are replicated. The step of :func:`jaxamp.train.make_train_step` is jitted unchanged with those
+are replicated. The step of :func:`jaxamp.make_train_step` is jitted unchanged with those
 shardings, and GSPMD turns every reduction over the batch (overflow flags, loss, gradients) into
 an all-reduce, so an overflow on any shard skips the step on every device alike. This is exact
 for any loss, also one that is not a mean over points (unlike ``shard_map`` with ``pmean``).
@@ -9,8 +9,8 @@ for any loss, also one that is not a mean over points (unlike ``shard_map`` with
 One API for one device (``make_mesh(1)``) and many::
 
     mesh = jaxamp.parallel.make_mesh()            # all devices; make_mesh(2): the first two
-    state = jaxamp.parallel.replicate(state, mesh)
-    step = jaxamp.parallel.data_parallel_step(jaxamp.train.make_train_step(loss_fn, opt, amp=amp), mesh)
+    state = jaxamp._src.training.parallel.replicate(state, mesh)
+    step = jaxamp.parallel.data_parallel_step(jaxamp.make_train_step(loss_fn, opt, amp=amp), mesh)
     state, metrics = step(state, jaxamp.parallel.shard_batch({"x": x}, mesh))
 
 The global batch size must be divisible by the number of devices on the batch axis. Multi-host:
@@ -125,7 +125,7 @@ def data_parallel_step(step: Callable[[Any, Any], Tuple[Any, Any]], mesh: Mesh, 
     """Jit ``step(state, batch) -> (state, metrics)`` to run data-parallel over ``mesh``.
 
     Args:
-      step: the pure step from :func:`jaxamp.train.make_train_step` (or any function of that shape).
+      step: the pure step from :func:`jaxamp.make_train_step` (or any function of that shape).
       mesh: a one-axis mesh (:func:`make_mesh`); one device works the same way.
       batch_spec: a ``PartitionSpec`` or a pytree prefix of them for the batch. Default:
         every leaf split along its leading dimension (``P(axis)``). Use ``P()`` for parts

@@ -33,7 +33,7 @@ def init(fun: Optional[Callable[..., Any]], amp: Optional[AmpConfig] = None, *, 
         its scaler keys; None: no derivative scalers but ``keys``'.
       amp: the settings (None: ``AmpConfig()``).
       from_profile: start each derivative scaler where a float32 profile of ``fun`` at scale 1
-        puts it (:func:`jaxamp.window.recommend`); False: at the configured ``init_scale``.
+        puts it (:func:`jaxamp._src.core.window.recommend`); False: at the configured ``init_scale``.
       margin_log2: powers of two kept free below 65504 when starting from the profile.
       keys: more scaler keys, started at their configured rule (e.g. an engine's ``scaler_keys``).
 

@@ -34,5 +34,5 @@ def check_wrt(caller: str, argnums: Any, wrt: Any) -> Union[int, Tuple[int, ...]
         if isinstance(wrt, str) == multi or (multi and len(names) != len(argnums)):
             raise ValueError(f"{caller}: `wrt`={wrt!r} must be one name for an int `argnums` or a "
                              f"tuple of {len(argnums) if multi else 1} names for "
-                             f"`argnums`={argnums!r}.")  # fmt: skip
+                             f"`argnums`={argnums!r}.")
     return tuple(argnums) if multi else argnums

@@ -19,8 +19,11 @@ from jax.interpreters import ad, batching, mlir
 
 from jaxamp._src.core.rules import RULES, PrimitiveRules
 
-__all__ = ["SEP", "NONFINITE_VALUES", "AMP_OFF", "scaler_key", "step_flags", "seed", "rescale", "unscale", "or_into", "any_set", "merge_found_inf",
-           "reduce_flags", "UNINTERPRETED", "UnscaledDerivativeWarning", "deriv_scale_p", "deriv_check_p", "deriv_scale", "deriv_check", "fresh", "PRIMITIVES"]
+__all__ = [
+    "SEP", "NONFINITE_VALUES", "AMP_OFF", "scaler_key", "step_flags", "seed", "rescale", "unscale", "or_into",
+    "any_set", "merge_found_inf", "reduce_flags", "UNINTERPRETED", "UnscaledDerivativeWarning", "deriv_scale_p",
+    "deriv_check_p", "deriv_scale", "deriv_check", "fresh", "PRIMITIVES"
+]
 
 SEP = "__"  # "u__x" is du/dx, "u__x__y" is d/dy(du/dx)
 # Reserved key of found_inf: True when an input, a network output or a value below a
@@ -54,7 +57,7 @@ def scaler_key(amp, order: int, term: Optional[str]) -> str:
             raise ValueError(f"jaxamp: a derivative of order {order} differentiates an unnamed "
                              f"value, but amp.mode={amp.mode!r} keys scalers by name; name it with "
                              "jaxamp.grad(fun, argnums, of='u', wrt='x'), or build the "
-                             "jaxamp.Derivatives engine with this amp.")  # fmt: skip
+                             "jaxamp.Derivatives engine with this amp.")
         return term
     return str(order)
 
@@ -252,7 +255,7 @@ PRIMITIVES = frozenset((deriv_scale_p, deriv_check_p))
 
 
 def deriv_scale(v: jax.Array, *, order: int, term: Optional[str], wrt: Optional[str] = None,
-                scalar: bool = False) -> jax.Array:  # fmt: skip
+                scalar: bool = False) -> jax.Array:
     """The scale of a derivative ``order`` steps above ``v`` (f32, ``v``'s shape, or ``()`` with
     ``scalar``: unbatched under vmap); 1.0 outside ``scaled``. ``term``: the differentiated
     value's name (None: from the program); ``wrt``: the variable's name (None: unnamed).
@@ -278,7 +281,7 @@ def fresh(x: Any, *, term: Optional[str] = None) -> Any:
 
 
 def deriv_check(g: jax.Array, v: jax.Array, *, order: int, term: Optional[str], wrt: Optional[str] = None,
-                check: bool = True) -> jax.Array:  # fmt: skip
+                check: bool = True) -> jax.Array:
     """``g``, the scaled derivative ``order`` steps above ``v``, marked for the overflow check of
     its key (``order`` 0: ``g`` is a value, checked for bad values). ``check=False`` only
     names ``g`` as that derivative (its order and name for the marks above it)."""

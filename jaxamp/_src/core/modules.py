@@ -51,7 +51,7 @@ def _inexact_array(x: Any) -> bool:
 
 
 def filter_grad(make_grad: Callable[..., Callable], fun: Callable[..., Any], argnums: Union[int, Sequence[int]],
-                *extra: Any) -> Callable[..., Tuple[Any, Any]]:  # fmt: skip
+                *extra: Any) -> Callable[..., Tuple[Any, Any]]:
     """``make_grad(fun, argnums, *extra)`` (a ``jax.grad(..., has_aux=True)``-like ``g(*args) -> (grads,
     aux)``) with filter semantics: each differentiated argument holding a module is passed to
     ``g`` as the list of its leaves, ``None`` at those that are not inexact arrays (held static:

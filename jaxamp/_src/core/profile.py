@@ -21,7 +21,8 @@ from jaxamp._src.core.evaluate import Context, Recorder, evaluate, inputs, marks
 from jaxamp._src.core.tracing import check_amp, state_config, traced
 from jaxamp._src.core.interpreter import bind, custom_body, eval_jaxpr, holds, sub_jaxpr, sub_jaxprs
 from jaxamp._src.core.rules import held_operands, rules_of
-from jaxamp._src.core.window import Profile, check_margin, is_low_precision, promote_eqn, promote_value, recommend, value_range
+from jaxamp._src.core.window import (Profile, check_margin, is_low_precision, promote_eqn, promote_value, recommend,
+                                     value_range)
 from jaxamp._src.scaling.scaler import Scalers
 
 __all__ = ["profile", "profile_traced", "init_scalers", "scalers_of", "keys_of", "scaler_keys"]
@@ -45,9 +46,11 @@ def _key_sets(jaxpr: jcore.Jaxpr, ctx: Context, resolved) -> Dict[Any, frozenset
         if eqn.primitive is deriv_scale_p:
             keys = frozenset((ctx.key(*resolved[eqn]),))
         elif eqn.primitive is deriv_check_p:  # the identity on its first operand
-            keys = after.get(eqn.invars[0], frozenset()) if not isinstance(eqn.invars[0], jcore.Literal) else frozenset()
+            first = eqn.invars[0]
+            keys = frozenset() if isinstance(first, jcore.Literal) else after.get(first, frozenset())
         else:
-            keys = frozenset().union(*(after.get(v, frozenset()) for v in eqn.invars if not isinstance(v, jcore.Literal)))
+            reads = [v for v in eqn.invars if not isinstance(v, jcore.Literal)]
+            keys = frozenset().union(*(after.get(v, frozenset()) for v in reads))
         after.update((v, keys) for v in eqn.outvars)
     before: Dict[Any, frozenset] = {}  # keys of the checks a var feeds
     for eqn in reversed(jaxpr.eqns):
@@ -143,7 +146,7 @@ def profile(fun: Callable[..., Any], amp: Optional[AmpConfig] = None) -> Callabl
 
 
 def profile_traced(closed: jcore.ClosedJaxpr, flat, amp: Optional[AmpConfig],
-                   scales: Optional[Mapping[str, Any]] = None) -> Profile:  # fmt: skip
+                   scales: Optional[Mapping[str, Any]] = None) -> Profile:
     """:func:`profile` of a program traced by :func:`jaxamp._src.core.tracing.traced` at ``flat``."""
     ctx = Context({}, amp)
     if not (ctx.active or holds(closed.jaxpr, held_operands())):
@@ -155,7 +158,7 @@ def profile_traced(closed: jcore.ClosedJaxpr, flat, amp: Optional[AmpConfig],
                                       f"`{eqn.primitive.name}` body is not profiled; profile "
                                       "the function the loop or branch calls (or start the "
                                       "scalers without a profile: jaxamp.init(loss, amp, "
-                                      "from_profile=False)).")  # fmt: skip
+                                      "from_profile=False)).")
     resolved = ctx.analyses(flat_jaxpr.jaxpr, inputs(flat_jaxpr.jaxpr)).resolved
     keys = ctx.keys(flat_jaxpr.jaxpr, inputs(flat_jaxpr.jaxpr))
     if unknown := sorted(k for k in (scales or {}) if k not in keys):
@@ -165,7 +168,7 @@ def profile_traced(closed: jcore.ClosedJaxpr, flat, amp: Optional[AmpConfig],
     ctx.recorder = recorder = _Ranges(_key_sets(flat_jaxpr.jaxpr, ctx, resolved))
     consts = [promote_value(c) for c in flat_jaxpr.consts]
     evaluate(flat_jaxpr.jaxpr, consts, [promote_value(a) for a in flat], ctx, inputs(flat_jaxpr.jaxpr),
-             literal=promote_value)  # fmt: skip
+             literal=promote_value)
     found = recorder.found
     ranges = {g: {k: value_range(jnp.concatenate(v)) for k, v in found[g].items()}
               for g in ("derivatives", "hidden")}
@@ -213,7 +216,7 @@ def init_scalers(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *, fr
 
 
 def scalers_of(closed: jcore.ClosedJaxpr, flat, amp: AmpConfig, *, from_profile: bool = True,
-               margin_log2: int = 2) -> Scalers:  # fmt: skip
+               margin_log2: int = 2) -> Scalers:
     """:func:`init_scalers` of a program traced by :func:`jaxamp._src.core.tracing.traced` at
     ``flat`` (the profile compiled once, the program not traced again)."""
     keys = keys_of(closed, amp)

@@ -31,7 +31,7 @@ Flags = Mapping[str, jax.Array]
 
 
 def scaled(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *, merge: bool = True,
-           headroom: bool = False) -> Callable[..., Tuple[Any, ...]]:  # fmt: skip
+           headroom: bool = False) -> Callable[..., Tuple[Any, ...]]:
     """Give the ``jaxamp.grad`` calls in ``fun`` their scales and collect their flags.
 
     Args:

@@ -15,7 +15,11 @@ import numpy as np
 
 from jaxamp._src.core.interpreter import bind, custom_body, eval_jaxpr, sub_jaxpr
 
-__all__ = ["FP16_MAX", "FP16_SMALLEST_NORMAL", "LOG2_FP16_MAX", "LOG2_FP16_SMALLEST_NORMAL", "PERCENTILES", "NOTHING_TO_CHANGE", "Range", "Profile", "value_range", "promote_to_float32", "promote_eqn", "is_low_precision", "promote_value", "Recommendation", "check_margin", "recommend", "LEGEND", "format_profile"]
+__all__ = [
+    "FP16_MAX", "FP16_SMALLEST_NORMAL", "LOG2_FP16_MAX", "LOG2_FP16_SMALLEST_NORMAL", "PERCENTILES",
+    "NOTHING_TO_CHANGE", "Range", "Profile", "value_range", "promote_to_float32", "promote_eqn", "is_low_precision",
+    "promote_value", "Recommendation", "check_margin", "recommend", "LEGEND", "format_profile"
+]
 
 FP16_MAX = 65504.0
 FP16_SMALLEST_NORMAL = 2.0**-14
@@ -237,7 +241,8 @@ def format_profile(prof: Profile, *, legend: bool = True) -> str:
             + f"{'<normal':>9}{'>max':>7}{'up':>6}{'down':>6}"]
     for title, group in groups:
         for name, r in group.items():
-            top, p, row = float(r.log2_max), np.asarray(r.log2_percentiles, np.float64), f"{title + ' ' + name:<{width}}"
+            top, p = float(r.log2_max), np.asarray(r.log2_percentiles, np.float64)
+            row = f"{title + ' ' + name:<{width}}"
             if not (math.isfinite(top) and np.all(np.isfinite(p))):
                 rows.append(row + ("   all zero / no values" if top == -math.inf else "   non-finite values (inf)"))
                 continue

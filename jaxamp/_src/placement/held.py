@@ -50,8 +50,11 @@ def _rule(sole_readers: bool) -> Callable:
         xs = [v.x for v in invals]
         if prim is scaled_dot_p:
             fmt = jnp.dtype(eqn.params["formats"][ROLES.index(eqn.params["role"])])
-            xs = [v.narrow if v.narrow is not None and v.narrow.dtype == fmt and (not sole_readers or uses.get(var) == 1)
-                  else v.x for v, var in zip(invals, eqn.invars)]  # fmt: skip
+            def operand(v: Any, var: Any) -> Any:  # its held form where this product may read it
+                held = v.narrow is not None and v.narrow.dtype == fmt
+                return v.narrow if held and (not sole_readers or uses.get(var) == 1) else v.x
+
+            xs = [operand(v, var) for v, var in zip(invals, eqn.invars)]
             return [_Held(scaled_dot_p.bind(*xs, **eqn.params))]
         outs = bind(eqn, xs)
         if prim is jp.convert_element_type_p and _widens(jnp.result_type(xs[0]), outs[0].dtype):

@@ -106,7 +106,7 @@ def _config(amp: Any, name: str) -> AmpConfig:
 
 
 def autocast(fn: Callable, amp: Optional[AmpConfig] = _ACTIVE, *,
-             params_argnums: Union[int, Sequence[int], None] = None) -> Callable:  # fmt: skip
+             params_argnums: Union[int, Sequence[int], None] = None) -> Callable:
     """``fn`` with jaxamp's precision placement, by rewriting its traced program per primitive.
 
     Parameter-using matmuls/convolutions run in ``amp.compute_dtype``; the first layer and the

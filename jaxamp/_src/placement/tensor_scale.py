@@ -13,12 +13,12 @@ A scale is a power of two, so while an operand stays in its format's normal rang
 the unscaled one bit for bit (binary scaling commutes with rounding); what changes is that a
 tangent of 1e-7 or a value of 1e6 is brought into the window instead of flushing to zero or
 overflowing. In an outer product (a contraction of length 1) each entry takes its own exponent
-from its own magnitude, no amax. An operand already held in its format keeps scale 1 (its products are exact in
-the float32 accumulator: a scale could only push small entries below the normal range), so a
-float16 layer's float16 activations cost no amax. A zero or non-finite operand keeps scale 1: an inf or NaN stays visible to the
-derivative scalers' checks. Under ``vmap`` the batched operand has one scale. ``jaxamp.autocast``
-uses it for its matmuls with ``AmpConfig(tensor_scaling=True)`` (float16) and
-``AmpConfig(dtype="float8")``.
+from its own magnitude, no amax. An operand already held in its format keeps scale 1 (its
+products are exact in the float32 accumulator: a scale could only push small entries below the
+normal range), so a float16 layer's float16 activations cost no amax. A zero or non-finite
+operand keeps scale 1: an inf or NaN stays visible to the derivative scalers' checks. Under
+``vmap`` the batched operand has one scale. ``jaxamp.autocast`` uses it for its matmuls with
+``AmpConfig(tensor_scaling=True)`` (float16) and ``AmpConfig(dtype="float8")``.
 """
 
 from __future__ import annotations
@@ -109,13 +109,13 @@ def _held(a, b, *, formats, scaling, role, dimension_numbers, **_):
     dtype = jnp.dtype(formats[ROLES.index(role)])
     each = scaling and _outer(a, dimension_numbers)
     exps = [_exponent_of(jnp.abs(x).astype(jnp.float32), dtype) if each and jnp.dtype(x.dtype) != dtype
-            else _exponent_or_none(x, dtype, scaling) for x in (a, b)]  # fmt: skip
+            else _exponent_or_none(x, dtype, scaling) for x in (a, b)]
     return dtype, [(e, x if e is None else x.astype(jnp.float32) * _pow2(e)) for e, x in zip(exps, (a, b))]
 
 
 def _impl(a, b, *, dimension_numbers, formats, scaling, role, out_dtype):
     dtype, ((ea, a), (eb, b)) = _held(a, b, formats=formats, scaling=scaling, role=role,
-                                      dimension_numbers=dimension_numbers)  # fmt: skip
+                                      dimension_numbers=dimension_numbers)
     if any(jnp.ndim(e) for e in (ea, eb) if e is not None):  # an outer product: entries unscaled in float32
         a, b = [x.astype(dtype).astype(jnp.float32) * (1 if e is None else _pow2(-e)) for e, x in ((ea, a), (eb, b))]
         out = lax.dot_general(a, b, dimension_numbers, preferred_element_type=jnp.float32)  # each term exact
@@ -138,7 +138,7 @@ def _profiled(a, b, **params):
 
 
 def scaled_dot(a: jax.Array, b: jax.Array, dimension_numbers, formats: Sequence[Any] = ("float16",) * 3,
-               role: str = "value", *, scaling: bool = True, out_dtype: Any = jnp.float32) -> jax.Array:  # fmt: skip
+               role: str = "value", *, scaling: bool = True, out_dtype: Any = jnp.float32) -> jax.Array:
     """``lax.dot_general(a, b, dimension_numbers)`` on low-precision operands with per-tensor
     scales, accumulated and unscaled in float32, ``out_dtype`` out.
 
@@ -161,13 +161,13 @@ def scaled_dot(a: jax.Array, b: jax.Array, dimension_numbers, formats: Sequence[
       1.0
     """
     if role not in ROLES:
-        raise ValueError(f"jaxamp._src.placement.tensor_scale.scaled_dot: `role`={role!r} is not allowed: expected one of {ROLES}.")
+        raise ValueError(f"scaled_dot: `role`={role!r} is not allowed: expected one of {ROLES}.")
     if not jnp.issubdtype(jnp.dtype(out_dtype), jnp.floating):
-        raise ValueError(f"jaxamp._src.placement.tensor_scale.scaled_dot: `out_dtype`={out_dtype!r} is not allowed: expected a "
+        raise ValueError(f"scaled_dot: `out_dtype`={out_dtype!r} is not allowed: expected a "
                          "floating dtype (float32, float16, bfloat16); the product is not rounded to integers.")
     names = tuple(jnp.dtype(f).name for f in formats)
     return scaled_dot_p.bind(a, b, dimension_numbers=_dims(dimension_numbers), formats=names, scaling=bool(scaling),
-                             role=role, out_dtype=jnp.dtype(out_dtype).name)  # fmt: skip
+                             role=role, out_dtype=jnp.dtype(out_dtype).name)
 
 
 def _dims(dimension_numbers) -> Tuple[Tuple[Tuple[int, ...], ...], ...]:

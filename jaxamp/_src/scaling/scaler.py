@@ -14,7 +14,9 @@ from typing import Any, Dict, Iterator, Mapping, NamedTuple, Optional, Tuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["SMALLEST_NORMAL", "LOSS_SCALER_DEFAULTS", "ScaleState", "DynamicScaler", "loss_scaler", "Scalers", "exact_log2"]
+__all__ = [
+    "SMALLEST_NORMAL", "LOSS_SCALER_DEFAULTS", "ScaleState", "DynamicScaler", "loss_scaler", "Scalers", "exact_log2"
+]
 
 SMALLEST_NORMAL = 2.0**-126  # float32; the hard floor of every scale
 # The loss scaler's defaults where they differ from DynamicScaler's (docs/algorithm.md, "Defaults").
@@ -69,7 +71,8 @@ class DynamicScaler:
 
     def __post_init__(self) -> None:
         positive, interval = ("a finite number > 0", lambda v: v > 0), ("a positive integer", lambda v: v > 0)
-        checks = {"init_scale": positive, "growth_factor": ("a finite number > 1 (the scale grows by it)", lambda v: v > 1),
+        checks = {"init_scale": positive,
+                  "growth_factor": ("a finite number > 1 (the scale grows by it)", lambda v: v > 1),
                   "backoff_factor": ("a number in (0, 1) (the scale shrinks by it)", lambda v: 0 < v < 1),
                   "max_scale": positive, "recover_threshold": positive, "growth_interval": interval,
                   "recover_growth_interval": interval}
@@ -187,7 +190,8 @@ class Scalers(Mapping[str, ScaleState]):
         unknown = sorted(k for k in found_inf if k not in self._rules)
         if unknown:
             raise KeyError(f"Scalers.update: `found_inf` has key(s) {unknown} with no scaler; keys are {sorted(self)}.")
-        return Scalers(self._rules, {k: r.update(self._states[k], found_inf.get(k, False)) for k, r in self._rules.items()})
+        states = {k: r.update(self._states[k], found_inf.get(k, False)) for k, r in self._rules.items()}
+        return Scalers(self._rules, states)
 
     def __getitem__(self, key: str) -> ScaleState:
         return self._states[key]

@@ -21,7 +21,10 @@ from jaxamp._src.scaling.config import AmpConfig
 from jaxamp._src.scaling.scaler import SMALLEST_NORMAL
 from jaxamp._src.training.step import SkipReason, find_opt_state
 
-__all__ = ["ADVICE", "StallWarning", "StallError", "explain", "stall_line", "report_stall", "opt_state_metrics", "MonitorState", "StallMonitor"]
+__all__ = [
+    "ADVICE", "StallWarning", "StallError", "explain", "stall_line", "report_stall", "opt_state_metrics",
+    "MonitorState", "StallMonitor"
+]
 
 ADVICE = {
     SkipReason.NONFINITE_VALUES: (
@@ -164,7 +167,7 @@ class StallMonitor:
       None
       >>> mstate = monitor.update(mstate, metrics)
       >>> print(monitor.diagnose(mstate, metrics))  # doctest: +ELLIPSIS
-      jaxamp: training stalled at step 2: 2 consecutive skipped steps, the last for overflow in derivative scaler `2`. Try: ...
+      jaxamp: training stalled at step 2: 2 consecutive skipped steps, the last for overflow in derivative ...
     """
 
     max_consecutive_skips: int = STALL_LIMIT

@@ -116,7 +116,7 @@ def _engine_full(name: str, n: int):
     pts = jax.random.uniform(jax.random.PRNGKey(1), (n, 2), minval=-1.0, maxval=1.0)
     names = [f"{w}__{a}" for w in outputs for a in ("a", "b", "a__a", "a__b", "b__b")]
     eng = jaxamp.Derivatives(jaxamp.autocast(model.apply, amp), inputs=("a", "b"), outputs=outputs,
-                             derivatives=names, amp=amp)  # fmt: skip
+                             derivatives=names, amp=amp)
     scales = {k: jnp.float32(1.0) for k in eng.scaler_keys}
 
     def loss(p):
@@ -174,10 +174,11 @@ def bench(name: str, n: int, reps: int, timed: bool) -> Dict[str, Any]:
     eng = row["idioms"]["engine"]
     row["over_engine"] = {i: {"flops": round(row["idioms"][i]["flops"] / eng["flops"], 4),
                               "trace_compile": round(row["idioms"][i]["trace_compile_s"] / eng["trace_compile_s"], 3)}
-                          for i in idioms if i != "engine"}  # fmt: skip
+                          for i in idioms if i != "engine"}
     if "engine_full" in idioms:
         full = row["idioms"]["engine_full"]["flops"]
-        row["over_engine_full"] = {i: {"flops": round(row["idioms"][i]["flops"] / full, 4)} for i in ("jacfwd", "jacrev")}
+        row["over_engine_full"] = {i: {"flops": round(row["idioms"][i]["flops"] / full, 4)}
+                                   for i in ("jacfwd", "jacrev")}
         jax_nested = row["idioms"]["jax_nested"]["flops"]
         row["jax_jacfwd_over_jax_nested"] = {"flops": round(row["idioms"]["jax_jacfwd"]["flops"] / jax_nested, 4)}
     if timed:
@@ -189,7 +190,8 @@ def bench(name: str, n: int, reps: int, timed: bool) -> Dict[str, Any]:
         if "jax_jacfwd" in idioms:
             ratio = paired_ratio(times["jax_jacfwd"], times["jax_nested"])["median"]
             row["jax_jacfwd_over_jax_nested"]["time"] = round(ratio, 3)
-    print(name, row["over_engine"], row.get("over_engine_full", ""), row.get("jax_jacfwd_over_jax_nested", ""), flush=True)
+    print(name, row["over_engine"], row.get("over_engine_full", ""), row.get("jax_jacfwd_over_jax_nested", ""),
+          flush=True)
     return row
 
 
@@ -205,7 +207,7 @@ def main(argv=None) -> Dict[str, Any]:
         if getattr(args, key) < 1:
             ap.error(f"--{key}={getattr(args, key)} must be >= 1")
     result = {"benchmark": "idioms", "info": device_info(), "config": vars(args),
-              "rows": [bench(p, args.points, args.reps, not args.no_time) for p in args.problems]}  # fmt: skip
+              "rows": [bench(p, args.points, args.reps, not args.no_time) for p in args.problems]}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

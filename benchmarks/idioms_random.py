@@ -225,7 +225,7 @@ def _reduction(rng: np.random.Generator, shape: Tuple[int, ...]) -> Op:
 def _templates(rng: np.random.Generator, prog: Program) -> Tuple[str, List[Term]]:
     """The forms issue #56 names, on a layout they fit (or None: a random program)."""
     names = ["grad_t_hessian_xy", "jacfwd_jacrev", "biharmonic_hessian", "biharmonic_laplacian",
-             "vector_field", "scalar_chain"]  # fmt: skip
+             "vector_field", "scalar_chain"]
     name = str(rng.choice(names))
     D = prog.D
     if name == "grad_t_hessian_xy":  # u(p, t, xy): u_t, the Hessian over xy, u_tt sometimes
@@ -241,7 +241,8 @@ def _templates(rng: np.random.Generator, prog: Program) -> Tuple[str, List[Term]
         prog.D = 3
         prog.args = [Arg("v", (0, 1, 2))]
         red = Op("trace") if rng.random() < 0.5 else Op("wsum", direction=np.round(rng.uniform(-1, 1, 9), 2))
-        return name, [Term(0, [Op("jacrev", 0), Op("jacfwd", 0), red]), Term(0, [Op("jacrev", 0), Op("entry", entry=(0,))], times=0)]
+        return name, [Term(0, [Op("jacrev", 0), Op("jacfwd", 0), red]),
+                      Term(0, [Op("jacrev", 0), Op("entry", entry=(0,))], times=0)]
     if name in ("biharmonic_hessian", "biharmonic_laplacian"):
         prog.D = D = min(D, 3)
         prog.args = [Arg("v", tuple(range(D)))]
@@ -266,7 +267,7 @@ def _templates(rng: np.random.Generator, prog: Program) -> Tuple[str, List[Term]
     for _ in range(int(rng.integers(1, 4))):
         k = int(rng.integers(1, 5))
         terms.append(Term(int(rng.integers(prog.m)), [Op("grad", int(rng.integers(D))) for _ in range(k)],
-                          times=int(rng.integers(prog.m)) if rng.random() < 0.3 else None))  # fmt: skip
+                          times=int(rng.integers(prog.m)) if rng.random() < 0.3 else None))
     return name, terms
 
 
@@ -277,7 +278,7 @@ def generate(seed: int, index: int, max_order: int = 4) -> Program:
     prog = Program(seed=seed, index=index, D=D, m=int(rng.choice([1, 3], p=[0.7, 0.3])),
                    width=int(rng.choice([8, 16, 24, 32])), depth=int(rng.integers(1, 4)),
                    flax=bool(rng.random() < 0.5), remat=bool(rng.random() < 0.2),
-                   n_points=int(rng.choice([16, 32, 64])), args=[], terms=[])  # fmt: skip
+                   n_points=int(rng.choice([16, 32, 64])), args=[], terms=[])
     if rng.random() < 0.4:
         prog.template, prog.terms = _templates(rng, prog)
     else:
@@ -404,7 +405,7 @@ def _network(prog: Program) -> Tuple[Callable, Any]:
         sizes = [prog.D] + [prog.width] * prog.depth + [prog.m]
         keys = jax.random.split(key, len(sizes) - 1)
         params = [(jax.random.normal(k, (a, b)) / np.sqrt(a), 0.1 * jax.random.normal(k, (b,)))
-                  for k, a, b in zip(keys, sizes[:-1], sizes[1:])]  # fmt: skip
+                  for k, a, b in zip(keys, sizes[:-1], sizes[1:])]
 
         def net(params, z):
             h = z
@@ -575,7 +576,7 @@ def chain_names(prog: Program) -> Optional[List[str]]:
 
 
 def engine_fn(prog: Program, net: Callable, amp: Optional[jaxamp.AmpConfig] = None,
-              names: Optional[Sequence[str]] = None) -> Callable:  # fmt: skip
+              names: Optional[Sequence[str]] = None) -> Callable:
     """The engine's plan of the terms' derivative set (``names``: default every partial the terms
     read, each named by its sorted coordinates), the terms summed from its values."""
     outputs = tuple(f"u{o}" for o in range(prog.m))
@@ -710,7 +711,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     ap.add_argument("--seed", type=int, default=None, help="default: a fresh one (printed)")
     ap.add_argument("--amp", choices=("off", "fp16"), default="off",
                     help="off: plain calls (scale 1, float32) against the engine with amp=None; fp16: "
-                         "jaxamp.scaled under AmpConfig() against the engine under it")  # fmt: skip
+                         "jaxamp.scaled under AmpConfig() against the engine under it")
     ap.add_argument("--no-x64", action="store_true", help="skip the float64 values check")
     ap.add_argument("--budget-s", type=float, default=None, help="stop generating after this many seconds")
     ap.add_argument("--out", default=None)
@@ -729,7 +730,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
             break
         prog = generate(seed, i)
         row: Dict[str, Any] = {"index": i, "program": prog.desc, "template": prog.template, "order": order_of(prog),
-                               "engine_derivatives": engine_names(prog)}  # fmt: skip
+                               "engine_derivatives": engine_names(prog)}
         try:
             row.update(measure(prog, args.amp))
         except Exception as e:  # noqa: BLE001 -- a failing form is a finding, recorded
@@ -740,7 +741,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         rows.append(row)
         print(f"[{i}] {row.get('flops_over_engine')}x engine, {row.get('flops_over_jax')}x jax, "
               f"err {row.get('error_f32')} / {row.get('error_f64')}, compile {row.get('compile_over_jax')}x jax: "
-              f"{prog.desc}" + (f"  FAILED {row['failure'][:200]}" if "failure" in row else ""), flush=True)  # fmt: skip
+              f"{prog.desc}" + (f"  FAILED {row['failure'][:200]}" if "failure" in row else ""), flush=True)
         if out and (i % 10 == 9):  # the results so far, should the run be cut short
             _write(out, _result(args, argv, commit, seed, start, rows))
     result = _result(args, argv, commit, seed, start, rows)
@@ -760,7 +761,7 @@ def _result(args, argv, commit: str, seed: int, start: float, rows: List[Dict[st
                     "backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind},
         "config": {**vars(args), "seed": seed}, "wall_s": round(time.perf_counter() - start, 1),
         "summary": summarize(rows), "programs": rows,
-    }  # fmt: skip
+    }
 
 
 def _write(out: str, result: Dict[str, Any]) -> None:
@@ -774,7 +775,7 @@ def _quantiles(xs: Sequence[float]) -> Dict[str, float]:
         return {}
     a = np.asarray(xs)
     return {q: round(float(np.quantile(a, v)), 3) for q, v in
-            (("min", 0), ("p10", 0.1), ("median", 0.5), ("p90", 0.9), ("max", 1))}  # fmt: skip
+            (("min", 0), ("p10", 0.1), ("median", 0.5), ("p90", 0.9), ("max", 1))}
 
 
 def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
@@ -784,7 +785,7 @@ def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
     tol = {"f32": 1e-3, "f64": 1e-9}
     mism = [r["index"] for r in rows if isinstance(r.get("error_f32"), float) and not r["error_f32"] <= tol["f32"]]
     mism64 = [r["index"] for r in rows if "error_f64" in r and not (isinstance(r["error_f64"], float)
-                                                                    and r["error_f64"] <= tol["f64"])]  # fmt: skip
+                                                                    and r["error_f64"] <= tol["f64"])]
     chains = [r for r in ok if "flops_over_engine_paths" in r]
     by_template: Dict[str, List[float]] = {}
     for r in ok:
@@ -805,12 +806,12 @@ def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
         "value_mismatches_f32": mism, "value_mismatches_f64": mism64,
         "worst10": [{"index": r["index"], "flops_over_engine": r["flops_over_engine"],
                      "flops_over_jax": r["flops_over_jax"], "program": r["program"]} for r in worst],
-    }  # fmt: skip
+    }
 
 
 def print_summary(s: Dict[str, Any]) -> None:
     print(f"\n{s['within_1_05_of_engine']}/{s['measured']} programs at <= 1.05x the engine's FLOPs "
-          f"({len(s['failures'])} failed: {s['failures']})")  # fmt: skip
+          f"({len(s['failures'])} failed: {s['failures']})")
     for k in ("flops_over_engine", "flops_over_jax", "engine_over_jax", "compile_over_jax", "compile_over_engine"):
         print(f"  {k}: {s[k]}")
     print(f"  scalar grad chains: {s['chain_programs_within_1_05_of_engine_paths']} within 1.05x the engine along "
@@ -820,7 +821,8 @@ def print_summary(s: Dict[str, Any]) -> None:
     print(f"  value mismatches: float32 {s['value_mismatches_f32']}, float64 {s['value_mismatches_f64']}")
     print("  worst 10 (FLOPs / engine):")
     for w in s["worst10"]:
-        print(f"    {w['flops_over_engine']:7.3f}x engine {w['flops_over_jax']:7.3f}x jax  #{w['index']}: {w['program']}")
+        print(f"    {w['flops_over_engine']:7.3f}x engine {w['flops_over_jax']:7.3f}x jax  #{w['index']}: "
+              f"{w['program']}")
 
 
 if __name__ == "__main__":

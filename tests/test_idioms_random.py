@@ -57,7 +57,7 @@ def test_generator_is_reproducible_and_covers_the_forms():
     descs = [ir.generate(seed, i).desc for i in range(300)]
     text = "\n".join(descs)
     for form in ("jacfwd(jacrev(", "trace(hessian(trace(hessian(", "laplacian(laplacian(", "jvp(", "{t:R",
-                 "jax.checkpoint", "flax", "[scalar_chain]", "[vector_field]", "[grad_t_hessian_xy]"):  # fmt: skip
+                 "jax.checkpoint", "flax", "[scalar_chain]", "[vector_field]", "[grad_t_hessian_xy]"):
         assert form in text, f"seed {seed}: no program with {form!r} in 300"
     assert max(ir.order_of(ir.generate(seed, i)) for i in range(50)) == 4
 
@@ -75,27 +75,42 @@ def test_random_programs_give_jaxs_values_in_float64():
             assert err <= 1e-9, f"seed {seed} program {index}: {prog.desc}: error {err:.3g} (float64)"
 
 
-def _permuted_paths(names) -> bool:
-    """Whether two chains reach the same partial in different orders (``u__x__t`` and ``u__t__x``):
-    each is planned on its own path (1.3-1.5x the engine's FLOPs, issue #56's target, not asserted)."""
-    keys = [tuple(sorted(n.split("__")[1:])) + (n.split("__")[0],) for n in names]
-    return len(set(keys)) < len(keys)
-
-
 @pytest.mark.slow
 def test_nested_scalar_grad_chains_at_the_engines_flops():
-    """Nests of ``jaxamp.grad`` over scalar arguments: XLA FLOPs <= 1.05x the engine's plan of the
-    same paths (``u0__x``, ``u0__x__t`` for ``grad(grad(u, x), t)``), on random chain programs
-    (those reaching one mixed partial along two orders left out: :func:`_permuted_paths`)."""
+    """Nests of ``jaxamp.grad`` over scalar arguments, one mixed partial reached along two orders
+    included: XLA FLOPs <= 1.05x the engine's plan of the same derivative set."""
     seed, found, index = _seed(), 0, 0
     while found < 4:
         prog = ir.generate(seed, index)
         index += 1
-        names = ir.chain_names(prog)
-        if names is None or _permuted_paths(names):
+        if ir.chain_names(prog) is None:
             continue
         found += 1
         row = ir.measure(prog)
         assert row["error_f32"] <= 1e-3, f"seed {seed} program {index - 1}: {prog.desc}"
-        ratio = row["flops_over_engine_paths"]
-        assert ratio <= 1.05, f"seed {seed} program {index - 1}: {prog.desc}: FLOPs {ratio}x the engine's ({row['flops']})"
+        ratio = row["flops_over_engine"]
+        assert ratio <= 1.05, (f"seed {seed} program {index - 1}: {prog.desc}: FLOPs {ratio}x the engine's "
+                               f"({row['flops']})")
+
+
+# #56's named forms not yet at the engine's FLOPs (docs/benchmarks.md, idioms: on seed 4201770 the
+# Hessian of a Hessian's trace 1.6x in 2-D, 2.4x in 3-D; a vector field's divergence and vector
+# Laplacian 2.1x; a grad over a scalar beside a Hessian over a vector 1.2x)
+NOT_YET = ("biharmonic_hessian", "vector_field", "grad_t_hessian_xy")
+NAMED = ("jacfwd_jacrev", "scalar_chain", "biharmonic_laplacian") + NOT_YET
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("template", [pytest.param(t, marks=pytest.mark.xfail(strict=True, reason="#56: not yet "
+                                                                               "at the engine's FLOPs"))
+                                      if t in NOT_YET else t for t in NAMED])
+def test_named_form_at_the_engines_flops(template):
+    """Each of #56's named forms (a program of that template, a fresh seed): XLA FLOPs <= 1.05x
+    the engine's plan of the same derivative set, values JAX's own."""
+    seed = _seed()
+    index = next(i for i in range(1000) if ir.generate(seed, i).template == template)
+    prog = ir.generate(seed, index)
+    row = ir.measure(prog)
+    where = f"seed {seed} program {index}: {prog.desc}"
+    assert row["error_f32"] <= 1e-3, where
+    assert row["flops_over_engine"] <= 1.05, f"{where}: FLOPs {row['flops_over_engine']}x the engine's"

@@ -112,5 +112,5 @@ def shard_map(eqn, invals, ctx, bodies):
 
     out_specs = (list(p["out_specs"]), {k: jax.sharding.PartitionSpec() for k in keys})
     mapped = jax.shard_map(local, mesh=p["mesh"], in_specs=tuple(p["in_specs"]), out_specs=out_specs,
-                           axis_names=set(axes), check_vma=p["check_vma"])  # fmt: skip
+                           axis_names=set(axes), check_vma=p["check_vma"])
     return jax.jit(mapped)(*invals)

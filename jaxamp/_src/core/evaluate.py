@@ -21,8 +21,8 @@ from jax.extend import core as jcore
 from jaxamp._src.scaling.config import AmpConfig
 from jaxamp._src.core.control import full_flags
 from jaxamp._src.core.interpreter import bind, eval_jaxpr, holds, sub_jaxprs
-from jaxamp._src.core.marks import (NONFINITE_VALUES, PRIMITIVES, deriv_check_p, deriv_scale_p, merge_found_inf, or_into,
-                                    reduce_flags, scaler_key, step_flags)
+from jaxamp._src.core.marks import (NONFINITE_VALUES, PRIMITIVES, deriv_check_p, deriv_scale_p, merge_found_inf,
+                                    or_into, reduce_flags, scaler_key, step_flags)
 from jaxamp._src.core.nesting import NO_DERIVATIVE, Analyses, Info
 from jaxamp._src.core.rules import evaluated, rules_of
 
@@ -64,7 +64,7 @@ class Context:
         self.recorder: Optional[Recorder] = None
 
     def evaluate(self, jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any],
-                 infos: Sequence[Info]) -> Tuple[List, Flags]:  # fmt: skip
+                 infos: Sequence[Info]) -> Tuple[List, Flags]:
         """A body under this context: :func:`evaluate` (what the ``evaluate`` rules call)."""
         return evaluate(jaxpr, consts, args, self, infos)
 
@@ -152,7 +152,7 @@ def check(ctx: Context, g, v, order: int, term: Optional[str]) -> None:
 
 
 def evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: Context,
-             infos: Sequence[Info], literal: Callable[[Any], Any] = lambda x: x) -> Tuple[List, Flags]:  # fmt: skip
+             infos: Sequence[Info], literal: Callable[[Any], Any] = lambda x: x) -> Tuple[List, Flags]:
     """The one interpreter of the marks: ``jaxpr`` on ``args`` with every ``deriv_scale_p`` its
     key's scale from ``ctx`` and every ``deriv_check_p``'s flags collected; ``(outs, found_inf)``.
     In recording mode (``ctx.recorder``) the recorder evaluates the other equations and sees

@@ -44,7 +44,7 @@ def eval_jaxpr(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], r
     """
     if len(consts) != len(jaxpr.constvars) or len(args) != len(jaxpr.invars):
         raise ValueError(f"eval_jaxpr: got {len(consts)} consts and {len(args)} args for a jaxpr "
-                         f"with {len(jaxpr.constvars)} constvars and {len(jaxpr.invars)} invars.")  # fmt: skip
+                         f"with {len(jaxpr.constvars)} constvars and {len(jaxpr.invars)} invars.")
     env = dict(zip([*jaxpr.constvars, *jaxpr.invars], [*consts, *args]))
 
     def read(v):
@@ -202,7 +202,7 @@ def cse(closed: jcore.ClosedJaxpr, *, held: Sequence[int] = ()) -> jcore.ClosedJ
         try:
             operands = [relabeled.get(v, v) for v in eqn.invars] if eqn.primitive.name == "stack" else eqn.invars
             key = None if eqn.effects else (eqn.primitive, tuple(map(atom, operands)),
-                                            tuple(sorted(eqn.params.items())), str(eqn.outvars[0].aval))  # fmt: skip
+                                            tuple(sorted(eqn.params.items())), str(eqn.outvars[0].aval))
             earlier = None if key is None else seen.get(key)
         except (TypeError, ValueError):  # unhashable, or compared elementwise
             key = earlier = None

@@ -60,7 +60,7 @@ def state_config(scales: Any, amp: Optional[AmpConfig], caller: str):
 
 
 def traced(fun: Callable, args, kwargs, amp: Optional[AmpConfig], caller: str,
-           against: str = "the config of the `state` (or `amp`) given"):  # fmt: skip
+           against: str = "the config of the `state` (or `amp`) given"):
     """:func:`shared_trace` with ``amp`` active (``autocast`` without a config takes it), the
     program's autocast policies checked against it."""
     with policy.using(amp, caller) if amp is not None else contextlib.nullcontext():
@@ -68,7 +68,7 @@ def traced(fun: Callable, args, kwargs, amp: Optional[AmpConfig], caller: str,
     if amp is not None:
         policy.check(policy.policies_in(closed), amp, caller, against)
     if amp is not None and not amp.off and (0, AMP_OFF) in analyze(
-            closed.jaxpr, [NO_DERIVATIVE] * len(closed.jaxpr.invars)).marks:  # fmt: skip
+            closed.jaxpr, [NO_DERIVATIVE] * len(closed.jaxpr.invars)).marks:
         raise ConfigError(
             f"{caller}: the program holds a jaxamp derivative traced with AMP off (plain JAX, unscaled), "
             f"but runs with {policy.Policy.of(amp).describe()}: a jax.jit traced it under an AMP-off state "

@@ -117,7 +117,7 @@ def canonical(chain: Chain) -> Chain:
 
 
 def evaluate(chains: Sequence[Chain], base_of: Sequence[int], bases: Sequence[Callable], args: Tuple[Any, ...],
-             base_order: int, base_term: Optional[str]) -> List[jax.Array]:  # fmt: skip
+             base_order: int, base_term: Optional[str]) -> List[jax.Array]:
     """The top derivatives of ``chains`` at the positional ``args`` by one engine plan, marked.
 
     ``chains[i]`` differentiates ``bases[base_of[i]]`` (a function of ``args`` returning one

@@ -53,12 +53,12 @@ def bind_chain(link: chain.Chain, args: Tuple[Any, ...]) -> jax.Array:
         return _along(closed, flat_link, flat)
     base = analyze(closed.jaxpr, [NO_DERIVATIVE] * len(flat)).outs[0]
     params = dict(link=flat_link, body=closed.jaxpr, n_consts=len(closed.consts), base_order=base.order,
-                  base_term=single_name(base), levels=(), shape=())  # fmt: skip
+                  base_term=single_name(base), levels=(), shape=())
     return chain_p.bind(*closed.consts, *flat, **params)
 
 
 def _run(members: Sequence[Dict[str, Any]], base_of: Sequence[int], consts: Sequence[Sequence[Any]],
-         args: Sequence[Any]) -> List[jax.Array]:  # fmt: skip
+         args: Sequence[Any]) -> List[jax.Array]:
     """The top derivatives of ``members`` (chain equations' params) at ``args``: one plan, the
     ``b``-th base evaluated on ``consts[b]``; batched as the members' ``levels`` record."""
     first = members[0]
@@ -73,7 +73,7 @@ def _run(members: Sequence[Dict[str, Any]], base_of: Sequence[int], consts: Sequ
         n = first["n_consts"]
         arg_axes = list(first["levels"][k][n:])
         const_axes = [list(next(m for m, b in zip(members, base_of) if b == i)["levels"][k][:len(c)])
-                      for i, c in enumerate(consts)]  # fmt: skip
+                      for i, c in enumerate(consts)]
         fn = jax.vmap(fn, in_axes=(arg_axes, const_axes))
     return fn(list(args), [list(c) for c in consts])
 
@@ -100,6 +100,8 @@ def _along(closed: jcore.ClosedJaxpr, link: chain.Chain, flat: Sequence[Any]) ->
     ``link.argnums``, innermost first, by forward steps: each chain inside becomes longer chains
     (:func:`_jvp`), planned with the point's others; the rest of the body is differentiated as
     JAX does. Each step is scaled and checked as a ``jaxamp.grad`` step is."""
+
+    closed = _pruned(closed)  # inner chains at the body's own scalars, where a stack of them was read
 
     def g(*a):
         return eval_jaxpr(closed.jaxpr, closed.consts, a, bind)[0]

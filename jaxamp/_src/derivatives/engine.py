@@ -17,7 +17,7 @@ from jaxamp._src.core.marks import deriv_check
 PointFn = Callable[..., jax.Array]  # fn(params, x: f32[n_inputs]) -> f32[n_outputs]
 # engine(plan, f, x, scales) -> (values {name: f32[]}, scaled {derivative: f32[]}) at one point
 PointEngine = Callable[[Plan, Callable[[jax.Array], jax.Array], jax.Array, Mapping[str, jax.Array]],
-                       Tuple[Dict[str, jax.Array], Dict[str, jax.Array]]]  # fmt: skip
+                       Tuple[Dict[str, jax.Array], Dict[str, jax.Array]]]
 ENGINES: Dict[str, PointEngine] = {"forward": forward.point_values}
 METHODS = ("forward", "reverse")
 
@@ -55,11 +55,11 @@ class Derivatives:
 
     def __init__(self, fn: PointFn, *, inputs: Sequence[str], outputs: Sequence[str], derivatives: Sequence[str],
                  amp: Optional[AmpConfig] = None, method: Union[str, PointEngine] = "forward",
-                 laplacian_inputs: Optional[Sequence[str]] = None, mask_nonfinite_points: bool = False) -> None:  # fmt: skip
+                 laplacian_inputs: Optional[Sequence[str]] = None, mask_nonfinite_points: bool = False) -> None:
         if not (callable(method) or method in METHODS):
             raise ValueError(f"Derivatives: `method`={method!r} is not supported: expected one of "
                              f"{list(METHODS)} or a point engine engine(plan, f, x, scales) -> "
-                             "(values, scaled).")  # fmt: skip
+                             "(values, scaled).")
         if not callable(fn):
             raise TypeError(f"Derivatives: `fn`={fn!r} must be callable as fn(params, x).")
         check_flags("Derivatives", mask_nonfinite_points=mask_nonfinite_points)
@@ -93,7 +93,7 @@ class Derivatives:
             raise TypeError(f"Derivatives: called with {2 + len(extra)} arguments; an engine takes "
                             "(params, points) and no scales: jaxamp.scaled(engine)(scales, params, "
                             "points) returns (values, found_inf), and in a loss under "
-                            "jaxamp.value_and_grad or make_train_step the state gives the scales.")  # fmt: skip
+                            "jaxamp.value_and_grad or make_train_step the state gives the scales.")
         x = self.stack_points(points)
         if not self.mask_nonfinite_points:
             return self.marked(params, x)[0]
@@ -117,12 +117,12 @@ class Derivatives:
             if y.shape != (len(self.outputs),):
                 raise ValueError(f"Derivatives: fn(params, x) returned shape {y.shape} for one "
                                  f"point; expected ({len(self.outputs)},) for outputs "
-                                 f"{list(self.outputs)}.")  # fmt: skip
+                                 f"{list(self.outputs)}.")
             return y.astype(jnp.float32)
 
         how = "reverse" if self.engine is None else "collapsed"
         laps = {name: laplacian(lambda z, i=self.outputs.index(parse_name(name)[0]): f(z)[i], of=parse_name(name)[0],
-                                indices=plan.laplacian_cols, method=how) for name in plan.laplacians}  # fmt: skip
+                                indices=plan.laplacian_cols, method=how) for name in plan.laplacians}
 
         def point(p):
             if self.engine is None:  # method="reverse": nested jaxamp.grad
@@ -194,13 +194,13 @@ class Derivatives:
                 if c.ndim != 1 or c.shape != cols[0].shape:
                     raise ValueError(f"Derivatives: points[{n!r}] has shape {c.shape}; every input "
                                      "must be a 1-D array of the same length N (here "
-                                     f"{cols[0].shape}).")  # fmt: skip
+                                     f"{cols[0].shape}).")
             x = jnp.stack(cols, axis=-1)
         else:
             x = jnp.asarray(points)
             if x.ndim != 2 or x.shape[-1] != len(self.inputs):
                 raise ValueError(f"Derivatives: `points` has shape {x.shape}; expected [N, "
-                                 f"{len(self.inputs)}] for inputs {list(self.inputs)}.")  # fmt: skip
+                                 f"{len(self.inputs)}] for inputs {list(self.inputs)}.")
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise TypeError(f"Derivatives: `points` must be floating point (float32), got dtype {x.dtype}.")
         return x.astype(jnp.float32)

@@ -25,7 +25,7 @@ __all__ = ["jvp", "jacfwd", "hessian"]
 
 
 def _linearized(caller: str, fun: Callable, primals: Sequence[Any], has_aux: bool, of: Optional[str], wrt: Any,
-                tree: bool = False):  # fmt: skip
+                tree: bool = False):
     """``(out, f_jvp, aux, s)``: ``fun`` linearized at ``primals`` and the scale of its key (one
     array out; ``tree``: a pytree of arrays, the scale that of its first leaf's step)."""
     linear = jax.linearize(lambda *p: fun(*fresh(p)), *primals, has_aux=has_aux)
@@ -39,7 +39,7 @@ def _linearized(caller: str, fun: Callable, primals: Sequence[Any], has_aux: boo
 
 
 def jvp(fun: Callable[..., Any], primals: Sequence[Any], tangents: Sequence[Any], has_aux: bool = False, *,
-        of: Optional[str] = None) -> Tuple[Any, ...]:  # fmt: skip
+        of: Optional[str] = None) -> Tuple[Any, ...]:
     """``jax.jvp`` with the tangents multiplied by the scale of the derivative's key.
 
     Args:
@@ -56,9 +56,10 @@ def jvp(fun: Callable[..., Any], primals: Sequence[Any], tangents: Sequence[Any]
       (1.0, -2.0)
     """
     check_fun("jaxamp.jvp", fun, of)
-    if not isinstance(primals, (tuple, list)) or not isinstance(tangents, (tuple, list)) or len(primals) != len(tangents):
+    pair = isinstance(primals, (tuple, list)) and isinstance(tangents, (tuple, list))
+    if not pair or len(primals) != len(tangents):
         raise TypeError(f"jaxamp.jvp: `primals` and `tangents` must be tuples of the same length, got "
-                        f"{type(primals).__name__} and {type(tangents).__name__}.")  # fmt: skip
+                        f"{type(primals).__name__} and {type(tangents).__name__}.")
     if amp_off():  # JAX's own derivative, tagged (no operation)
         out = jax.jvp(fun, primals, tangents, has_aux=has_aux)
         return (out[0], fresh(out[1], term=AMP_OFF), *out[2:])
@@ -119,7 +120,7 @@ def jacfwd(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_
         for i, a in zip(nums, dyn):
             if not all(jnp.issubdtype(leaf.dtype, jnp.inexact) for leaf in jax.tree_util.tree_leaves(a)):
                 raise TypeError(f"jaxamp.jacfwd: argument {i} (in `argnums`) must hold only float or complex "
-                                f"arrays (as jax.jacfwd), got {args[i]!r}.")  # fmt: skip
+                                f"arrays (as jax.jacfwd), got {args[i]!r}.")
         if holomorphic and not all(jnp.iscomplexobj(a) for a in jax.tree_util.tree_leaves(dyn)):
             raise TypeError("jaxamp.jacfwd: holomorphic=True needs complex arguments at `argnums`.")
         if boundary.crosses(partial, dyn):  # the network boundary scales and checks each order
@@ -142,13 +143,13 @@ def jacfwd(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_
                 basis = jnp.eye(leaf.size, dtype=leaf.dtype).reshape((leaf.size,) + leaf.shape)
                 cols = jax.vmap(column)(basis)  # per output leaf: [leaf.size, *o.shape]
                 per_leaf.append([finish(jnp.moveaxis(c, 0, -1).reshape(o.shape + leaf.shape), o, s, step(of, names[j]))
-                                 for c, o in zip(cols, outs)])  # fmt: skip
+                                 for c, o in zip(cols, outs)])
             jacs.append([jax.tree_util.tree_unflatten(in_tree, [per_leaf[li][o] for li in range(len(leaves))])
-                         for o in range(len(outs))])  # fmt: skip
+                         for o in range(len(outs))])
         # jax.jacfwd's structure: the output's tree, each leaf the argument's tree (a tuple of
         # them for a tuple `argnums`)
         result = jax.tree_util.tree_unflatten(out_tree, [tuple(j[o] for j in jacs) if isinstance(argnums, tuple)
-                                                         else jacs[0][o] for o in range(len(outs))])  # fmt: skip
+                                                         else jacs[0][o] for o in range(len(outs))])
         return (result, aux) if has_aux else result
 
     return derivative

@@ -29,7 +29,7 @@ Chain = Callable[[jax.Array, Sequence[jax.Array]], Tuple[jax.Array, Levels]]
 
 
 def point_values(plan: Plan, f: Callable[[jax.Array], jax.Array], x: jax.Array, scales: Mapping[str, jax.Array], *,
-                 series_min_order: int = SERIES_MIN_ORDER) -> Tuple[Dict[str, jax.Array], Dict[str, jax.Array]]:  # fmt: skip
+                 series_min_order: int = SERIES_MIN_ORDER) -> Tuple[Dict[str, jax.Array], Dict[str, jax.Array]]:
     """Every value of ``plan`` at one point by nested forward mode: ``(values, scaled)``, each
     value unscaled and each derivative's last step scaled.
 

@@ -37,7 +37,7 @@ def step(of: Optional[str], wrt: Any) -> Dict[str, Any]:
 
 
 def finish(d: jax.Array, value: jax.Array, s: jax.Array, marks: Dict[str, Any],
-           inv: Optional[jax.Array] = None) -> jax.Array:  # fmt: skip
+           inv: Optional[jax.Array] = None) -> jax.Array:
     """The scaled derivative ``d`` of ``value`` checked under ``marks`` (:func:`step`) and unscaled
     by ``inv`` (default ``1 / s``); float0 gradients (allow_int) pass unchecked."""
     if not jnp.issubdtype(d.dtype, jnp.inexact):
@@ -50,7 +50,7 @@ def _pair(caller: str, out: Any) -> Tuple[Any, Any]:
     """``(value, aux)`` of a ``has_aux`` function's output, else the TypeError jax.grad gives."""
     if not (isinstance(out, (tuple, list)) and len(out) == 2):
         raise TypeError(f"{caller}: has_aux=True requires `fun` to return a pair (value, aux), got "
-                        f"{type(out).__name__}.")  # fmt: skip
+                        f"{type(out).__name__}.")
     return out[0], out[1]
 
 

@@ -1,4 +1,5 @@
-"""``jaxamp._src.derivatives.laplacian``: a scaled Laplacian by collapsed Taylor mode (:mod:`jaxamp._src.taylor.collapsed`).
+"""``jaxamp._src.derivatives.laplacian``: a scaled Laplacian by collapsed Taylor mode
+(:mod:`jaxamp._src.taylor.collapsed`).
 
 With ``m`` the order of ``fun``'s value (the highest order of the drop-in derivatives it depends
 on, :mod:`jaxamp._src.core.nesting`), the first-order tangents carry the scale ``s1`` of order ``m + 1``
@@ -65,12 +66,12 @@ def _reverse(closed, g, x, basis, s1, s2) -> Step:
         return jax.grad(lambda w: seed(g(w), s1))(z)
 
     columns = jnp.stack([jax.jvp(scaled_grad, (x,), (seed(basis[i], s2 / s1, x.dtype),))[1]
-                         for i in range(basis.shape[0])])  # fmt: skip
+                         for i in range(basis.shape[0])])
     return scaled_grad(x), jnp.sum(jnp.where(basis != 0, columns, 0))  # the diagonal entries
 
 
 METHODS: Dict[str, Callable[..., Step]] = {"collapsed": _collapsed, "taylor": _taylor, "forward": _forward,
-                                           "reverse": _reverse}  # fmt: skip
+                                           "reverse": _reverse}
 
 
 def _static_indices(indices: Any) -> Optional[Tuple[int, ...]]:
@@ -82,9 +83,9 @@ def _static_indices(indices: Any) -> Optional[Tuple[int, ...]]:
         a = None
     if a is None or a.ndim != 1 or a.size == 0 or not (a.dtype.kind in "iu" or a.dtype == object):
         raise TypeError(f"{CALLER}: `indices`={indices!r} must be None or a non-empty sequence of distinct "
-                        "non-negative Python ints (static), the entries of x to differentiate along.")  # fmt: skip
+                        "non-negative Python ints (static), the entries of x to differentiate along.")
     out = tuple(int(i) for i in a) if all(isinstance(i, (int, np.integer)) and not isinstance(i, bool)
-                                          for i in a.tolist()) else None  # fmt: skip
+                                          for i in a.tolist()) else None
     if out is None or min(out) < 0 or len(set(out)) != len(out):
         raise ValueError(f"{CALLER}: `indices`={indices!r} must be distinct non-negative ints.")
     return out
@@ -128,21 +129,21 @@ def laplacian(fun: Callable[..., Any], argnums: int = 0, *, of: Optional[str] = 
     def value(*args, **kwargs):
         if not -len(args) <= argnums < len(args):
             raise ValueError(f"{CALLER}: `argnums`={argnums} must index one of the {len(args)} positional "
-                             f"arguments of `fun` (0..{len(args) - 1}).")  # fmt: skip
+                             f"arguments of `fun` (0..{len(args) - 1}).")
         pos = argnums % len(args)
         x = args[pos]
         if not hasattr(x, "dtype") and not isinstance(x, float):
             raise TypeError(f"{CALLER}: argument {pos} (`argnums`) must be a floating-point array x, got "
-                            f"{type(x).__name__}.")  # fmt: skip
+                            f"{type(x).__name__}.")
         x = jnp.asarray(x)
         if not jnp.issubdtype(x.dtype, jnp.floating) or x.ndim > 1:
             raise TypeError(f"{CALLER}: argument {pos} (`argnums`) must be a floating-point scalar or array of "
-                            f"shape (d,), got {x.dtype}{list(x.shape)}.")  # fmt: skip
+                            f"shape (d,), got {x.dtype}{list(x.shape)}.")
         d = x.size
         idx = tuple(range(d)) if static is None else static
         if max(idx) >= d:
             raise ValueError(f"{CALLER}: `indices`={indices!r} must be entries of x in [0, {d}), x has shape "
-                             f"{tuple(x.shape)}.")  # fmt: skip
+                             f"{tuple(x.shape)}.")
 
         def flat(zv):
             return fun(*interpreter.substitute(args, (pos,), (jnp.reshape(fresh(zv), x.shape),)), **kwargs)

@@ -16,7 +16,8 @@ from jaxamp._src.core import marks
 from jaxamp._src.scaling.config import AmpConfig
 from jaxamp._src.core.marks import SEP
 
-__all__ = ["LAP", "Step", "Path", "parse_name", "order_of", "parent_of", "Level", "Plan", "scaler_key", "mark_params", "run_marked", "make_plan", "check_names"]
+__all__ = ["LAP", "Step", "Path", "parse_name", "order_of", "parent_of", "Level", "Plan", "scaler_key", "mark_params",
+           "run_marked", "make_plan", "check_names"]
 
 LAP = "lap"  # "u__lap": the Laplacian of u; its second step's per-term key
 
@@ -122,7 +123,7 @@ def mark_params(key: str) -> Dict[str, object]:
 
 
 def run_marked(plan: "Plan", point_engine: Callable, f: Callable, x, marks_of: Mapping[str, Dict[str, object]],
-               wrt_of: Optional[Mapping[str, Optional[str]]] = None):  # fmt: skip
+               wrt_of: Optional[Mapping[str, Optional[str]]] = None):
     """One point of ``plan`` by ``point_engine``, marked: ``(values, checked)``. Each key's scale
     is a ``deriv_scale_p`` of ``marks_of[key]`` at the point; each value is named the derivative
     one step above its parent (``wrt_of[name]``: its variable's name; default the plan's input),
@@ -147,12 +148,12 @@ def run_marked(plan: "Plan", point_engine: Callable, f: Callable, x, marks_of: M
 
 
 def make_plan(inputs: Sequence[str], outputs: Sequence[str], derivatives: Sequence[str], amp: AmpConfig, *,
-              laplacian_inputs: Optional[Sequence[str]] = None) -> Plan:  # fmt: skip
+              laplacian_inputs: Optional[Sequence[str]] = None) -> Plan:
     """Validate the names (errors name the bad argument) and build the :class:`Plan`."""
     inputs, outputs = check_names("inputs", inputs), check_names("outputs", outputs)
     if set(inputs) & set(outputs):
         raise ValueError(f"Derivatives: names {sorted(set(inputs) & set(outputs))} appear in both "
-                         "`inputs` and `outputs`; each name must be one or the other.")  # fmt: skip
+                         "`inputs` and `outputs`; each name must be one or the other.")
     if isinstance(derivatives, str):
         raise TypeError(f"Derivatives: `derivatives`={derivatives!r} must be a list of names, not a string.")
     requested = tuple(derivatives)
@@ -163,11 +164,11 @@ def make_plan(inputs: Sequence[str], outputs: Sequence[str], derivatives: Sequen
     lap_inputs = inputs if laplacian_inputs is None else check_names("laplacian_inputs", laplacian_inputs)
     if set(lap_inputs) - set(inputs):
         raise ValueError(f"Derivatives: `laplacian_inputs` names {sorted(set(lap_inputs) - set(inputs))}, which "
-                         f"are not inputs; inputs are {list(inputs)}.")  # fmt: skip
+                         f"are not inputs; inputs are {list(inputs)}.")
     scaled = amp.scaler_enabled
     key = lambda parent: scaler_key(amp if scaled else None, parent)  # noqa: E731
     needed = {SEP.join((base, *wrt[:k])) for base, wrt in map(parse_name, requested) if SEP.join((base, *wrt))
-              not in laplacians for k in range(1, len(wrt) + 1)}  # fmt: skip
+              not in laplacians for k in range(1, len(wrt) + 1)}
     below, levels = list(outputs), []
     for order in range(1, max((order_of(n) for n in needed), default=0) + 1):
         names = tuple(sorted(n for n in needed if order_of(n) == order))
@@ -179,7 +180,7 @@ def make_plan(inputs: Sequence[str], outputs: Sequence[str], derivatives: Sequen
             names=names,
             child_parent=tuple(parents.index(parent_of(n)) for n in names),
             child_input=tuple(inputs.index(parse_name(n)[1][-1]) for n in names),
-        ))  # fmt: skip
+        ))
         below = list(names)
     derivs = tuple(n for level in levels for n in level.names)
     paths: Dict[str, Path] = {}
@@ -191,7 +192,7 @@ def make_plan(inputs: Sequence[str], outputs: Sequence[str], derivatives: Sequen
     return Plan(inputs=inputs, outputs=outputs, requested=requested, scaled=scaled, levels=tuple(levels),
                 derivatives=derivs, paths=paths, step_keys=step_keys,
                 scaler_keys=tuple(dict.fromkeys(step_keys + tuple(lap_keys))) if scaled else (),
-                laplacians=laplacians, laplacian_cols=tuple(inputs.index(n) for n in lap_inputs))  # fmt: skip
+                laplacians=laplacians, laplacian_cols=tuple(inputs.index(n) for n in lap_inputs))
 
 
 def _is_laplacian(name, inputs: Tuple[str, ...], outputs: Tuple[str, ...]) -> bool:
@@ -211,11 +212,11 @@ def _check_derivative_name(name, inputs: Tuple[str, ...], outputs: Tuple[str, ..
     base, wrt = parse_name(name)
     if base not in outputs:
         raise ValueError(f"Derivatives: derivative {name!r} differentiates {base!r}, which is not "
-                         f"an output; outputs are {list(outputs)}.")  # fmt: skip
+                         f"an output; outputs are {list(outputs)}.")
     for var in wrt:
         if var not in inputs:
             raise ValueError(f"Derivatives: derivative {name!r} is taken with respect to {var!r}, "
-                             f"which is not an input; inputs are {list(inputs)}.")  # fmt: skip
+                             f"which is not an input; inputs are {list(inputs)}.")
 
 
 def check_names(arg: str, names: Sequence[str]) -> Tuple[str, ...]:
@@ -228,7 +229,7 @@ def check_names(arg: str, names: Sequence[str]) -> Tuple[str, ...]:
     for n in names:
         if not n or SEP in n or not n.isidentifier():
             raise ValueError(f"Derivatives: {arg} name {n!r} is not allowed: names must be "
-                             f"identifiers without '{SEP}'.")  # fmt: skip
+                             f"identifiers without '{SEP}'.")
     if len(set(names)) != len(names):
         raise ValueError(f"Derivatives: `{arg}`={list(names)} has duplicates.")
     return names

@@ -32,7 +32,7 @@ class NotScalar(Exception):
 
 
 def eligible(argnums: Any, args: Tuple[Any, ...], kwargs: dict, has_aux: bool = False,
-             holomorphic: bool = False) -> bool:  # fmt: skip
+             holomorphic: bool = False) -> bool:
     """Whether a derivative along ``args[argnums]`` is planned entry by entry: one int
     ``argnums`` at a float32 vector of 1 to :data:`MAX_SIZE` entries given by position, no
     keyword arguments or aux (``fun`` must also return one float32 scalar: else
@@ -75,7 +75,7 @@ class Route:
         return self._flat[nargs]
 
     def _chains(self, args: Tuple[Any, ...], steps: Sequence[Tuple[int, ...]], of: Optional[str],
-                wrt: Optional[str]) -> list:  # fmt: skip
+                wrt: Optional[str]) -> list:
         """The top derivatives along the entries of ``args[argnum]`` listed in ``steps``
         (innermost first), one chain each."""
         i = self.argnum
@@ -87,7 +87,7 @@ class Route:
         n, names = len(args), (wrt,) * len(entries)
         base = self.flat(n)
         return [chain_call.bind_chain(chain.Chain(base, tuple(n + k for k in s), tuple(names[k] for k in s), of),
-                                      full) for s in steps]  # fmt: skip
+                                      full) for s in steps]
 
     def jacobian(self, args: Tuple[Any, ...], of: Optional[str], wrt: Optional[str]) -> jax.Array:
         """``jax.jacfwd(fun, argnum)(*args)`` (shape ``z.shape``) by one chain per entry."""

@@ -96,7 +96,7 @@ def _pointwise(eqn: jcore.JaxprEqn, p1: Tuple[Any, ...], outs: List[jax.Array]) 
 
 
 def _quadratic(eqn, f1: Callable, p1: Tuple[Any, ...], firsts: List[jax.Array], outs: List[jax.Array],
-               ratio: Optional[Ratio]) -> List[jax.Array]:  # fmt: skip
+               ratio: Optional[Ratio]) -> List[jax.Array]:
     """``(S_2 / S_1**2) * sum_i g''(z)[z1_i, z1_i]`` of one equation."""
     wide = all(jnp.finfo(v.dtype).bits >= SCALE_AFTER_MIN_BITS for v in (*(f[0] for f in firsts), *outs))
     heads: Tuple[Optional[jax.Array], ...] = (None, None)
@@ -132,7 +132,7 @@ def _run(closed: jcore.ClosedJaxpr, args: Sequence[CJet], ratio: Optional[Ratio]
 
 
 def propagate_jaxpr(closed: jcore.ClosedJaxpr, x: jax.Array, tangents: jax.Array,
-                    ratio: Optional[Sequence[jax.Array]] = None) -> Tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
+                    ratio: Optional[Sequence[jax.Array]] = None) -> Tuple[jax.Array, jax.Array, jax.Array]:
     """:func:`collapsed_second_order` of ``f`` given as ``closed = jax.make_jaxpr(f)(x)``.
 
     ``tangents``: ``[D, *x.shape]`` in ``x``'s dtype, carrying ``S_1``; ``ratio``: None or float32
@@ -148,7 +148,7 @@ def propagate_jaxpr(closed: jcore.ClosedJaxpr, x: jax.Array, tangents: jax.Array
 
 
 def collapsed_second_order(f: Callable[[jax.Array], jax.Array], x: jax.Array, tangents: jax.Array,
-                           ratio: Optional[Sequence[jax.Array]] = None) -> Tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
+                           ratio: Optional[Sequence[jax.Array]] = None) -> Tuple[jax.Array, jax.Array, jax.Array]:
     """``f(x)``, ``[df[t_i]]_i`` and ``ratio * sum_i d2f[t_i, t_i]`` in one propagation.
 
     Equal, up to rounding, to summing :func:`jaxamp._src.taylor.second_order` over the rows of

@@ -89,7 +89,7 @@ def series_rule(scaling: Union[None, Scales, Ratio], order: int) -> Rule:
         if not any(inexact(o.dtype) for o in outs):
             return outs, [None] * len(outs)
         wide = all(inexact(v.dtype) and jnp.finfo(v.dtype).bits >= SCALE_AFTER_MIN_BITS
-                   for v in (*coeff(1), *outs))  # fmt: skip
+                   for v in (*coeff(1), *outs))
         terms = [first]
         for k in range(2, order + 1):
             total = None
@@ -116,7 +116,7 @@ def series_rule(scaling: Union[None, Scales, Ratio], order: int) -> Rule:
 
 def _product(fn: Callable[..., List[jax.Array]], primals: Tuple[jax.Array, ...],
              tangents: List[Tuple[jax.Array, ...]], scaling: Union[None, Scales, Ratio], k: int,
-             parts: Tuple[int, ...], c: int, wide: bool) -> List[jax.Array]:  # fmt: skip
+             parts: Tuple[int, ...], c: int, wide: bool) -> List[jax.Array]:
     """``c * (S_k / prod S_{p_i}) * g^(m)[Z_{p_1}, ..., Z_{p_m}]`` of one primitive."""
     if wide:  # the product, then its factors in float32
         factors = (scaling.product(k, parts) if scaling is not None else ()) + ((jnp.float32(c),) if c != 1 else ())

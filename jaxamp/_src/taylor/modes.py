@@ -14,7 +14,7 @@ __all__ = ["second_order", "series"]
 
 
 def series(f: Callable[[jax.Array], jax.Array], x: jax.Array, direction: jax.Array, order: int,
-           scales: Optional[Sequence[jax.Array]] = None) -> Tuple[jax.Array, List[jax.Array]]:  # fmt: skip
+           scales: Optional[Sequence[jax.Array]] = None) -> Tuple[jax.Array, List[jax.Array]]:
     """Pure derivatives of ``f`` along ``direction``, orders ``1..order``, each scaled.
 
     Equal, up to rounding, to ``order`` nested ``jax.jvp`` with seeds ``S_1 e`` then
@@ -41,7 +41,7 @@ def series(f: Callable[[jax.Array], jax.Array], x: jax.Array, direction: jax.Arr
         raise ValueError(f"jaxamp._src.taylor.series: `order`={order!r} must be an integer >= 1.")
     if scales is not None and len(scales) != order:
         raise ValueError(f"jaxamp._src.taylor.series: got {len(scales)} scales for order {order}; "
-                         "pass one per order (S_1, ..., S_K) or None.")  # fmt: skip
+                         "pass one per order (S_1, ..., S_K) or None.")
     scaling = None if scales is None else Scales(scales)
     first = seed(direction, scaling.scales[0] if scaling is not None else 1.0, x.dtype)
     return propagate(f, x, (first,) + (None,) * (order - 1), series_rule(scaling, order))

@@ -51,7 +51,7 @@ Rule = Callable[[Application], Tuple[List[jax.Array], List[Optional[Coefficients
 
 
 def propagate(f: Callable[[jax.Array], jax.Array], x: jax.Array, seed: Coefficients,
-              rule: Rule) -> Tuple[jax.Array, List[jax.Array]]:  # fmt: skip
+              rule: Rule) -> Tuple[jax.Array, List[jax.Array]]:
     """``f(x)`` and its Taylor coefficients, from ``x``'s coefficients ``seed`` and ``rule``.
 
     ``seed`` holds ``x``'s coefficients of orders ``1..K`` (``None`` for a zero order); the
@@ -79,7 +79,7 @@ def propagate(f: Callable[[jax.Array], jax.Array], x: jax.Array, seed: Coefficie
         if body is not None:
             return run(body, invals)
         app = Application(eqn, values, dependent, tuple(invals[i].coefficients for i in dependent),
-                          rules.degree(eqn.primitive, len(dependent)))  # fmt: skip
+                          rules.degree(eqn.primitive, len(dependent)))
         outs, coefficients = rule(app)
         return [Jet(out, c if inexact(v.aval.dtype) else None) for v, out, c in zip(eqn.outvars, outs, coefficients)]
 
@@ -99,7 +99,7 @@ def inexact(dtype: Any) -> bool:
 
 
 def multilinear(fn: Callable[..., List[jax.Array]], primals: Tuple[jax.Array, ...],
-                tangents: Sequence[Tuple[jax.Array, ...]]) -> List[jax.Array]:  # fmt: skip
+                tangents: Sequence[Tuple[jax.Array, ...]]) -> List[jax.Array]:
     """``fn^(m)[t_1, ..., t_m]`` at ``primals`` by ``m`` nested ``jax.jvp`` (``t_1`` innermost);
     each tangent is a tuple with one entry per operand.
 

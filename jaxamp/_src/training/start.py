@@ -1,6 +1,7 @@
 """``jaxamp.init``, the one constructor of an :class:`~jaxamp.AmpState`: a program's scaler keys
 and their start scales from a float32 profile (:mod:`jaxamp._src.core.profile`), its autocast
-policies checked against the config, a ``jax.grad`` left in a float16 loss warned of.
+policies checked against the config, its float16 derivatives that no scaler guards warned of
+(:mod:`jaxamp._src.training.coverage`).
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from jaxamp._src.core import policy
 from jaxamp._src.core.marks import UnscaledDerivativeWarning
 from jaxamp._src.scaling.config import AmpConfig, check_flags
 from jaxamp._src.core.profile import scalers_of
+from jaxamp._src.core.interpreter import trace
 from jaxamp._src.core.tracing import traced
 from jaxamp._src.scaling.scaler import Scalers, ScaleState
 from jaxamp._src.scaling.state import AmpState
 from jaxamp._src.core.window import check_margin
+from jaxamp._src.training.coverage import Unscaled, unscaled_derivatives
 
 __all__ = ["init", "UnscaledDerivativeWarning"]
 
@@ -41,9 +44,14 @@ def init(fun: Optional[Callable[..., Any]], amp: Optional[AmpConfig] = None, *, 
       ``init_state(*args, **kwargs) -> AmpState``, called on example arguments as for ``fun``.
       It traces ``fun`` with ``amp`` active (:func:`jaxamp._src.core.policy.using`: ``autocast(apply)``
       without ``amp`` takes it) and raises a :class:`~jaxamp.ConfigError` if an ``autocast`` in
-      ``fun`` runs under another ``enabled`` / ``dtype`` / ``derivative_scaling``; it warns
-      (:class:`UnscaledDerivativeWarning`) if ``fun`` differentiates a float16 ``autocast``
-      network but takes no :func:`jaxamp.grad` while derivative scaling is on.
+      ``fun`` runs under another ``enabled`` / ``dtype`` / ``derivative_scaling``. While
+      derivative scaling is on it warns (:class:`UnscaledDerivativeWarning`) naming each
+      derivative ``fun`` takes in float16 that no scaler guards, by order, mode and the function
+      it differentiates, beside the scaled ones or alone: a network cast to float16 by hand (or
+      a Flax ``dtype=jnp.float16``) instead of :func:`jaxamp.autocast`, an ``autocast`` network
+      differentiated along an array it holds as a parameter (captured, or in
+      ``params_argnums``), a ``jax.grad`` through ``autocast`` under per-term keys
+      (:mod:`jaxamp._src.training.coverage`, which also says what it cannot see).
 
     Example:
       >>> import jax.numpy as jnp, jaxamp
@@ -72,8 +80,8 @@ def init(fun: Optional[Callable[..., Any]], amp: Optional[AmpConfig] = None, *, 
             program, flat = _trace(fun, args, kwargs, amp)  # once: the keys and the profile read it
             if amp.scaler_enabled:
                 found = scalers_of(program, flat, amp, from_profile=from_profile, margin_log2=margin_log2)
-            if amp.scaler_enabled and not found and policy.derivative_taken(program):
-                _warn_unscaled(fun, policy.policies_in(program))
+            if amp.scaler_enabled:
+                _warn_unscaled(fun, _unscaled(fun, args, kwargs, amp), found, program)
         more = {k: amp.derivative_scaler_for(k) for k in keys if k not in found} if amp.scaler_enabled else {}
         derivative = Scalers({**found.rules, **more}, {**found, **{k: r.init() for k, r in more.items()}})
         rule = amp.make_loss_scaler()
@@ -100,15 +108,32 @@ def _trace(fun: Callable, args: Tuple[Any, ...], kwargs: Dict[str, Any], amp: Am
                         "jaxamp.init(loss, amp)(params, batch).") from None
 
 
-def _warn_unscaled(fun: Callable, policies: Sequence[policy.Policy]) -> None:
-    """The most likely slip of a port: ``jax.grad`` left in a float16 loss (no scaler, no word)."""
-    nets = ", ".join(f"autocast({p.fn})" for p in policies)
-    warnings.warn(
-        f"jaxamp.init: `fun`={_describe(fun)} differentiates {nets}, which runs in float16, but takes "
-        "no jaxamp derivative, so the state has no derivative scaler: a jax.grad / jax.jacrev / "
-        "jax.hessian is probably left in the loss, and its derivatives run in float16 unscaled (they "
-        "may overflow: NaN losses, every step skipped). Fix: use jaxamp.grad / jaxamp.jacrev / "
-        "jaxamp.jacfwd / jaxamp.hessian (same signatures) for the input derivatives, or pass "
-        "AmpConfig(derivative_scaling=False) to both autocast and jaxamp.init for loss scaling only.",
-        UnscaledDerivativeWarning, stacklevel=3,
-    )
+def _unscaled(fun: Callable, args: Tuple[Any, ...], kwargs: Dict[str, Any], amp: AmpConfig) -> Sequence[Unscaled]:
+    """``fun``'s unscaled float16 derivatives, read from its program as JAX traced it (before
+    jaxamp's passes, which rewrite the name stacks the analysis reads)."""
+    with policy.using(amp, "jaxamp.init"):
+        closed = trace(fun, args, kwargs)[0]
+    return unscaled_derivatives(closed)
+
+
+def _warn_unscaled(fun: Callable, unscaled: Sequence[Unscaled], found: Scalers, program: Any) -> None:
+    """Float16 derivatives no scaler guards, each named; or a derivative through a float16
+    ``autocast`` network with no scaler at all (a form the analysis does not name)."""
+    fix = ("Fix: place each such network with jaxamp.autocast(fn, amp) (not a cast to float16 by hand or a Flax "
+           "dtype=jnp.float16), with the differentiated input an argument of it, not a captured array or one named "
+           "in params_argnums; or take the derivative with jaxamp.grad / jaxamp.jacrev / jaxamp.jacfwd / "
+           "jaxamp.hessian (under per-term keys, jaxamp.grad(..., of=, wrt=)); or pass "
+           "AmpConfig(derivative_scaling=False) to both autocast and jaxamp.init for loss scaling only.")
+    if unscaled:
+        beside = f"beside the scaled ones (keys {sorted(found)})" if found else "and no scaled one"
+        items = "; ".join(u.describe() for u in unscaled)
+        warnings.warn(
+            f"jaxamp.init: `fun`={_describe(fun)} takes float16 derivatives that no scaler guards, {beside}: "
+            f"{items}. They run in float16 unscaled and unchecked (they may overflow: NaN losses, skipped "
+            f"steps, with no scaler to back off). {fix}", UnscaledDerivativeWarning, stacklevel=3)
+    elif not found and policy.derivative_taken(program):
+        nets = ", ".join(f"autocast({p.fn})" for p in policy.policies_in(program))
+        warnings.warn(
+            f"jaxamp.init: `fun`={_describe(fun)} differentiates {nets}, which runs in float16, but no "
+            f"derivative of it is scaled, so the state has no derivative scaler. {fix}",
+            UnscaledDerivativeWarning, stacklevel=3)

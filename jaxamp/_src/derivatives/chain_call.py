@@ -4,7 +4,11 @@
 the array arguments of ``u``'s traced body, its parameters the chain (:class:`chain.Chain`),
 that body and the order and name of the body's value. Outside jaxamp's entry points any use of
 it (eager, ``jit``, ``vmap``, ``jvp``) runs that one chain by the Derivatives engine; ``vmap``
-keeps the equation, recording its batch axes, so the program still shows it.
+keeps the equation, recording its batch axes, so the program still shows it. Its JVP along the
+point's float32 scalars is the chain one step longer (:func:`_jvp`): ``jax.jacfwd``,
+``jax.hessian``, ``jaxamp.jacfwd`` of a function holding chains write longer chains, requests
+planned with the point's others, not derivatives of a plan; along anything else (the parameters)
+it is the derivative of the chain's plan.
 
 :func:`expand`, ``chain_p``'s program pass in the rule table (:data:`jaxamp._src.core.rules.RULES`),
 run on each program :func:`jaxamp.scaled`, :func:`jaxamp.profile` and :func:`jaxamp.init` trace,

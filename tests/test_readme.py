@@ -94,7 +94,7 @@ def test_the_name_check_finds_an_undefined_name():
     """The check the README's blocks pass would fail on the old diff's ``amp`` and ``losses``,
     read inside a function or not; a function's own arguments do not bind a module-level name."""
     old = ("import jaxamp\ndef u_net(params, t, x):\n    return jaxamp.autocast(model.apply, amp)(params, x)\n"
-           "amp_state = jaxamp.init(losses, amp)(params, batch)\n")  # fmt: skip
+           "amp_state = jaxamp.init(losses, amp)(params, batch)\n")
     assert undefined(old) == {"model", "amp", "losses", "params", "batch"}
     assert undefined(old, frozenset({"model", "params", "batch"})) == {"amp", "losses"}
     assert undefined("import jaxamp.x\namp = 1\ndef f(x):\n    return [y for y in x] + [amp, jaxamp]\n") == set()
@@ -106,8 +106,11 @@ def test_the_diff_is_two_programs_with_every_name_bound():
     for code in (before, after):
         assert not undefined(code), undefined(code)
     assert "import jaxamp" not in before and "jaxamp." not in before  # plain JAX
-    for call in ("jaxamp.autocast(", "jaxamp.grad(", "jaxamp.init(", "jaxamp.optimizer(", "jaxamp.value_and_grad("):
+    for call in ("jaxamp.autocast(", "jaxamp.init(", "jaxamp.optimizer(", "jaxamp.value_and_grad("):
         assert call in after, call
+    # the derivative code is the user's, as written: jax.grad, scaled where it crosses the network
+    derivative = [line for line in after.splitlines() if line.startswith("u_xx")]
+    assert derivative == [line for line in before.splitlines() if line.startswith("u_xx")] and "jax.grad(" in derivative[0]
 
 
 def test_every_python_block_has_every_name_bound():
@@ -120,7 +123,7 @@ def test_every_python_block_has_every_name_bound():
 @pytest.mark.parametrize("side", [
     pytest.param("plain JAX (- lines)", marks=pytest.mark.slow),  # jax alone; its names are checked above
     "fp16 port (+ lines)",
-])  # fmt: skip
+])
 def test_each_side_of_the_diff_trains_as_printed(side):
     before, after = sides(port_diff())
     namespace = {"__name__": "__readme__"}
@@ -141,3 +144,34 @@ def test_every_python_block_runs_in_order():
     namespace = {"__name__": "__readme__"}
     for code in blocks("python"):
         run(code, namespace)
+
+
+@pytest.mark.slow
+def test_the_ports_jax_grad_and_jaxamp_grad_skip_and_scale_alike_over_300_steps():
+    """The README's port keeps the user's ``jax.grad``; written with ``jaxamp.grad`` instead, the
+    300 steps of the README's loop give the same scaler keys, the same scales after every step and
+    the same steps skipped (with their reasons); the losses agree to float16 rounding."""
+    import jax
+    import numpy as np
+
+    _, after = sides(port_diff())
+    program = after[:after.index("for step in range(300)")]
+    swapped = program.replace("u_xx = jax.grad(jax.grad(u_net, argnums=1), argnums=1)",
+                              "u_xx = jaxamp.grad(jaxamp.grad(u_net, argnums=1), argnums=1)")
+    assert swapped != program
+
+    def trajectory(code):
+        ns = {"__name__": "__readme__"}
+        exec(compile(code, "README.md", "exec"), ns)
+        params, opt_state, out = ns["params"], ns["opt_state"], []
+        for step in range(300):
+            params, opt_state, loss = ns["train_step"](params, opt_state, ns["sample"](jax.random.PRNGKey(step)))
+            out.append((float(loss), int(opt_state.skip_reason),
+                        {k: float(v) for k, v in opt_state.amp.scales.items()}, float(opt_state.amp.loss_scale)))
+        return out
+
+    kept, ported = trajectory(program), trajectory(swapped)
+    assert any(r for _, r, _, _ in kept)  # the loss scale backs off from its start: skipped steps to compare
+    assert [s for _, _, s, _ in kept] == [s for _, _, s, _ in ported]  # keys and every step's scales
+    assert [(r, ls) for _, r, _, ls in kept] == [(r, ls) for _, r, _, ls in ported]  # skips, loss scale
+    np.testing.assert_allclose([x[0] for x in kept], [x[0] for x in ported], rtol=0.05)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import sys
 import warnings
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -181,7 +181,7 @@ def _nnx_instance(fn: Any) -> bool:
 
 def placed_function(fn: Callable, amp: Any, module: bool, argnums: Tuple[int, ...], params_argnums: Any) -> Callable:
     """The function :func:`autocast` returns for ``fn`` (its arguments already checked)."""
-    cache: Dict[Any, Tuple[jcore.ClosedJaxpr, Any]] = {}
+    cache: Dict[Any, Tuple[jcore.ClosedJaxpr, Any, Tuple[Any, ...]]] = {}
     name = _describe(fn)
 
     @functools.wraps(fn)
@@ -198,51 +198,64 @@ def placed_function(fn: Callable, amp: Any, module: bool, argnums: Tuple[int, ..
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
         traced = [_is_array(x) for x in leaves]
         arrays = [x for x, t in zip(leaves, traced) if t]
-        types = [jax.typeof(x) for x in arrays]
-        key = (config, tree, tuple(traced), tuple(x for x, t in zip(leaves, traced) if not t),
-               tuple((t.shape, t.dtype, t.weak_type) for t in types))
-        # a module's own leaves, compared by `is` (an NNX module updated in place is traced again)
-        held = tuple(jax.tree_util.tree_leaves(fn)) if module else ()
-        try:
-            entry = cache.get(key)
-        except TypeError:  # an unhashable static argument: trace every call
-            key, entry = None, None
-        if entry is not None and not (len(entry[2]) == len(held) and all(a is b for a, b in zip(entry[2], held))):
-            entry = None
         is_param = [i in argnums for i, a in enumerate(args) for _ in jax.tree_util.tree_leaves(a)]
         is_param += [False] * (len(leaves) - len(is_param))
         is_param = [p for p, t in zip(is_param, traced) if t]
-        if entry is None:
-
-            def call(*xs):
-                it = iter(xs)
-                full = [next(it) if t else x for x, t in zip(leaves, traced)]
-                args, kwargs = jax.tree_util.tree_unflatten(tree, full)
-                return fn(*args, **kwargs)
-
-            with policy.using(config, f"autocast({name})"):  # a nested autocast(g) takes this config
-                entry = (*_rewrite(fn, call, config, types, is_param, argnums), held)
-            if key is not None and not any(isinstance(c, jax.core.Tracer) for c in entry[0].consts):
-                cache[key] = entry  # a closure over an outer tracer is traced again next call
-        closed, out_tree, _ = entry
-
-        def placed(consts, *xs):
-            if config.matmul_formats:  # scaled products read the float16 results they follow as float16
-                return evaluate_held(jcore.ClosedJaxpr(closed.jaxpr, consts), xs, sole_readers=True)
-            return eval_jaxpr(closed.jaxpr, consts, xs, bind)
-
-        # one equation whose derivatives, whoever takes them, are scaled per order (per-term keys
-        # need the names only jaxamp.grad's of=/wrt= give: those configs keep jaxamp.grad's marks)
-        if config.scaler_enabled and config.mode == "per_order_scaler" and not config.special_terms:
-            # captured arrays (an Equinox module's, maybe tracers) are operands: parameters
-            body = jax.make_jaxpr(placed)(list(closed.consts), *arrays)
-            flat = boundary.network(body, [*closed.consts, *arrays], [True] * len(closed.consts) + is_param)
-        else:
-            flat = placed(closed.consts, *arrays)
-        outs = jax.tree_util.tree_unflatten(out_tree, flat)
+        held = tuple(jax.tree_util.tree_leaves(fn)) if module else ()  # a module's own leaves
+        closed, out_tree = _placed_program(fn, name, cache, config, leaves, tree, traced, is_param, argnums, held)
+        outs = jax.tree_util.tree_unflatten(out_tree, _evaluate(closed, arrays, is_param, config))
         return policy.mark(outs, policy.Policy.of(config, name))  # the program carries its policy
 
     return wrapped
+
+
+def _placed_program(fn: Callable, name: str, cache: Dict[Any, Any], config: AmpConfig, leaves: Sequence[Any],
+                    tree: Any, traced: Sequence[bool], is_param: Sequence[bool], argnums: Tuple[int, ...],
+                    held: Tuple[Any, ...]) -> Tuple[jcore.ClosedJaxpr, Any]:
+    """``fn``'s placed program for these arguments, traced once per config, argument structure,
+    static leaves, shapes and dtypes (and, for a module, its leaves, compared by ``is``: an NNX
+    module updated in place is traced again); the result cached in ``cache``."""
+    types = [jax.typeof(x) for x, t in zip(leaves, traced) if t]
+    key = (config, tree, tuple(traced), tuple(x for x, t in zip(leaves, traced) if not t),
+           tuple((t.shape, t.dtype, t.weak_type) for t in types))
+    try:
+        entry = cache.get(key)
+    except TypeError:  # an unhashable static argument: trace every call
+        key, entry = None, None
+    if entry is not None and not (len(entry[2]) == len(held) and all(a is b for a, b in zip(entry[2], held))):
+        entry = None
+    if entry is None:
+
+        def call(*xs):
+            it = iter(xs)
+            full = [next(it) if t else x for x, t in zip(leaves, traced)]
+            args, kwargs = jax.tree_util.tree_unflatten(tree, full)
+            return fn(*args, **kwargs)
+
+        with policy.using(config, f"autocast({name})"):  # a nested autocast(g) takes this config
+            entry = (*_rewrite(fn, call, config, types, is_param, argnums), held)
+        if key is not None and not any(isinstance(c, jax.core.Tracer) for c in entry[0].consts):
+            cache[key] = entry  # a closure over an outer tracer is traced again next call
+    return entry[0], entry[1]
+
+
+def _evaluate(closed: jcore.ClosedJaxpr, arrays: Sequence[Any], is_param: Sequence[bool],
+              config: AmpConfig) -> List[Any]:
+    """The placed program's outputs on ``arrays``: one :mod:`~jaxamp._src.core.boundary` equation
+    whose derivatives, whoever takes them, are scaled per order (per-term keys need the names only
+    jaxamp.grad's ``of=``/``wrt=`` give: those configs keep jaxamp.grad's marks), or the program
+    inlined."""
+
+    def placed(consts, *xs):
+        if config.matmul_formats:  # scaled products read the float16 results they follow as float16
+            return evaluate_held(jcore.ClosedJaxpr(closed.jaxpr, consts), xs, sole_readers=True)
+        return eval_jaxpr(closed.jaxpr, consts, xs, bind)
+
+    if config.scaler_enabled and config.mode == "per_order_scaler" and not config.special_terms:
+        # captured arrays (an Equinox module's, maybe tracers) are operands: parameters
+        body = jax.make_jaxpr(placed)(list(closed.consts), *arrays)
+        return boundary.network(body, [*closed.consts, *arrays], [True] * len(closed.consts) + list(is_param))
+    return placed(closed.consts, *arrays)
 
 
 def _is_array(x: Any) -> bool:

@@ -12,8 +12,7 @@ fp16.py differs from fp32.py by the lines a port to float16 + DerivScaler needs 
 --plain-fp16: the same port without derivative scaling, for comparison): the network under
 autocast, the derivatives by the scaled siblings of jax.grad, one AMP state started from a
 float32 profile of the losses on a first batch, the optimizer wrapped so that it skips an
-overflowing step and advances the scalers, the loss-weight update skipped on overflow (--jax-grad:
-the derivatives stay jax.grad, scaled where they cross the autocast network). The port
+overflowing step and advances the scalers, the loss-weight update skipped on overflow. The port
 runs the first layer in float16 too (autocast_firstlayer=True, as a jmp policy casting
 everything would), so in physical units plain fp16 overflows from step 0 and never trains.
 
@@ -57,7 +56,6 @@ def main(argv=None):
     p.add_argument("--domain-scale", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plain-fp16", action="store_true")
-    p.add_argument("--jax-grad", action="store_true", help="keep jax.grad (scaled where it crosses the network)")
     args = p.parse_args(argv)
     amp = jaxamp.AmpConfig(derivative_scaling=not args.plain_fp16, autocast_firstlayer=True)
     c = args.domain_scale
@@ -69,12 +67,10 @@ def main(argv=None):
     def u_net(params, t, x):
         return jaxamp.autocast(model.apply, amp)(params, jnp.stack([t, x]))
 
-    grad = jax.grad if args.jax_grad else jaxamp.grad  # either is scaled per order; jaxamp.grad is faster
-
     def r_net(params, t, x):
         u = u_net(params, t, x)
-        u_t, u_x = grad(u_net, argnums=(1, 2))(params, t, x)
-        u_xx = grad(grad(u_net, argnums=2), argnums=2)(params, t, x)
+        u_t, u_x = jaxamp.grad(u_net, argnums=(1, 2))(params, t, x)
+        u_xx = jaxamp.grad(jaxamp.grad(u_net, argnums=2), argnums=2)(params, t, x)
         return u_t + u * u_x - NU * u_xx
 
     def losses(params, batch):

@@ -58,12 +58,14 @@ def test_scale_states_cross_exactly_and_bad_input_is_named():
     """torch_ref.scale_states_from_jax / scale_states_to_jax keep float32 scale and int32 tracker exactly."""
     import jax.numpy as jnp
 
-    jax_states = {"1": jaxamp.scaler.ScaleState(jnp.float32(2.0**-126), jnp.int32(7)),
-                  "u__x": jaxamp.scaler.ScaleState(jnp.float32(0.3), jnp.int32(0))}  # 0.3: not a power of two
+    from jaxamp._src.scaling.scaler import ScaleState
+
+    jax_states = {"1": ScaleState(jnp.float32(2.0**-126), jnp.int32(7)),
+                  "u__x": ScaleState(jnp.float32(0.3), jnp.int32(0))}  # 0.3: not a power of two
     t = torch_ref.scale_states_from_jax(jax_states)
     assert t["1"].scale.dtype == torch.float32 and t["1"].growth_tracker.dtype == torch.int32
     assert float(t["1"].scale) == 2.0**-126 and int(t["1"].growth_tracker) == 7
-    back = {k: jaxamp.scaler.ScaleState(**v) for k, v in torch_ref.scale_states_to_jax(t).items()}
+    back = {k: ScaleState(**v) for k, v in torch_ref.scale_states_to_jax(t).items()}
     for k, s in jax_states.items():
         assert back[k].scale.dtype == np.float32 and back[k].growth_tracker.dtype == np.int32
         assert back[k].scale == s.scale and back[k].growth_tracker == s.growth_tracker

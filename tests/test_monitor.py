@@ -25,7 +25,7 @@ def feed(monitor, sequence, state=None, update=None):
 
 
 @pytest.mark.parametrize("reason, flagged, cause", [
-    (jaxamp.SkipReason.NONFINITE_VALUES, (), "bad values in the batch (non-finite inputs or network outputs)"),
+    (jaxamp.SkipReason.NONFINITE_VALUES, (), "bad values (non-finite inputs, network outputs or loss)"),
     (jaxamp.SkipReason.DERIVATIVE_OVERFLOW, ("2",), "overflow in derivative scaler `2`"),
     (jaxamp.SkipReason.NONFINITE_GRADS, (), "non-finite weight gradients"),
 ])
@@ -47,7 +47,7 @@ def test_skip_rate_over_a_full_window():
     assert monitor.diagnose(state, metrics()) is None
     state = feed(monitor, [bad, metrics()], state)  # 5 of 8
     line = monitor.diagnose(state, metrics())
-    assert "5 of the last 8 steps skipped, the last for bad values in the batch" in line
+    assert "5 of the last 8 steps skipped, the last for bad values (non-finite inputs" in line
     state = feed(monitor, [metrics()] * 4, state)  # 2 of the last 8
     assert monitor.diagnose(state, metrics()) is None
 

@@ -13,7 +13,7 @@ import pytest
 
 import jaxamp
 
-from tests.helpers.injected import AMP, N, PARAMS, amp_state, inject  # noqa: F401
+from tests.helpers.injected import AMP, N, PARAMS, amp_state, inject, poison_grad  # noqa: F401
 
 
 def loss(params, b):
@@ -179,7 +179,7 @@ def test_the_line_search_value_fn_runs_under_the_scales_and_an_overflow_is_inf()
 
 def losses(params, b):
     inject(b["overflow"], 2)
-    pde = jnp.mean((params["w"] * b["x"] - 1.0) ** 2) * jnp.where(b["nan_grad"], jnp.inf, 1.0)
+    pde = poison_grad(jnp.mean((params["w"] * b["x"] - 1.0) ** 2), b["nan_grad"])
     return {"pde": pde, "bc": (params["w"][0] - 2.0) ** 2}
 
 
@@ -205,10 +205,12 @@ def test_gradient_norm_loss_weights_never_go_nan_or_inf():
                 np.testing.assert_allclose(float(norms[k]), ref[k], rtol=1e-5)
 
 
-def test_a_stall_on_plain_float16_with_the_loss_scale_at_its_floor_names_derivative_scaling():
-    """Non-finite weight gradients whatever the loss scale: the overflow is in the loss (a float16
-    derivative of the network with no derivative scaler), and the report says so and names only
-    arguments that exist."""
+def test_a_stall_on_plain_float16_with_a_non_finite_loss_names_derivative_scaling():
+    """A non-finite loss with no derivative scaler flagged (under plain fp16 a float16 derivative of
+    the network overflowing, or a term of the loss itself): bad values, which no loss scale cures,
+    so the loss scale stays where it is; the report names derivative scaling and only arguments
+    that exist. Non-finite weight gradients under a finite loss with the loss scale at its floor
+    say the same (explain)."""
     plain = jaxamp.AmpConfig(dtype="float16", derivative_scaling=False, loss_scaler={"init_scale": 2.0**8})
     tx = jaxamp.optimizer(optax.adam(1e-2), amp_state=jaxamp.init(None, plain)(), max_consecutive_skips=40)
 
@@ -227,8 +229,13 @@ def test_a_stall_on_plain_float16_with_the_loss_scale_at_its_floor_names_derivat
             params, opt_state = step(params, opt_state, batch())
         jax.block_until_ready(params)
     line = str(record[0].message)
-    assert "loss scale already at 2**" in line and "derivative_scaling=True" in line
+    assert "bad values" in line and "derivative_scaling=True" in line and "compute them in float32" in line
     assert "grad_clip_max_norm)" not in line and "lower the learning rate" not in line
+    assert int(opt_state.skip_reason) == jaxamp.SkipReason.NONFINITE_VALUES
+    assert float(opt_state.amp.loss_scale) == 2.0**8  # no loss scale cures a non-finite forward value
+    cause, advice = jaxamp._src.training.monitor.explain(int(jaxamp.SkipReason.NONFINITE_GRADS), [],
+                                                         loss_scale_log2=-30.0)
+    assert "loss scale already at 2**" in cause and "derivative_scaling=True" in advice
     # with derivative keys present the advice does not ask for them
     cause, advice = jaxamp._src.training.monitor.explain(
         int(jaxamp.SkipReason.NONFINITE_GRADS), [], loss_scale_log2=-30.0, derivative_keys=("2",))

@@ -80,3 +80,32 @@ def test_weight_gradients_beyond_float16_back_the_loss_scale_off(name):
 def test_the_applied_step_is_clean_in_every_precision():
     for amp in CONFIGS.values():
         assert step_reason(amp, params(), X)[0] == jaxamp.SkipReason.APPLIED
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_a_source_term_overflowing_in_the_users_float16_is_bad_values_and_moves_no_scaler(name):
+    """A float16 batch whose source term (computed by the user in float16, outside the network)
+    passes 65504: the loss is non-finite before any gradient, which no scale cures: bad values,
+    not non-finite weight gradients (the loss scale would back off to its floor for nothing)."""
+    amp = CONFIGS[name]
+    net = jaxamp.autocast(MODEL.apply, amp)
+    u_xx = jax.grad(jax.grad(lambda p, x: net(p, x[None])[0], 1), 1)
+
+    def loss(p, x16):
+        source = (x16 * jnp.float16(300.0)) ** 2  # float16: |x| = 1 gives 9e4, past 65504
+        return jnp.mean((jax.vmap(u_xx, (None, 0))(p, x16.astype(jnp.float32)) - source) ** 2)
+
+    x16 = jnp.linspace(-0.02, 0.02, 8).astype(jnp.float16)
+    state = jaxamp.init(loss, amp, from_profile=False)(params(), x16)
+    tx = jaxamp.optimizer(optax.adam(1e-3), amp_state=state)
+
+    @jax.jit
+    def step(opt_state, p, x16):
+        _, grads, flags = jaxamp.value_and_grad(loss)(opt_state, p, x16)
+        return tx.update(grads, opt_state, p, flags=flags)[1]
+
+    # without the point the loss is finite (its scaled backward may still overflow: the loss scale's to cure)
+    assert int(step(tx.init(params()), params(), x16).skip_reason) != jaxamp.SkipReason.NONFINITE_VALUES
+    after = step(tx.init(params()), params(), x16.at[3].set(1.0))  # a finite float16 point
+    assert int(after.skip_reason) == jaxamp.SkipReason.NONFINITE_VALUES
+    assert float(after.amp.loss_scale) == float(state.loss_scale) and after.amp.scales == state.scales

@@ -20,6 +20,7 @@ import pytest
 import jaxamp
 from jaxamp import NONFINITE_VALUES
 from jaxamp.models import FullyConnected
+from tests.helpers.injected import poison_grad
 
 N = 16
 FP16 = jaxamp.AmpConfig(dtype="float16", loss_scaler={"init_scale": 2.0**8})
@@ -52,7 +53,7 @@ def inject(hit, order):
 
 
 def toy_loss(params, batch):
-    loss = jnp.mean((params["w"] * batch["x"] - 1.0) ** 2) * jnp.where(batch["nan_grad"], jnp.inf, 1.0)
+    loss = poison_grad(jnp.mean((params["w"] * batch["x"] - 1.0) ** 2), batch["nan_grad"])
     inject(batch["bad"], 0)  # NONFINITE_VALUES
     inject(batch["overflow1"], 1)  # key "1"
     inject(batch["overflow"], 2)  # key "2"

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxamp._src.core.marks import NONFINITE_VALUES
 from jaxamp._src.scaling.config import AmpConfig
 from jaxamp._src.scaling.scaler import SMALLEST_NORMAL
 from jaxamp._src.training.step import SkipReason, find_opt_state
@@ -28,8 +29,9 @@ __all__ = [
 
 ADVICE = {
     SkipReason.NONFINITE_VALUES: (
-        "bad values in the batch (non-finite inputs or network outputs)",
-        "no scale can cure them: check the data for NaN/inf points and the parameters for NaN",
+        "bad values (non-finite inputs, network outputs or loss)",
+        "no scale can cure them: check the data for NaN/inf points, the parameters for NaN and the loss's own "
+        "terms (data, source terms) for values beyond float16's range: compute them in float32",
     ),
     SkipReason.DERIVATIVE_OVERFLOW: (
         "overflow in derivative scaler {keys}",
@@ -72,6 +74,9 @@ def explain(reason: int, keys: list, *, loss_scale_log2: Optional[float] = None,
     cause = cause.format(keys=", ".join(f"`{k}`" for k in keys) or "(none flagged in the last step)")
     advice = advice.format(clip="optax.clip_by_global_norm inside jaxamp.optimizer(optax.chain(...)); "
                            "make_train_step: grad_clip_max_norm")
+    if reason == SkipReason.NONFINITE_VALUES and not derivative_keys:
+        advice += ("; if the loss takes derivatives of a float16 network, turn derivative scaling on "
+                   "(jaxamp.AmpConfig(), derivative_scaling=True): an overflowing derivative makes the loss non-finite")
     if reason == SkipReason.NONFINITE_GRADS and loss_scale_log2 is not None and loss_scale_log2 <= FLOOR_LOG2:
         cause = f"non-finite weight gradients with the loss scale already at 2**{loss_scale_log2:g}"
         advice = ("the overflow is in the loss, not in the gradients' backward pass: "
@@ -105,7 +110,7 @@ def report_stall(consecutive_skips: jax.Array, skip_reason: jax.Array, found_inf
             return
         line = stall_line(caller, n, limit, int(reason), [k for k, v in flags.items() if bool(v)],
                           loss_scale_log2=None if scale is None else float(np.log2(scale)),
-                          derivative_keys=tuple(flags))
+                          derivative_keys=tuple(k for k in flags if k != NONFINITE_VALUES))
         if on_stall == "raise":
             raise StallError(line)
         warnings.warn(line, StallWarning, stacklevel=2)

@@ -114,14 +114,20 @@ def _loss_of(out: Any, has_aux: bool, fun: Callable) -> Tuple[jax.Array, Any]:
     return loss, aux
 
 
-def _bad_batch(args: Sequence[Any], kwargs: Dict[str, Any], argnums: Any, found: Dict[str, Any]) -> jax.Array:
-    """``bool[]``: bad values (``NONFINITE_VALUES``): the derivative checks' own, or a non-finite
-    float in the arguments not differentiated (the batch: a NaN point), which no scale cures and
-    which would otherwise read as non-finite weight gradients (bf16 and plain fp16 have no checks)."""
+def _bad_values(args: Sequence[Any], kwargs: Dict[str, Any], argnums: Any, found: Dict[str, Any],
+                loss: jax.Array) -> jax.Array:
+    """``bool[]``: bad values (``NONFINITE_VALUES``), which no scale cures and which would otherwise
+    read as non-finite weight gradients (bf16 and plain fp16 have no derivative checks): the
+    derivative checks' own; a non-finite float in the arguments not differentiated (the batch: a
+    NaN point); or a non-finite loss where no derivative scaler overflowed (its forward value: a
+    source term computed in float16 from the batch, a network output beyond float16, under plain
+    fp16 a derivative beyond float16). A loss scale multiplies only the backward pass."""
     nums = {argnums} if isinstance(argnums, int) else set(argnums)
     batch = [a for i, a in enumerate(args) if i not in nums] + list(kwargs.values())
     leaves = [x for x in jax.tree_util.tree_leaves(batch) if hasattr(x, "dtype")]
-    return flag_set(found.get(NONFINITE_VALUES, False)) | ~all_finite(leaves)
+    overflowed = [flag_set(v) for k, v in found.items() if k != NONFINITE_VALUES]
+    bad_loss = ~all_finite([loss]) & ~(any_set(overflowed) if overflowed else jnp.bool_(False))
+    return flag_set(found.get(NONFINITE_VALUES, False)) | ~all_finite(leaves) | bad_loss
 
 
 def value_and_grad(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_aux: bool = False, *,
@@ -168,7 +174,7 @@ def value_and_grad(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] =
         held = amp_state.amp.tensor_scaling  # float16 cotangents widened: multiplied as float16 (no amax)
         grads, (loss, (aux, found, room)) = filter_grad(loss_scaled_grad, loss_of, argnums, loss_scale, held)(*args)
         if not amp_state.amp.off:  # AMP off: the user's program as written
-            found = {**found, NONFINITE_VALUES: _bad_batch(args, kwargs, argnums, found)}
+            found = {**found, NONFINITE_VALUES: _bad_values(args, kwargs, argnums, found, loss)}
             # zeroed when a flag is set: a norm of them (a clip, loss weights) stays finite
             grads = zeroed_when([flag_set(v) for v in found.values()], grads)
         flags = StepFlags({k: flag_set(v) for k, v in found.items()}, room if headroom else {}, source=source)

@@ -327,25 +327,34 @@ def _lowest(dtype: Any) -> jax.Array:
 def in_one_kernel(tree: T) -> T:
     """``tree`` with its one-element leaves computed together: the results of one instruction, a
     variadic maximum over pairs ``(x, lowest)``, which gives each ``x`` back bit for bit (NaN included,
-    its derivative 1).
+    its derivative 1); one such instruction per floating dtype (an instruction mixes no two), the
+    integers and bools with the first.
 
     A step's scalars (each scale, growth tracker, skip reason, skip count, an optimizer's count, a
     one-element layer's new values) are tiny computations with separate results; on a GPU XLA gives
     each its own kernel (it merges siblings only over a shared array operand, never over shared
     scalars). As one instruction's results they are one kernel, their arithmetic fused into it
-    (H100 program, 4x512/6000: 8 kernels fewer; docs/gpu.md).
+    (H100 program, 4x512/6000: 10 kernels fewer; docs/gpu.md).
     """
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    picked = [i for i, x in enumerate(leaves) if hasattr(x, "dtype") and jnp.size(x) == 1]
-    if len(picked) < 2:
-        return tree
-    xs = [jnp.asarray(leaves[i]).reshape(()) for i in picked]
-    xs = [x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x for x in xs]
-    low = [_lowest(x.dtype) for x in xs]
-    outs = jax.lax.reduce([jnp.stack([x, lo]) for x, lo in zip(xs, low)], low,
-                          lambda a, b: [jax.lax.max(p, q) for p, q in zip(a, b)], (0,))
-    for i, out in zip(picked, outs):
-        leaves[i] = out.astype(leaves[i].dtype).reshape(jnp.shape(leaves[i]))
+    groups: Dict[Any, list] = {}
+    for i, x in enumerate(leaves):
+        if hasattr(x, "dtype") and jnp.size(x) == 1:
+            inexact = jnp.issubdtype(x.dtype, jnp.inexact)
+            groups.setdefault(jnp.dtype(x.dtype) if inexact else None, []).append(i)
+    ints = groups.pop(None, [])
+    batches = [list(g) for g in groups.values()] or [[]]
+    batches[0] += ints
+    for picked in batches:
+        if len(picked) < 2:
+            continue
+        xs = [jnp.asarray(leaves[i]).reshape(()) for i in picked]
+        xs = [x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x for x in xs]
+        low = [_lowest(x.dtype) for x in xs]
+        outs = jax.lax.reduce([jnp.stack([x, lo]) for x, lo in zip(xs, low)], low,
+                              lambda a, b: [jax.lax.max(p, q) for p, q in zip(a, b)], (0,))
+        for i, out in zip(picked, outs):
+            leaves[i] = out.astype(leaves[i].dtype).reshape(jnp.shape(leaves[i]))
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 

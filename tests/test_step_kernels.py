@@ -1,0 +1,49 @@
+"""The step's kernel-saving forms give what the plain forms give: one finiteness reduction over
+leaves of every size (``flags.finite_both``), the step's scalars as one instruction's results
+(``step.in_one_kernel``), bit for bit and differentiable."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxamp._src.training.flags import finite_both
+from jaxamp._src.training.step import in_one_kernel
+
+SHAPES = [(3, 5), (5,), (5, 1), (1,), (), (2, 5)]
+
+
+@pytest.mark.parametrize("where", range(len(SHAPES)))
+@pytest.mark.parametrize("bad", [jnp.nan, jnp.inf, -jnp.inf])
+@pytest.mark.parametrize("which", [0, 1])
+def test_finite_both_finds_one_bad_value_in_any_leaf_of_either_tree(where, bad, which):
+    trees = [[jnp.ones(s, jnp.float32) for s in SHAPES], [jnp.ones(s, jnp.float16) for s in SHAPES]]
+    leaf = trees[which][where]
+    trees[which][where] = leaf.reshape(-1).at[-1].set(bad).reshape(leaf.shape)
+    first, second = jax.jit(finite_both)(*trees)
+    assert (bool(first), bool(second)) == ((which != 0), (which != 1))
+
+
+def test_finite_both_of_finite_trees_and_of_no_inexact_leaves():
+    tree = {"w": jnp.ones((4, 3)), "n": jnp.arange(3), "b": jnp.zeros(())}
+    assert tuple(map(bool, finite_both(tree, tree))) == (True, True)
+    assert tuple(map(bool, finite_both({"n": jnp.arange(3)}, ()))) == (True, True)
+
+
+def test_in_one_kernel_gives_every_leaf_back_bit_for_bit():
+    tree = {"f": jnp.float32(-0.0), "nan": jnp.float32(jnp.nan), "inf": jnp.float32(-jnp.inf),
+            "h": jnp.float16(3.5), "i": jnp.int32(-(2**31)), "u": jnp.uint8(7), "b": jnp.bool_(True),
+            "one": jnp.array([2.5], jnp.float32), "col": jnp.array([[1]], jnp.int32), "big": jnp.arange(4.0)}
+    out = jax.jit(in_one_kernel)(tree)
+    assert jax.tree_util.tree_structure(out) == jax.tree_util.tree_structure(tree)
+    for k in tree:
+        assert out[k].dtype == tree[k].dtype and out[k].shape == tree[k].shape, k
+        bits = lambda a: np.asarray(a).reshape(-1).view(np.uint8)  # noqa: E731
+        np.testing.assert_array_equal(bits(out[k]), bits(tree[k]), k)
+    text = jax.jit(in_one_kernel).lower(tree).as_text()
+    assert text.count("stablehlo.reduce") == 1  # float32, ints and bools: one instruction; the lone float16 apart
+
+
+def test_in_one_kernel_is_differentiable():
+    f = lambda x: sum(jnp.sum(v) for v in in_one_kernel({"a": x, "b": 2 * x, "c": jnp.stack([x])}).values())
+    assert float(jax.grad(f)(jnp.float32(1.5))) == 4.0

@@ -93,7 +93,7 @@ def assert_one_program(net, path, options):
     np.testing.assert_array_equal(value, plain_value)
     leaves, plain_leaves = jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(plain_grads)
     assert len(leaves) == len(plain_leaves)
-    exact = not (net == "fourier" and path in THROUGH_BOUNDARY)
+    exact = True
     for a, b in zip(leaves, plain_leaves):
         if exact:
             np.testing.assert_array_equal(a, b, err_msg=f"{net} {path}")

@@ -251,7 +251,8 @@ def _evaluate(closed: jcore.ClosedJaxpr, arrays: Sequence[Any], is_param: Sequen
             return evaluate_held(jcore.ClosedJaxpr(closed.jaxpr, consts), xs, sole_readers=True)
         return eval_jaxpr(closed.jaxpr, consts, xs, bind)
 
-    if config.scaler_enabled and config.mode == "per_order_scaler" and not config.special_terms:
+    per_order = config.mode == "per_order_scaler" or not config.derivative_scaling
+    if config.loss_scaling_enabled and per_order and not config.special_terms:
         # captured arrays (an Equinox module's, maybe tracers) are operands: parameters
         body = jax.make_jaxpr(placed)(list(closed.consts), *arrays)
         return boundary.network(body, [*closed.consts, *arrays], [True] * len(closed.consts) + list(is_param))

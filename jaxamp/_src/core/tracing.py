@@ -26,10 +26,15 @@ def shared_trace(fun: Callable, args, kwargs):
     the program holds (:func:`jaxamp._src.core.rules.passes`: the ``jaxamp.grad`` chains of each
     jaxpr that differentiate the same arguments computed by one plan)."""
     closed, flat, out_tree = trace(fun, args, kwargs)
+    return expand(closed), flat, out_tree
+
+
+def expand(closed: Any) -> Any:
+    """``closed`` after the ``expand`` pass of every primitive of the rule table it holds."""
     for primitive, rewrite in passes():
         if holds(closed.jaxpr, frozenset((primitive,))):
             closed = rewrite(closed)
-    return closed, flat, out_tree
+    return closed
 
 
 def check_amp(amp, caller: str = "jaxamp.scaled") -> None:
@@ -60,11 +65,13 @@ def state_config(scales: Any, amp: Optional[AmpConfig], caller: str):
 
 
 def traced(fun: Callable, args, kwargs, amp: Optional[AmpConfig], caller: str,
-           against: str = "the config of the `state` (or `amp`) given"):
+           against: str = "the config of the `state` (or `amp`) given", raw: bool = False):
     """:func:`shared_trace` with ``amp`` active (``autocast`` without a config takes it), the
-    program's autocast policies checked against it."""
+    program's autocast policies checked against it; ``raw``: also the program as JAX traced it,
+    before the passes (a fourth output)."""
     with policy.using(amp, caller) if amp is not None else contextlib.nullcontext():
-        closed, flat, out_tree = shared_trace(fun, args, kwargs)
+        first, flat, out_tree = trace(fun, args, kwargs)
+        closed = expand(first)
     if amp is not None:
         policy.check(policy.policies_in(closed), amp, caller, against)
     if amp is not None and not amp.off and (0, AMP_OFF) in analyze(
@@ -74,4 +81,4 @@ def traced(fun: Callable, args, kwargs, amp: Optional[AmpConfig], caller: str,
             f"but runs with {policy.Policy.of(amp).describe()}: a jax.jit traced it under an AMP-off state "
             "and reuses that trace. Fix: jit the function once per config (e.g. build it inside a function "
             "of the config), or jax.clear_caches() before switching AMP on.")
-    return closed, flat, out_tree
+    return (closed, flat, out_tree, first) if raw else (closed, flat, out_tree)

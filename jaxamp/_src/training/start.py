@@ -15,7 +15,6 @@ from jaxamp._src.core import policy
 from jaxamp._src.core.marks import UnscaledDerivativeWarning
 from jaxamp._src.scaling.config import AmpConfig, check_flags
 from jaxamp._src.core.profile import scalers_of
-from jaxamp._src.core.interpreter import trace
 from jaxamp._src.core.tracing import traced
 from jaxamp._src.scaling.scaler import Scalers, ScaleState
 from jaxamp._src.scaling.state import AmpState
@@ -77,11 +76,11 @@ def init(fun: Optional[Callable[..., Any]], amp: Optional[AmpConfig] = None, *, 
     def init_state(*args, **kwargs) -> AmpState:
         found = Scalers({})  # the keys of `fun` (from its profile), then those of `keys` it lacks
         if fun is not None:
-            program, flat = _trace(fun, args, kwargs, amp)  # once: the keys and the profile read it
+            # traced once: the keys and the profile read the program, the coverage check JAX's trace of it
+            program, flat, first = _trace(fun, args, kwargs, amp)
             if amp.scaler_enabled:
                 found = scalers_of(program, flat, amp, from_profile=from_profile, margin_log2=margin_log2)
-            if amp.scaler_enabled:
-                _warn_unscaled(fun, _unscaled(fun, args, kwargs, amp), found, program)
+                _warn_unscaled(fun, unscaled_derivatives(first), found, program)
         more = {k: amp.derivative_scaler_for(k) for k in keys if k not in found} if amp.scaler_enabled else {}
         derivative = Scalers({**found.rules, **more}, {**found, **{k: r.init() for k, r in more.items()}})
         rule = amp.make_loss_scaler()
@@ -99,21 +98,15 @@ def _trace(fun: Callable, args: Tuple[Any, ...], kwargs: Dict[str, Any], amp: Am
     """``fun``'s program and array arguments (:func:`jaxamp._src.core.tracing.traced`: ``amp``
     active, its autocast policies checked); called with none, a failure names the fix."""
     try:
-        return traced(fun, args, kwargs, amp, "jaxamp.init", "the `amp` given to jaxamp.init")[:2]
+        closed, flat, _, first = traced(fun, args, kwargs, amp, "jaxamp.init", "the `amp` given to jaxamp.init",
+                                        raw=True)
+        return closed, flat, first
     except TypeError as e:
         if args or kwargs:
             raise
         raise TypeError(f"jaxamp.init: `fun`={_describe(fun)} failed on no arguments ({e}). jaxamp.init(fun, amp) "
                         "returns a builder: call it on example arguments as for fun, e.g. "
                         "jaxamp.init(loss, amp)(params, batch).") from None
-
-
-def _unscaled(fun: Callable, args: Tuple[Any, ...], kwargs: Dict[str, Any], amp: AmpConfig) -> Sequence[Unscaled]:
-    """``fun``'s unscaled float16 derivatives, read from its program as JAX traced it (before
-    jaxamp's passes, which rewrite the name stacks the analysis reads)."""
-    with policy.using(amp, "jaxamp.init"):
-        closed = trace(fun, args, kwargs)[0]
-    return unscaled_derivatives(closed)
 
 
 def _warn_unscaled(fun: Callable, unscaled: Sequence[Unscaled], found: Scalers, program: Any) -> None:

@@ -148,3 +148,53 @@ def test_jax_grad_loss_trains_as_the_jaxamp_grad_port():
     assert jax.tree_util.tree_structure(s_jax.amp.scales) == jax.tree_util.tree_structure(s_amp.amp.scales)
     assert {k: float(v) for k, v in s_jax.amp.scales.items()} == {k: float(v) for k, v in s_amp.amp.scales.items()}
     np.testing.assert_allclose(l_jax, l_amp, rtol=1e-2)
+
+
+def _kinds():
+    """The same kind of network four ways, its first layer's weights large (|u_xx| ~ 1e5):
+    ``{kind: u(x) for x in R^2}`` under autocast(AMP) and the float32 original."""
+    from flax import nnx
+
+    linen = _params(gain=400.0)
+    eqx_net = eqx.nn.MLP(2, "scalar", 16, 2, activation=jnp.tanh, key=jax.random.PRNGKey(0))
+    eqx_net = eqx.tree_at(lambda m: m.layers[0].weight, eqx_net, eqx_net.layers[0].weight * 1000.0)
+
+    class NNXNet(nnx.Module):
+        def __init__(self):
+            rngs = nnx.Rngs(0)
+            self.a, self.b = nnx.Linear(2, 16, rngs=rngs), nnx.Linear(16, 16, rngs=rngs)
+            self.c = nnx.Linear(16, 1, rngs=rngs)
+            self.a.kernel[...] = self.a.kernel[...] * 400.0
+
+        def __call__(self, x):
+            return self.c(jnp.tanh(self.b(jnp.tanh(self.a(x)))))[0]
+
+    nnx_net = NNXNet()
+    keys = jax.random.split(jax.random.PRNGKey(2), 3)
+    w = {"w": jax.random.normal(keys[0], (2, 16)) * 400.0, "v": jax.random.normal(keys[1], (16, 16)),
+         "o": jax.random.normal(keys[2], (16,)) * 0.3}
+    plain = lambda p, x: jnp.tanh(jnp.tanh(x @ p["w"]) @ p["v"]) @ p["o"]  # noqa: E731
+    placed_linen, placed_plain = jaxamp.autocast(MODEL.apply, AMP), jaxamp.autocast(plain, AMP)
+    return {
+        "flax linen": (lambda x: placed_linen(linen, x)[0], lambda x: MODEL.apply(linen, x)[0]),
+        "flax nnx": (jaxamp.autocast(nnx_net, AMP), nnx_net),
+        "equinox": (jaxamp.autocast(eqx_net, AMP), eqx_net),
+        "plain function": (lambda x: placed_plain(w, x), lambda x: plain(w, x)),
+    }
+
+
+@pytest.mark.parametrize("kind", ["flax linen", "flax nnx", "equinox", "plain function"])
+def test_each_kind_of_network_overflows_its_second_order_key_alone_under_jax_hessian(kind):
+    """jax.hessian of an autocast network, whatever holds it: the forced second-order overflow is
+    flagged under key "2" alone (the step skips and that key backs off) and a lower scale cures it."""
+    u16, u32 = _kinds()[kind]
+    lap = lambda u: jax.vmap(lambda x: jnp.trace(jax.hessian(u)(x)))  # noqa: E731
+    with jax.default_matmul_precision("highest"):
+        ref = lap(u32)(X)
+    assert float(jnp.abs(ref).max()) > 65504, kind
+    call = jax.jit(jaxamp.scaled(lap(u16), AMP), compiler_options=STRICT_FP16)
+    _, found = call({"1": 1.0, "2": 1.0}, X)
+    assert bool(found["2"]) and not bool(found["1"]) and not bool(found["nonfinite_values"]), kind
+    vals, found = call({"1": 1.0, "2": 2.0**-6}, X)
+    assert not any(bool(v) for v in found.values()), kind
+    np.testing.assert_allclose(vals, ref, atol=2e-2 * float(jnp.abs(ref).max()))

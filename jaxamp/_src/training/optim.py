@@ -64,14 +64,23 @@ def loss_scaled_grad(fun: Callable[..., Tuple[jax.Array, Any]], argnums: Any, lo
         if s is None:
             return grads, out
         inv = jnp.float32(1.0) / s
-        # the gradients written out as the backward pass made them, the unscale and the skip's
-        # selects fused into their consumers: without it XLA fuses the gradients' last stage into
-        # each consumer and keeps more of the backward pass live (H100 program, 4x512/6000: 33 MiB
-        # more device temp memory, 9 kernels fewer; docs/gpu.md)
-        grads = jax.lax.optimization_barrier(grads)
-        return jax.tree_util.tree_map(lambda x: x * inv.astype(x.dtype), grads), out
+        return jax.tree_util.tree_map(lambda x: x * inv.astype(x.dtype), _written_out(grads)), out
 
     return held_operands(g) if held else g
+
+
+def _written_out(grads: Any) -> Any:
+    """``grads`` with each matrix's (2 or more dimensions) written out as the backward pass made it, the
+    unscale and the skip's selects fused into its consumers. Without it XLA fuses a weight gradient's
+    last stage (the sum of a split-K GEMM's partial products) into each consumer and keeps the partials
+    live until the optimizer runs (H100 program, 4x512/6000: 33 MiB more device temp memory). The
+    vectors' (biases') unscale fuses into the reduction that makes them (4 kernels fewer than
+    writing every leaf out; docs/gpu.md)."""
+    leaves, treedef = jax.tree_util.tree_flatten(grads)
+    matrices = [i for i, x in enumerate(leaves) if jnp.ndim(x) >= 2]
+    for i, x in zip(matrices, jax.lax.optimization_barrier([leaves[i] for i in matrices])):
+        leaves[i] = x
+    return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def with_amp_state(opt_state: Any, amp_state: AmpState) -> Any:

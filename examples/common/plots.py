@@ -40,24 +40,91 @@ def plot_fields(workdir: str, inputs: Sequence[str], axes: Tuple[np.ndarray, np.
     return _save(fig, workdir, "fields.png")
 
 
-def plot_losses(workdir: str, recs: List[Dict[str, Any]]) -> str:
-    """``losses.png``: total loss and each term against the step (log scale); non-finite marked."""
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+# Colors of the loss terms (red, C3, marks non-finite losses) and of the scaler keys: the keys
+# take a palette of their own (Dark2), so that comparison.png's mode colors (C0, C1, ...) and a
+# key's color never read as the same thing; a key's color and dash depend on its place among
+# the run's keys only (:func:`key_styles`), the same in every plot of that run.
+_TERM_COLORS = ("C0", "C1", "C2", "C4", "C5", "C6", "C8", "C9", "C7")
+KEY_COLORS = tuple(matplotlib.colormaps["Dark2"].colors)
+_KEY_DASHES = ("-", "--", "-.", ":", (0, (5, 1, 1, 1)))
+
+
+def key_order(keys: Sequence[str]) -> List[str]:
+    """Scaler keys in reading order: per-order keys by order (``1, 2, ...``), then per-term keys
+    by their derivative order (``u, u__x, u__x__x``), then by name."""
+    def rank(k: str):
+        return (0, int(k), "") if k.isdigit() else (1, k.count("__"), k)
+
+    return sorted(set(keys), key=rank)
+
+
+def key_styles(keys: Sequence[str]) -> Dict[str, Tuple[Any, Any]]:
+    """``{key: (color, line style)}``: a distinct pair per key (distinct colors for up to 8 keys,
+    distinct pairs for up to 40), a function of the set of keys only, so every plot of a run
+    (and comparison.png over several runs, given the union of their keys) draws a key alike."""
+    return {k: (KEY_COLORS[i % len(KEY_COLORS)], _KEY_DASHES[i % len(_KEY_DASHES)])
+            for i, k in enumerate(key_order(keys))}
+
+
+def _legend_outside(ax, **kw):
+    """The axes' legend to the right of its plot area, where it hides no data."""
+    return ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=8, **kw)
+
+
+def smooth_log(y: np.ndarray, window: int) -> np.ndarray:
+    """Centered rolling geometric mean of ``y`` over ``window`` steps, over the finite positive
+    values only (NaN where a window has none): a loss curve on a log axis without its step-to-step
+    noise."""
+    y = np.asarray(y, np.float64)
+    ok = np.isfinite(y) & (y > 0)
+    logs = np.concatenate([[0.0], np.cumsum(np.where(ok, np.log(np.where(ok, y, 1.0)), 0.0))])
+    counts = np.concatenate([[0], np.cumsum(ok)])
+    i = np.arange(len(y))
+    lo, hi = np.clip(i - window // 2, 0, len(y)), np.clip(i - window // 2 + window, 0, len(y))
+    n = counts[hi] - counts[lo]
+    return np.where(n > 0, np.exp((logs[hi] - logs[lo]) / np.maximum(n, 1)), np.nan)
+
+
+def losses_figure(recs: List[Dict[str, Any]]):
+    """The figure of :func:`plot_losses` (returned open, for tests)."""
+    fig, ax = plt.subplots(figsize=(10, 4.8))
+    window = max(1, len(recs) // 25)
     if recs:
         steps = np.array([r["step"] for r in recs])
-        keys = ["loss"] + [k for k in recs[0] if k.startswith("terms/")]
-        for k in keys:
-            y = np.array([_num(r[k]) for r in recs])
-            ax.plot(steps, np.where(np.isfinite(y) & (y > 0), y, np.nan), label=k, lw=1 if k != "loss" else 1.6)
-        bad = steps[~np.isfinite([_num(r["loss"]) for r in recs])]
-        if len(bad):
-            ax.plot(bad, np.full(len(bad), np.nanmax([_num(r["loss"]) for r in recs] + [1.0])), "rx",
-                    label=f"non-finite loss ({len(bad)} steps)")
+        terms = [k for k in recs[0] if k.startswith("terms/")]
+        total = np.array([_num(r["loss"]) for r in recs])
+        shown = lambda y: np.where(np.isfinite(y) & (y > 0), y, np.nan)  # noqa: E731
+        # the total under the terms, dashed: a term that is nearly all of it stays visible on top
+        ax.plot(steps, shown(total), color="0.55", lw=0.6, alpha=0.35, zorder=1)
+        ax.plot(steps, smooth_log(total, window), color="k", ls="--", lw=1.3, zorder=2,
+                label="total loss (drawn under the terms)")
+        for j, k in enumerate(terms):
+            y, color = np.array([_num(r[k]) for r in recs]), _TERM_COLORS[j % len(_TERM_COLORS)]
+            ax.plot(steps, shown(y), color=color, lw=0.6, alpha=0.3, zorder=3)
+            ax.plot(steps, smooth_log(y, window), color=color, lw=1.8, zorder=4, label=k.split("/", 1)[1])
+        bad = steps[~np.isfinite(total)]
         ax.set_yscale("log")
-        ax.legend(fontsize=8)
+        if len(bad):
+            ax.plot(bad, np.full(len(bad), ax.get_ylim()[1]), "x", color="C3", clip_on=False, zorder=5,
+                    label=f"non-finite loss ({len(bad)} steps)")
+        _legend_outside(ax, title="term (weighted)", title_fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "no steps recorded", transform=ax.transAxes, ha="center")
     ax.set_xlabel("step")
-    ax.set_title("loss")
-    return _save(fig, workdir, "losses.png")
+    ax.set_ylabel("loss (log scale)")
+    ax.set_title("loss per term: bold = rolling geometric mean over "
+                 f"{window} step{'s' if window > 1 else ''}, faint = every step", fontsize=10)
+    return fig
+
+
+def plot_losses(workdir: str, recs: List[Dict[str, Any]]) -> str:
+    """``losses.png``: each loss term and the total against the step, on a log axis. Each curve
+    is drawn twice in its color: faint, every step; bold, its rolling geometric mean
+    (:func:`smooth_log`, over a 25th of the run), so that step-to-step noise hides no term.
+    The total is black and dashed, drawn under the terms (a term that is nearly all of the loss
+    shows on top of it); non-finite losses are marked with red crosses on the top edge, with
+    their count in the legend, which sits right of the plot."""
+    return _save(losses_figure(recs), workdir, "losses.png")
 
 
 def _integer_axis(ax) -> None:
@@ -69,48 +136,67 @@ def _integer_axis(ax) -> None:
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
 
 
-def plot_scales(workdir: str, recs: List[Dict[str, Any]]) -> str:
-    """``scales.png``: log2 of every derivative scaler against the step, skipped steps marked
-    below the curves; under it the loss scale (log2) on its own axis, so that its fall at an
-    underflow (to about -126) does not squash the derivative scales; below, when the records
-    have them, each key's headroom (``headroom_log2/<key>``: powers of two between its largest
-    scaled derivative and 65504; 0 is the overflow line)."""
-    keys = [k for k in recs[0] if k.startswith("headroom_log2/")] if recs else []
-    n = 3 if keys else 2
-    fig, axes = plt.subplots(n, 1, figsize=(8, 3.0 * n + 0.5), sharex=True, squeeze=False,
-                             gridspec_kw={"height_ratios": [2.2, 1.4] + ([2.0] if keys else [])})
-    ax, lax = axes[0, 0], axes[1, 0]
-    if recs:
-        steps = np.array([r["step"] for r in recs])
-        scalers = [k for k in recs[0] if k.startswith("scale_log2/") and k != "scale_log2/loss"]
-        for j, k in enumerate(scalers):
-            ax.step(steps, [_num(r[k]) for r in recs], where="post", ls=_STYLES[j % len(_STYLES)][0],
-                    label=f"key {k.split('/', 1)[1]}")
-        if not scalers:
-            ax.text(0.5, 0.5, "no derivative scaler in this run", transform=ax.transAxes, ha="center")
-        _integer_axis(ax)
-        skipped = steps[np.array([bool(r["skipped"]) for r in recs])]
-        if len(skipped):
-            ymin = ax.get_ylim()[0]
-            ax.plot(skipped, np.full(len(skipped), ymin), "r|", ms=12, label=f"skipped ({len(skipped)} steps)")
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
-        if "scale_log2/loss" in recs[0]:
-            lax.step(steps, [_num(r["scale_log2/loss"]) for r in recs], where="post", color="k", label="loss scale")
-            lax.legend(fontsize=8)
-            _integer_axis(lax)
-    ax.set_ylabel("derivative scales, log2")
-    ax.set_title("scalers")
+def scales_figure(recs: List[Dict[str, Any]]):
+    """The figure of :func:`plot_scales` (returned open, for tests)."""
+    first = recs[0] if recs else {}
+    scalers = [k.split("/", 1)[1] for k in first if k.startswith("scale_log2/") and k != "scale_log2/loss"]
+    heads = [k.split("/", 1)[1] for k in first if k.startswith("headroom_log2/")]
+    styles = key_styles(scalers + heads)
+    panels = (["derivative"] if scalers else []) + ["loss"] + (["headroom"] if heads else [])
+    ratios = {"derivative": 2.2, "loss": 1.4, "headroom": 2.0}
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10, 2.9 * len(panels) + 0.6), sharex=True, squeeze=False,
+                             gridspec_kw={"height_ratios": [ratios[p] for p in panels]})
+    ax_of = dict(zip(panels, axes[:, 0]))
+    steps = np.array([r["step"] for r in recs])
+    for panel, prefix in (("derivative", "scale_log2/"), ("headroom", "headroom_log2/")):
+        if panel not in ax_of:
+            continue
+        ax, drawn = ax_of[panel], []
+        for k in key_order(scalers if panel == "derivative" else heads):
+            series = np.array([_num(r[prefix + k]) for r in recs])
+            color, ls = styles[k]
+            draw = ax.step if panel == "derivative" else ax.plot
+            kw = dict(where="post") if panel == "derivative" else {}
+            draw(steps, series, color=color, ls=ls, lw=1.4, label=f"key {k}{_same_as(series, drawn)}", **kw)
+            drawn.append((f"key {k}", series))
+    if "derivative" in ax_of:
+        _integer_axis(ax_of["derivative"])
+        ax_of["derivative"].set_ylabel("derivative scales, log2")
+    lax = ax_of["loss"]
+    if "scale_log2/loss" in first:
+        series = np.array([_num(r["scale_log2/loss"]) for r in recs])
+        none = " (none in this run: 2^0 throughout)" if not np.any(series) else ""  # fp32, bf16
+        lax.step(steps, series, where="post", color="k", label=f"loss scale{none}")
+        _integer_axis(lax)
     lax.set_ylabel("loss scale, log2")
-    if keys:
-        low = axes[2, 0]
-        for k in keys:
-            low.plot(steps, [_num(r[k]) for r in recs], lw=0.8, label=f"key {k.split('/', 1)[1]}")
-        low.axhline(0.0, color="r", lw=0.8, ls="--", label="overflow line (65504)")
-        low.set_ylabel("headroom, log2 (to 65504)")
-        low.legend(fontsize=8)
+    top = axes[0, 0]
+    skipped = steps[np.array([bool(r["skipped"]) for r in recs], bool)] if recs else steps
+    if len(skipped):  # along the bottom of the first panel
+        top.plot(skipped, np.full(len(skipped), top.get_ylim()[0]), "|", color="C3", ms=12, clip_on=False,
+                 label=f"skipped ({len(skipped)} steps)")
+    if "headroom" in ax_of:
+        low = ax_of["headroom"]
+        low.axhline(0.0, color="C3", lw=0.8, ls="--", label="overflow line (65504)")
+        low.set_ylabel("headroom, log2\n(powers of two to 65504)")
+    for panel, ax in ax_of.items():
+        if ax.get_legend_handles_labels()[0]:
+            _legend_outside(ax)
+    note = "" if scalers else ": no derivative scaler in this run (profile.png: its headroom at scale 1)"
+    top.set_title(f"scalers{note}", fontsize=10)
     axes[-1, 0].set_xlabel("step")
-    return _save(fig, workdir, "scales.png")
+    return fig
+
+
+def plot_scales(workdir: str, recs: List[Dict[str, Any]]) -> str:
+    """``scales.png``: log2 of every derivative scaler against the step (a run without one has
+    no such panel and says so in the title), skipped steps marked in red along the first panel's
+    bottom; the loss scale (log2) on its own axis, so that its fall at an underflow (to about
+    -126) does not squash the derivative scales; below, when the records have them, each key's
+    headroom (``headroom_log2/<key>``: powers of two between its largest scaled derivative and
+    65504; 0 is the overflow line). Each key has its color and dash (:func:`key_styles`) in both
+    panels; a curve equal to one already drawn says so in the legend; legends sit right of the
+    plots."""
+    return _save(scales_figure(recs), workdir, "scales.png")
 
 
 def _window_means(steps: np.ndarray, values: np.ndarray, n_windows: int = 200) -> Tuple[np.ndarray, np.ndarray]:
@@ -149,8 +235,10 @@ def comparison_figure(runs: Dict[str, List[Dict[str, Any]]], title: str = ""):
     colors = {m: f"C{i}" for i, m in enumerate(runs)}
     order = _mode_order(modes)
     n = max(1, len(order))
+    keys = key_styles([k.split("/", 1)[1] for recs in runs.values() for k in (recs[0] if recs else {})
+                       if k.startswith("scale_log2/") and k != "scale_log2/loss"])
     fig, (top, lscale, dscale, strip) = plt.subplots(
-        4, 1, figsize=(9.5, 11.5), sharex=True, gridspec_kw={"height_ratios": [3.0, 1.7, 2.2, 0.5 + 0.3 * n]})
+        4, 1, figsize=(12.5, 11.5), sharex=True, gridspec_kw={"height_ratios": [3.0, 1.7, 2.2, 0.5 + 0.3 * n]})
     drawn_loss: List[Tuple[str, np.ndarray]] = []
     drawn_ls: List[Tuple[str, np.ndarray]] = []
     drawn_ds: List[Tuple[str, np.ndarray]] = []
@@ -175,12 +263,13 @@ def comparison_figure(runs: Dict[str, List[Dict[str, Any]]], title: str = ""):
             lscale.step(steps, series, where="post", color=color, ls=ls, lw=width, alpha=alpha, zorder=2 + rank,
                         label=f"{mode}{_same_as(series, drawn_ls)}")
             drawn_ls.append((mode, series))
-        keys = [k for k in recs[0] if k.startswith("scale_log2/") and k != "scale_log2/loss"]
-        for j, k in enumerate(keys):
-            series = np.array([_num(r[k]) for r in recs])
-            name = f"{mode}: key {k.split('/', 1)[1]}"
-            dscale.step(steps, series, where="post", color=color, lw=max(1.0, width - 0.6 * j), alpha=alpha,
-                        ls=_STYLES[(rank + j) % len(_STYLES)][0], zorder=2 + rank,
+        every_s = max(1, len(steps) // 10)
+        for k in key_order([k.split("/", 1)[1] for k in recs[0] if k.startswith("scale_log2/")
+                            and k != "scale_log2/loss"]):  # a key's color, the mode's line style and marker
+            series = np.array([_num(r["scale_log2/" + k]) for r in recs])
+            name = f"{mode}: key {k}"
+            dscale.step(steps, series, where="post", color=keys[k][0], lw=width, alpha=alpha, ls=ls,
+                        marker=marker, ms=5, markevery=(rank * every_s // n, every_s), mfc="none", zorder=2 + rank,
                         label=f"{name}{_same_as(series, drawn_ds)}")
             drawn_ds.append((name, series))
             any_ds = True
@@ -195,17 +284,17 @@ def comparison_figure(runs: Dict[str, List[Dict[str, Any]]], title: str = ""):
         top.plot(bad, np.full(len(bad), y), "|", color=color, ms=6,
                  label=f"{mode}: non-finite loss ({len(bad)} steps, first {bad[0]})")
     top.set_ylabel("loss (window mean\nof the finite values)")
-    top.legend(fontsize=8, title="mode (fp32 drawn last, on top)", title_fontsize=8)
+    _legend_outside(top, title="mode (fp32 drawn last, on top)", title_fontsize=8)
     top.set_title(title or "modes compared")
     lscale.set_ylabel("loss scale, log2")
     if drawn_ls:
-        lscale.legend(fontsize=8, title="loss scaler (fp32/bf16 have none)", title_fontsize=8)
+        _legend_outside(lscale, title="loss scaler\n(fp32/bf16 have none)", title_fontsize=8)
     else:
         lscale.text(0.5, 0.5, "no loss scaler in these runs", transform=lscale.transAxes, ha="center", fontsize=9)
     dscale.set_ylabel("derivative scales, log2")
     if any_ds:
-        dscale.legend(fontsize=7, ncol=2, title="derivative scaler per key (1, 2: per order; u__x ...: per term)",
-                      title_fontsize=8)
+        _legend_outside(dscale, title="derivative scaler: color = key,\nline style = mode (as above)\n"
+                        "(1, 2: per order; u__x ...: per term)", title_fontsize=8)
     else:
         dscale.text(0.5, 0.5, "no derivative scaler in these runs", transform=dscale.transAxes, ha="center",
                     fontsize=9)
@@ -224,10 +313,11 @@ def plot_comparison(workdir: str, runs: Dict[str, List[Dict[str, Any]]], title: 
     the mean of the finite values per window of steps (a window with only non-finite losses
     leaves a gap; those steps are marked along the top edge). The loss scale (log2) on its own
     axis: its fall to about -126 at an underflow does not squash the derivative scales. The
-    derivative scales (log2), per mode and key. The skipped steps, one row per mode, with their
+    derivative scales (log2): a color per key (:func:`key_styles`), the mode's line style and
+    marker. The skipped steps, one row per mode, with their
     count. No curve hides another: each mode has its own line style and marker, the first drawn
     widest and fp32 last (thin, on top), and a curve equal to one already drawn says so in the
-    legend ("same curve as ...").
+    legend ("same curve as ..."); the legends sit right of the plots.
 
     ``runs`` maps a mode name to that run's metric records (its ``metrics.jsonl``)."""
     return _save(comparison_figure(runs, title), workdir, "comparison.png")
@@ -237,7 +327,7 @@ def _save(fig, workdir: str, name: str, tight: bool = True) -> str:
     path = os.path.join(workdir, name)
     if tight:  # False: the figure placed its axes and legends itself
         fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=90, bbox_inches="tight")  # the legends right of the plots included
     plt.close(fig)
     return path
 
@@ -265,15 +355,15 @@ def _profile_rows(prof: Any) -> List[Tuple[str, Any]]:
     return rows + [(f"key {k}: every value it scales", r) for k, r in prof.keys.items()]
 
 
-def profile_figure(prof: Any):
+def profile_figure(prof: Any, scale_one: bool = False):
     """The figure of :func:`plot_profile` (returned open, for tests)."""
     from matplotlib.patches import Patch
 
     rows = _profile_rows(prof)
     plot_h, foot_h = 0.5 * max(len(rows), 2) + 1.3, 1.9  # inches: the bars, the legends under them
     height = plot_h + foot_h
-    fig, ax = plt.subplots(figsize=(9.5, height))
-    fig.subplots_adjust(left=0.24, right=0.97, top=1 - 0.45 / height, bottom=(foot_h + 0.1) / height)
+    fig, ax = plt.subplots(figsize=(10.5, height))
+    fig.subplots_adjust(left=0.22, right=0.86, top=1 - 0.55 / height, bottom=(foot_h + 0.1) / height)
     top = float(np.log2(65504.0))
     ax.axvspan(-14, top, color="C2", alpha=0.12)
     for i, (name, r) in enumerate(rows):
@@ -284,6 +374,8 @@ def profile_figure(prof: Any):
             continue
         ax.plot([lo, hi], [i, i], color=profile_color(r), lw=6, solid_capstyle="butt")
         ax.plot([mid], [i], "k.", ms=5)
+        ax.text(1.02, i, f"{float(r.headroom_up):+.1f}", transform=ax.get_yaxis_transform(), va="center", fontsize=8,
+                color="C3" if hi > top else "k")  # the headroom: powers of two from the max to 65504
         if hi > top:  # say which edge a red bar crosses: overflow is what skips steps
             ax.text(hi, i - 0.3, "overflow: max > 65504 (a step skips)", ha="right", va="bottom", fontsize=7, color="C3")
         if lo < -14:
@@ -295,15 +387,23 @@ def profile_figure(prof: Any):
         ax.set_yticks([])
     else:
         ax.set_yticks(range(len(rows)), [name for name, _ in rows], fontsize=8)
+        ax.text(1.02, -0.7, "headroom\n(log2, max\nto 65504)", transform=ax.get_yaxis_transform(), va="bottom",
+                fontsize=7.5)
         if prof.derivatives and prof.keys:  # the two groups of rows
             ax.axhline(len(prof.derivatives) - 0.5, color="0.6", lw=0.8)
     ax.set_ylim(max(len(rows), 1) - 0.5, -0.8)
     ax.set_xlim(min(-16.0, ax.get_xlim()[0]), max(top + 2.0, ax.get_xlim()[1]))
-    ax.set_xlabel("log2 |value| as float16 holds it (times the key's scale); bar: 1st percentile to max, dot: median")
-    ax.set_title("where each derivative scaler's values sit in float16's range, at the end of training", fontsize=10)
+    scale = "at scale 1" if scale_one else "times the key's scale"
+    ax.set_xlabel(f"log2 |value| as float16 holds it ({scale}); bar: 1st percentile to max, dot: median")
+    title = ("where each derivative scaler's values sit in float16's range, at the end of training" if not scale_one
+             else "no derivative scaler in this run: where its derivatives sit in float16's range at scale 1,\n"
+                  "at the end of training (the headroom is what a derivative scaler could use)")
+    ax.set_title(title, fontsize=10)
     handles = [Patch(color="C2", alpha=0.12, label="float16's normal range, 2^-14 to 65504")]
     handles += [Patch(color=c, label=text) for c, text in PROFILE_COLORS]
-    rows_help = ("rows: key K is a derivative scaler (per order: 1 = first derivatives, 2 = second ...; per term: "
+    keyed = ("rows: key K as a derivative scaler would group them" if scale_one
+             else "rows: key K is a derivative scaler")
+    rows_help = (f"{keyed} (per order: 1 = first derivatives, 2 = second ...; per term: "
                  "u__x ...).\n'derivatives it checks': the derivatives whose overflow check skips a step; "
                  "'every value it scales': those\nand the hidden float16 values of the passes its seed scales "
                  "(what the profile's recommend() fits a start scale to).")
@@ -312,18 +412,22 @@ def profile_figure(prof: Any):
     return fig
 
 
-def plot_profile(workdir: str, prof: Any) -> str:
+def plot_profile(workdir: str, prof: Any, scale_one: bool = False) -> str:
     """``profile.png``: where each derivative and each scaler key sits in float16's window.
 
-    ``prof`` is a result of :func:`jaxamp.profile` for the final parameters and scales. One bar
+    ``prof`` is a result of :func:`jaxamp.profile` for the final parameters and scales; with
+    ``scale_one`` (a run without derivative scalers: fp32, plain fp16, bf16), one at every scale
+    1 with the keys a derivative scaler would have, so that the plot shows the headroom such a
+    run has. One bar
     per scaler key's checked derivatives ("key K: derivatives it checks") and per key's every
     scaled value ("key K: every value it scales": those plus the hidden passes its seed
     scales), from the 1st percentile of its nonzero magnitudes to its largest (log2, scaled as
-    float16 holds it), a dot at the median; the shaded band is float16's normal range, 2^-14 to
-    65504. Colors (:data:`PROFILE_COLORS`, :func:`profile_color`): red = the bar crosses the
-    band, labelled with the edge it crosses (overflow above 65504, which skips steps; underflow
-    of the 1st percentile below 2^-14, often harmless), orange = the bar is inside but some
-    values below its 1st percentile are under 2^-14, blue = inside. A group with no nonzero
-    value gets no bar, the words "all zero / no values" instead; a run without derivative
-    scalers says so. Under the plot, a legend of the colors and of the rows."""
-    return _save(profile_figure(prof), workdir, "profile.png", tight=False)
+    float16 holds it), a dot at the median; right of each bar its headroom, the powers of two
+    from its largest value to 65504 (negative: it overflows); the shaded band is float16's
+    normal range, 2^-14 to 65504. Colors (:data:`PROFILE_COLORS`, :func:`profile_color`): red =
+    the bar crosses the band, labelled with the edge it crosses (overflow above 65504, which
+    skips steps; underflow of the 1st percentile below 2^-14, often harmless), orange = the bar
+    is inside but some values below its 1st percentile are under 2^-14, blue = inside. A group
+    with no nonzero value gets no bar, the words "all zero / no values" instead; an empty profile
+    says the run has no derivative scaler. Under the plot, a legend of the colors and of the rows."""
+    return _save(profile_figure(prof, scale_one), workdir, "profile.png", tight=False)

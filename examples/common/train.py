@@ -10,6 +10,7 @@ a stalled run stopped), ``*.png`` (plots).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -161,7 +162,9 @@ class Setup:
         """``(profile, scaled)`` of the next batch (every part together) with the state's
         parameters and scales: where each derivative sits in float16's window
         (:func:`jaxamp.profile`), and each derivative's values times its key's scale
-        (``{name: np.ndarray}``), as float16 holds them."""
+        (``{name: np.ndarray}``), as float16 holds them. A run without derivative scalers gets
+        the profile at every scale 1 of its network under float16 derivative scalers (the keys
+        they would have): how much headroom its derivatives leave below 65504."""
         parts = self.problem.sample(jax.random.fold_in(self.sample_key, state.step)).values()
         points = {name: jnp.concatenate([part[name] for part in parts]) for name in self.problem.inputs}
         scales = {key: s.scale for key, s in state.amp_state.derivative.items()}
@@ -173,7 +176,11 @@ class Setup:
                 continue
             key = engine.scaler_key(name.rsplit("__", 1)[0]) if engine.scaler_keys else None
             scaled[name] = np.asarray(v) * float(scales[key] if key is not None else 1.0)
-        prof = jax.jit(jaxamp.profile(engine))(scales, state.params, points)
+        if not self.amp.scaler_enabled:  # no scaler: every scale 1, keyed as a float16 scaler would key it
+            amp = dataclasses.replace(self.amp, enabled=True, dtype="float16", derivative_scaling=True)
+            engine = jaxamp.Derivatives(self.net, inputs=engine.inputs, outputs=engine.outputs,
+                                        derivatives=engine.requested, amp=amp)
+        prof = jax.jit(jaxamp.profile(engine))(scales or None, state.params, points)
         return prof, scaled
 
     def predict(self, params, points: np.ndarray) -> np.ndarray:
@@ -250,7 +257,7 @@ def train_and_evaluate(
     last = kept[-1] if kept else None  # the latest step's record
     warned = False
     board = TensorBoardLog(workdir, step, skip_counts(kept)) if t["tensorboard"] else None
-    bar = _progress_bar(progress, step, max_steps, cfg)
+    bar = _progress_bar(progress, step, max_steps, cfg, kept)
     t0, train_s = time.perf_counter(), 0.0  # train_s: this session's training time, per chunk
     while step < max_steps and stalled is None:
         next_ckpt = (step // t["checkpoint_every"] + 1) * t["checkpoint_every"]
@@ -267,8 +274,7 @@ def train_and_evaluate(
             ckpt.save({"train": state, "monitor": mstate}, step=step)
             record_time(time_path, step, earlier_s + train_s)
         if bar is not None:
-            bar.update(len(recs))
-            bar.set_postfix(_postfix(recs), refresh=False)
+            bar.advance(recs)
         warning = stalled or (None if warned else monitor.diagnose(mstate, recs[-1]))
         if warning:
             print(warning, file=sys.stderr)
@@ -284,7 +290,7 @@ def train_and_evaluate(
         from examples.common import plots as P
 
         prof, scaled = setup.profile(state)
-        P.plot_profile(workdir, prof)
+        P.plot_profile(workdir, prof, scale_one=not setup.amp.scaler_enabled)
         if board is not None:
             board.write_profile(step, prof, scaled)
     if board is not None:
@@ -292,17 +298,42 @@ def train_and_evaluate(
     return summary
 
 
-def _progress_bar(progress: bool, step: int, max_steps: int, cfg: Mapping[str, Any]):
-    if not progress:
-        return None
-    from tqdm import tqdm
+class _Progress:
+    """The run's tqdm bar: steps done, and after each chunk of records :func:`_postfix` with the
+    run's skipped steps so far (those of the records a resumed run started from included)."""
 
-    return tqdm(total=max_steps, initial=step, desc=f"{cfg.get('name', '')} {cfg['mode']}", unit="step")
+    def __init__(self, step: int, max_steps: int, cfg: Mapping[str, Any], earlier: List[Dict[str, Any]],
+                 **tqdm_kw: Any) -> None:
+        from tqdm import tqdm
+
+        self.skipped = sum(bool(r["skipped"]) for r in earlier)
+        self.bar = tqdm(total=max_steps, initial=step, desc=f"{cfg.get('name', '')} {cfg['mode']}", unit="step",
+                        **tqdm_kw)
+
+    def advance(self, recs: List[Dict[str, Any]]) -> None:
+        """Count one chunk's records: the bar moves by their steps, its postfix shows the last."""
+        self.skipped += sum(bool(r["skipped"]) for r in recs)
+        self.bar.update(len(recs))
+        self.bar.set_postfix(_postfix(recs, self.skipped), refresh=False)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
-def _postfix(recs: List[Dict[str, Any]]) -> Dict[str, Any]:
+def _progress_bar(progress: bool, step: int, max_steps: int, cfg: Mapping[str, Any],
+                  earlier: List[Dict[str, Any]], **tqdm_kw: Any) -> Optional[_Progress]:
+    """The progress bar of a run from ``step`` (``earlier``: the records it resumed from); None
+    without ``progress``."""
+    return _Progress(step, max_steps, cfg, earlier, **tqdm_kw) if progress else None
+
+
+def _postfix(recs: List[Dict[str, Any]], skipped_total: int) -> Dict[str, Any]:
+    """The bar's postfix after a chunk ``recs``: the last loss, ``skipped_total`` (the run's
+    skipped steps so far), ``skipped_window`` (``k/n``: k of the chunk's n steps skipped) and
+    the last log2 scales (``s_<key>``)."""
     last = recs[-1]
-    out = {"loss": last["loss"], "skipped": sum(bool(r["skipped"]) for r in recs)}
+    window = sum(bool(r["skipped"]) for r in recs)
+    out = {"loss": last["loss"], "skipped_total": skipped_total, "skipped_window": f"{window}/{len(recs)}"}
     out.update({"s_" + k.split("/", 1)[1]: last[k] for k in last if k.startswith("scale_log2/")})
     return out
 

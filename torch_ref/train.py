@@ -2,7 +2,7 @@
 torch.optim and clip_grad_norm_.
 
 Mirrors ``jaxamp.make_train_step``: (1) loss and derivatives with per-key overflow flags and
-the bad-values flag; (2) gradients of ``loss * loss_scale``; (3) bad values skip the update
+the bad-values flag (also set by a non-finite loss that no derivative flag explains); (2) gradients of ``loss * loss_scale``; (3) bad values skip the update
 and change no scaler at all; (4) any derivative overflow skips the update -- parameters,
 optimizer state and loss scaler stay as they were; (5) otherwise the unscaled gradients, if
 finite, are clipped when asked (``torch.nn.utils.clip_grad_norm_``) and applied and the loss
@@ -120,8 +120,12 @@ def make_train_step(
                            f"the state has {sorted(state.deriv_scales)}.")
         grads = torch.autograd.grad(loss.to(torch.float32) * loss_scale, params, allow_unused=True)
         flags = {k: bool(found_inf.get(k, False)) for k in state.deriv_scales}
-        bad_values = bool(found_inf.get(NONFINITE_VALUES, False))
         deriv_overflow = any(flags.values())
+        # a non-finite loss no derivative scaler explains is bad values too: no loss scale cures a forward
+        # value (AMP off, float32: the user's step as written, no bad-values rule)
+        amp_on = state.amp.compute_dtype != torch.float32
+        bad_values = bool(found_inf.get(NONFINITE_VALUES, False)) or (
+            amp_on and not math.isfinite(float(loss.detach())) and not deriv_overflow)
 
         inv = 1.0 / loss_scale
         grads = [torch.zeros_like(p) if g is None else g * inv for p, g in zip(params, grads)]

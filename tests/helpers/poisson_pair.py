@@ -5,9 +5,11 @@ Adam on optax.exponential_decay(lr0, 100, 0.5) (torch: the same schedule fed the
 applied updates), clip 0.5. One engine call per step covers the interior points and the two
 boundary points (a single derivative graph: half of what two calls cost XLA to compile).
 
-Two injections, the same in both frameworks: on the steps in ``nan`` one input point is NaN
-(bad values); on the steps in ``inject`` both derivative scaler keys are flagged as overflowed
-(an injected flag, so the scaler trajectories do not depend on XLA's excess precision).
+Three injections, the same in both frameworks: on the steps in ``nan`` one input point is NaN
+(bad values); on the steps in ``inf_loss`` the source term is infinite (a non-finite loss no
+derivative explains: bad values too); on the steps in ``inject`` both derivative scaler keys are
+flagged as overflowed (an injected flag, so the scaler trajectories do not depend on XLA's excess
+precision).
 
 The jitted jaxamp step is built once per configuration and shared by every test that uses
 it (:func:`jax_side`); torch models and optimizers are fresh on every :func:`fresh_pair`.
@@ -49,11 +51,14 @@ CONFIGS: Dict[str, Tuple[jaxamp.AmpConfig, float]] = {
 CLIP = 0.5  # Modulus' trainer: global-norm clipping of the unscaled weight gradients
 
 
-def batch_at(step: int, inject: frozenset, nan: frozenset = frozenset()) -> Dict[str, np.ndarray]:
+def batch_at(step: int, inject: frozenset, nan: frozenset = frozenset(),
+             inf_loss: frozenset = frozenset()) -> Dict[str, np.ndarray]:
     """Interior points, one extra point (NaN on the steps in ``nan``), then the two boundary
-    points; ``overflow``: whether the derivative scaler keys are flagged (steps in ``inject``)."""
+    points; ``overflow``: whether the derivative scaler keys are flagged (steps in ``inject``);
+    ``source``: the source term's factor (inf on the steps in ``inf_loss``)."""
     extra = np.float32("nan") if step in nan else np.float32(0.5)
-    return {"x": np.concatenate([X, [extra], XB]).astype(np.float32), "overflow": np.bool_(step in inject)}
+    return {"x": np.concatenate([X, [extra], XB]).astype(np.float32), "overflow": np.bool_(step in inject),
+            "source": np.float32("inf") if step in inf_loss else np.float32(1.0)}
 
 
 def schedule(lr0: float) -> Callable[[int], float]:
@@ -76,7 +81,7 @@ def _jax_loss(je):
         d = je(params, {"x": batch["x"]})
         inject_overflow(je.scaler_keys, batch["overflow"])
         x = batch["x"][:-2]
-        r = d["u__x__x"][:-2] + jnp.pi**2 * jnp.sin(jnp.pi * x)
+        r = d["u__x__x"][:-2] + jnp.pi**2 * jnp.sin(jnp.pi * x) * batch["source"]
         pde, bc = jnp.mean(r**2), jnp.mean(d["u"][-2:] ** 2)
         return pde + bc, {"pde": pde, "bc": bc}
 
@@ -89,7 +94,7 @@ def _torch_loss(te):
         flag = torch.tensor(bool(batch["overflow"]))
         found = {k: v | flag if k != torch_ref.NONFINITE_VALUES else v for k, v in found.items()}
         x = torch.from_numpy(batch["x"][:-2])
-        r = d["u__x__x"][:-2] + math.pi**2 * torch.sin(math.pi * x)
+        r = d["u__x__x"][:-2] + math.pi**2 * torch.sin(math.pi * x) * float(batch["source"])
         pde, bc = torch.mean(r**2), torch.mean(d["u"][-2:] ** 2)
         return pde + bc, ({"pde": pde, "bc": bc}, found)
 
@@ -122,21 +127,23 @@ def fresh_pair(config: str):
                                                             grad_clip_max_norm=CLIP)
 
 
-def run_jax(jstate, jstep, steps: range, inject: frozenset, nan: frozenset = frozenset()):
+def run_jax(jstate, jstep, steps: range, inject: frozenset, nan: frozenset = frozenset(),
+            inf_loss: frozenset = frozenset()):
     """Run ``jstep`` over ``steps``; returns (state, per-step metrics with trackers, as numpy)."""
     out = []
     with jax.default_matmul_precision("highest"):
         for i in steps:
-            jstate, m = jstep(jstate, jax.tree_util.tree_map(jnp.asarray, batch_at(i, inject, nan)))
+            jstate, m = jstep(jstate, jax.tree_util.tree_map(jnp.asarray, batch_at(i, inject, nan, inf_loss)))
             out.append(dict(m, trackers={k: s.growth_tracker for k, s in jstate.amp_state.derivative.items()},
                             loss_tracker=jstate.amp_state.loss.growth_tracker))
     return jstate, jax.device_get(out)
 
 
-def run_torch(tstate, tstep, steps: range, inject: frozenset, nan: frozenset = frozenset()) -> List[dict]:
+def run_torch(tstate, tstep, steps: range, inject: frozenset, nan: frozenset = frozenset(),
+              inf_loss: frozenset = frozenset()) -> List[dict]:
     out = []
     for i in steps:
-        m = tstep(tstate, batch_at(i, inject, nan))
+        m = tstep(tstate, batch_at(i, inject, nan, inf_loss))
         out.append(dict(m, trackers={k: int(s.growth_tracker) for k, s in tstate.deriv_scales.items()},
                         loss_tracker=int(tstate.loss_scale.growth_tracker)))
     return out

@@ -4,8 +4,9 @@
   overflow (the network plus sqrt(x), whose derivative is inf at x = 0 where the value is
   finite) flags its key only, and not the order above it (its level below is non-finite
   there). Same flags from jaxamp (both methods) and torch_ref.
-- The train step: on the 1D Poisson pair, NaN points at chosen steps are skipped with
-  SKIP_NONFINITE_VALUES and change no scaler (scales and trackers) in either framework.
+- The train step: on the 1D Poisson pair, NaN points and an infinite source term (a non-finite
+  loss no derivative explains) at chosen steps are skipped with SKIP_NONFINITE_VALUES and change
+  no scaler (scales and trackers) in either framework.
 """
 
 import jax.numpy as jnp
@@ -60,18 +61,19 @@ def test_engines_flag_bad_values_and_overflows_alike(pair, method, first, expect
 @pytest.mark.slow  # an end-to-end run (fast-suite budget); CI runs it
 def test_bad_value_steps_change_no_scaler_in_either_framework():
     nan, overflow = frozenset({3, 4, 9}), frozenset({4, 7})  # step 4: both, bad values take precedence
+    inf_loss = frozenset({10})
     js, jstep, ts, tstep = fresh_pair("fp16")
-    _, jm = run_jax(js, jstep, range(12), overflow, nan)
-    tm = run_torch(ts, tstep, range(12), overflow, nan)
+    _, jm = run_jax(js, jstep, range(12), overflow, nan, inf_loss)
+    tm = run_torch(ts, tstep, range(12), overflow, nan, inf_loss)
     assert trajectory(jm) == trajectory(tm)
     for ms in (jm, tm):
         reasons = [int(m["skip_reason"]) for m in ms]
-        assert reasons[3] == reasons[4] == reasons[9] == jaxamp.SkipReason.NONFINITE_VALUES
+        assert reasons[3] == reasons[4] == reasons[9] == reasons[10] == jaxamp.SkipReason.NONFINITE_VALUES
         assert reasons[7] == jaxamp.SkipReason.DERIVATIVE_OVERFLOW and float(ms[7]["scale_log2/2"]) == -1
         for i in range(1, 12):
             m, prev = ms[i], ms[i - 1]
-            assert bool(m["found_nonfinite_values"]) == (i in nan)
-            if i in nan:
+            assert bool(m["found_nonfinite_values"]) == (i in nan | inf_loss)
+            if i in nan | inf_loss:
                 assert bool(m["skipped"])
                 assert {k: int(v) for k, v in m["trackers"].items()} == {k: int(v) for k, v in prev["trackers"].items()}
                 assert int(m["loss_tracker"]) == int(prev["loss_tracker"])

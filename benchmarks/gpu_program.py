@@ -31,6 +31,9 @@ Set-up (a venv of its own, outside the repository, never in the project's depend
 
 Host callbacks cannot be lowered for an absent backend: the steps run ``jaxamp.optimizer`` with
 ``on_stall=None``.
+
+On a lent GPU, ``--time REPS`` compiles the same steps for the local device instead of the description
+and times each (median of REPS runs), beside the model of that device's program (``benchmarks/gpu.sh``).
 """
 
 from __future__ import annotations
@@ -576,16 +579,18 @@ def write_json(result: Dict[str, Any], path: str) -> None:
             result["rows"][i] = {**row, "per_kernel": rows[row["per_kernel"]]}
 
 
-def compile_step(mode: str, size: Size, sharding: Any) -> Dict[str, Any]:
-    """One step compiled for the GPU target: its summary, memory and optimized HLO text."""
+def compile_step(mode: str, size: Size, sharding: Any, reps: int = 0) -> Dict[str, Any]:
+    """One step compiled for the GPU target (``sharding``: its deviceless mesh), or with ``sharding``
+    None for the local device and, ``reps`` > 0, timed there: its summary, memory and optimized HLO text."""
     import jax
 
     t0 = time.perf_counter()
-    with jax.default_device(jax.devices("cpu")[0]):
+    with jax.default_device(jax.devices("cpu")[0] if sharding is not None else jax.devices()[0]):
         step, args = build_step(mode, size)
-    abstract = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args)
+    if sharding is not None:
+        args = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args)
     t1 = time.perf_counter()
-    compiled = jax.jit(step).lower(*abstract).compile()
+    compiled = jax.jit(step).lower(*args).compile()
     t2 = time.perf_counter()
     text = compiled.as_text()
     mem = compiled.memory_analysis()
@@ -594,7 +599,24 @@ def compile_step(mode: str, size: Size, sharding: Any) -> Dict[str, Any]:
     row = {"mode": mode, "size": size.label, "boundary_points": size.boundary, **summarize(prog),
            "memory": {k: getattr(mem, f"{k}_size_in_bytes") for k in ("temp", "argument", "output", "alias")},
            "build_s": round(t1 - t0, 2), "compile_s": round(t2 - t1, 2), "per_kernel": kernel_rows(prog)}
+    if reps > 0 and sharding is None:
+        row["measured_us"] = time_compiled(compiled, args, reps)
     return {"row": row, "hlo": text}
+
+
+def time_compiled(compiled: Any, args: Tuple[Any, ...], reps: int) -> Dict[str, float]:
+    """``{"median", "min"}`` microseconds of ``reps`` runs of ``compiled(*args)`` each waited for, after one
+    warm-up run (the same inputs each time: the step's outputs are not fed back)."""
+    import jax
+
+    jax.block_until_ready(compiled(*args))
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        times.append(time.perf_counter() - t)
+    times.sort()
+    return {"median": 1e6 * times[len(times) // 2], "min": 1e6 * times[0], "reps": reps}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -608,12 +630,27 @@ def _git(*args: str) -> str:
         return ""
 
 
-def _header(argv: Sequence[str], target: str) -> Dict[str, Any]:
+def _target(target: Optional[str]) -> Dict[str, Any]:
+    """What the steps were compiled for: the device description file, or (None) the local device."""
     import jax
 
+    if target is None:
+        device = jax.devices()[0]
+        return {"file": None, "device": getattr(device, "device_kind", device.platform),
+                "note": "compiled for and timed on the local device (--time): measured_us beside the model "
+                        "of that device's program"}
     with open(target, "rb") as f:
         raw = f.read()
     described = re.search(r'device_description_str: "([^"]*)"', raw.decode())
+    return {"file": os.path.abspath(target), "sha256": hashlib.sha256(raw).hexdigest(),
+            "device": described.group(1) if described else "?",
+            "note": "compiled for the H100 description only (no H200 description available); the H200 "
+                    "rows apply H200 SXM's 4.8 TB/s to the H100 program (same GH100 die)"}
+
+
+def _header(argv: Sequence[str], target: Optional[str]) -> Dict[str, Any]:
+    import jax
+
     return {
         "command": "python -m benchmarks gpu_program " + " ".join(argv),
         "commit": _git("rev-parse", "--short", "HEAD"),
@@ -622,10 +659,7 @@ def _header(argv: Sequence[str], target: str) -> Dict[str, Any]:
         "jax": jax.__version__,
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "cpus": os.cpu_count(), "python": platform.python_version()},
-        "target": {"file": os.path.abspath(target), "sha256": hashlib.sha256(raw).hexdigest(),
-                   "device": described.group(1) if described else "?",
-                   "note": "compiled for the H100 description only (no H200 description available); the H200 "
-                           "rows apply H200 SXM's 4.8 TB/s to the H100 program (same GH100 die)"},
+        "target": _target(target),
         "matmul_precision": "highest (jax_default_matmul_precision, every step)",
         "per_kernel_columns": list(KERNEL_COLUMNS),
         "model": {"devices": DEVICES, "launch_s": LAUNCH_S,
@@ -642,10 +676,13 @@ def table(rows: List[Dict[str, Any]]) -> str:
         if "error" in r:
             lines.append(f"{r['size']:<15} {r['mode']:<16} error: {r['error'][:80]}")
             continue
+        measured = f" {r['measured_us']['median']:>11.1f}" if "measured_us" in r else ""
         lines.append(f"{r['size']:<15} {r['mode']:<16} {r['kernels']:>7} {r['memory']['temp'] / 2**20:>9.1f} "
                      f"{r['memory']['argument'] / 2**20:>8.1f} {(r['read_bytes'] + r['write_bytes']) / 1e9:>7.3f} "
                      f"{r['model']['H100 SXM launch']['total_us']:>8.1f} "
-                     f"{r['model']['H100 SXM command_buffer']['total_us']:>10.1f}")
+                     f"{r['model']['H100 SXM command_buffer']['total_us']:>10.1f}{measured}")
+    if any("measured_us" in r for r in rows):
+        lines[0] += f" {'measured us':>11}"
     return "\n".join(lines)
 
 
@@ -658,24 +695,30 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     p.add_argument("--out", default=None,
                    help="JSON path (default benchmarks/results/gpu_program-<commit>-<date>.json)")
     p.add_argument("--hlo-dir", default=None, help="also write each step's optimized GPU HLO there")
+    p.add_argument("--time", type=int, default=0, metavar="REPS",
+                   help="compile for the local device instead of --target and time each step REPS times "
+                        "(on a lent GPU: the measured times beside the model's; benchmarks/gpu.sh)")
     args = p.parse_args(argv)
+    if args.time < 0:
+        p.error(f"--time: {args.time} is not allowed: expected a number of timed runs >= 1 (0: no timing)")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         p.error(f"--modes: unknown {unknown}; expected some of {list(MODES)}")
-    # the plugin's CUDA version check needs a driver, the compile does not (set before JAX starts its backends)
-    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
-    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")
+    if not args.time:
+        # the plugin's CUDA version check needs a driver, the compile does not (set before JAX starts its backends)
+        os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+        os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")
     import jax
 
     jax.config.update("jax_default_matmul_precision", "highest")  # every step; fp32 at full precision
-    sharding = gpu_target(args.target)
-    result = _header(argv, args.target)
+    sharding = None if args.time else gpu_target(args.target)
+    result = _header(argv, None if args.time else args.target)
     result["rows"] = []
     for size in parse_sizes(args.sizes):
         for mode in modes:
             try:
-                out = compile_step(mode, size, sharding)
+                out = compile_step(mode, size, sharding, reps=args.time)
             except Exception as e:  # a mode that does not compile is a finding, not the end of the run
                 result["rows"].append({"mode": mode, "size": size.label, "error": f"{type(e).__name__}: {e}"[:2000]})
                 print(f"{size.label} {mode}: {type(e).__name__}: {str(e)[:300]}", flush=True)

@@ -176,3 +176,21 @@ def test_deviceless_compile_tiny(tmp_path):
         assert "error" not in row and row["kernels"] > 0 and row["memory"]["temp"] >= 0
         assert row["model"]["H100 SXM launch"]["total_us"] > row["model"]["H100 SXM command_buffer"]["total_us"]
     assert rows["fp16_scaler"]["flops"].get("f16", 0) > 0 and rows["fp32_engine"]["flops"].get("f32", 0) > 0
+
+
+def test_time_refuses_a_negative_count():
+    with pytest.raises(SystemExit):
+        gp.main(["--time", "-1"])
+
+
+@pytest.mark.slow
+def test_time_on_the_local_device_tiny(tmp_path):
+    """``--time``: compiled for the local device (here the CPU; on a lent GPU, benchmarks/gpu.sh) and
+    timed, the measured times beside the model's in each row."""
+    out = tmp_path / "gpu_program.json"
+    gp.main(["--sizes", "2x8:32", "--modes", "fp32_engine,fp16_scaler", "--time", "3", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["target"]["file"] is None and result["target"]["device"]
+    for row in result["rows"]:
+        assert "error" not in row and row["kernels"] > 0, row.get("error")
+        assert row["measured_us"]["reps"] == 3 and 0 < row["measured_us"]["min"] <= row["measured_us"]["median"]

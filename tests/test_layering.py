@@ -129,3 +129,14 @@ def test_every_src_module_is_in_a_layer_and_the_public_modules_only_re_export():
 
 def test_the_layer_checker_finds_an_upward_import():
     assert layer_of("jaxamp._src.core.scaled") < layer_of("jaxamp._src.derivatives.grad") < layer_of("jaxamp.models")
+
+
+def test_no_line_is_shaped_for_a_formatter_or_past_120_characters():
+    """Files are split by concept and lines wrapped by hand: no ``# fmt: skip`` and no line over 120
+    characters anywhere under jaxamp/."""
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if "fmt: skip" in line or len(line) > 120:
+                found.append(f"{path.relative_to(ROOT.parent)}:{number}")
+    assert not found, found

@@ -27,7 +27,7 @@ __all__ = ["init", "UnscaledDerivativeWarning"]
 
 
 def init(fun: Optional[Callable[..., Any]], amp: Optional[AmpConfig] = None, *, keys: Sequence[str] = (),
-         from_profile: bool = True, margin_log2: int = 2) -> Callable[..., AmpState]:  # fmt: skip
+         from_profile: bool = True, margin_log2: int = 2) -> Callable[..., AmpState]:
     """The :class:`AmpState` of a program written with :func:`jaxamp.grad` and its siblings.
 
     Args:

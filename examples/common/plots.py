@@ -45,7 +45,7 @@ def plot_fields(workdir: str, inputs: Sequence[str], axes: Tuple[np.ndarray, np.
 # key's color never read as the same thing; a key's color and dash depend on its place among
 # the run's keys only (:func:`key_styles`), the same in every plot of that run.
 _TERM_COLORS = ("C0", "C1", "C2", "C4", "C5", "C6", "C8", "C9", "C7")
-KEY_COLORS = tuple(matplotlib.colormaps["Dark2"].colors)
+KEY_COLORS = tuple(matplotlib.colormaps["Dark2"].colors) + ("#000080", "#808000")  # + navy, olive: 10
 _KEY_DASHES = ("-", "--", "-.", ":", (0, (5, 1, 1, 1)))
 
 
@@ -59,11 +59,11 @@ def key_order(keys: Sequence[str]) -> List[str]:
 
 
 def key_styles(keys: Sequence[str]) -> Dict[str, Tuple[Any, Any]]:
-    """``{key: (color, line style)}``: a distinct pair per key (distinct colors for up to 8 keys,
-    distinct pairs for up to 40), a function of the set of keys only, so every plot of a run
+    """``{key: (color, line style)}``: a distinct pair per key (distinct colors for up to 10 keys,
+    distinct pairs for up to 50), a function of the set of keys only, so every plot of a run
     (and comparison.png over several runs, given the union of their keys) draws a key alike."""
-    return {k: (KEY_COLORS[i % len(KEY_COLORS)], _KEY_DASHES[i % len(_KEY_DASHES)])
-            for i, k in enumerate(key_order(keys))}
+    n = len(KEY_COLORS)
+    return {k: (KEY_COLORS[i % n], _KEY_DASHES[(i + i // n) % len(_KEY_DASHES)]) for i, k in enumerate(key_order(keys))}
 
 
 def _legend_outside(ax, **kw):
@@ -176,7 +176,7 @@ def scales_figure(recs: List[Dict[str, Any]]):
                  label=f"skipped ({len(skipped)} steps)")
     if "headroom" in ax_of:
         low = ax_of["headroom"]
-        low.axhline(0.0, color="C3", lw=0.8, ls="--", label="overflow line (65504)")
+        low.axhline(0.0, color="C3", lw=1.6, alpha=0.8, label="overflow line (65504)")
         low.set_ylabel("headroom, log2\n(powers of two to 65504)")
     for panel, ax in ax_of.items():
         if ax.get_legend_handles_labels()[0]:

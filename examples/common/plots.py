@@ -377,7 +377,8 @@ def profile_figure(prof: Any, scale_one: bool = False):
         ax.text(1.02, i, f"{float(r.headroom_up):+.1f}", transform=ax.get_yaxis_transform(), va="center", fontsize=8,
                 color="C3" if hi > top else "k")  # the headroom: powers of two from the max to 65504
         if hi > top:  # say which edge a red bar crosses: overflow is what skips steps
-            ax.text(hi, i - 0.3, "overflow: max > 65504 (a step skips)", ha="right", va="bottom", fontsize=7, color="C3")
+            ax.text(hi, i - 0.3, "overflow: max > 65504 (a step skips)", ha="right", va="bottom", fontsize=7,
+                    color="C3")
         if lo < -14:
             ax.text(lo, i - 0.3, "underflow: p1 < 2^-14 (tiny values lost; often harmless)", ha="left",
                     va="bottom", fontsize=7, color="C3")

@@ -13,6 +13,7 @@ user's arguments, computes the gradients and reports a stall.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple, TypeVar, Union
 
 import jax
@@ -38,7 +39,7 @@ ON_STALL = ("warn", "raise", None)
 
 
 def loss_scaled_grad(fun: Callable[..., Tuple[jax.Array, Any]], argnums: Any, loss_scale: Optional[jax.Array],
-                     held: bool = False) -> Callable[..., Tuple[Any, Tuple[jax.Array, Any]]]:
+                     held: bool = False, written: bool = True) -> Callable[..., Tuple[Any, Tuple[jax.Array, Any]]]:
     """The gradients of ``fun``'s loss times ``loss_scale`` (float32), divided by it, as in
     :func:`value_and_grad`: float16 weight gradients that would underflow survive.
 
@@ -48,6 +49,8 @@ def loss_scaled_grad(fun: Callable[..., Tuple[jax.Array, Any]], argnums: Any, lo
       loss_scale: ``f32[]``, or None (loss scaling off: nothing multiplies).
       held: per-tensor scaled products take widened operands as they are held
         (:func:`jaxamp._src.placement.held.held_operands`: the cotangents of float16 activations).
+      written: the matrices' gradients written out as the backward pass makes them
+        (:func:`_written_out`); False: the gradients as ``jax.grad`` gives them (AMP off: the user's program).
 
     Returns:
       ``g(*args) -> (grads, (loss, aux))``, ``loss`` unscaled.
@@ -61,21 +64,22 @@ def loss_scaled_grad(fun: Callable[..., Tuple[jax.Array, Any]], argnums: Any, lo
             return (loss if s is None else loss.astype(jnp.float32) * s), (loss, aux)
 
         grads, out = jax.grad(scaled_loss, argnums, has_aux=True)(*args)
+        grads = _written_out(grads) if written else grads
         if s is None:
             return grads, out
         inv = jnp.float32(1.0) / s
-        return jax.tree_util.tree_map(lambda x: x * inv.astype(x.dtype), _written_out(grads)), out
+        return jax.tree_util.tree_map(lambda x: x * inv.astype(x.dtype), grads), out
 
     return held_operands(g) if held else g
 
 
 def _written_out(grads: Any) -> Any:
     """``grads`` with each matrix's (2 or more dimensions) written out as the backward pass made it, the
-    unscale and the skip's selects fused into its consumers. Without it XLA fuses a weight gradient's
-    last stage (the sum of a split-K GEMM's partial products) into each consumer and keeps the partials
-    live until the optimizer runs (H100 program, 4x512/6000: 33 MiB more device temp memory). The
-    vectors' (biases') unscale fuses into the reduction that makes them (4 kernels fewer than
-    writing every leaf out; docs/gpu.md)."""
+    unscale, the checks and the skip's selects fused into its consumers. Without it XLA fuses a weight
+    gradient's last stage (the sum of a split-K GEMM's partial products) into each consumer and keeps
+    the partials live until the optimizer's decision (H100 program, 4x512/6000: 32 MiB more device temp
+    memory with fp16, 43 MiB with bf16). The vectors' (biases') unscale fuses into the reduction that
+    makes them (4 kernels fewer than writing every leaf out; docs/gpu.md)."""
     leaves, treedef = jax.tree_util.tree_flatten(grads)
     matrices = [i for i, x in enumerate(leaves) if jnp.ndim(x) >= 2]
     for i, x in zip(matrices, jax.lax.optimization_barrier([leaves[i] for i in matrices])):
@@ -181,7 +185,8 @@ def value_and_grad(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] =
             return loss, (aux, found, room)
 
         held = amp_state.amp.tensor_scaling  # float16 cotangents widened: multiplied as float16 (no amax)
-        grads, (loss, (aux, found, room)) = filter_grad(loss_scaled_grad, loss_of, argnums, loss_scale, held)(*args)
+        grad_of = functools.partial(loss_scaled_grad, written=not amp_state.amp.off)
+        grads, (loss, (aux, found, room)) = filter_grad(grad_of, loss_of, argnums, loss_scale, held)(*args)
         if not amp_state.amp.off:  # AMP off: the user's program as written
             found = {**found, NONFINITE_VALUES: _bad_values(args, kwargs, argnums, found, loss)}
             # zeroed when a flag is set: a norm of them (a clip, loss weights) stays finite

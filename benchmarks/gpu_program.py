@@ -417,6 +417,8 @@ MODES: Dict[str, Optional[Dict[str, Any]]] = {
     "fp16_plain": {"derivative_scaling": False},
     "fp16_scaler": {},  # AmpConfig(): fp16 + DerivScaler, per order
     "fp16_per_term": {"mode": "per_term_scaler"},
+    # fp16 + DerivScaler with every layer and activation in float16 (the examples' placement, examples/common/config.py)
+    "fp16_all16": {"autocast_firstlayer": True, "autocast_activation": True},
     "fp16_per_tensor": {"tensor_scaling": True},
     "fp8": {"dtype": "float8"},
 }

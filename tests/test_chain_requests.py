@@ -8,6 +8,7 @@ import numpy as np
 import jaxamp
 from jaxamp._src.derivatives import chain
 from jaxamp._src.derivatives.chain_call import chain_p
+from jaxamp._src.derivatives.prune import pruned
 
 
 def u(p, t, x):
@@ -18,13 +19,14 @@ P = jnp.array([0.7, -1.3, 0.9])
 
 
 def _chains(closed):
-    return [e.params["link"].argnums for e in closed.jaxpr.eqns if e.primitive is chain_p]
+    return [l.argnums for e in closed.jaxpr.eqns if e.primitive is chain_p for l in e.params["links"]]
 
 
 def test_jax_jvp_of_a_chain_binds_the_longer_chain():
     u_x = jaxamp.grad(u, 2)
     closed = jax.make_jaxpr(lambda t, x: jax.jvp(lambda s: u_x(P, t, s), (x,), (1.0,)))(0.3, 0.5)
-    assert sorted(_chains(closed), key=len) == [(2,), (2, 2)]  # x is the body's third array argument
+    # x is the body's second array argument: the vector P is taken as its entries, after t and x
+    assert sorted(_chains(closed), key=len) == [(1,), (1, 1)]
     got = jax.jvp(lambda s: u_x(P, 0.3, s), (0.5,), (1.0,))[1]
     want = jax.grad(jax.grad(u, 2), 2)(P, 0.3, 0.5)
     np.testing.assert_allclose(got, want, rtol=1e-5)
@@ -65,3 +67,34 @@ def test_a_grad_of_a_body_holding_chains_is_scaled_and_checked_by_its_order():
                     (None, 0, 0))(P, T, X)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
     assert sorted(found) == ["1", "2", "3", "nonfinite_values"] and not any(bool(v) for v in found.values())
+
+
+def _net(p, z):
+    return jnp.tanh(z @ p[0]) @ p[1]
+
+
+NET = (jax.random.normal(jax.random.PRNGKey(0), (3, 8)), jax.random.normal(jax.random.PRNGKey(1), (8,)))
+Z = jnp.array([0.1, -0.2, 0.3])
+
+
+def test_a_hessians_entries_are_one_equation_and_unread_ones_are_dropped():
+    """jaxamp.hessian over a vector binds its entries as one chain equation (one plan); the
+    entries a program never reads are dropped from it (its links' dead-code elimination, after
+    the program's pass reads the stack through)."""
+    full = jax.make_jaxpr(lambda z: jaxamp.hessian(_net, 1)(NET, z))(Z)
+    assert [len(e.params["links"]) for e in full.jaxpr.eqns if e.primitive is chain_p] == [6]  # upper triangle
+    read = jax.make_jaxpr(lambda z: jaxamp.hessian(_net, 1)(NET, z)[1, 2])(Z)
+    assert _chains(pruned(read)) == [(3, 4)]  # the stack read through, the other links dead
+    np.testing.assert_allclose(jaxamp.hessian(_net, 1)(NET, Z), jax.hessian(_net, 1)(NET, Z), rtol=2e-5, atol=1e-6)
+
+
+def test_hessian_of_a_trace_of_a_hessian_reads_only_the_diagonal_inside():
+    """A biharmonic as hessian(trace(hessian)): the inner trace's masked select reads the inner
+    Hessian's diagonal only (no chain through an off-diagonal inner entry), the values JAX's."""
+    inner = lambda p, z: jnp.trace(jaxamp.hessian(_net, 1)(p, z))  # noqa: E731
+    f = lambda z: jnp.trace(jaxamp.hessian(inner, 1)(NET, z))  # noqa: E731
+    closed = jax.make_jaxpr(f)(Z)
+    for steps in _chains(closed):
+        assert steps[0] == steps[1], steps  # the inner Hessian's entry: diagonal
+    want = jnp.trace(jax.hessian(lambda p, z: jnp.trace(jax.hessian(_net, 1)(p, z)), 1)(NET, Z))
+    np.testing.assert_allclose(f(Z), want, rtol=1e-4)

@@ -45,12 +45,28 @@ def test_values_are_jax_and_the_route_is_planned(pz, name):
 @pytest.mark.parametrize("name", ["jacfwd", "jacrev", "hessian"])
 def test_other_forms_take_jax_route_with_jax_values(pz, name):
     p, z, _ = pz
-    vec = lambda p, z: jnp.tanh(p["w1"] @ z[:3])  # noqa: E731  (a vector output)
+    vec = lambda p, z: jnp.tanh(jnp.outer(p["w1"] @ z[:3], z[:3]))  # noqa: E731  (24 values)
     long_u = lambda p, z: _u(p, z[:3]) * jnp.sum(z)  # noqa: E731
     for fn, point in ((vec, z), (long_u, jnp.linspace(-1.0, 1.0, 17))):
         ours = getattr(jaxamp, name)(fn, 1)
         assert not _chained(ours, p, point)
         np.testing.assert_allclose(ours(p, point), getattr(jax, name)(fn, 1)(p, point), rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("name", ["jacfwd", "jacrev", "hessian"])
+def test_a_vector_field_and_a_scalar_argument_take_the_route_as_one_request(pz, name):
+    """Small float32 values (a vector field, a (2, 2) output) along a vector or a scalar argument:
+    one chain equation per call (every entry one request of one plan), JAX's values and layout."""
+    p, z, _ = pz
+    field = lambda p, z: jnp.tanh(p["w1"] @ z)[:3] * z[0]  # noqa: E731
+    square = lambda p, t, z: jnp.tanh(p["w1"][:2, :2] * t + z[0])  # noqa: E731  (a scalar t, 4 values)
+    for fn, argnum, args in ((field, 1, (p, z)), (square, 1, (p, jnp.float32(0.7), z)), (_u, 1, (p, z))):
+        ours, theirs = getattr(jaxamp, name)(fn, argnum), getattr(jax, name)(fn, argnum)
+        closed = jax.make_jaxpr(ours)(*args)
+        assert [e.primitive.name for e in closed.jaxpr.eqns].count("jaxamp_chain") == 1
+        got, want = jax.jit(ours)(*args), theirs(*args)
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6)
 
 
 def test_an_entry_the_program_never_reads_costs_nothing(pz):

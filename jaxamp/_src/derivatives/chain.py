@@ -12,6 +12,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxamp._src.scaling.config import AmpConfig
 from jaxamp._src.derivatives import forward_engine as forward
@@ -28,7 +29,8 @@ _PLAN_AMP = AmpConfig(mode="per_term_scaler")
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Chain:
-    """A nest of ``grad`` calls: ``base`` and, innermost first, the argnum and name of each step.
+    """A nest of ``grad`` calls: ``base`` and, innermost first, the argnum and name of each step;
+    ``out``: the entry of ``base``'s value it differentiates (``()``: the value is a scalar).
 
     Equal when ``base`` is the same function object (``is``: the chain holds it) and the steps are
     equal; hashed by the steps: a user's callable is never hashed or compared by value, as an
@@ -38,9 +40,10 @@ class Chain:
     argnums: Tuple[int, ...]
     wrts: Tuple[Optional[str], ...]
     of: Optional[str]
+    out: Tuple[int, ...] = ()
 
     def _steps(self) -> Tuple[Any, ...]:
-        return (self.argnums, self.wrts, self.of)
+        return (self.argnums, self.wrts, self.of, self.out)
 
     def __eq__(self, other: Any) -> bool:
         return isinstance(other, Chain) and self.base is other.base and self._steps() == other._steps()
@@ -77,7 +80,7 @@ def extend(fun: Callable[..., Any], argnums: Any, of: Optional[str], wrt: Any) -
         return None
     inner = link_of(fun)
     if inner is not None and of is None:
-        return Chain(inner.base, inner.argnums + (argnums,), inner.wrts + (wrt,), inner.of)
+        return Chain(inner.base, inner.argnums + (argnums,), inner.wrts + (wrt,), inner.of, inner.out)
     return Chain(fun, (argnums,), (wrt,), of)
 
 
@@ -113,23 +116,29 @@ def canonical(chain: Chain) -> Chain:
     order = sorted(range(len(chain.argnums)), key=lambda k: chain.argnums[k])
     if tuple(chain.wrts[k] for k in order) != chain.wrts:
         return chain
-    return Chain(chain.base, tuple(chain.argnums[k] for k in order), chain.wrts, chain.of)
+    return Chain(chain.base, tuple(chain.argnums[k] for k in order), chain.wrts, chain.of, chain.out)
 
 
 def evaluate(chains: Sequence[Chain], base_of: Sequence[int], bases: Sequence[Callable], args: Tuple[Any, ...],
-             base_order: int, base_term: Optional[str]) -> List[jax.Array]:
+             base_order: int, base_term: Optional[str], shapes: Optional[Sequence[Tuple[int, ...]]] = None
+             ) -> List[jax.Array]:
     """The top derivatives of ``chains`` at the positional ``args`` by one engine plan, marked.
 
-    ``chains[i]`` differentiates ``bases[base_of[i]]`` (a function of ``args`` returning one
-    scalar); ``base_order``, ``base_term``: the order and name of the bases' values
+    ``chains[i]`` differentiates entry ``chains[i].out`` of ``bases[base_of[i]]`` (a function
+    of ``args`` returning an array of shape ``shapes[b]``, a scalar when ``shapes`` is None: each
+    entry one output of the plan, their passes shared); ``base_order``, ``base_term``: the order
+    and name of the bases' values
     (:mod:`jaxamp._src.core.nesting`); a chain's ``of`` names its base first. Each value is marked as its
     last step's derivative."""
     chains = [canonical(c) for c in chains]
     cols = tuple(sorted({i for c in chains for i in c.argnums}))
     inputs = tuple(f"a{i}" for i in cols)
-    output = {i: f"u{b}" for i, b in enumerate(base_of)}
+    shapes = [()] * len(bases) if shapes is None else [tuple(s) for s in shapes]
+    offsets = np.cumsum([0] + [int(np.prod(s, dtype=int)) for s in shapes])
+    output = {i: f"u{offsets[b] + int(np.ravel_multi_index(c.out, shapes[b]) if c.out else 0)}"
+              for i, (b, c) in enumerate(zip(base_of, chains))}
     tops = [_node(c, len(c.argnums), output[i]) for i, c in enumerate(chains)]
-    plan = make_plan(inputs, tuple(f"u{b}" for b in range(len(bases))), tuple(dict.fromkeys(tops)), _PLAN_AMP)
+    plan = make_plan(inputs, tuple(f"u{k}" for k in range(offsets[-1])), tuple(dict.fromkeys(tops)), _PLAN_AMP)
     terms: Dict[str, Optional[str]] = {}  # plan parent name -> the user's name of that value
     wrts: Dict[str, Optional[str]] = {}  # plan derivative name -> the user's name of its variable
     for i, c in enumerate(chains):
@@ -144,7 +153,7 @@ def evaluate(chains: Sequence[Chain], base_of: Sequence[int], bases: Sequence[Ca
 
     def f(z):
         full = substitute(args, cols, fresh(tuple(z)))
-        return jnp.stack([jnp.asarray(b(*full), jnp.float32) for b in bases])
+        return jnp.concatenate([jnp.ravel(jnp.asarray(b(*full), jnp.float32)) for b in bases])
 
     if len(bases) > 1:  # u and v of one network: its shared work traced once, before the passes
         f = _merged(f, x)

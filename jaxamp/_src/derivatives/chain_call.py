@@ -19,46 +19,99 @@ traced once and nothing hangs on tracing order or object identity.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend import core as jcore
-from jax import lax
 from jax.extend.core import primitives as jp
 from jax.interpreters import ad, batching, mlir, partial_eval as pe
 
 from jaxamp._src.derivatives import chain
+from jaxamp._src.derivatives.prune import pruned
 from jaxamp._src.core.interpreter import (atom, bind, eval_jaxpr, holds, split_arrays, sub_jaxprs, substitute,
                                             trace)
-from jaxamp._src.core.marks import deriv_check, deriv_scale, fresh, seed, unscale
+from jaxamp._src.core.marks import deriv_check, deriv_check_p, deriv_scale, fresh, seed, unscale
 from jaxamp._src.core.nesting import NO_DERIVATIVE, analyze, single_name
 from jaxamp._src.core.rules import RULES, PrimitiveRules, evaluated, rules_of
 
-__all__ = ["chain_p", "bind_chain", "expand", "has_chains"]
+__all__ = ["chain_p", "bind_chain", "bind_chains", "bind_entries", "expand", "has_chains"]
 
 chain_p = jcore.Primitive("jaxamp_chain")
+chain_p.multiple_results = True  # the top derivatives of its ``links``: requests at one point, one plan
 
 
 def bind_chain(link: chain.Chain, args: Tuple[Any, ...]) -> jax.Array:
-    """The top derivative of ``link`` at the positional ``args`` (:func:`chain.eligible`), as
-    one ``chain_p`` equation over the traced body of ``link.base``."""
-    cols = set(link.argnums)
+    """The top derivative of ``link`` at the positional ``args`` (:func:`chain.eligible`)."""
+    return bind_chains((link,), args)[0]
+
+
+def bind_chains(links: Sequence[chain.Chain], args: Tuple[Any, ...]) -> List[jax.Array]:
+    """The top derivatives of ``links`` (chains of one base returning a scalar) at the
+    positional ``args``, as one ``chain_p`` equation over the traced body of their base: one
+    plan."""
+    return _bind(links, args, False)[1]
+
+
+def bind_entries(links: Sequence[chain.Chain], args: Tuple[Any, ...]) -> Tuple[Tuple[int, ...], List[jax.Array]]:
+    """``(shape, derivatives)``: as :func:`bind_chains`, the base returning an array of
+    ``shape``, each of ``links`` taken of each of its entries (entry-major: ``[(o, link) for o
+    in entries for link in links]``)."""
+    return _bind(links, args, True)
+
+
+# Entries of a float32 vector argument up to which a chain's body takes it entry by entry.
+MAX_SIZE = 16
+
+
+def _entrywise(fun, args: Tuple[Any, ...]) -> Tuple[Any, Tuple[Any, ...]]:
+    """``(fun', args')``: each float32 vector argument of at most :data:`MAX_SIZE` entries given
+    as its entries (its place holding None, the entries after the arguments), so that a step
+    along an entry of it is a step along a point's scalar (a chain one step longer), and
+    chains at one point have one layout whichever argument each differentiates."""
+    vecs = [i for i, a in enumerate(args) if hasattr(a, "dtype") and jnp.ndim(a) == 1
+            and jnp.result_type(a) == jnp.float32 and 1 <= jnp.shape(a)[0] <= MAX_SIZE]
+    if not vecs:
+        return fun, args
+    n, sizes = len(args), [jnp.shape(args[i])[0] for i in vecs]
+    entries = tuple(args[i][k] for i, m in zip(vecs, sizes) for k in range(m))
+
+    def rebuilt(*b):
+        full, at = list(b[:n]), n
+        for i, m in zip(vecs, sizes):
+            full[i], at = jnp.stack(b[at:at + m]), at + m
+        return fun(*full)
+
+    return rebuilt, tuple(None if i in vecs else a for i, a in enumerate(args)) + entries
+
+
+def _bind(links: Sequence[chain.Chain], args: Tuple[Any, ...], per_entry: bool):
+    cols = {i for link in links for i in link.argnums}
+    user_fn = links[0].base
     args = tuple(jnp.float32(a) if i in cols and not hasattr(a, "dtype") else a for i, a in enumerate(args))
-    closed, flat, _ = trace(lambda *a: chain.check_output("jaxamp.grad", link.base, link.base(*a)), args, {})
+    base_fn, args = _entrywise(user_fn, args)
+    scalar = not per_entry and all(link.out == () for link in links)
+    closed, flat, _ = trace(lambda *a: chain.check_output("jaxamp.grad", user_fn, base_fn(*a), scalar=scalar),
+                            args, {})
+    shape = tuple(closed.jaxpr.outvars[0].aval.shape)
+    if per_entry:
+        links = [dataclasses.replace(link, out=tuple(map(int, o))) for o in np.ndindex(*shape) for link in links]
     # each differentiated argument is one array leaf: its position among the body's arguments
     starts, n = [], 0
     for a in args:
         starts.append(n)
         n += len(split_arrays((a,), {})[0])
-    flat_link = chain.Chain(link.base, tuple(starts[i] for i in link.argnums), link.wrts, link.of)
-    if has_chains(closed.jaxpr):  # derivatives of derivatives: each inner chain one step longer
-        return _along(closed, flat_link, flat)
+    flat_links = tuple(chain.Chain(link.base, tuple(starts[i] for i in link.argnums), link.wrts, link.of, link.out)
+                       for link in links)
+    if has_chains(closed.jaxpr):  # derivatives of derivatives: each inner chain longer
+        return shape, _along(closed, flat_links, flat)
     base = analyze(closed.jaxpr, [NO_DERIVATIVE] * len(flat)).outs[0]
-    params = dict(link=flat_link, body=closed.jaxpr, n_consts=len(closed.consts), base_order=base.order,
+    params = dict(links=flat_links, body=closed.jaxpr, n_consts=len(closed.consts), base_order=base.order,
                   base_term=single_name(base), levels=(), shape=())
-    return chain_p.bind(*closed.consts, *flat, **params)
+    return shape, chain_p.bind(*closed.consts, *flat, **params)
 
 
 def _run(members: Sequence[Dict[str, Any]], base_of: Sequence[int], consts: Sequence[Sequence[Any]],
@@ -71,7 +124,8 @@ def _run(members: Sequence[Dict[str, Any]], base_of: Sequence[int], consts: Sequ
 
     def fn(args, consts):
         bases = [_body_fn(body, c) for body, c in zip(bodies, consts)]
-        return chain.evaluate(links, base_of, bases, tuple(args), first["base_order"], first["base_term"])
+        return chain.evaluate(links, base_of, bases, tuple(args), first["base_order"], first["base_term"],
+                              [body.outvars[0].aval.shape for body in bodies])
 
     for k in range(len(first["levels"])):  # innermost first: each vmap maps one recorded axis
         n = first["n_consts"]
@@ -86,33 +140,48 @@ def _body_fn(body: jcore.Jaxpr, consts: Sequence[Any]):
     return lambda *a: eval_jaxpr(body, consts, a, bind)[0]
 
 
+def _members(params: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """One chain equation's params per link (``link`` its chain), as :func:`_run` reads them."""
+    return [{**params, "link": link} for link in params["links"]]
+
+
 def _impl(*operands, **params):
     n = params["n_consts"]
-    return _run([params], [0], [operands[:n]], operands[n:])[0]
+    members = _members(params)
+    return _run(members, [0] * len(members), [operands[:n]], operands[n:])
 
 
 def _batch(vals, dims, **params):
     size = next(v.shape[d] for v, d in zip(vals, dims) if d is not None)
     vals = [v if d is None else jnp.moveaxis(v, d, 0) for v, d in zip(vals, dims)]
     level = tuple(None if d is None else 0 for d in dims)
-    out = chain_p.bind(*vals, **{**params, "levels": params["levels"] + (level,), "shape": (size,) + params["shape"]})
-    return out, 0
+    outs = chain_p.bind(*vals, **{**params, "levels": params["levels"] + (level,), "shape": (size,) + params["shape"]})
+    return outs, [0] * len(outs)
 
 
-def _along(closed: jcore.ClosedJaxpr, link: chain.Chain, flat: Sequence[Any]) -> jax.Array:
-    """The derivative of ``closed`` (a body holding chains) along its scalar arguments
-    ``link.argnums``, innermost first, by forward steps: each chain inside becomes longer chains
-    (:func:`_jvp`), planned with the point's others; the rest of the body is differentiated as
-    JAX does. Each step is scaled and checked as a ``jaxamp.grad`` step is."""
+def _along(closed: jcore.ClosedJaxpr, links: Sequence[chain.Chain], flat: Sequence[Any]) -> List[jax.Array]:
+    """The derivatives of ``closed`` (a body holding chains) along its scalar arguments
+    ``link.argnums`` of each of ``links``, innermost first, by forward steps: each chain inside
+    becomes longer chains (:func:`_jvp`), those at one point bound as one equation (one plan,
+    :func:`_merged`); the rest of the body is differentiated as JAX does. Each step is scaled
+    and checked as a ``jaxamp.grad`` step is."""
 
-    closed = _pruned(closed)  # inner chains at the body's own scalars, where a stack of them was read
+    closed = pruned(closed)  # inner chains at the body's own scalars, where a stack of them was read
 
-    def g(*a):
+    def body(*a):
         return eval_jaxpr(closed.jaxpr, closed.consts, a, bind)[0]
 
-    for k, (i, wrt) in enumerate(zip(link.argnums, link.wrts)):
-        g = _step(g, i, dict(order=1, term=link.of if k == 0 else None, wrt=wrt))
-    return g(*flat)
+    def derivatives(*a):
+        outs = []
+        for link in links:
+            g = functools.partial(lambda out, *b: body(*b)[out], link.out)
+            for k, (i, wrt) in enumerate(zip(link.argnums, link.wrts)):
+                g = _step(g, i, dict(order=1, term=link.of if k == 0 else None, wrt=wrt))
+            outs.append(g(*a))
+        return outs
+
+    stepped = _merged(pruned(jax.make_jaxpr(derivatives)(*flat)))
+    return eval_jaxpr(stepped.jaxpr, stepped.consts, list(flat), bind)
 
 
 def _step(g, i: int, marks: Dict[str, Any]):
@@ -137,31 +206,47 @@ def _steppable(params: Dict[str, Any], i: int, primal: Any) -> bool:
 
 
 def _jvp(primals, tangents, **params):
-    """The tangent of a chain: along its point's scalars, the chains one step longer (a request
-    on the program, planned with the others at the point, whatever transformation asked); along
-    anything else (the parameters), the derivative of the chain's plan."""
-    out = chain_p.bind(*primals, **params)
-    link, n = params["link"], params["n_consts"]
+    """The tangents of chains: along their point's scalars, the chains one step longer (requests
+    on the program, one equation, planned with the others at the point, whatever transformation
+    asked); along anything else (the parameters), the derivative of the chains' plan."""
+    links, n = params["links"], params["n_consts"]
     live = [i for i, t in enumerate(tangents) if type(t) is not ad.Zero]
+    outs = chain_p.bind(*primals, **params)
     steps = [i for i in live if _steppable(params, i, primals[i])]
     rest = [i for i in live if i not in steps]
-    parts = []
-    for i in steps:
-        longer = chain.Chain(link.base, link.argnums + (i - n,), link.wrts + (None,), link.of)
-        parts.append(chain_p.bind(*primals, **{**params, "link": longer}) * tangents[i])
+    parts: List[List[Any]] = [[] for _ in links]
+    if steps:
+        longer = tuple(chain.Chain(link.base, link.argnums + (i - n,), link.wrts + (None,), link.of, link.out)
+                       for link in links for i in steps)
+        values = chain_p.bind(*primals, **{**params, "links": longer})
+        for j in range(len(links)):
+            parts[j] += [values[j * len(steps) + s] * tangents[i] for s, i in enumerate(steps)]
     if rest:
-        parts.append(jax.jvp(lambda *r: _impl(*substitute(primals, rest, r), **params), [primals[i] for i in rest],
-                             [ad.instantiate_zeros(tangents[i]) for i in rest])[1])
-    if not parts:
-        return out, ad.Zero(jax.typeof(out).to_tangent_aval())
-    return out, functools.reduce(lambda a, b: a + b, parts)
+        tans = jax.jvp(lambda *r: _impl(*substitute(primals, rest, r), **params), [primals[i] for i in rest],
+                       [ad.instantiate_zeros(tangents[i]) for i in rest])[1]
+        for j, t in enumerate(tans):
+            parts[j].append(t)
+    return outs, [functools.reduce(lambda a, b: a + b, ps) if ps else ad.Zero(jax.typeof(o).to_tangent_aval())
+                  for o, ps in zip(outs, parts)]
 
 
 chain_p.def_impl(_impl)
-chain_p.def_abstract_eval(lambda *_, shape, **__: jax.core.ShapedArray(shape, jnp.float32))
+chain_p.def_abstract_eval(lambda *_, shape, links, **__: [jax.core.ShapedArray(shape, jnp.float32)] * len(links))
 ad.primitive_jvps[chain_p] = _jvp
 batching.primitive_batchers[chain_p] = _batch
-mlir.register_lowering(chain_p, mlir.lower_fun(_impl, multiple_results=False))
+mlir.register_lowering(chain_p, mlir.lower_fun(_impl, multiple_results=True))
+
+
+def _dce(used_outputs: List[bool], eqn):
+    """Only the links whose values are read stay (a Hessian's entries a trace never reads)."""
+    if not any(used_outputs):
+        return [False] * len(eqn.invars), None
+    links = tuple(link for link, used in zip(eqn.params["links"], used_outputs) if used)
+    outvars = [v for v, used in zip(eqn.outvars, used_outputs) if used]
+    return [True] * len(eqn.invars), eqn.replace(params={**eqn.params, "links": links}, outvars=outvars)
+
+
+pe.dce_rules[chain_p] = _dce
 
 
 def has_chains(jaxpr: jcore.Jaxpr, cache: Optional[Dict[Any, bool]] = None) -> bool:
@@ -176,7 +261,7 @@ def expand(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
     ctx = _Expanding()
     if not has_chains(closed.jaxpr, ctx.holds):
         return closed
-    closed = _pruned(closed)
+    closed = pruned(closed)
     return jax.make_jaxpr(lambda *a: _evaluate(closed.jaxpr, closed.consts, a, ctx, None)[0])(*_avals(closed))
 
 
@@ -184,48 +269,17 @@ def _avals(closed: jcore.ClosedJaxpr) -> List[jax.ShapeDtypeStruct]:
     return [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type) for v in closed.jaxpr.invars]
 
 
-def _pruned(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
-    """``closed`` with every one-entry ``slice`` of a ``stack`` read from the stacked value
-    itself, then its dead equations removed: the chains of a Jacobian's or Hessian's entries
-    that the program never reads (``jaxamp.hessian(u, 1)(p, z)[1, 1]``) are not planned."""
-    jaxpr = closed.jaxpr
-    if not any(e.primitive.name == "stack" for e in jaxpr.eqns):
-        return closed
-
-    # a stack's output variable -> (its axis, [(operand variable or None, operand value)])
-    stacks: Dict[Any, Tuple[int, List[Tuple[Any, Any]]]] = {}
-
-    def sliced(var, x, start, limit):  # x[start:limit], read through the stacks x (of var) was built by
-        hit = stacks.get(var)
-        if hit is not None and limit[hit[0]] - start[hit[0]] == 1:
-            k, parts = hit
-            rest = lambda t: t[:k] + t[k + 1:]  # noqa: E731
-            return lax.expand_dims(sliced(*parts[start[k]], rest(start), rest(limit)), (k,))
-        full = tuple(start) == (0,) * jnp.ndim(x) and tuple(limit) == jnp.shape(x)
-        return x if full else lax.slice(x, tuple(start), tuple(limit))
-
-    def rule(eqn, vals):
-        p, var = eqn.params, eqn.invars[0] if eqn.invars else None
-        stacked = not isinstance(var, jcore.Literal) and var in stacks
-        if eqn.primitive is jp.slice_p and not p.get("strides") and stacked:
-            return [sliced(var, vals[0], p["start_indices"], p["limit_indices"])]
-        outs = bind(eqn, vals)
-        if eqn.primitive.name == "stack":  # (JAX 0.10 exports no stack_p)
-            operands = [None if isinstance(v, jcore.Literal) else v for v in eqn.invars]
-            stacks[eqn.outvars[0]] = (p["axis"], list(zip(operands, vals)))
-        return outs
-
-    def run(*args):
-        return eval_jaxpr(jaxpr, closed.consts, args, rule)
-
-    traced = jax.make_jaxpr(run)(*_avals(closed))
-    live, _ = pe.dce_jaxpr(traced.jaxpr, [True] * len(traced.jaxpr.outvars), instantiate=True)
-    return jcore.ClosedJaxpr(live, traced.consts)
-
-
 # Equations that only read or relabel their operand's entries (z[k] is a slice and a squeeze):
 # two of them with the same parameters on the same operand give the same values.
 _READS = (jp.slice_p, jp.squeeze_p, jp.reshape_p, jp.transpose_p, jp.broadcast_in_dim_p)
+
+
+def _is_fresh(eqn) -> bool:
+    """Whether ``eqn`` is :func:`jaxamp._src.core.marks.fresh`'s mark (identity on values)."""
+    p, ins = eqn.params, eqn.invars
+    return (eqn.primitive is deriv_check_p and len(ins) == 2 and ins[0] is ins[1]
+            and not isinstance(ins[0], jcore.Literal) and p.get("order") == 0 and not p.get("check")
+            and p.get("term") is None)
 
 
 def _reads(jaxpr: jcore.Jaxpr) -> Dict[Any, Any]:
@@ -234,6 +288,9 @@ def _reads(jaxpr: jcore.Jaxpr) -> Dict[Any, Any]:
     derivative calls at ``z`` each take (``jacfwd`` then ``hessian``) are the same operands."""
     keys: Dict[Any, Any] = {}
     for eqn in jaxpr.eqns:
+        if _is_fresh(eqn):  # the variable a step is taken along: its values are its operand's
+            keys[eqn.outvars[0]] = keys.get(eqn.invars[0], eqn.invars[0])
+            continue
         if eqn.primitive in _READS and len(eqn.invars) == 1 and not isinstance(eqn.invars[0], jcore.Literal):
             try:
                 keys[eqn.outvars[0]] = (eqn.primitive, tuple(sorted(eqn.params.items())),
@@ -244,19 +301,23 @@ def _reads(jaxpr: jcore.Jaxpr) -> Dict[Any, Any]:
     return keys
 
 
-def _group_key(eqn, reads: Dict[Any, Any]) -> Optional[Tuple[Any, ...]]:
+def _group_key(eqn, reads: Dict[Any, Any], one_base: bool) -> Optional[Tuple[Any, ...]]:
     """Chains with equal keys differentiate the same values the same way: one plan computes
-    them. None: this chain is planned alone (a level batching none of its arguments: the
-    level's vmap could be another chain's)."""
+    them (``one_base``: of the same body and closure constants, so one equation holds them).
+    None: this chain is planned alone (a level batching none of its arguments: the level's vmap
+    could be another chain's)."""
     p = eqn.params
     n, levels = p["n_consts"], p["levels"]
     if any(all(a is None for a in level[n:]) for level in levels):
         return None
     args = tuple(reads.get(v, atom(v)) if not isinstance(v, jcore.Literal) else atom(v) for v in eqn.invars[n:])
-    return (args, p["base_order"], p["base_term"], tuple(level[n:] for level in levels))
+    key = (args, p["base_order"], p["base_term"], tuple(level[n:] for level in levels))
+    if one_base:  # the body by identity: the jaxpr object the equations share (held by them)
+        key += (p["body"], tuple(atom(v) for v in eqn.invars[:n]), levels)
+    return key
 
 
-def _groups(jaxpr: jcore.Jaxpr) -> Dict[int, List[int]]:
+def _groups(jaxpr: jcore.Jaxpr, one_base: bool = False) -> Dict[int, List[int]]:
     """``{first: [members]}``: the chain equations (by index) planned with the chain at
     ``first`` (at ``first``'s arguments); a member joins only if its closure constants exist there."""
     defined = {v: -1 for v in [*jaxpr.constvars, *jaxpr.invars]}
@@ -268,7 +329,7 @@ def _groups(jaxpr: jcore.Jaxpr) -> Dict[int, List[int]]:
     for i, eqn in enumerate(jaxpr.eqns):
         if eqn.primitive is not chain_p:
             continue
-        key = _group_key(eqn, reads)
+        key = _group_key(eqn, reads, one_base)
         first = open_groups.get(key, [None])[0] if key is not None else None
         consts = eqn.invars[:eqn.params["n_consts"]]
         if first is not None and all(isinstance(v, jcore.Literal) or defined[v] < first for v in consts):
@@ -308,8 +369,8 @@ def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ct
     for i, eqn in enumerate(jaxpr.eqns):
         if eqn.primitive is chain_p:
             if i in groups:
-                done.update(zip(groups[i], _run_group([jaxpr.eqns[j] for j in groups[i]], read)))
-            outs = [done.pop(i)]
+                done.update(_split(groups[i], jaxpr.eqns, _run_group([jaxpr.eqns[j] for j in groups[i]], read)))
+            outs = done.pop(i)
         elif any(has_chains(j, ctx.holds) for j in sub_jaxprs(eqn)):
             handler = rules_of(eqn.primitive).evaluate
             if handler is None:
@@ -325,20 +386,61 @@ def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ct
     return [read(v) for v in jaxpr.outvars], {}
 
 
+def _split(indices: Sequence[int], eqns, values: Sequence[Any]) -> Dict[int, List[Any]]:
+    """``values`` (the group's, in order) per chain equation of ``indices``."""
+    out, k = {}, 0
+    for i in indices:
+        m = len(eqns[i].params["links"])
+        out[i], k = list(values[k:k + m]), k + m
+    return out
+
+
+def _merged(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
+    """``closed`` with the chain equations of one body and constants at one point (its own
+    jaxpr's, not its bodies') bound as one equation: requests planned together, still chains
+    (a later transformation extends them)."""
+    jaxpr = closed.jaxpr
+    groups = _groups(jaxpr, one_base=True)
+    if all(len(g) == 1 for g in groups.values()):
+        return closed
+
+    def run(*args):
+        env = dict(zip([*jaxpr.constvars, *jaxpr.invars], [*closed.consts, *args]))
+        done: Dict[int, List[Any]] = {}
+
+        def read(v):
+            return v.val if isinstance(v, jcore.Literal) else env[v]
+
+        for i, eqn in enumerate(jaxpr.eqns):
+            if eqn.primitive is chain_p and i in groups:
+                members = [jaxpr.eqns[j] for j in groups[i]]
+                links = [link for e in members for link in e.params["links"]]
+                unique = tuple(dict.fromkeys(links))  # (equal: the same base and steps)
+                values = chain_p.bind(*[read(v) for v in eqn.invars], **{**eqn.params, "links": unique})
+                done.update(_split(groups[i], jaxpr.eqns, [values[unique.index(link)] for link in links]))
+            outs = done.pop(i) if eqn.primitive is chain_p else bind(eqn, [read(v) for v in eqn.invars])
+            for v, out in zip(eqn.outvars, outs):
+                if not isinstance(v, jcore.DropVar):
+                    env[v] = out
+        return [read(v) for v in jaxpr.outvars]
+
+    return jax.make_jaxpr(run)(*_avals(closed))
+
+
 def _run_group(eqns, read) -> List[jax.Array]:
     """One plan for the chain equations ``eqns``; a base is shared by members with the same
     function and the same closure constants."""
     members, base_of, consts, seen = [], [], [], []  # seen: (base, its constants' key) of each base
     for eqn in eqns:
         p, n = eqn.params, eqn.params["n_consts"]
-        base, key = p["link"].base, (tuple(atom(v) for v in eqn.invars[:n]), tuple(lv[:n] for lv in p["levels"]))
+        base, key = p["links"][0].base, (tuple(atom(v) for v in eqn.invars[:n]), tuple(lv[:n] for lv in p["levels"]))
         b = next((i for i, (f, k) in enumerate(seen) if f is base and k == key), None)  # the function itself, by `is`
         if b is None:
             b = len(seen)
             seen.append((base, key))
             consts.append([read(v) for v in eqn.invars[:n]])
-        members.append(p)
-        base_of.append(b)
+        members += _members(p)
+        base_of += [b] * len(p["links"])
     n = eqns[0].params["n_consts"]
     return _run(members, base_of, consts, [read(v) for v in eqns[0].invars[n:]])
 

@@ -76,9 +76,10 @@ def jacfwd(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_
            wrt: Optional[Union[str, Sequence[str]]] = None) -> Callable[..., Any]:
     """``jax.jacfwd`` of a function returning one array, with scaled tangent seeds.
 
-    Along a float32 vector of at most 16 entries of a function returning one float32 scalar
-    (``u(params, z)``), each entry is a ``grad`` chain planned with the point's other
-    derivatives (:mod:`jaxamp._src.derivatives.vector`); every other form linearizes ``fun``.
+    Along a float32 scalar or vector of at most 16 entries of a function returning float32
+    values of at most 16 entries (``u(params, z)``), each entry is a ``grad`` chain, all of one
+    call one request planned with the point's other derivatives
+    (:mod:`jaxamp._src.derivatives.vector`); every other form linearizes ``fun``.
 
     Args:
       fun, argnums, has_aux, holomorphic: as ``jax.jacfwd``: arrays or pytrees of arrays at
@@ -159,8 +160,9 @@ def hessian(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has
             holomorphic: bool = False, *, of: Optional[str] = None,
             wrt: Optional[Union[str, Sequence[str]]] = None) -> Callable[..., Any]:
     """``jax.hessian``: :func:`jacfwd` of :func:`jaxamp.jacrev` (keys of orders 1 and 2); along a
-    small float32 vector of a scalar function, one chain per entry on and above the diagonal,
-    those the program never reads left out (:mod:`jaxamp._src.derivatives.vector`).
+    small float32 argument of a function with small float32 values, one chain per entry on and
+    above the diagonal, one request, those the program never reads left out
+    (:mod:`jaxamp._src.derivatives.vector`).
 
     Args:
       fun, argnums, has_aux, holomorphic: as ``jax.hessian`` (``fun`` returns one array; pytree

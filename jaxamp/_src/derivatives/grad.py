@@ -71,7 +71,7 @@ def _reverse(transform: Callable, caller: str, scalar: bool, fun: Callable, argn
     # has_aux: the chain differentiates fun's value (its first output); the aux is fun's own
     base = _value_of(caller, fun) if has_aux else fun
     link = chain.extend(base, argnums, of, wrt) if chained else None
-    route = vector.Route(fun, argnums)  # jacrev along a small vector: planned entry by entry
+    route = vector.Route(fun, argnums)  # jacrev along a small argument: planned entry by entry
     # a tuple of scalar argnums (grad(u, (1, 2)) -> (u_t, u_x)): one chain per argnum, their
     # passes shared as those of separate grad calls at the same point
     links: Tuple[chain.Chain, ...] = ()
@@ -80,7 +80,7 @@ def _reverse(transform: Callable, caller: str, scalar: bool, fun: Callable, argn
         links = tuple(chain.extend(base, a, of, w) for a, w in zip(argnums, names))
 
     def chains(args) -> Any:  # the chains' derivatives at args (and fun's aux)
-        d = tuple(chain_call.bind_chain(c, args) for c in links) if links else chain_call.bind_chain(link, args)
+        d = tuple(chain_call.bind_chains(links, args)) if links else chain_call.bind_chain(link, args)
         if not has_aux:
             return d
         return d, _pair(caller, fun(*args))[1]  # the aux at the point (its forward pass merged with the chain's)
@@ -90,13 +90,13 @@ def _reverse(transform: Callable, caller: str, scalar: bool, fun: Callable, argn
         if method != "forward" and amp_off():  # JAX's own derivative, tagged (no operation)
             out = transform(fun, argnums, has_aux=has_aux, **options)(*args, **kwargs)
             return (fresh(out[0], term=AMP_OFF), out[1]) if has_aux else fresh(out, term=AMP_OFF)
-        if chain.eligible(link, args, kwargs) or (links and all(chain.eligible(c, args, kwargs) for c in links)):
-            return chains(args)
         if not scalar and vector.eligible(argnums, args, kwargs, has_aux, options["holomorphic"]):
-            try:
+            try:  # a scalar or small vector argument, small values: entry by entry
                 return route.jacobian(args, of, wrt)
             except vector.NotScalar:
                 pass
+        if chain.eligible(link, args, kwargs) or (links and all(chain.eligible(c, args, kwargs) for c in links)):
+            return chains(args)
         if method == "forward":
             raise ValueError(f"{caller}: method='forward' needs scalar `argnums` and float32 scalar arguments "
                              f"there, given by position; got argnums={argnums!r}. Use method='auto'.")
@@ -166,7 +166,8 @@ def jacrev(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_
            holomorphic: bool = False, allow_int: bool = False, *, of: Optional[str] = None,
            wrt: Optional[Union[str, Sequence[str]]] = None) -> Callable[..., Any]:
     """``jax.jacrev`` of a function returning one array, scaled and checked as :func:`grad` (along
-    a small float32 vector of a scalar function: planned as :func:`jaxamp.jacfwd` is).
+    a small float32 argument of a function with small float32 values: planned as
+    :func:`jaxamp.jacfwd` is).
 
     Args:
       fun, argnums, has_aux, holomorphic, allow_int: as ``jax.jacrev`` (``fun`` returns one array).

@@ -1,0 +1,121 @@
+"""Reading a program's stacked derivatives entry by entry, so the entries it never reads are not planned.
+
+A Jacobian or Hessian taken entry by entry (:mod:`jaxamp._src.derivatives.vector`) is a ``stack``
+of chains. :func:`pruned` re-traces a program reading those stacks through: a one-entry ``slice``
+reads the stacked operand itself, and a ``select_n`` whose predicate is a constant of the program
+(``jnp.trace``, ``jnp.diagonal``, ``jnp.where`` over an ``iota`` mask) takes each stacked entry
+from the case its predicate picks. Calls (``jit``) holding a stacked operand are read inline.
+Dead equations are then removed: the chains of entries the program never reads (an entry of
+``jaxamp.hessian(u, 1)(p, z)[1, 1]``, the off-diagonal entries under a trace) are gone.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jcore
+from jax.extend.core import primitives as jp
+from jax.interpreters import partial_eval as pe
+
+from jaxamp._src.core.interpreter import bind, eval_jaxpr, sub_jaxpr, sub_jaxprs
+
+__all__ = ["pruned"]
+
+# the largest constant (entries) computed while tracing: masks of a Hessian's entries are small
+_MAX_CONSTANT = 4096
+
+Part = Tuple[Any, Any]  # (the variable holding a value, or None; the value)
+
+
+def _avals(closed: jcore.ClosedJaxpr) -> List[jax.ShapeDtypeStruct]:
+    return [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type) for v in closed.jaxpr.invars]
+
+
+class _Reader:
+    """The rule of one re-trace: which variables are stacks (``{var: (axis, [parts])}``) and
+    which are constants of the program (``{var: numpy value}``)."""
+
+    def __init__(self) -> None:
+        self.stacks: Dict[Any, Tuple[int, List[Part]]] = {}
+        self.known: Dict[Any, np.ndarray] = {}
+
+    def _var(self, v) -> Any:
+        return None if isinstance(v, jcore.Literal) else v
+
+    def _constant(self, v) -> Optional[np.ndarray]:
+        return np.asarray(v.val) if isinstance(v, jcore.Literal) else self.known.get(v)
+
+    def sliced(self, var, x, start, limit):
+        """``x[start:limit]``, read through the stacks ``x`` (of ``var``) was built by."""
+        hit = self.stacks.get(var)
+        if hit is not None and limit[hit[0]] - start[hit[0]] == 1:
+            k, parts = hit
+            rest = lambda t: t[:k] + t[k + 1:]  # noqa: E731
+            return lax.expand_dims(self.sliced(*parts[start[k]], rest(start), rest(limit)), (k,))
+        full = tuple(start) == (0,) * jnp.ndim(x) and tuple(limit) == jnp.shape(x)
+        return x if full else lax.slice(x, tuple(start), tuple(limit))
+
+    def select(self, pred: np.ndarray, cases: Sequence[Part]) -> Any:
+        """``select_n(pred, *cases)`` with the constant ``pred``: each stacked entry from the case
+        its predicate picks, so the entries of the other cases are not read."""
+        flat = pred.reshape(-1)
+        if flat.size and np.all(flat == flat[0]):
+            return cases[int(flat[0])][1]
+        hit = next(((c, self.stacks[v]) for c, (v, _) in enumerate(cases) if v is not None and v in self.stacks), None)
+        if hit is None or pred.ndim == 0:
+            return lax.select_n(jnp.asarray(pred), *[x for _, x in cases])
+        c, (k, parts) = hit
+        rows = []
+        for j in range(pred.shape[k]):
+            sub = [parts[j] if i == c else (None, lax.index_in_dim(x, j, k, keepdims=False))
+                   for i, (_, x) in enumerate(cases)]
+            rows.append(self.select(np.take(pred, j, axis=k), sub))
+        return jnp.stack(rows, axis=k)
+
+    def rule(self, eqn, vals) -> List[Any]:
+        p = eqn.params
+        ins = [self._var(v) for v in eqn.invars]
+        for v in eqn.outvars:
+            self.stacks.pop(v, None)
+            self.known.pop(v, None)
+        consts = [self._constant(v) for v in eqn.invars]
+        if eqn.primitive is jp.slice_p and not p.get("strides") and ins[0] in self.stacks:
+            return [self.sliced(ins[0], vals[0], p["start_indices"], p["limit_indices"])]
+        if (eqn.primitive is jp.select_n_p and consts[0] is not None
+                and any(v is not None and v in self.stacks for v in ins[1:])):
+            return [self.select(consts[0], list(zip(ins[1:], vals[1:])))]
+        body = sub_jaxpr(eqn)
+        if body is not None and any(v is not None and (v in self.stacks or v in self.known) for v in ins):
+            for inner, v in zip(body.jaxpr.invars, ins):  # read the call inline, its operands' stacks through
+                self.stacks.pop(inner, None)
+                self.known.pop(inner, None)
+                if v in self.stacks:
+                    self.stacks[inner] = self.stacks[v]
+                if v in self.known:
+                    self.known[inner] = self.known[v]
+            return eval_jaxpr(body.jaxpr, body.consts, vals, self.rule)
+        if (all(c is not None for c in consts) and not eqn.effects and not sub_jaxprs(eqn)
+                and all(np.prod(v.aval.shape, dtype=int) <= _MAX_CONSTANT for v in eqn.outvars)):
+            with jax.ensure_compile_time_eval():  # a constant of the program (an iota mask): known while tracing
+                outs = bind(eqn, [jnp.asarray(c) for c in consts])
+            self.known.update((v, np.asarray(o)) for v, o in zip(eqn.outvars, outs))
+            return outs
+        outs = bind(eqn, vals)
+        if eqn.primitive.name == "stack":  # (JAX 0.10 exports no stack_p)
+            self.stacks[eqn.outvars[0]] = (p["axis"], list(zip(ins, vals)))
+        return outs
+
+
+def pruned(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
+    """``closed`` with its stacks read entry by entry (module docstring), then its dead
+    equations removed."""
+    traced = closed
+    if any(e.primitive.name == "stack" for e in closed.jaxpr.eqns):
+        reader = _Reader()
+        traced = jax.make_jaxpr(lambda *a: eval_jaxpr(closed.jaxpr, closed.consts, a, reader.rule))(*_avals(closed))
+    live, _ = pe.dce_jaxpr(traced.jaxpr, [True] * len(traced.jaxpr.outvars), instantiate=True)
+    return jcore.ClosedJaxpr(live, traced.consts)

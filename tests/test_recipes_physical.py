@@ -21,7 +21,7 @@ import jaxamp
 
 from tests.helpers import physical as P
 from tests.helpers import physical_runs as R
-from tests.helpers.gauss_newton import gauss_newton, scaled_jacobian
+from tests.helpers.gauss_newton import gauss_newton, make_step
 
 WIDTH, N = 8, 16
 SKIPS = (2, 5)
@@ -210,14 +210,7 @@ def test_gauss_newton_trains_and_skips():
     ``jaxamp.scaled`` decide the step; an injected overflow skips with params and state kept."""
     (_, residuals, _, loss), params, state = start()
     tx = jaxamp.optimizer(gauss_newton(), amp_state=state)
-    jac = scaled_jacobian(residuals)
-
-    @jax.jit
-    def step(params, opt_state, b):
-        J, r, grads, found = jac(opt_state, params, b)
-        updates, opt_state = tx.update(grads, opt_state, params, flags=found, jacobian=J, residuals=r,
-                                       value_fn=lambda p: loss(p, b))
-        return optax.apply_updates(params, updates), opt_state, jnp.sum(r**2)
+    step = make_step(tx, residuals, loss)
 
     before = loss_at(params)
     seen = run(step, params, tx.init(params), 6, skips=(2,))

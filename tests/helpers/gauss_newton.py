@@ -68,3 +68,19 @@ def scaled_jacobian(residuals):
         return J, r, grads, found
 
     return jac
+
+
+def make_step(tx, residuals, loss):
+    """The jitted Gauss-Newton step ``(params, opt_state, batch) -> (params, opt_state, sum r^2)``
+    of ``tx`` (a :func:`jaxamp.optimizer` of :func:`gauss_newton`): the Jacobian and the gradient
+    under the state's scales (:func:`scaled_jacobian`), the flags deciding the step."""
+    jac = scaled_jacobian(residuals)
+
+    @jax.jit
+    def step(params, opt_state, b):
+        J, r, grads, found = jac(opt_state, params, b)
+        updates, opt_state = tx.update(grads, opt_state, params, flags=found, jacobian=J, residuals=r,
+                                       value_fn=lambda p: loss(p, b))
+        return optax.apply_updates(params, updates), opt_state, jnp.sum(r**2)
+
+    return step

@@ -17,7 +17,7 @@ import optax
 import jaxamp
 
 from tests.helpers import physical as P
-from tests.helpers.gauss_newton import gauss_newton, scaled_jacobian
+from tests.helpers.gauss_newton import gauss_newton, make_step
 
 U32 = jaxamp.autocast(P.mlp, P.FP32)
 
@@ -93,18 +93,10 @@ def gauss_newton_run(amp, seed, steps, fp32_boundary=False):
     _, residuals, _, loss = P.problem(amp, fp32_boundary=fp32_boundary)
     params = P.init_params(seed)
     tx = jaxamp.optimizer(gauss_newton(), amp_state=jaxamp.init(loss, amp)(params, P.batch()), on_stall=None)
-    jac = scaled_jacobian(residuals)
-
-    @jax.jit
-    def step(params, opt_state, b):
-        J, r, grads, found = jac(opt_state, params, b)
-        updates, opt_state = tx.update(grads, opt_state, params, flags=found, jacobian=J, residuals=r,
-                                       value_fn=lambda p: loss(p, b))
-        return optax.apply_updates(params, updates), opt_state
-
+    step = make_step(tx, residuals, loss)
     opt_state, skipped = tx.init(params), 0
     for i in range(steps):
-        params, opt_state = step(params, opt_state, P.batch(shift=(i % 7) / 7 - 0.5))
+        params, opt_state, _ = step(params, opt_state, P.batch(shift=(i % 7) / 7 - 0.5))
         skipped += int(opt_state.skip_reason) != 0
     return params, skipped
 

@@ -21,7 +21,7 @@ import jaxamp
 
 from tests.helpers import physical as P
 from tests.helpers import physical_runs as R
-from tests.helpers.gauss_newton import gauss_newton, make_step
+from tests.helpers.gauss_newton import gauss_newton, gauss_newton_step
 
 WIDTH, N = 8, 16
 SKIPS = (2, 5)
@@ -210,7 +210,7 @@ def test_gauss_newton_trains_and_skips():
     ``jaxamp.scaled`` decide the step; an injected overflow skips with params and state kept."""
     (_, residuals, _, loss), params, state = start()
     tx = jaxamp.optimizer(gauss_newton(), amp_state=state)
-    step = make_step(tx, residuals, loss)
+    step = gauss_newton_step(tx, residuals, loss)
 
     before = loss_at(params)
     seen = run(step, params, tx.init(params), 6, skips=(2,))

@@ -70,7 +70,7 @@ def scaled_jacobian(residuals):
     return jac
 
 
-def make_step(tx, residuals, loss):
+def gauss_newton_step(tx, residuals, loss):
     """The jitted Gauss-Newton step ``(params, opt_state, batch) -> (params, opt_state, sum r^2)``
     of ``tx`` (a :func:`jaxamp.optimizer` of :func:`gauss_newton`): the Jacobian and the gradient
     under the state's scales (:func:`scaled_jacobian`), the flags deciding the step."""

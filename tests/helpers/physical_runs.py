@@ -17,7 +17,7 @@ import optax
 import jaxamp
 
 from tests.helpers import physical as P
-from tests.helpers.gauss_newton import gauss_newton, make_step
+from tests.helpers.gauss_newton import gauss_newton, gauss_newton_step
 
 U32 = jaxamp.autocast(P.mlp, P.FP32)
 
@@ -93,7 +93,7 @@ def gauss_newton_run(amp, seed, steps, fp32_boundary=False):
     _, residuals, _, loss = P.problem(amp, fp32_boundary=fp32_boundary)
     params = P.init_params(seed)
     tx = jaxamp.optimizer(gauss_newton(), amp_state=jaxamp.init(loss, amp)(params, P.batch()), on_stall=None)
-    step = make_step(tx, residuals, loss)
+    step = gauss_newton_step(tx, residuals, loss)
     opt_state, skipped = tx.init(params), 0
     for i in range(steps):
         params, opt_state, _ = step(params, opt_state, P.batch(shift=(i % 7) / 7 - 0.5))

@@ -2,8 +2,9 @@
 
 XLA compiles for an NVIDIA GPU on a machine that has none (deviceless ahead-of-time compilation,
 ``../shared/tools/gpu_aot``): the result is the program an H100 would run. For each step (the 2-D
-Poisson PINN of the README, a Flax tanh MLP, in every precision mode of :data:`MODES`) this reads
-from the optimized GPU HLO:
+Poisson PINN of the README, a Flax tanh MLP, and Modulus' lid-driven cavity of ``benchmarks/ldc.py``
+at Modulus' size, a 6 x 512 SiLU ``FullyConnected``: ``--problems``; each in every precision mode of
+:data:`MODES`) this reads from the optimized GPU HLO:
 
 - the kernels: every instruction of the entry computation that launches work (fusions, Triton
   GEMM fusions, cuBLAS custom calls, copies, ...), the kernels of a ``while`` body times its known
@@ -423,32 +424,41 @@ MODES: Dict[str, Optional[Dict[str, Any]]] = {
     "fp8": {"dtype": "float8"},
 }
 DEFAULT_SIZES = "4x128:20000,4x512:6000"
+# Modulus Sym's cavity as Modulus runs it (examples/configs/ldc_gpu.yaml, benchmarks/ldc.py's LDCSize):
+# 6 x 512 SiLU, 4 000 interior points, 1 000 on the lid and 1 000 on the no-slip walls
+DEFAULT_CAVITY_SIZES = "6x512:4000"
+PROBLEMS = ("poisson", "cavity")
 PROFILE_POINTS = 512  # jaxamp.init profiles this many points (on the CPU) to start the scales
 
 
 @dataclasses.dataclass(frozen=True)
 class Size:
+    """Hidden layers, their width and the interior points; the boundary points are a tenth of them
+    (Poisson) or a quarter on the lid and a quarter on the no-slip walls (the cavity, as Modulus)."""
+
     depth: int
     width: int
     points: int
+    problem: str = "poisson"
 
     @property
     def boundary(self) -> int:
-        return max(2, self.points // 10)
+        return max(2, self.points // (4 if self.problem == "cavity" else 10))
 
     @property
     def label(self) -> str:
         return f"{self.depth}x{self.width}:{self.points}"
 
 
-def parse_sizes(text: str) -> List[Size]:
-    """``"4x128:20000,4x512:6000"``: hidden layers x width : interior points (boundary: a tenth)."""
+def parse_sizes(text: str, problem: str = "poisson") -> List[Size]:
+    """``"4x128:20000,4x512:6000"``: hidden layers x width : interior points (boundary: :class:`Size`)."""
     out = []
     for item in text.split(","):
         m = re.fullmatch(r"(\d+)x(\d+):(\d+)", item.strip())
         if not m:
-            raise SystemExit(f"--sizes: {item!r} is not DEPTHxWIDTH:POINTS")
-        out.append(Size(*(int(v) for v in m.groups())))
+            flag = "--cavity-sizes" if problem == "cavity" else "--sizes"
+            raise SystemExit(f"{flag}: {item!r} is not DEPTHxWIDTH:POINTS (e.g. 6x512:4000)")
+        out.append(Size(*(int(v) for v in m.groups()), problem=problem))
     return out
 
 
@@ -490,13 +500,16 @@ def _poisson_losses(u: Callable, grad: Callable, **grad_kw) -> Callable:
 
 
 def build_step(mode: str, size: Size, seed: int = 0) -> Tuple[Callable, Tuple[Any, ...]]:
-    """``(train step, (params, opt_state, batch))`` of ``mode`` at ``size``; values on the CPU."""
+    """``(train step, (params, opt_state, batch))`` of ``mode`` at ``size`` (its problem: the Poisson PINN
+    or the cavity); values on the CPU."""
     import jax
     import jax.numpy as jnp
     import optax
 
     import jaxamp
 
+    if size.problem == "cavity":
+        return _cavity_step(mode, size, seed)
     model = _mlp(size)
     k1, k2, k3 = jax.random.split(jax.random.PRNGKey(seed), 3)
     params = model.init(k1, jnp.zeros(2))
@@ -506,14 +519,7 @@ def build_step(mode: str, size: Size, seed: int = 0) -> Tuple[Callable, Tuple[An
         u = lambda p, x, y: model.apply(p, jnp.stack([x, y]))[0]  # noqa: E731
         grad_kw = {"method": "forward"} if mode == "fp32_engine" else {}
         losses = _poisson_losses(u, jaxamp.grad if grad_kw else jax.grad, **grad_kw)
-        optimizer = optax.adam(1e-3)
-
-        def step(params, opt_state, batch):
-            loss, grads = jax.value_and_grad(lambda p, b: sum(losses(p, b).values()))(params, batch)
-            updates, opt_state = optimizer.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss
-
-        return step, (params, optimizer.init(params), batch)
+        return _fp32_step(losses), (params, optax.adam(1e-3).init(params), batch)
     amp = jaxamp.AmpConfig(**MODES[mode])
     net = jaxamp.autocast(model.apply, amp)
     u = lambda p, x, y: net(p, jnp.stack([x, y]))[0]  # noqa: E731
@@ -522,6 +528,100 @@ def build_step(mode: str, size: Size, seed: int = 0) -> Tuple[Callable, Tuple[An
     amp_state = jaxamp.init(losses, amp)(params, first)  # a float32 profile
     optimizer = jaxamp.optimizer(optax.adam(1e-3), amp_state=amp_state, on_stall=None)
     return _amp_step(losses, optimizer), (params, optimizer.init(params), batch)
+
+
+def _cavity_losses(model: Any, derive: Callable) -> Callable:
+    """The cavity's loss terms (those of ``benchmarks/ldc.py``'s step): continuity and momentum
+    residuals from ``derive(params, interior) -> {name: values}`` (the outputs and
+    ``ldc.DERIVATIVES``), the lid's and the no-slip walls' velocity mismatch."""
+    import jax.numpy as jnp
+
+    from benchmarks import ldc
+
+    def losses(params, batch):
+        terms = {k: jnp.mean(r**2) for k, r in ldc.residuals(derive(params, batch["interior"])).items()}
+        lid, wall = model.apply(params, batch["lid"]), model.apply(params, batch["noslip"])
+        terms["lid"] = jnp.mean((lid[:, 0] - 1.0) ** 2 + lid[:, 1] ** 2)
+        terms["noslip"] = jnp.mean(wall[:, 0] ** 2 + wall[:, 1] ** 2)
+        return terms
+
+    return losses
+
+
+def _nested_jax_grad(model: Any) -> Callable:
+    """``derive(params, points)`` as a user writes it: per point, each derivative of ``ldc.DERIVATIVES``
+    (``u__x__x``) as nested ``jax.grad``s of one output along ``x``/``y``, under ``jax.vmap``."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import ldc
+
+    def point(p, x, y):
+        return model.apply(p, jnp.stack([x, y]))
+
+    def derivative(name):
+        out, *wrt = name.split("__")
+        f = lambda p, x, y, i=ldc.OUTPUTS.index(out): point(p, x, y)[i]  # noqa: E731
+        for axis in wrt:
+            f = jax.grad(f, 1 + ldc.INPUTS.index(axis))
+        return f
+
+    fns = {name: derivative(name) for name in ldc.DERIVATIVES}
+
+    def derive(params, points):
+        x, y = points[:, 0], points[:, 1]
+        values = jax.vmap(point, (None, 0, 0))(params, x, y)
+        d = {name: values[:, i] for i, name in enumerate(ldc.OUTPUTS)}
+        return {**d, **{name: jax.vmap(f, (None, 0, 0))(params, x, y) for name, f in fns.items()}}
+
+    return derive
+
+
+def _cavity_step(mode: str, size: Size, seed: int) -> Tuple[Callable, Tuple[Any, ...]]:
+    """The lid-driven cavity of ``benchmarks/ldc.py`` (Modulus Sym's, a ``jaxamp.models.FullyConnected``
+    SiLU network ``(x, y) -> (u, v, p)``, its derivatives by a ``jaxamp.Derivatives`` engine), in ``mode``:
+    float32 with the engine (``method="forward"``, AMP off) or the user's nested ``jax.grad``, each a
+    plain optax step; otherwise the network placed by ``FullyConnected.from_amp`` and the step of
+    :func:`_amp_step`, as the Poisson steps."""
+    import jax
+    import optax
+
+    import jaxamp
+    from benchmarks import ldc
+    from jaxamp.models import FullyConnected
+
+    shape = ldc.LDCSize(nr_layers=size.depth, layer_size=size.width, n_interior=size.points,
+                        n_lid=size.boundary, n_noslip=size.boundary)
+    params, batch = ldc.init_params(shape, seed), ldc.make_points(shape, seed)
+    amp = jaxamp.AmpConfig(enabled=False) if MODES[mode] is None else jaxamp.AmpConfig(**MODES[mode])
+    model = FullyConnected.from_amp(amp, out_features=len(ldc.OUTPUTS), layer_size=size.width,
+                                    nr_layers=size.depth)
+    if mode == "fp32_jax_grad":
+        derive = _nested_jax_grad(model)
+    else:
+        derive = jaxamp.Derivatives(lambda p, x: model.apply(p, x), inputs=ldc.INPUTS, outputs=ldc.OUTPUTS,
+                                    derivatives=ldc.DERIVATIVES, amp=amp, method="forward")
+    losses = _cavity_losses(model, derive)
+    if MODES[mode] is None:
+        return _fp32_step(losses), (params, optax.adam(1e-3).init(params), batch)
+    first = jax.tree_util.tree_map(lambda a: a[:PROFILE_POINTS], batch)  # the scales' start: no effect on the program
+    optimizer = jaxamp.optimizer(optax.adam(1e-3), amp_state=jaxamp.init(losses, amp)(params, first), on_stall=None)
+    return _amp_step(losses, optimizer), (params, optimizer.init(params), batch)
+
+
+def _fp32_step(losses: Callable) -> Callable:
+    """A plain float32 step: ``jax.value_and_grad`` of the terms' sum, ``optax.adam(1e-3)``."""
+    import jax
+    import optax
+
+    optimizer = optax.adam(1e-3)
+
+    def step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(lambda p, b: sum(losses(p, b).values()))(params, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step
 
 
 def _amp_step(losses: Callable, optimizer: Any) -> Callable:
@@ -598,7 +698,8 @@ def compile_step(mode: str, size: Size, sharding: Any, reps: int = 0) -> Dict[st
     mem = compiled.memory_analysis()
     comps, entry = parse_module(text)
     prog = program(comps, entry)
-    row = {"mode": mode, "size": size.label, "boundary_points": size.boundary, **summarize(prog),
+    row = {"problem": size.problem, "mode": mode, "size": size.label, "boundary_points": size.boundary,
+           **summarize(prog),
            "memory": {k: getattr(mem, f"{k}_size_in_bytes") for k in ("temp", "argument", "output", "alias")},
            "build_s": round(t1 - t0, 2), "compile_s": round(t2 - t1, 2), "per_kernel": kernel_rows(prog)}
     if reps > 0 and sharding is None:
@@ -672,14 +773,14 @@ def _header(argv: Sequence[str], target: Optional[str]) -> Dict[str, Any]:
 
 def table(rows: List[Dict[str, Any]]) -> str:
     """A text table: kernels, temp memory and the model's H100 times per step."""
-    lines = [f"{'size':<15} {'mode':<16} {'kernels':>7} {'temp MiB':>9} {'arg MiB':>8} {'GB r+w':>7} "
+    lines = [f"{'problem':<8} {'size':<15} {'mode':<16} {'kernels':>7} {'temp MiB':>9} {'arg MiB':>8} {'GB r+w':>7} "
              f"{'H100 us':>8} {'H100 cb us':>10}"]
     for r in rows:
         if "error" in r:
-            lines.append(f"{r['size']:<15} {r['mode']:<16} error: {r['error'][:80]}")
+            lines.append(f"{r.get('problem', 'poisson'):<8} {r['size']:<15} {r['mode']:<16} error: {r['error'][:80]}")
             continue
         measured = f" {r['measured_us']['median']:>11.1f}" if "measured_us" in r else ""
-        lines.append(f"{r['size']:<15} {r['mode']:<16} {r['kernels']:>7} {r['memory']['temp'] / 2**20:>9.1f} "
+        lines.append(f"{r.get('problem', 'poisson'):<8} {r['size']:<15} {r['mode']:<16} {r['kernels']:>7} {r['memory']['temp'] / 2**20:>9.1f} "
                      f"{r['memory']['argument'] / 2**20:>8.1f} {(r['read_bytes'] + r['write_bytes']) / 1e9:>7.3f} "
                      f"{r['model']['H100 SXM launch']['total_us']:>8.1f} "
                      f"{r['model']['H100 SXM command_buffer']['total_us']:>10.1f}{measured}")
@@ -691,7 +792,12 @@ def table(rows: List[Dict[str, Any]]) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="python -m benchmarks gpu_program", description=__doc__.split("\n")[0])
-    p.add_argument("--sizes", default=DEFAULT_SIZES, help="DEPTHxWIDTH:POINTS[,...] (default %(default)s)")
+    p.add_argument("--problems", default=",".join(PROBLEMS), help="comma-separated, of: " + ", ".join(PROBLEMS))
+    p.add_argument("--sizes", default=DEFAULT_SIZES,
+                   help="the Poisson steps' DEPTHxWIDTH:POINTS[,...] (default %(default)s)")
+    p.add_argument("--cavity-sizes", default=DEFAULT_CAVITY_SIZES,
+                   help="the cavity's DEPTHxWIDTH:INTERIOR_POINTS[,...], a quarter as many on the lid and on the "
+                        "walls each (default %(default)s: Modulus')"),
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated, of: " + ", ".join(MODES))
     p.add_argument("--target", default=DEFAULT_TARGET, help="the GPU's device description (.txtpb)")
     p.add_argument("--out", default=None,
@@ -707,6 +813,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         p.error(f"--modes: unknown {unknown}; expected some of {list(MODES)}")
+    problems = [q.strip() for q in args.problems.split(",") if q.strip()]
+    if not problems or any(q not in PROBLEMS for q in problems):
+        p.error(f"--problems: {args.problems!r} is not allowed: expected some of {list(PROBLEMS)}, comma-separated")
+    sizes = [s for q in problems for s in parse_sizes(args.cavity_sizes if q == "cavity" else args.sizes, q)]
     if not args.time:
         # the plugin's CUDA version check needs a driver, the compile does not (set before JAX starts its backends)
         os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
@@ -717,18 +827,21 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     sharding = None if args.time else gpu_target(args.target)
     result = _header(argv, None if args.time else args.target)
     result["rows"] = []
-    for size in parse_sizes(args.sizes):
+    for size in sizes:
         for mode in modes:
             try:
                 out = compile_step(mode, size, sharding, reps=args.time)
             except Exception as e:  # a mode that does not compile is a finding, not the end of the run
-                result["rows"].append({"mode": mode, "size": size.label, "error": f"{type(e).__name__}: {e}"[:2000]})
-                print(f"{size.label} {mode}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                result["rows"].append({"problem": size.problem, "mode": mode, "size": size.label,
+                                       "error": f"{type(e).__name__}: {e}"[:2000]})
+                print(f"{size.problem} {size.label} {mode}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
             result["rows"].append(out["row"])
             if args.hlo_dir:
                 os.makedirs(args.hlo_dir, exist_ok=True)
-                with open(os.path.join(args.hlo_dir, f"{mode}-{size.label.replace(':', '-')}.hlo"), "w") as f:
+                prefix = "" if size.problem == "poisson" else f"{size.problem}-"
+                name = f"{prefix}{mode}-{size.label.replace(':', '-')}.hlo"
+                with open(os.path.join(args.hlo_dir, name), "w") as f:
                     f.write(out["hlo"])
             print(table([out["row"]]).splitlines()[1], flush=True)
     print(table(result["rows"]))

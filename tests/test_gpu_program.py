@@ -154,8 +154,26 @@ def test_time_model(parsed):
 def test_sizes():
     assert gp.parse_sizes("4x128:20000, 2x8:32") == [gp.Size(4, 128, 20000), gp.Size(2, 8, 32)]
     assert gp.Size(4, 512, 6000).boundary == 600
+    assert gp.parse_sizes(gp.DEFAULT_CAVITY_SIZES, "cavity") == [gp.Size(6, 512, 4000, "cavity")]
+    assert gp.Size(6, 512, 4000, "cavity").boundary == 1000  # Modulus' 1000 lid / 1000 wall points
     with pytest.raises(SystemExit):
         gp.parse_sizes("4x128")
+
+
+def test_problems_refuses_an_unknown_one():
+    with pytest.raises(SystemExit):
+        gp.main(["--problems", "poisson,cavty"])
+
+
+def test_cavity_user_grad_matches_the_engine():
+    """The cavity's user step (nested ``jax.grad``) and its engine step have the same loss (float32, tiny)."""
+    import jax
+
+    size = gp.Size(2, 8, 16, "cavity")
+    with jax.default_matmul_precision("highest"):
+        losses = [jax.jit(step)(*args)[-1] for step, args in
+                  (gp.build_step(m, size) for m in ("fp32_engine", "fp32_jax_grad"))]
+    assert math.isfinite(float(losses[0])) and abs(float(losses[0]) - float(losses[1])) <= 1e-5 * float(losses[0])
 
 
 def _plugin_installed() -> bool:
@@ -169,13 +187,16 @@ def _plugin_installed() -> bool:
 @pytest.mark.skipif(not _plugin_installed(), reason="jax-cuda12-plugin not installed (a venv of its own)")
 def test_deviceless_compile_tiny(tmp_path):
     out = tmp_path / "gpu_program.json"
-    result = gp.main(["--sizes", "2x8:32", "--modes", "fp32_engine,fp16_scaler", "--out", str(out)])
-    rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"fp32_engine", "fp16_scaler"} and result["jax"]
+    result = gp.main(["--sizes", "2x8:32", "--cavity-sizes", "2x8:16", "--modes", "fp32_engine,fp16_scaler",
+                      "--out", str(out)])
+    rows = {(r["problem"], r["mode"]): r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {(p, m) for p in gp.PROBLEMS for m in ("fp32_engine", "fp16_scaler")} and result["jax"]
     for row in rows.values():
         assert "error" not in row and row["kernels"] > 0 and row["memory"]["temp"] >= 0
         assert row["model"]["H100 SXM launch"]["total_us"] > row["model"]["H100 SXM command_buffer"]["total_us"]
-    assert rows["fp16_scaler"]["flops"].get("f16", 0) > 0 and rows["fp32_engine"]["flops"].get("f32", 0) > 0
+    for problem in gp.PROBLEMS:
+        assert rows[problem, "fp16_scaler"]["flops"].get("f16", 0) > 0
+        assert rows[problem, "fp32_engine"]["flops"].get("f32", 0) > 0
 
 
 def test_time_refuses_a_negative_count():
@@ -188,7 +209,8 @@ def test_time_on_the_local_device_tiny(tmp_path):
     """``--time``: compiled for the local device (here the CPU; on a lent GPU, benchmarks/gpu.sh) and
     timed, the measured times beside the model's in each row."""
     out = tmp_path / "gpu_program.json"
-    gp.main(["--sizes", "2x8:32", "--modes", "fp32_engine,fp16_scaler", "--time", "3", "--out", str(out)])
+    gp.main(["--problems", "poisson", "--sizes", "2x8:32", "--modes", "fp32_engine,fp16_scaler", "--time", "3",
+             "--out", str(out)])
     result = json.loads(out.read_text())
     assert result["target"]["file"] is None and result["target"]["device"]
     for row in result["rows"]:

@@ -9,6 +9,8 @@ marks ``g``, the scaled derivative of ``v``, for the overflow check; both carry 
 
 from __future__ import annotations
 
+import functools
+
 import warnings
 from typing import Any, Dict, List, Mapping, MutableMapping, Optional, Sequence, Tuple
 
@@ -125,10 +127,13 @@ def merge_found_inf(*flags: Mapping[str, jax.Array]) -> Dict[str, jax.Array]:
 
 
 def reduce_flags(pending: Mapping[str, List[jax.Array]]) -> Dict[str, jax.Array]:
-    """``{key: bool[]}``, any of each key's per-point flags: the flags of one shape ORed
-    elementwise, then one reduction per key and shape, fused with the checks that produce them
-    (stacking the keys first for one reduction materialises every per-point flag; it compiles
-    to more code).
+    """``{key: bool[]}``, any of each key's per-point flags, in one reduction per flag size.
+
+    Each element gets one integer code, bit ``i`` set where the ``i``-th key's flag is (the flags
+    of one size ORed elementwise, fused with the checks that produce them); one bitwise-OR
+    reduction per size (and per 32 keys) reduces every key at once, and each key's flag is its
+    bit of the reduced code (scalar work that XLA fuses into the flag's consumers). A reduction per
+    key would be a GPU kernel per key; stacking the keys' flags instead materialises them all.
 
     Example:
       >>> import jax.numpy as jnp
@@ -136,13 +141,21 @@ def reduce_flags(pending: Mapping[str, List[jax.Array]]) -> Dict[str, jax.Array]
       >>> {k: bool(v) for k, v in out.items()}
       {'1': True, '2': False}
     """
+    keys = list(pending)
     flags: Dict[str, jax.Array] = {}
-    for key, hits in pending.items():
-        by_size: Dict[str, jax.Array] = {}
-        for hit in hits:
-            or_into(by_size, str(jnp.size(hit)), jnp.ravel(hit))
-        found = [jnp.any(h) for h in by_size.values()]
-        flags[key] = found[0] if len(found) == 1 else any_set(found)
+    for start in range(0, len(keys), 32):
+        group = keys[start:start + 32]
+        dtype = jnp.uint8 if len(group) <= 8 else jnp.uint32
+        codes: Dict[int, jax.Array] = {}  # size -> per-element code of the group's keys
+        for bit, key in enumerate(group):
+            for hit in pending[key]:
+                h = jnp.left_shift(jnp.ravel(hit).astype(dtype), dtype(bit))
+                n = int(jnp.size(hit))
+                codes[n] = h if n not in codes else codes[n] | h
+        code = functools.reduce(jnp.bitwise_or, [
+            jax.lax.reduce(c, dtype(0), jax.lax.bitwise_or, (0,)) for c in codes.values()], dtype(0))
+        for bit, key in enumerate(group):
+            flags[key] = jnp.bitwise_and(jnp.right_shift(code, dtype(bit)), dtype(1)) != 0
     return flags
 
 

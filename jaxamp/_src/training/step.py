@@ -15,6 +15,7 @@ user's state (:func:`locate`) closes the module.
 from __future__ import annotations
 
 import enum
+import functools
 from typing import Any, Dict, Mapping, NamedTuple, Optional, Tuple, TypeVar, Union
 
 import jax
@@ -176,7 +177,9 @@ def check_step(scalers: Mapping[str, Any], found_inf: Flags, grads: Any, *, axis
         reduce = lambda b: jax.lax.pmax(b.astype(jnp.int32), axis_name) > 0  # noqa: E731
         flags, values = {k: reduce(v) for k, v in flags.items()}, reduce(values)
         finite, new_finite = ~reduce(~finite), ~reduce(~new_finite)
-    overflow = any_set(list(flags.values()))
+    # a chain of ORs, not a reduction of its own: XLA fuses it into its two consumers (the decision
+    # below and the scalars' kernel, in_one_kernel), each a kernel anyway
+    overflow = functools.reduce(jnp.logical_or, flags.values(), jnp.bool_(False))
     applied = jnp.where(new_finite, int(SkipReason.APPLIED), int(SkipReason.NONFINITE_UPDATES))
     unscaled = jnp.where(finite, applied, int(SkipReason.NONFINITE_GRADS))
     reason = jnp.where(values, int(SkipReason.NONFINITE_VALUES),

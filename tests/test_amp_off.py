@@ -1,6 +1,8 @@
 """AMP off is the user's own program: a port under AmpConfig(enabled=False) or dtype="float32"
 trains bit for bit as the plain JAX program it was ported from (params and losses after 50
-jitted steps), on a hand-written MLP and on a Flax network."""
+jitted steps), on a hand-written MLP and on a Flax network, with the default route (the nests of
+jaxamp.grad computed by the entry point's AMP-off pass as JAX's jax.grad) and method="reverse"
+(JAX's reverse mode with jaxamp's marks at scale 1, which XLA folds away)."""
 
 import flax.linen as nn
 import jax
@@ -121,13 +123,18 @@ def test_amp_off_port_is_bit_identical_to_the_original(network, amp, method):
         np.testing.assert_array_equal(got, want)
 
 
-def test_a_derivative_traced_with_amp_off_and_reused_under_amp_on_is_an_error():
-    """A jax.jit caches the AMP-off trace (plain JAX, unscaled): reusing it with AMP on would
-    leave that derivative unscaled, so jaxamp says so."""
+def test_one_jitted_derivative_serves_amp_off_and_amp_on():
+    """The config is passed to the entry point, never ambient: a ``jax.jit`` of a jaxamp.grad
+    traced once (its trace cached) is JAX's derivative under an AMP-off state and the scaled,
+    checked one under AMP on (it was an error: the trace depended on the config active then)."""
     u_x = jax.jit(jaxamp.grad(lambda p, x: jnp.tanh(p * x), 1))
     loss = lambda p, x: u_x(p, x) ** 2  # noqa: E731
+    want = jax.grad(lambda p, x: jnp.tanh(p * x), 1)(2.0, 0.3) ** 2
     off = jaxamp.init(loss, jaxamp.AmpConfig(enabled=False))(2.0, 0.3)
-    value, found = jaxamp.scaled(loss)(off, 2.0, 0.3)  # traced with AMP off: cached
-    assert found == {} and np.isfinite(value)
-    with pytest.raises(jaxamp.ConfigError, match="traced with AMP off"):
-        jaxamp.init(loss, jaxamp.AmpConfig())(2.0, 0.3)
+    value, found = jaxamp.scaled(loss)(off, 2.0, 0.3)
+    assert found == {} and value == want
+    on = jaxamp.init(loss, jaxamp.AmpConfig(), from_profile=False)(2.0, 0.3)
+    assert sorted(on.scales) == ["1"]
+    value, found = jaxamp.scaled(loss)(on, 2.0, 0.3)
+    np.testing.assert_allclose(value, want, rtol=1e-6)
+    assert sorted(found) == ["1", "nonfinite_values"] and not any(bool(v) for v in found.values())

@@ -24,9 +24,9 @@ def mlp(w, x):
     return jnp.tanh(jnp.tanh(x @ w) @ w) @ w
 
 
-def scalar_net(*amp):
-    """u(w, t): a two-input network under autocast (``amp`` omitted: the active config)."""
-    net = jaxamp.autocast(mlp, *amp)
+def scalar_net(amp):
+    """u(w, t): a two-input network under ``autocast(mlp, amp)``."""
+    net = jaxamp.autocast(mlp, amp)
     return lambda w, t: net(w, jnp.stack([t, t])[None])[0, 0]
 
 
@@ -112,7 +112,7 @@ def test_init_with_another_config_than_autocast_is_an_error(init_amp, differs):
         jaxamp.init(jaxamp_loss(scalar_net(FP16)), init_amp)(W, T)
     message = str(e.value)
     for fragment in ("autocast(mlp) runs under amp.enabled=True, amp.dtype='float16'", differs,
-                     "pass the same AmpConfig to both", "autocast(model.apply) without amp"):
+                     "pass the same AmpConfig to both", "autocast(model.apply, amp) and jaxamp.init(loss, amp)"):
         assert fragment in message, message
 
 
@@ -152,52 +152,24 @@ def test_no_warning_without_a_derivative_or_without_derivative_scaling(amp):
         jaxamp.init(jaxamp_loss(scalar_net(amp)), amp, from_profile=False)(W, T)
 
 
-# ---------------------------------------------------------------- autocast takes the active config
-@pytest.mark.parametrize("amp, keys", [(FP16, ["1", "2"]), (AmpConfig(dtype="bfloat16"), []),
-                                       (AmpConfig(enabled=False), [])])
-def test_autocast_without_amp_takes_inits_config(amp, keys):
-    assert sorted(jaxamp.init(jaxamp_loss(scalar_net()), amp, from_profile=False)(W, T).scales) == keys
+# ---------------------------------------------------------------- the config is passed, never ambient
+def test_autocast_without_amp_is_an_error_naming_the_fix():
+    with pytest.raises(TypeError, match=r"autocast\(mlp\): `amp` is missing.*autocast\(fn, amp\)"):
+        jaxamp.autocast(mlp)
 
 
-def test_autocast_without_amp_runs_under_using():
-    x = jnp.ones((3, 2))
-    # A fresh function per config: JAX caches a traced function's program (the policy in it
-    # tells jaxamp.init which config a cached program was traced under).
-    with policy.using(AmpConfig(dtype="bfloat16")):
-        assert dot_dtypes(jax.make_jaxpr(jaxamp.autocast(mlp))(W, x).jaxpr) == [jnp.float32, jnp.bfloat16, jnp.bfloat16]
-    with policy.using(AmpConfig(enabled=False)):  # AMP off: the function as written, nothing inserted
-        closed = jax.make_jaxpr(jaxamp.autocast(mlp))(W, x)
-        assert policy.policies_in(closed) == [] and len(closed.jaxpr.eqns) == len(jax.make_jaxpr(mlp)(W, x).jaxpr.eqns)
-    assert policy.active() is None
-
-
-def test_a_nested_autocast_takes_the_outer_config_or_is_checked_against_it():
-    inner = jaxamp.autocast(mlp)
-    outer = jaxamp.autocast(lambda w, x: inner(w, x) @ w, AmpConfig(dtype="bfloat16"))
-    closed = jax.make_jaxpr(outer)(W, jnp.ones((3, 2)))
-    assert [p.amp_dtype for p in policy.policies_in(closed)] == ["bfloat16"] * 2
+def test_a_nested_autocast_is_checked_against_the_outer_config():
+    same = jaxamp.autocast(lambda w, x: jaxamp.autocast(mlp, FP16)(w, x) @ w, FP16)
+    closed = jax.make_jaxpr(same)(W, jnp.ones((3, 2)))
+    assert [p.amp_dtype for p in policy.policies_in(closed)] == ["float16"] * 2
     clash = jaxamp.autocast(lambda w, x: jaxamp.autocast(mlp, FP16)(w, x) @ w, AmpConfig(dtype="bfloat16"))
     with pytest.raises(ConfigError, match=r"the config of autocast\(.*<lambda>\), which it runs in,.*'bfloat16'"):
         clash(W, jnp.ones((3, 2)))
 
 
-def test_autocast_without_amp_outside_any_jaxamp_call_is_an_error():
-    with pytest.raises(ConfigError, match=r"autocast\(mlp\) was given no `amp`.*outside every jaxamp call.*"
-                                          r"jaxamp._src.core.policy.using\(amp\).*autocast\(fn, amp\)"):
-        jaxamp.autocast(mlp)(W, jnp.ones((3, 2)))
-
-
-def test_autocast_with_another_config_than_the_active_one_is_an_error():
-    with policy.using(AmpConfig(dtype="bfloat16"), "jaxamp.scaled"):
-        with pytest.raises(ConfigError, match=r"jaxamp.autocast: autocast\(mlp\) runs under .*'float16'.*"
-                                              r"the config of jaxamp.scaled, which it runs in,.*'bfloat16'"):
-            jaxamp.autocast(mlp, FP16)(W, jnp.ones((3, 2)))
-
-
-def test_using_takes_only_an_amp_config():
-    with pytest.raises(TypeError, match=r"`amp`='float16' must be a jaxamp.AmpConfig"):
-        with policy.using("float16"):
-            pass
+def test_the_policy_module_holds_no_active_config():
+    """The config reaches a program through the arguments of the call that traces it."""
+    assert not any(hasattr(policy, name) for name in ("using", "active", "active_caller"))
 
 
 def test_autocast_of_a_flax_module_names_model_apply():

@@ -45,8 +45,8 @@ class Fourier(nn.Module):
 
 
 @functools.cache
-def networks():
-    apply = jaxamp.autocast(Fourier().apply)  # under each case's config: the same placement (float16)
+def networks(amp):
+    apply = jaxamp.autocast(Fourier().apply, amp)  # each case's config: the same placement (float16)
     fourier = (lambda p, t, x: apply(p, t, x), Fourier().init(jax.random.PRNGKey(0), 0.1, 0.2))
     _, u_net, params = make_net(AMP, layer_size=32, nr_layers=3)
     return {"fourier": fourier, "fully_connected": (u_net, params)}
@@ -71,7 +71,7 @@ def residual(path, u):
 
 
 def value_and_grads(net, path, amp, scales, options):
-    u, params = networks()[net]
+    u, params = networks(amp)[net]
     r = residual(path, u)
     loss = jaxamp.scaled(lambda p: jnp.mean(jax.vmap(r, (None, 0, 0))(p, POINTS[:, 0], POINTS[:, 1]) ** 2), amp)
     (value, found), grads = jax.jit(jax.value_and_grad(lambda p: loss(scales, p), has_aux=True),

@@ -8,7 +8,8 @@ import optax
 import pytest
 
 import jaxamp
-from jaxamp._src.core.tracing import shared_trace
+from jaxamp._src.core.interpreter import trace
+from jaxamp._src.core.tracing import expand
 
 SCALES = {"1": 2.0**-3, "2": 2.0**-5}
 
@@ -61,8 +62,8 @@ def test_scaled_traces_the_loss_once_and_shares_the_chains(vmap):
     ref = expected(PARAMS, *(POINTS if vmap else (POINTS[0][1:2], POINTS[1][1:2])))
     assert jnp.allclose(value, ref, rtol=1e-5, atol=1e-7)
     # one plan for the three chains at one point: fewer passes than three chains at copies of it
-    closed = shared_trace(loss, (PARAMS, *args), {})[0]
-    apart = shared_trace(counted(vmap, apart=True)[0], (PARAMS, *args), {})[0]
+    closed = expand(trace(loss, (PARAMS, *args), {})[0])
+    apart = expand(trace(counted(vmap, apart=True)[0], (PARAMS, *args), {})[0])
     assert "jaxamp_chain" not in str(closed.jaxpr)
     assert str(closed.jaxpr).count("tanh") < str(apart.jaxpr).count("tanh")
 

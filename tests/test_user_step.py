@@ -46,17 +46,17 @@ def _inject_jvp(primals, tangents):
     return v, dv * jnp.where(bad, jnp.inf, 1.0).astype(dv.dtype)
 
 
-def make_loss(amp):
-    """A Burgers-like residual loss by nested jaxamp.grad; ``bad`` (True) injects an overflow into
-    the step of u_xx (key "2")."""
+def make_loss(amp, grad=jaxamp.grad):
+    """A Burgers-like residual loss by nested ``grad`` (jaxamp.grad; jax.grad: the user's plain
+    program); ``bad`` (True) injects an overflow into the step of u_xx (key "2")."""
 
     def u_net(params, t, x):
         return jaxamp.autocast(MODEL.apply, amp)(params, jnp.stack([t, x]))
 
     def r_net(params, t, x, bad):
         u = u_net(params, t, x)
-        u_t, u_x = jaxamp.grad(u_net, argnums=(1, 2))(params, t, x)
-        u_xx = jaxamp.grad(lambda p, t, x: inject(jaxamp.grad(u_net, 2)(p, t, x), bad), argnums=2)(params, t, x)
+        u_t, u_x = grad(u_net, argnums=(1, 2))(params, t, x)
+        u_xx = grad(lambda p, t, x: inject(grad(u_net, 2)(p, t, x), bad), argnums=2)(params, t, x)
         return u_t + u * u_x - 0.01 * u_xx
 
     def loss(params, t, x, bad=False):
@@ -73,8 +73,7 @@ def test_fp32_means_off_values_and_grads_are_jax_s():
     assert state.scales == {} and state.loss_rule is None and float(state.loss_scale) == 1.0
     assert amp.make_loss_scaler() is None and jaxamp.AmpConfig(dtype="float32").make_loss_scaler() is None
     value, grads, flags = jax.jit(jaxamp.value_and_grad(loss))(state, PARAMS, T, X)
-    with jaxamp._src.core.policy.using(amp):  # the user's program: every jaxamp.grad is jax.grad
-        ref_value, ref_grads = jax.jit(jax.value_and_grad(loss))(PARAMS, T, X)
+    ref_value, ref_grads = jax.jit(jax.value_and_grad(make_loss(amp, jax.grad)))(PARAMS, T, X)  # the user's program
     assert flags.found_inf == {}
     np.testing.assert_array_equal(value, ref_value)
     jax.tree.map(np.testing.assert_array_equal, grads, ref_grads)

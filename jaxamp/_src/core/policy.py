@@ -1,4 +1,4 @@
-"""The AMP policy in the traced program, and the active config, so that it is declared once.
+"""The AMP policy in the traced program, so that a config is declared once.
 
 :func:`jaxamp.autocast` marks its network's output with :data:`policy_p`, an identity primitive
 whose static ``policy`` is the autocast config's :class:`Policy` (it lowers to nothing and passes
@@ -6,16 +6,14 @@ through ``jit``, ``vmap``, ``grad``, ``scan``). :func:`policies_in` reads them b
 jaxpr and :func:`check` compares them with the config of ``jaxamp.init`` (or of any other
 jaxamp entry point), raising a :class:`~jaxamp.ConfigError` naming both.
 
-:func:`using` makes a config *active* for a block; ``autocast(fn)`` without ``amp`` runs under
-the active one (:func:`active`), and ``autocast(fn, amp)`` is checked against it.
+The config is passed, never ambient: ``autocast(fn, amp)`` takes it as an argument and the
+program carries it to every entry point that traces the network, which checks it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import threading
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +24,7 @@ from jaxamp._src.scaling.config import AmpConfig, ConfigError
 from jaxamp._src.core.interpreter import sub_jaxprs
 from jaxamp._src.core.rules import RULES, PrimitiveRules
 
-__all__ = ["Policy", "policy_p", "mark", "policies_in", "derivative_taken", "check", "using", "active", "active_caller"]
+__all__ = ["Policy", "policy_p", "mark", "policies_in", "derivative_taken", "check"]
 
 # The settings that change what a program computes or how it is scaled; the other keys
 # (max scales, scaler hyper-parameters) only tune the scalers that init builds.
@@ -148,51 +146,5 @@ def check(policies: Sequence[Policy], amp: AmpConfig, caller: str, against: str 
                 f"{caller}: autocast({policy.fn}) runs under {policy.describe()}, but {against} has "
                 f"{Policy.of(amp).describe()} (autocast's vs that one: "
                 f"{'; '.join(diffs)}). Fix: declare the AMP config once and pass the same AmpConfig to both, "
-                "e.g. autocast(model.apply, amp) and jaxamp.init(loss, amp), or call autocast(model.apply) "
-                "without amp to take the config of the jaxamp call it runs in."
+                "e.g. autocast(model.apply, amp) and jaxamp.init(loss, amp)."
             )
-
-
-# ---------------------------------------------------------------- the active config
-_LOCAL = threading.local()  # per thread: JAX traces a function in the thread that calls it
-
-
-def _stack() -> List[Tuple[AmpConfig, str]]:
-    if not hasattr(_LOCAL, "stack"):
-        _LOCAL.stack = []
-    return _LOCAL.stack
-
-
-@contextlib.contextmanager
-def using(amp: AmpConfig, caller: str = "jaxamp._src.core.policy.using") -> Iterator[AmpConfig]:
-    """Make ``amp`` the active config for the block (jaxamp's entry points enter it while they
-    trace the user's function, ``caller`` naming them in errors): ``autocast(fn)`` without
-    ``amp`` runs under it, ``autocast(fn, amp)`` is checked against it.
-
-    Example:
-      >>> import jaxamp
-      >>> with using(jaxamp.AmpConfig(dtype="bfloat16")):
-      ...     active().dtype
-      'bfloat16'
-      >>> active() is None
-      True
-    """
-    if not isinstance(amp, AmpConfig):
-        raise TypeError(f"jaxamp._src.core.policy.using: `amp`={amp!r} must be a jaxamp.AmpConfig.")
-    _stack().append((amp, caller))
-    try:
-        yield amp
-    finally:
-        _stack().pop()
-
-
-def active() -> Optional[AmpConfig]:
-    """The innermost config made active by :func:`using`, or None outside every jaxamp call."""
-    stack = _stack()
-    return stack[-1][0] if stack else None
-
-
-def active_caller() -> Optional[str]:
-    """The name of the jaxamp call that made :func:`active`'s config active, or None."""
-    stack = _stack()
-    return stack[-1][1] if stack else None

@@ -9,7 +9,8 @@ primitive never exists without its rules:
 * ``jaxamp_deriv_scale``, ``jaxamp_deriv_check`` (:mod:`jaxamp._src.core.marks`),
   ``jaxamp_policy`` (:mod:`jaxamp._src.core.policy`): their Taylor degree;
 * ``jaxamp_boundary`` (:mod:`jaxamp._src.core.boundary`): a call, always inlined by ``evaluate``;
-* ``jaxamp_chain`` (:mod:`jaxamp._src.derivatives.chain_call`): a program pass (``expand``);
+* ``jaxamp_chain`` (:mod:`jaxamp._src.derivatives.chain_call`): its program passes (``expand``,
+  and ``off``: JAX's own derivatives with AMP off);
 * ``jaxamp_scaled_dot`` (:mod:`jaxamp._src.placement.tensor_scale`): its held operands, its
   Taylor degree.
 
@@ -55,7 +56,12 @@ class PrimitiveRules:
         its derivatives were taken when the program was traced).
       expand: ``rewrite(closed) -> closed``, run on every program jaxamp's entry points trace
         that holds the primitive, before it is interpreted
-        (:func:`jaxamp._src.core.tracing.shared_trace`).
+        (:func:`jaxamp._src.core.tracing.traced`).
+      off: ``rewrite(closed) -> closed``, run instead of ``expand`` on a program traced for a
+        config with AMP off (``enabled=False`` or float32): the primitive's equations computed as
+        JAX computes what they stand for (a ``jaxamp.grad`` chain: the nest of ``jax.grad``), so
+        that AMP off is the user's program. The config reaches the program here, passed by the
+        entry point, never through ambient state.
       held_operands: ``rule(*invals, **params) -> [(role, format name, operand as the format
         holds it)]``: the operands a profile reports against their format's window
         (:func:`jaxamp._src.core.profile.profile`).
@@ -72,6 +78,7 @@ class PrimitiveRules:
     in_trace: bool = False
     inline: bool = False
     expand: Optional[Callable[[jcore.ClosedJaxpr], jcore.ClosedJaxpr]] = None
+    off: Optional[Callable[[jcore.ClosedJaxpr], jcore.ClosedJaxpr]] = None
     held_operands: Optional[Callable[..., List[Tuple[str, str, Any]]]] = None
     taylor: Optional[str] = None
 
@@ -100,9 +107,11 @@ def evaluated() -> List[str]:
     return sorted(p.name for p, r in RULES.items() if r.evaluate is not None)
 
 
-def passes() -> List[Tuple[jcore.Primitive, Callable[[jcore.ClosedJaxpr], jcore.ClosedJaxpr]]]:
-    """``[(primitive, expand)]`` of the program passes, by primitive name (a fixed order)."""
-    return sorted(((p, r.expand) for p, r in RULES.items() if r.expand is not None), key=lambda e: e[0].name)
+def passes(off: bool = False) -> List[Tuple[jcore.Primitive, Callable[[jcore.ClosedJaxpr], jcore.ClosedJaxpr]]]:
+    """``[(primitive, rewrite)]`` of the program passes (``expand``; ``off``: the AMP-off ones), by
+    primitive name (a fixed order)."""
+    found = ((p, r.off if off else r.expand) for p, r in RULES.items())
+    return sorted(((p, f) for p, f in found if f is not None), key=lambda e: e[0].name)
 
 
 def held_operands() -> frozenset:

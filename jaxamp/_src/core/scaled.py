@@ -17,7 +17,6 @@ from typing import Any, Callable, Mapping, Optional, Tuple
 import jax
 import jax.numpy as jnp
 
-from jaxamp._src.core import policy
 from jaxamp._src.scaling.config import AmpConfig, check_flags
 from jaxamp._src.core.checks import check_fun
 from jaxamp._src.core.evaluate import Context, evaluate, full_flags, inputs, opaque, ordered
@@ -86,11 +85,11 @@ def scaled(fun: Callable[..., Any], amp: Optional[AmpConfig] = None, *, merge: b
 
     def wrapped(scales: Any, *args, **kwargs):
         ctx_amp, scales = state_config(scales, amp, "jaxamp.scaled")
-        if ctx_amp is not None and ctx_amp.off:  # AMP off: fun as written
-            with policy.using(ctx_amp, "jaxamp.scaled"):  # jaxamp.grad is jax.grad under it
-                return result(fun(*args, **kwargs), {}, {})
-        ctx = Context(scales, ctx_amp)
         closed, flat, out_tree = traced(fun, args, kwargs, ctx_amp, "jaxamp.scaled")
+        if ctx_amp is not None and ctx_amp.off:  # AMP off: the program as written, JAX's derivatives
+            return result(jax.tree_util.tree_unflatten(out_tree, eval_jaxpr(closed.jaxpr, closed.consts, flat, bind)),
+                          {}, {})
+        ctx = Context(scales, ctx_amp)
         if not ctx.active and ctx_amp.loss_scaling_enabled:
             # plain fp16: every order's scale 1 through one barrier, as the scaled program's scales
             marked = ctx.analyses(closed.jaxpr, inputs(closed.jaxpr)).marks

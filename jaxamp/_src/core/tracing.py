@@ -1,11 +1,11 @@
 """How jaxamp's entry points (``scaled``, ``profile``, ``init``) trace a user's function: its
-state and config located, the config active while tracing (``autocast`` without a config takes
-it) and checked against the program's autocast policies, the passes of ``jaxamp.grad`` chains
-shared."""
+state and config located, the program traced once whatever the config (nothing ambient: a trace
+``jax.jit`` caches serves every config), then the config applied to it: its autocast policies
+checked against it, and the program passes of the rule table run, those of AMP off when it is off
+(``jaxamp.grad`` chains as JAX's own derivatives), else ``expand`` (the chains' passes shared)."""
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable, Mapping, Optional
 
 import jax.numpy as jnp
@@ -13,25 +13,16 @@ import jax.numpy as jnp
 from jaxamp._src.core import policy
 from jaxamp._src.scaling.config import AmpConfig, ConfigError
 from jaxamp._src.core.interpreter import holds, trace
-from jaxamp._src.core.marks import AMP_OFF
-from jaxamp._src.core.nesting import NO_DERIVATIVE, analyze
 from jaxamp._src.core.rules import passes
 from jaxamp._src.scaling.state import find
 
-__all__ = ["check_amp", "shared_trace", "state_config", "traced"]
+__all__ = ["check_amp", "expand", "state_config", "traced"]
 
 
-def shared_trace(fun: Callable, args, kwargs):
-    """:func:`trace`, once, then the ``expand`` pass of every primitive of the rule table that
-    the program holds (:func:`jaxamp._src.core.rules.passes`: the ``jaxamp.grad`` chains of each
-    jaxpr that differentiate the same arguments computed by one plan)."""
-    closed, flat, out_tree = trace(fun, args, kwargs)
-    return expand(closed), flat, out_tree
-
-
-def expand(closed: Any) -> Any:
-    """``closed`` after the ``expand`` pass of every primitive of the rule table it holds."""
-    for primitive, rewrite in passes():
+def expand(closed: Any, off: bool = False) -> Any:
+    """``closed`` after the ``expand`` pass (``off``: the AMP-off pass) of every primitive of the
+    rule table it holds."""
+    for primitive, rewrite in passes(off):
         if holds(closed.jaxpr, frozenset((primitive,))):
             closed = rewrite(closed)
     return closed
@@ -66,19 +57,11 @@ def state_config(scales: Any, amp: Optional[AmpConfig], caller: str):
 
 def traced(fun: Callable, args, kwargs, amp: Optional[AmpConfig], caller: str,
            against: str = "the config of the `state` (or `amp`) given", raw: bool = False):
-    """:func:`shared_trace` with ``amp`` active (``autocast`` without a config takes it), the
-    program's autocast policies checked against it; ``raw``: also the program as JAX traced it,
-    before the passes (a fourth output)."""
-    with policy.using(amp, caller) if amp is not None else contextlib.nullcontext():
-        first, flat, out_tree = trace(fun, args, kwargs)
-        closed = expand(first)
+    """:func:`jaxamp._src.core.interpreter.trace` of ``fun``, its autocast policies checked against
+    ``amp``, then the program passes for ``amp`` (AMP off: JAX's own derivatives); ``raw``: also
+    the program as JAX traced it, before the passes (a fourth output)."""
+    first, flat, out_tree = trace(fun, args, kwargs)
     if amp is not None:
-        policy.check(policy.policies_in(closed), amp, caller, against)
-    if amp is not None and not amp.off and (0, AMP_OFF) in analyze(
-            closed.jaxpr, [NO_DERIVATIVE] * len(closed.jaxpr.invars)).marks:
-        raise ConfigError(
-            f"{caller}: the program holds a jaxamp derivative traced with AMP off (plain JAX, unscaled), "
-            f"but runs with {policy.Policy.of(amp).describe()}: a jax.jit traced it under an AMP-off state "
-            "and reuses that trace. Fix: jit the function once per config (e.g. build it inside a function "
-            "of the config), or jax.clear_caches() before switching AMP on.")
+        policy.check(policy.policies_in(first), amp, caller, against)
+    closed = expand(first, off=amp is not None and amp.off)
     return (closed, flat, out_tree, first) if raw else (closed, flat, out_tree)

@@ -38,22 +38,23 @@ from jaxamp._src.core.marks import deriv_check, deriv_check_p, deriv_scale, fres
 from jaxamp._src.core.nesting import NO_DERIVATIVE, analyze, single_name
 from jaxamp._src.core.rules import RULES, PrimitiveRules, evaluated, rules_of
 
-__all__ = ["chain_p", "bind_chain", "bind_chains", "bind_entries", "expand", "has_chains"]
+__all__ = ["chain_p", "bind_chain", "bind_chains", "bind_entries", "expand", "expand_off", "has_chains"]
 
 chain_p = jcore.Primitive("jaxamp_chain")
 chain_p.multiple_results = True  # the top derivatives of its ``links``: requests at one point, one plan
 
 
-def bind_chain(link: chain.Chain, args: Tuple[Any, ...]) -> jax.Array:
+def bind_chain(link: chain.Chain, args: Tuple[Any, ...], engine: bool = False) -> jax.Array:
     """The top derivative of ``link`` at the positional ``args`` (:func:`chain.eligible`)."""
-    return bind_chains((link,), args)[0]
+    return bind_chains((link,), args, engine)[0]
 
 
-def bind_chains(links: Sequence[chain.Chain], args: Tuple[Any, ...]) -> List[jax.Array]:
+def bind_chains(links: Sequence[chain.Chain], args: Tuple[Any, ...], engine: bool = False) -> List[jax.Array]:
     """The top derivatives of ``links`` (chains of one base returning a scalar) at the
     positional ``args``, as one ``chain_p`` equation over the traced body of their base: one
-    plan."""
-    return _bind(links, args, False)[1]
+    plan. ``engine``: computed by the Derivatives engine with AMP off too (``method="forward"``),
+    not as JAX's ``jax.grad``."""
+    return _bind(links, args, False, engine)[1]
 
 
 def bind_entries(links: Sequence[chain.Chain], args: Tuple[Any, ...]) -> Tuple[Tuple[int, ...], List[jax.Array]]:
@@ -88,7 +89,7 @@ def _entrywise(fun, args: Tuple[Any, ...]) -> Tuple[Any, Tuple[Any, ...]]:
     return rebuilt, tuple(None if i in vecs else a for i, a in enumerate(args)) + entries
 
 
-def _bind(links: Sequence[chain.Chain], args: Tuple[Any, ...], per_entry: bool):
+def _bind(links: Sequence[chain.Chain], args: Tuple[Any, ...], per_entry: bool, engine: bool = False):
     cols = {i for link in links for i in link.argnums}
     user_fn = links[0].base
     args = tuple(jnp.float32(a) if i in cols and not hasattr(a, "dtype") else a for i, a in enumerate(args))
@@ -110,7 +111,7 @@ def _bind(links: Sequence[chain.Chain], args: Tuple[Any, ...], per_entry: bool):
         return shape, _along(closed, flat_links, flat)
     base = analyze(closed.jaxpr, [NO_DERIVATIVE] * len(flat)).outs[0]
     params = dict(links=flat_links, body=closed.jaxpr, n_consts=len(closed.consts), base_order=base.order,
-                  base_term=single_name(base), levels=(), shape=())
+                  base_term=single_name(base), levels=(), shape=(), engine=engine)
     return shape, chain_p.bind(*closed.consts, *flat, **params)
 
 
@@ -127,13 +128,45 @@ def _run(members: Sequence[Dict[str, Any]], base_of: Sequence[int], consts: Sequ
         return chain.evaluate(links, base_of, bases, tuple(args), first["base_order"], first["base_term"],
                               [body.outvars[0].aval.shape for body in bodies])
 
-    for k in range(len(first["levels"])):  # innermost first: each vmap maps one recorded axis
+    return _batched(fn, members, base_of, consts)(list(args), [list(c) for c in consts])
+
+
+def _batched(fn, members: Sequence[Dict[str, Any]], base_of: Sequence[int], consts: Sequence[Sequence[Any]]):
+    """``fn(args, consts)`` under the ``vmap`` of each level the members record, innermost first."""
+    first = members[0]
+    for k in range(len(first["levels"])):  # each vmap maps one recorded axis
         n = first["n_consts"]
         arg_axes = list(first["levels"][k][n:])
         const_axes = [list(next(m for m, b in zip(members, base_of) if b == i)["levels"][k][:len(c)])
                       for i, c in enumerate(consts)]
         fn = jax.vmap(fn, in_axes=(arg_axes, const_axes))
-    return fn(list(args), [list(c) for c in consts])
+    return fn
+
+
+def _jax_derivatives(*operands, **params) -> List[jax.Array]:
+    """AMP off: each chain of the equation as JAX computes what its ``jaxamp.grad`` calls ask
+    for, a nest of ``jax.grad`` of the body (batched as its levels record): the user's program."""
+    n, body = params["n_consts"], params["body"]
+
+    def fn(args, consts):
+        f = _body_fn(body, consts[0])
+        # the links of one call (grad(u, (1, 2))): one step each past a common nest, one jax.grad
+        calls: Dict[Any, List[int]] = {}
+        for j, link in enumerate(params["links"]):
+            calls.setdefault((link.out, link.argnums[:-1]), []).append(j)
+        outs: List[Any] = [None] * len(params["links"])
+        for (out, nest), members in calls.items():
+            g = f if out == () else functools.partial(lambda o, *a: f(*a)[o], out)
+            for i in nest:
+                g = jax.grad(g, i)
+            last = tuple(params["links"][j].argnums[-1] for j in members)
+            values = jax.grad(g, last if len(last) > 1 else last[0])(*args)
+            for j, v in zip(members, values if len(last) > 1 else (values,)):
+                outs[j] = v
+        return outs
+
+    members = _members(params)
+    return _batched(fn, members, [0] * len(members), [operands[:n]])(list(operands[n:]), [list(operands[:n])])
 
 
 def _body_fn(body: jcore.Jaxpr, consts: Sequence[Any]):
@@ -265,6 +298,15 @@ def expand(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
     return jax.make_jaxpr(lambda *a: _evaluate(closed.jaxpr, closed.consts, a, ctx, None)[0])(*_avals(closed))
 
 
+def expand_off(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
+    """``closed`` with AMP off: each chain equation computed as JAX's nest of ``jax.grad`` of its
+    body, the rest as written (``closed`` itself when it holds none)."""
+    ctx = _Expanding(off=True)
+    if not has_chains(closed.jaxpr, ctx.holds):
+        return closed
+    return jax.make_jaxpr(lambda *a: _evaluate(closed.jaxpr, closed.consts, a, ctx, None)[0])(*_avals(closed))
+
+
 def _avals(closed: jcore.ClosedJaxpr) -> List[jax.ShapeDtypeStruct]:
     return [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type) for v in closed.jaxpr.invars]
 
@@ -343,10 +385,12 @@ def _groups(jaxpr: jcore.Jaxpr, one_base: bool = False) -> Dict[int, List[int]]:
 
 class _Expanding:
     """The context the ``evaluate`` rules of :data:`jaxamp._src.core.rules.RULES` get from
-    :func:`expand`: bodies evaluated with their chains computed, no flags."""
+    :func:`expand` (and :func:`expand_off`: ``off``): bodies evaluated with their chains
+    computed, no flags."""
 
-    def __init__(self) -> None:
+    def __init__(self, off: bool = False) -> None:
         self.holds: Dict[Any, bool] = {}  # which of this expansion's jaxprs hold chains
+        self.off = off  # AMP off: each chain as JAX's own derivative, not planned
 
     def evaluate(self, jaxpr, consts, args, infos):
         return _evaluate(jaxpr, consts, args, self, infos)
@@ -359,7 +403,7 @@ class _Expanding:
 
 
 def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx, infos):
-    groups = _groups(jaxpr)
+    groups = {} if ctx.off else _groups(jaxpr)
     env = dict(zip([*jaxpr.constvars, *jaxpr.invars], [*consts, *args]))
     done: Dict[int, jax.Array] = {}
 
@@ -367,7 +411,10 @@ def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ct
         return v.val if isinstance(v, jcore.Literal) else env[v]
 
     for i, eqn in enumerate(jaxpr.eqns):
-        if eqn.primitive is chain_p:
+        if eqn.primitive is chain_p and ctx.off:  # method="forward" asked for the engine: it stays
+            off = _impl if eqn.params["engine"] else _jax_derivatives
+            outs = off(*[read(v) for v in eqn.invars], **eqn.params)
+        elif eqn.primitive is chain_p:
             if i in groups:
                 done.update(_split(groups[i], jaxpr.eqns, _run_group([jaxpr.eqns[j] for j in groups[i]], read)))
             outs = done.pop(i)
@@ -445,4 +492,4 @@ def _run_group(eqns, read) -> List[jax.Array]:
     return _run(members, base_of, consts, [read(v) for v in eqns[0].invars[n:]])
 
 
-RULES[chain_p] = PrimitiveRules(expand=expand)  # the program pass of jaxamp's entry points
+RULES[chain_p] = PrimitiveRules(expand=expand, off=expand_off)  # the program passes of jaxamp's entry points

@@ -17,9 +17,9 @@ from jaxamp._src.core import boundary
 from jaxamp._src.derivatives import vector
 from jaxamp._src.derivatives.chain import check_output
 from jaxamp._src.core.checks import check_fun, check_wrt
-from jaxamp._src.derivatives.grad import amp_off, finish, jacrev, step
+from jaxamp._src.derivatives.grad import finish, jacrev, step
 from jaxamp._src.core.interpreter import substitute
-from jaxamp._src.core.marks import AMP_OFF, deriv_scale, fresh, seed
+from jaxamp._src.core.marks import deriv_scale, fresh, seed
 
 __all__ = ["jvp", "jacfwd", "hessian"]
 
@@ -34,8 +34,7 @@ def _linearized(caller: str, fun: Callable, primals: Sequence[Any], has_aux: boo
     if tree and not (leaves and all(hasattr(v, "dtype") for v in leaves)):
         raise TypeError(f"{caller}: `fun`={fun!r} must return an array or a pytree of arrays, got {out!r}.")
     check_output(caller, fun, leaves[0] if tree else out, scalar=False)
-    s = deriv_scale(leaves[0] if tree else out, **step(of, wrt))
-    return out, f_jvp, aux, jnp.reshape(s, (-1,))[0] if jnp.size(s) else jnp.float32(1.0)
+    return out, f_jvp, aux, deriv_scale(leaves[0] if tree else out, scalar=True, **step(of, wrt))
 
 
 def jvp(fun: Callable[..., Any], primals: Sequence[Any], tangents: Sequence[Any], has_aux: bool = False, *,
@@ -60,9 +59,6 @@ def jvp(fun: Callable[..., Any], primals: Sequence[Any], tangents: Sequence[Any]
     if not pair or len(primals) != len(tangents):
         raise TypeError(f"jaxamp.jvp: `primals` and `tangents` must be tuples of the same length, got "
                         f"{type(primals).__name__} and {type(tangents).__name__}.")
-    if amp_off():  # JAX's own derivative, tagged (no operation)
-        out = jax.jvp(fun, primals, tangents, has_aux=has_aux)
-        return (out[0], fresh(out[1], term=AMP_OFF), *out[2:])
     if boundary.crosses(fun, primals):  # the network boundary scales and checks each order
         return jax.jvp(fun, primals, tangents, has_aux=has_aux)
     out, f_jvp, aux, s = _linearized("jaxamp.jvp", fun, primals, has_aux, of, None)
@@ -105,9 +101,6 @@ def jacfwd(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_
 
     @functools.wraps(fun)
     def derivative(*args, **kwargs):
-        if amp_off():  # JAX's own derivative, tagged (no operation)
-            out = jax.jacfwd(fun, argnums, has_aux=has_aux, holomorphic=holomorphic)(*args, **kwargs)
-            return (fresh(out[0], term=AMP_OFF), out[1]) if has_aux else fresh(out, term=AMP_OFF)
         if vector.eligible(argnums, args, kwargs, has_aux, holomorphic):
             try:
                 return route.jacobian(args, of, wrt)
@@ -184,7 +177,7 @@ def hessian(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has
 
     @functools.wraps(fun)
     def derivative(*args, **kwargs):
-        if not amp_off() and vector.eligible(argnums, args, kwargs, has_aux, holomorphic):
+        if vector.eligible(argnums, args, kwargs, has_aux, holomorphic):
             try:
                 return route.hessian(args, of, wrt)
             except vector.NotScalar:

@@ -14,21 +14,13 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 import jax
 import jax.numpy as jnp
 
-from jaxamp._src.core import boundary, policy
+from jaxamp._src.core import boundary
 from jaxamp._src.core.checks import check_fun, check_wrt
 from jaxamp._src.derivatives import chain, chain_call, vector
 from jaxamp._src.core.interpreter import substitute
-from jaxamp._src.core.marks import AMP_OFF, deriv_check, deriv_scale, fresh, seed, unscale
+from jaxamp._src.core.marks import deriv_check, deriv_scale, fresh, seed, unscale
 
 __all__ = ["grad", "jacrev"]
-
-def amp_off() -> bool:
-    """Whether the jaxamp call tracing this derivative runs with AMP off (``enabled=False`` or
-    float32): ``grad`` is then ``jax.grad`` (unless ``method="forward"``), so the program is the
-    user's as written, bit for bit."""
-    amp = policy.active()
-    return amp is not None and amp.off
-
 
 def step(of: Optional[str], wrt: Any) -> Dict[str, Any]:
     """The marks' parameters of one derivative step of the value named ``of`` (None: its name
@@ -80,16 +72,14 @@ def _reverse(transform: Callable, caller: str, scalar: bool, fun: Callable, argn
         links = tuple(chain.extend(base, a, of, w) for a, w in zip(argnums, names))
 
     def chains(args) -> Any:  # the chains' derivatives at args (and fun's aux)
-        d = tuple(chain_call.bind_chains(links, args)) if links else chain_call.bind_chain(link, args)
+        engine = method == "forward"  # the engine with AMP off too
+        d = tuple(chain_call.bind_chains(links, args, engine)) if links else chain_call.bind_chain(link, args, engine)
         if not has_aux:
             return d
         return d, _pair(caller, fun(*args))[1]  # the aux at the point (its forward pass merged with the chain's)
 
     @functools.wraps(fun)
     def derivative(*args, **kwargs):
-        if method != "forward" and amp_off():  # JAX's own derivative, tagged (no operation)
-            out = transform(fun, argnums, has_aux=has_aux, **options)(*args, **kwargs)
-            return (fresh(out[0], term=AMP_OFF), out[1]) if has_aux else fresh(out, term=AMP_OFF)
         if not scalar and vector.eligible(argnums, args, kwargs, has_aux, options["holomorphic"]):
             try:  # a scalar or small vector argument, small values: entry by entry
                 return route.jacobian(args, of, wrt)
@@ -108,7 +98,7 @@ def _reverse(transform: Callable, caller: str, scalar: bool, fun: Callable, argn
             out = fun(*substitute(a, nums, [fresh(a[i]) for i in nums]), **kw)
             out, aux = out if has_aux else (out, None)
             chain.check_output(caller, fun, out, scalar=scalar)
-            s = deriv_scale(out, **step(of, wrt))
+            s = deriv_scale(out, scalar=True, **step(of, wrt))
             return seed(out, s), (out, s, aux)
 
         grads, (value, s, aux) = transform(seeded, argnums, has_aux=True, **options)(*args, **kwargs)
@@ -140,9 +130,10 @@ def grad(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_au
         the name of the inner ``grad`` ``fun`` calls (``"u__x"``), if any.
       wrt: the differentiated argument's name (``"x"``), one per entry of a tuple ``argnums``.
       method: ``"auto"`` (default): a nest of ``grad`` steps along float32 scalar arguments
-        runs as one Derivatives plan (:mod:`jaxamp._src.derivatives.chain`), other calls in reverse mode,
-        and every call in reverse mode with AMP off (the user's ``jax.grad`` program, bit for bit);
-        ``"reverse"``: nested ``jax.grad`` always; ``"forward"``: an error where no chain runs.
+        runs as one Derivatives plan (:mod:`jaxamp._src.derivatives.chain`), other calls in reverse
+        mode; an entry point with AMP off computes the plan as JAX's nest of ``jax.grad`` (the
+        user's program, bit for bit); ``"reverse"``: nested ``jax.grad`` always; ``"forward"``:
+        the plan with AMP off too, an error where no chain runs.
 
     Returns:
       A function with ``jax.grad``'s outputs: under :func:`jaxamp._src.core.scaled` seeded with its

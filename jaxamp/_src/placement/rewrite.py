@@ -58,8 +58,8 @@ def _argnums(value: Union[int, Sequence[int]]) -> Tuple[int, ...]:
     return nums
 
 
-# `amp` omitted: each call runs under the config of the jaxamp call it is traced in.
-_ACTIVE: Any = object()
+# `amp` omitted: an error naming the fix (the config is passed, never taken from a context).
+_MISSING: Any = object()
 
 
 def _flax_module(fn: Any) -> bool:
@@ -88,24 +88,7 @@ def _check_flax_args(fn: Callable, args: Tuple[Any, ...], argnums: Tuple[int, ..
         )
 
 
-def _config(amp: Any, name: str) -> AmpConfig:
-    """The config one call runs under: ``amp``, checked against the active one, or the active one."""
-    current = policy.active()
-    if amp is not _ACTIVE:
-        if current is not None:
-            policy.check([policy.Policy.of(amp, name)], current, "jaxamp.autocast",
-                         f"the config of {policy.active_caller()}, which it runs in,")
-        return amp
-    if current is None:
-        raise ConfigError(
-            f"autocast({name}) was given no `amp` and runs outside every jaxamp call, so it has no "
-            "config to take. Fix: call it inside jaxamp.init / jaxamp.scaled / jaxamp.value_and_grad "
-            "(their amp is taken), inside `with jaxamp._src.core.policy.using(amp):`, or pass it: autocast(fn, amp)."
-        )
-    return current
-
-
-def autocast(fn: Callable, amp: Optional[AmpConfig] = _ACTIVE, *,
+def autocast(fn: Callable, amp: Optional[AmpConfig] = _MISSING, *,
              params_argnums: Union[int, Sequence[int], None] = None) -> Callable:
     """``fn`` with jaxamp's precision placement, by rewriting its traced program per primitive.
 
@@ -118,11 +101,12 @@ def autocast(fn: Callable, amp: Optional[AmpConfig] = _ACTIVE, *,
       fn: the network function, e.g. ``model.apply``. Array and number leaves of its arguments
         are traced, other leaves (bools, strings, functions) are static. Outputs keep ``fn``'s
         dtypes.
-      amp: the settings. ``None``, ``amp.enabled=False`` or ``amp.dtype="float32"`` return ``fn``.
-        Omitted: each call takes the config of the jaxamp call it runs in
-        (:func:`jaxamp._src.core.policy.active`); given, it must agree with that one
-        (:func:`jaxamp._src.core.policy.check`). The output carries the policy (:func:`jaxamp._src.core.policy.mark`)
-        for ``jaxamp.init`` to check against its own config.
+      amp: the settings, the ``AmpConfig`` given to ``jaxamp.init`` (required: the config is
+        passed, never taken from a context). ``None``, ``amp.enabled=False`` or
+        ``amp.dtype="float32"`` return ``fn``. The output carries the policy
+        (:func:`jaxamp._src.core.policy.mark`) for ``jaxamp.init`` and every other entry point to
+        check against its own config (a :class:`~jaxamp.ConfigError` when they differ), as an
+        outer ``autocast`` checks an inner one.
       params_argnums: positions of the parameter arguments; every other argument is an input.
         ``()``: ``fn`` closes over its parameters (captured arrays count as such). Default: ``()``
         for an Equinox or Flax NNX module (or its method), whose arrays are its parameters
@@ -145,7 +129,12 @@ def autocast(fn: Callable, amp: Optional[AmpConfig] = _ACTIVE, *,
     if not callable(fn):
         raise TypeError(f"autocast: `fn`={fn!r} must be callable (the network's apply function); pass the "
                         "function itself, e.g. autocast(model.apply, amp), not its output.")
-    if amp is not None and amp is not _ACTIVE and not isinstance(amp, AmpConfig):
+    if amp is _MISSING:
+        raise TypeError(
+            f"autocast({_describe(fn)}): `amp` is missing. Pass the AmpConfig that jaxamp.init gets, "
+            "autocast(fn, amp) (declare it once: amp = jaxamp.AmpConfig(...)); None returns fn unchanged."
+        )
+    if amp is not None and not isinstance(amp, AmpConfig):
         raise TypeError(
             f"autocast: `amp`={amp!r} must be a jaxamp.AmpConfig or None; build one with "
             "AmpConfig(...) or AmpConfig.from_dict(cfg)."
@@ -154,7 +143,7 @@ def autocast(fn: Callable, amp: Optional[AmpConfig] = _ACTIVE, *,
     if params_argnums is None:  # a module holds its parameters: every argument is an input
         params_argnums = () if module else 0
     argnums = _argnums(params_argnums)
-    if amp is None or (amp is not _ACTIVE and amp.off):
+    if amp is None or amp.off:
         return fn
     if module and _equinox_instance(fn):  # a module stays a module, with the same leaves
         from jaxamp._src.placement.eqx_module import AutocastModule
@@ -179,17 +168,16 @@ def _nnx_instance(fn: Any) -> bool:
     return nnx is not None and hasattr(nnx, "Module") and isinstance(fn, nnx.Module)
 
 
-def placed_function(fn: Callable, amp: Any, module: bool, argnums: Tuple[int, ...], params_argnums: Any) -> Callable:
+def placed_function(fn: Callable, amp: AmpConfig, module: bool, argnums: Tuple[int, ...],
+                    params_argnums: Any) -> Callable:
     """The function :func:`autocast` returns for ``fn`` (its arguments already checked)."""
     cache: Dict[Any, Tuple[jcore.ClosedJaxpr, Any, Tuple[Any, ...]]] = {}
     name = _describe(fn)
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
-        config = _config(amp, name)
+        config = amp
         _check_flax_args(fn, args, argnums)
-        if config.off:  # the active config is AMP off: fn as written
-            return fn(*args, **kwargs)
         if argnums and max(argnums) >= len(args):
             raise ValueError(
                 f"autocast({_describe(fn)}): `params_argnums`={params_argnums!r} names an argument "
@@ -232,8 +220,7 @@ def _placed_program(fn: Callable, name: str, cache: Dict[Any, Any], config: AmpC
             args, kwargs = jax.tree_util.tree_unflatten(tree, full)
             return fn(*args, **kwargs)
 
-        with policy.using(config, f"autocast({name})"):  # a nested autocast(g) takes this config
-            entry = (*_rewrite(fn, call, config, types, is_param, argnums), held)
+        entry = (*_rewrite(fn, name, call, config, types, is_param, argnums), held)
         if key is not None and not any(isinstance(c, jax.core.Tracer) for c in entry[0].consts):
             cache[key] = entry  # a closure over an outer tracer is traced again next call
     return entry[0], entry[1]
@@ -264,7 +251,7 @@ def _is_array(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex)) and not isinstance(x, bool)
 
 
-def _rewrite(fn: Callable, call: Callable, amp: AmpConfig, types: Sequence[Any], is_param: Sequence[bool],
+def _rewrite(fn: Callable, name: str, call: Callable, amp: AmpConfig, types: Sequence[Any], is_param: Sequence[bool],
              argnums: Tuple[int, ...]) -> Tuple[jcore.ClosedJaxpr, Any]:
     """The placed program of ``call`` (``fn`` on array leaves of ``types``) and its output tree."""
     specs = [jax.ShapeDtypeStruct(t.shape, t.dtype, weak_type=t.weak_type) for t in types]
@@ -276,6 +263,9 @@ def _rewrite(fn: Callable, call: Callable, amp: AmpConfig, types: Sequence[Any],
         return outs
 
     program, rule = jax.make_jaxpr(flat_fn)(*specs), Placement(amp)
+    # an autocast inside runs under its own config, which must be this one
+    policy.check(policy.policies_in(program), amp, "jaxamp.autocast",
+                 f"the config of autocast({name}), which it runs in,")
     flags = [Val(None, inputs=not p, params=p) for p in is_param]
     rewritten, _ = rule.placed(program, flags, Val(None, params=not argnums))
     found = ", ".join(f"{n} {why}" for why, n in sorted(rule.counts.items())) or "none"

@@ -41,9 +41,9 @@ def init(fun: Optional[Callable[..., Any]], amp: Optional[AmpConfig] = None, *, 
 
     Returns:
       ``init_state(*args, **kwargs) -> AmpState``, called on example arguments as for ``fun``.
-      It traces ``fun`` with ``amp`` active (:func:`jaxamp._src.core.policy.using`: ``autocast(apply)``
-      without ``amp`` takes it) and raises a :class:`~jaxamp.ConfigError` if an ``autocast`` in
-      ``fun`` runs under another ``enabled`` / ``dtype`` / ``derivative_scaling``. While
+      It traces ``fun`` (:func:`jaxamp._src.core.tracing.traced`) and raises a
+      :class:`~jaxamp.ConfigError` if an ``autocast`` in ``fun`` runs under another ``enabled`` /
+      ``dtype`` / ``derivative_scaling``. While
       derivative scaling is on it warns (:class:`UnscaledDerivativeWarning`) naming each
       derivative ``fun`` takes in float16 that no scaler guards, by order, mode and the function
       it differentiates, beside the scaled ones or alone: a network cast to float16 by hand (or

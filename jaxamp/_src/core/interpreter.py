@@ -200,7 +200,7 @@ def cse(closed: jcore.ClosedJaxpr, *, held: Sequence[int] = ()) -> jcore.ClosedJ
         if _relabels(eqn):
             relabeled[eqn.outvars[0]] = relabeled.get(eqn.invars[0], eqn.invars[0])
         try:
-            operands = [relabeled.get(v, v) for v in eqn.invars] if eqn.primitive.name == "stack" else eqn.invars
+            operands = [relabeled.get(v, v) for v in eqn.invars] if eqn.primitive is jax.lax.stack_p else eqn.invars
             key = None if eqn.effects else (eqn.primitive, tuple(map(atom, operands)),
                                             tuple(sorted(eqn.params.items())), str(eqn.outvars[0].aval))
             earlier = None if key is None else seen.get(key)

@@ -105,7 +105,7 @@ class _Reader:
             self.known.update((v, np.asarray(o)) for v, o in zip(eqn.outvars, outs))
             return outs
         outs = bind(eqn, vals)
-        if eqn.primitive.name == "stack":  # (JAX 0.10 exports no stack_p)
+        if eqn.primitive is jax.lax.stack_p:
             self.stacks[eqn.outvars[0]] = (p["axis"], list(zip(ins, vals)))
         return outs
 
@@ -114,7 +114,7 @@ def pruned(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
     """``closed`` with its stacks read entry by entry (module docstring), then its dead
     equations removed."""
     traced = closed
-    if any(e.primitive.name == "stack" for e in closed.jaxpr.eqns):
+    if any(e.primitive is jax.lax.stack_p for e in closed.jaxpr.eqns):
         reader = _Reader()
         traced = jax.make_jaxpr(lambda *a: eval_jaxpr(closed.jaxpr, closed.consts, a, reader.rule))(*_avals(closed))
     live, _ = pe.dce_jaxpr(traced.jaxpr, [True] * len(traced.jaxpr.outvars), instantiate=True)

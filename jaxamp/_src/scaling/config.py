@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import re
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, Optional, Tuple, Union
 
@@ -13,7 +12,7 @@ import jax.numpy as jnp
 
 from jaxamp._src.scaling.config_values import (FP8_FORMATS, LOG2_RANGE, ROLES, ConfigError, check_flags, check_log2,
                                                dtype_name, fail, float8_formats, per_key, plain, scaler_overrides)
-from jaxamp._src.scaling.scaler import DynamicScaler, loss_scaler
+from jaxamp._src.scaling.scaler import DynamicScaler, ScalerArgumentError, loss_scaler
 
 __all__ = ["MODES", "DTYPES", "DERIVATIVE_SCALER_KEYS", "LOSS_SCALER_KEYS", "ConfigError", "check_flags", "AmpConfig"]
 
@@ -25,13 +24,13 @@ DERIVATIVE_SCALER_KEYS = ("init_scale", "growth_factor", "backoff_factor", "grow
 LOSS_SCALER_KEYS = DERIVATIVE_SCALER_KEYS + ("max_scale",)
 _DERIVATIVE_DEFAULTS = MappingProxyType({f.name: f.default for f in dataclasses.fields(DynamicScaler)})
 def _build(section: str, make: Callable[[], DynamicScaler], note: str) -> None:
-    """Build a scaler rule; its error is re-worded with the config keys and ``note``."""
+    """Build a scaler rule; its error names the config's keys (``amp.{section}.{field}``) and ``note``."""
     try:
         make()
-    except (TypeError, ValueError) as e:
-        msg = re.sub(r"`(\w+)`", lambda m: f"amp.{section}.{m.group(1)}", str(e).removeprefix("DynamicScaler: "))
+    except ScalerArgumentError as e:
+        msg = e.describe(lambda field: f"amp.{section}.{field}")
         involved = "max_scale" in msg or ("init_scale" in msg and "init_scale =" in note)
-        raise ConfigError(msg.rstrip(".") + (note if involved else "") + ".") from None
+        raise ConfigError(msg + (note if involved else "") + ".") from None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

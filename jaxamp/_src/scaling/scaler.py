@@ -15,12 +15,46 @@ import jax
 import jax.numpy as jnp
 
 __all__ = [
-    "SMALLEST_NORMAL", "LOSS_SCALER_DEFAULTS", "ScaleState", "DynamicScaler", "loss_scaler", "Scalers", "exact_log2"
+    "SMALLEST_NORMAL", "LOSS_SCALER_DEFAULTS", "ScaleState", "DynamicScaler", "ScalerArgumentError", "loss_scaler",
+    "Scalers", "exact_log2"
 ]
 
 SMALLEST_NORMAL = 2.0**-126  # float32; the hard floor of every scale
 # The loss scaler's defaults where they differ from DynamicScaler's (docs/algorithm.md, "Defaults").
 LOSS_SCALER_DEFAULTS = MappingProxyType({"init_scale": 2.0**16, "max_scale": 2.0**30, "recover_threshold": 2.0**7})
+
+
+class ScalerArgumentError(Exception):
+    """A :class:`DynamicScaler` hyper-parameter that is not allowed, kept as its parts so that a
+    caller can name the fields its own way (:meth:`describe`): ``amp.loss_scaler.init_scale``
+    where an ``AmpConfig`` set it. Raised as :class:`ScalerTypeError` (the wrong kind) or
+    :class:`ScalerValueError` (out of range or out of order).
+
+    Attributes:
+      field: the field's name. value: its value. expected: what is allowed (``other`` None).
+      other, other_value, why: the field it must not exceed, its value, and how to fix the order.
+    """
+
+    def __init__(self, field: str, value: Any, expected: str = "", other: Optional[str] = None,
+                 other_value: Any = None, why: str = "") -> None:
+        self.field, self.value, self.expected = field, value, expected
+        self.other, self.other_value, self.why = other, other_value, why
+        super().__init__(self.describe() + ".")
+
+    def describe(self, name=lambda field: f"DynamicScaler: `{field}`") -> str:
+        """The message, each field written as ``name(field)``."""
+        if self.other is None:
+            return f"{name(self.field)}={self.value!r} is not allowed: expected {self.expected}"
+        other = name(self.other).split(": ")[-1]
+        return f"{name(self.field)}={self.value!r} must not exceed {other}={self.other_value!r}{self.why}"
+
+
+class ScalerTypeError(ScalerArgumentError, TypeError):
+    """A hyper-parameter of the wrong kind (a string, a bool, a float interval)."""
+
+
+class ScalerValueError(ScalerArgumentError, ValueError):
+    """A hyper-parameter out of its range, or above the one it must not exceed."""
 
 
 class ScaleState(NamedTuple):
@@ -86,12 +120,11 @@ class DynamicScaler:
             value, kind = getattr(self, name), numbers.Integral if name.endswith("_interval") else numbers.Real
             wrong = isinstance(value, bool) or not isinstance(value, kind)
             if wrong or not math.isfinite(value) or not ok(value):
-                msg = f"DynamicScaler: `{name}`={value!r} is not allowed: expected {allowed}."
-                raise (TypeError if wrong else ValueError)(msg)
+                raise (ScalerTypeError if wrong else ScalerValueError)(name, value, allowed)
         for small, large, why in orders:
             a, b = getattr(self, small), getattr(self, large)
             if a > b:
-                raise ValueError(f"DynamicScaler: `{small}`={a!r} must not exceed `{large}`={b!r}{why}.")
+                raise ScalerValueError(small, a, other=large, other_value=b, why=why)
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if value is not None:

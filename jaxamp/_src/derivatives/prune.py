@@ -59,6 +59,20 @@ class _Reader:
         full = tuple(start) == (0,) * jnp.ndim(x) and tuple(limit) == jnp.shape(x)
         return x if full else lax.slice(x, tuple(start), tuple(limit))
 
+    def transposed(self, var, x, perm: Sequence[int]) -> Part:
+        """``transpose(x, perm)`` as a :data:`Part`: when ``x`` (of ``var``) is a stack, a stack
+        again (under a key of its own), along the axis its stacking axis moves to, of its parts
+        transposed, so that a later read (a ``select_n`` under ``vmap``) still sees the entries."""
+        hit = self.stacks.get(var)
+        if hit is None:
+            return None, lax.transpose(x, tuple(perm))
+        k, parts = hit
+        rest = [a - (a > k) for a in perm if a != k]  # the parts' own axes, in the new order
+        new = [self.transposed(v, part, rest) for v, part in parts]
+        key, axis = object(), list(perm).index(k)  # (no variable of the program holds it)
+        self.stacks[key] = (axis, new)
+        return key, jnp.stack([part for _, part in new], axis=axis)
+
     def select(self, pred: np.ndarray, cases: Sequence[Part]) -> Any:
         """``select_n(pred, *cases)`` with the constant ``pred``: each stacked entry from the case
         its predicate picks, so the entries of the other cases are not read."""
@@ -85,6 +99,10 @@ class _Reader:
         consts = [self._constant(v) for v in eqn.invars]
         if eqn.primitive is jp.slice_p and not p.get("strides") and ins[0] in self.stacks:
             return [self.sliced(ins[0], vals[0], p["start_indices"], p["limit_indices"])]
+        if eqn.primitive is jp.transpose_p and ins[0] in self.stacks:
+            key, out = self.transposed(ins[0], vals[0], p["permutation"])
+            self.stacks[eqn.outvars[0]] = self.stacks[key]
+            return [out]
         if (eqn.primitive is jp.select_n_p and consts[0] is not None
                 and any(v is not None and v in self.stacks for v in ins[1:])):
             return [self.select(consts[0], list(zip(ins[1:], vals[1:])))]

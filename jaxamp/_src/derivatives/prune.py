@@ -73,6 +73,24 @@ class _Reader:
         self.stacks[key] = (axis, new)
         return key, jnp.stack([part for _, part in new], axis=axis)
 
+    def split(self, var, x, shape: Sequence[int]) -> Optional[Part]:
+        """``reshape(x, shape)`` that splits the stacking axis ``k`` of ``x`` (of ``var``) into
+        ``(a, b)`` (a Jacobian's entries laid out as a matrix), as a stack of ``a`` stacks of ``b``
+        parts each (under keys of their own); None for any other reshape."""
+        k, parts = self.stacks[var]
+        old = tuple(jnp.shape(x))
+        if not (len(shape) == len(old) + 1 and tuple(shape[:k]) == old[:k] and tuple(shape[k + 2:]) == old[k + 1:]
+                and shape[k] * shape[k + 1] == old[k]):
+            return None
+        b, rows = shape[k + 1], []
+        for j in range(shape[k]):
+            key = object()  # (no variable of the program holds it)
+            self.stacks[key] = (k, parts[j * b:(j + 1) * b])
+            rows.append((key, jnp.stack([part for _, part in parts[j * b:(j + 1) * b]], axis=k)))
+        key = object()
+        self.stacks[key] = (k, rows)
+        return key, jnp.stack([row for _, row in rows], axis=k)
+
     def select(self, pred: np.ndarray, cases: Sequence[Part]) -> Any:
         """``select_n(pred, *cases)`` with the constant ``pred``: each stacked entry from the case
         its predicate picks, so the entries of the other cases are not read."""
@@ -103,6 +121,11 @@ class _Reader:
             key, out = self.transposed(ins[0], vals[0], p["permutation"])
             self.stacks[eqn.outvars[0]] = self.stacks[key]
             return [out]
+        if eqn.primitive is jp.reshape_p and ins[0] in self.stacks and p.get("dimensions") is None:
+            hit = self.split(ins[0], vals[0], p["new_sizes"])
+            if hit is not None:
+                self.stacks[eqn.outvars[0]] = self.stacks[hit[0]]
+                return [hit[1]]
         if (eqn.primitive is jp.select_n_p and consts[0] is not None
                 and any(v is not None and v in self.stacks for v in ins[1:])):
             return [self.select(consts[0], list(zip(ins[1:], vals[1:])))]

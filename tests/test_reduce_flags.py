@@ -1,5 +1,6 @@
 """core.marks.reduce_flags: each key's flag is any of its per-point flags, whatever the number of
-keys (one code per element: 8 keys in a uint8, more in uint32 groups of 32) and flag sizes."""
+keys (one code per element: 8 keys in a uint8, more in uint32 groups of 32) and flag sizes. Sharded
+over devices (an OR per key across them): tests/test_parallel.py."""
 
 import jax
 import jax.numpy as jnp

@@ -9,8 +9,6 @@ marks ``g``, the scaled derivative of ``v``, for the overflow check; both carry 
 
 from __future__ import annotations
 
-import functools
-
 import warnings
 from typing import Any, Dict, List, Mapping, MutableMapping, Optional, Sequence, Tuple
 
@@ -127,13 +125,14 @@ def merge_found_inf(*flags: Mapping[str, jax.Array]) -> Dict[str, jax.Array]:
 
 
 def reduce_flags(pending: Mapping[str, List[jax.Array]]) -> Dict[str, jax.Array]:
-    """``{key: bool[]}``, any of each key's per-point flags, in one reduction per flag size.
+    """``{key: bool[]}``, any of each key's per-point flags, in one GPU kernel per flag size.
 
-    Each element gets one integer code, bit ``i`` set where the ``i``-th key's flag is (the flags
-    of one size ORed elementwise, fused with the checks that produce them); one bitwise-OR
-    reduction per size (and per 32 keys) reduces every key at once, and each key's flag is its
-    bit of the reduced code (scalar work that XLA fuses into the flag's consumers). A reduction per
-    key would be a GPU kernel per key; stacking the keys' flags instead materialises them all.
+    Each element of one size gets one integer code, bit ``i`` set where the ``i``-th key's flag is
+    (each key's flags ORed in, fused with the checks that produce them); each key's flag is then an
+    ``any`` of its bit over that code. The keys' reductions read one array, so XLA merges them into
+    one kernel (stacking the keys' flags instead writes a copy of them all first), and each stays an
+    OR of booleans, reduced across devices as ``jnp.any`` is when the points are sharded (a bitwise
+    OR reduction has no cross-device form).
 
     Example:
       >>> import jax.numpy as jnp
@@ -142,21 +141,22 @@ def reduce_flags(pending: Mapping[str, List[jax.Array]]) -> Dict[str, jax.Array]
       {'1': True, '2': False}
     """
     keys = list(pending)
-    flags: Dict[str, jax.Array] = {}
-    for start in range(0, len(keys), 32):
+    found: Dict[str, List[jax.Array]] = {}
+    for start in range(0, len(keys), 32):  # up to 32 keys in one code
         group = keys[start:start + 32]
         dtype = jnp.uint8 if len(group) <= 8 else jnp.uint32
         codes: Dict[int, jax.Array] = {}  # size -> per-element code of the group's keys
+        has: Dict[int, Dict[str, int]] = {}  # size -> {key with flags of that size: its bit}
         for bit, key in enumerate(group):
             for hit in pending[key]:
                 h = jnp.left_shift(jnp.ravel(hit).astype(dtype), dtype(bit))
                 n = int(jnp.size(hit))
                 codes[n] = h if n not in codes else codes[n] | h
-        code = functools.reduce(jnp.bitwise_or, [
-            jax.lax.reduce(c, dtype(0), jax.lax.bitwise_or, (0,)) for c in codes.values()], dtype(0))
-        for bit, key in enumerate(group):
-            flags[key] = jnp.bitwise_and(jnp.right_shift(code, dtype(bit)), dtype(1)) != 0
-    return flags
+                has.setdefault(n, {})[key] = bit
+        for n, code in codes.items():
+            for key, bit in has[n].items():
+                found.setdefault(key, []).append(jnp.any(jnp.bitwise_and(code, dtype(1 << bit)) != 0))
+    return {key: f[0] if len(f) == 1 else any_set(f) for key, f in found.items()}
 
 
 def any_set(flags: Sequence[Any]) -> jax.Array:

@@ -324,19 +324,38 @@ def _is_fresh(eqn) -> bool:
             and p.get("term") is None)
 
 
+def _relabels(eqn) -> bool:
+    """Whether ``eqn`` only relabels its operand's entries in order: a ``squeeze``, a row-major
+    ``reshape``, a ``broadcast_in_dim`` that adds unit axes (the same entries, the same order)."""
+    prim, (x,), (out,) = eqn.primitive, eqn.invars, eqn.outvars
+    if prim is jp.squeeze_p:
+        return True
+    if prim is jp.reshape_p:
+        return eqn.params.get("dimensions") is None
+    dims = eqn.params.get("broadcast_dimensions", ())
+    return (prim is jp.broadcast_in_dim_p and np.prod(x.aval.shape, dtype=int) == np.prod(out.aval.shape, dtype=int)
+            and list(dims) == sorted(dims))
+
+
 def _reads(jaxpr: jcore.Jaxpr) -> Dict[Any, Any]:
     """``{var: key}`` for each variable a chain of :data:`_READS` computes from another, the key
     equal for equal reads of the same variable: the entries of a vector ``z`` that two
-    derivative calls at ``z`` each take (``jacfwd`` then ``hessian``) are the same operands."""
+    derivative calls at ``z`` each take (``jacfwd`` then ``hessian``) are the same operands.
+    Relabels (:func:`_relabels`: a unit axis added then squeezed) are keyed by the shape they
+    give and the read they relabel, however many there are."""
     keys: Dict[Any, Any] = {}
     for eqn in jaxpr.eqns:
         if _is_fresh(eqn):  # the variable a step is taken along: its values are its operand's
             keys[eqn.outvars[0]] = keys.get(eqn.invars[0], eqn.invars[0])
             continue
         if eqn.primitive in _READS and len(eqn.invars) == 1 and not isinstance(eqn.invars[0], jcore.Literal):
+            source = keys.get(eqn.invars[0], eqn.invars[0])
             try:
-                keys[eqn.outvars[0]] = (eqn.primitive, tuple(sorted(eqn.params.items())),
-                                        keys.get(eqn.invars[0], eqn.invars[0]))
+                if _relabels(eqn):
+                    root = source[2] if isinstance(source, tuple) and source[0] == "relabel" else source
+                    keys[eqn.outvars[0]] = ("relabel", tuple(eqn.outvars[0].aval.shape), root)
+                else:
+                    keys[eqn.outvars[0]] = (eqn.primitive, tuple(sorted(eqn.params.items())), source)
                 hash(keys[eqn.outvars[0]])
             except TypeError:  # an unhashable parameter: the variable is its own key
                 keys.pop(eqn.outvars[0], None)

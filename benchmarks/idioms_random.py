@@ -644,12 +644,15 @@ def max_error(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.max(np.abs(got - want) / scale))
 
 
-def values_check(prog: Program, dtype=jnp.float32) -> Dict[str, Any]:
-    """Run the jaxamp form (a plain call: AMP off) and JAX's own in ``dtype``; their max error."""
+def values_check(prog: Program, dtype=jnp.float32, entry: bool = False) -> Dict[str, Any]:
+    """Run the jaxamp form (a plain call, scale 1; ``entry``: through ``jaxamp.scaled`` under
+    ``AmpConfig()`` at scale 1, its program passes and one plan per point, the network left in
+    ``dtype``) and JAX's own in ``dtype``; their max error."""
     net, params = _network(prog)
     params = jax.tree_util.tree_map(lambda a: a.astype(dtype), params)
     Z = points(prog, dtype)
-    mine = np.asarray(jax.jit(terms_fn(prog, "jaxamp", net))(params, Z))
+    form = terms_fn(prog, "jaxamp", net)
+    mine = np.asarray(jax.jit(_amp_wrap(form, jaxamp.AmpConfig()) if entry else form)(params, Z))
     want = np.asarray(jax.jit(terms_fn(prog, "jax", net))(params, Z))
     return {"error": max_error(mine, want), "dtype": str(np.dtype(mine.dtype)), "mine": mine, "want": want}
 

@@ -17,11 +17,11 @@ def _seed() -> int:
     return int(env) if env else int.from_bytes(os.urandom(3), "little")
 
 
-def _check(seed: int, index: int) -> None:
+def _check(seed: int, index: int, entry: bool = False) -> None:
     prog = ir.generate(seed, index)
     where = f"seed {seed} program {index}: {prog.desc} (JAXAMP_IDIOMS_SEED={seed} to rerun)"
     try:
-        got = ir.values_check(prog)
+        got = ir.values_check(prog, entry=entry)
     except Exception as e:  # a form JAX runs and jaxamp refuses is a failure too
         raise AssertionError(f"{where}: {type(e).__name__}: {e}") from e
     assert got["error"] <= 1e-3, f"{where}: largest error {got['error']:.3g} against JAX's own (float32)"
@@ -36,6 +36,15 @@ def test_random_programs_give_jaxs_values():
     indices = [i for i in range(40) if ir.generate(seed, i).template not in HEAVY][:4]
     for index in indices:
         _check(seed, index)
+
+
+def test_random_programs_give_jaxs_values_through_a_scaled_entry_point():
+    """The same through ``jaxamp.scaled`` (scale 1, float32 network): the entry point's program
+    passes (pruned entries, the chains at one point one plan, bases shared) keep JAX's values."""
+    seed = _seed()
+    indices = [i for i in range(40) if ir.generate(seed, i).template not in HEAVY][4:7]
+    for index in indices:
+        _check(seed, index, entry=True)
 
 
 @pytest.mark.slow

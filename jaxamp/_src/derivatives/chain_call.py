@@ -495,15 +495,27 @@ def _merged(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
 
 def _run_group(eqns, read) -> List[jax.Array]:
     """One plan for the chain equations ``eqns``; a base is shared by members with the same
-    function and the same closure constants."""
-    members, base_of, consts, seen = [], [], [], []  # seen: (base, its constants' key) of each base
+    function, or the same traced body (two calls' traces of one network), and the same closure
+    constants."""
+    members, base_of, consts, seen = [], [], [], []  # seen: (base, body, its constants' key) of each base
+    texts: Dict[Any, str] = {}  # a body's printed program, the same for two traces of one function
+
+    def same(body_a, body_b) -> bool:
+        if body_a is body_b:
+            return True
+        for body in (body_a, body_b):
+            if body not in texts:
+                texts[body] = str(body)
+        return texts[body_a] == texts[body_b]
+
     for eqn in eqns:
         p, n = eqn.params, eqn.params["n_consts"]
         base, key = p["links"][0].base, (tuple(atom(v) for v in eqn.invars[:n]), tuple(lv[:n] for lv in p["levels"]))
-        b = next((i for i, (f, k) in enumerate(seen) if f is base and k == key), None)  # the function itself, by `is`
+        b = next((i for i, (f, body, k) in enumerate(seen)
+                  if k == key and (f is base or same(body, p["body"]))), None)  # the function itself, by `is`
         if b is None:
             b = len(seen)
-            seen.append((base, key))
+            seen.append((base, p["body"], key))
             consts.append([read(v) for v in eqn.invars[:n]])
         members += _members(p)
         base_of += [b] * len(p["links"])

@@ -102,13 +102,14 @@ def test_nested_scalar_grad_chains_at_the_engines_flops():
                                f"({row['flops']})")
 
 
-# #56's named forms not yet at the engine's FLOPs on every program of the form (idioms --random 200
-# --seed 12405209 at dbde4a7, 162 programs: FLOPs over the engine's jacfwd(jacrev) 1.00-1.51x (a trace of it),
-# laplacian(laplacian) 0.28-1.13x, hessian(trace(hessian)) 1.05-2.39x, a vector field's divergence and vector
-# Laplacian 1.42-1.48x, a grad over a scalar beside a Hessian over a vector 1.18-1.54x; off a scaled trace each
-# call is its own plan: the entries a top-level jnp.trace never reads are computed)
-NOT_YET = ("jacfwd_jacrev", "biharmonic_laplacian", "biharmonic_hessian", "vector_field", "grad_t_hessian_xy")
-NAMED = ("scalar_chain",) + NOT_YET
+# #56's named forms measured through a scaled fp16 step (``measure(prog, "fp16")``: jaxamp.scaled
+# under AmpConfig(), the network autocast, the entry point's program passes; the engine's plan under
+# the same config). Not yet at the engine's FLOPs on every program of the form: laplacian(laplacian)
+# on two coordinates (0.26-1.07x: the collapsed Taylor of a collapsed Taylor, chosen whatever d).
+# Off an entry point (a plain call) each call is its own plan: the unread entries of a top-level
+# trace are computed and two calls at one point share no pass.
+NOT_YET = ("biharmonic_laplacian",)
+NAMED = ("scalar_chain", "jacfwd_jacrev", "biharmonic_hessian", "vector_field", "grad_t_hessian_xy") + NOT_YET
 
 
 @pytest.mark.slow
@@ -116,12 +117,13 @@ NAMED = ("scalar_chain",) + NOT_YET
                                                                                "yet at the engine's FLOPs"))
                                       if t in NOT_YET else t for t in NAMED])
 def test_named_form_at_the_engines_flops(template):
-    """Each of #56's named forms (a program of that template, a fresh seed): XLA FLOPs <= 1.05x
-    the engine's plan of the same derivative set, values JAX's own."""
+    """Each of #56's named forms (a program of that template, a fresh seed) in a scaled fp16 step:
+    XLA FLOPs <= 1.05x the engine's plan of the same derivative set, values JAX's own (through
+    the entry point, float32 network)."""
     seed = _seed()
     index = next(i for i in range(1000) if ir.generate(seed, i).template == template)
     prog = ir.generate(seed, index)
-    row = ir.measure(prog)
     where = f"seed {seed} program {index}: {prog.desc}"
-    assert row["error_f32"] <= 1e-3, where
+    assert ir.values_check(prog, entry=True)["error"] <= 1e-3, where
+    row = ir.measure(prog, "fp16")
     assert row["flops_over_engine"] <= 1.05, f"{where}: FLOPs {row['flops_over_engine']}x the engine's"

@@ -165,17 +165,6 @@ def test_problems_refuses_an_unknown_one():
         gp.main(["--problems", "poisson,cavty"])
 
 
-def test_cavity_user_grad_matches_the_engine():
-    """The cavity's user step (nested ``jax.grad``) and its engine step have the same loss (float32, tiny)."""
-    import jax
-
-    size = gp.Size(2, 8, 16, "cavity")
-    with jax.default_matmul_precision("highest"):
-        losses = [jax.jit(step)(*args)[-1] for step, args in
-                  (gp.build_step(m, size) for m in ("fp32_engine", "fp32_jax_grad"))]
-    assert math.isfinite(float(losses[0])) and abs(float(losses[0]) - float(losses[1])) <= 1e-5 * float(losses[0])
-
-
 def _plugin_installed() -> bool:
     try:
         return importlib.util.find_spec(gp.PLUGIN_MODULE) is not None
@@ -216,3 +205,15 @@ def test_time_on_the_local_device_tiny(tmp_path):
     for row in result["rows"]:
         assert "error" not in row and row["kernels"] > 0, row.get("error")
         assert row["measured_us"]["reps"] == 3 and 0 < row["measured_us"]["min"] <= row["measured_us"]["median"]
+
+
+def test_cavity_user_grad_matches_the_engine():
+    """The cavity's user step (nested ``jax.grad``) and its engine step have the same loss (float32, tiny).
+    Last in this file: it starts JAX's backends, after which the deviceless compile above cannot."""
+    import jax
+
+    size = gp.Size(2, 8, 16, "cavity")
+    with jax.default_matmul_precision("highest"):
+        losses = [jax.jit(step)(*args)[-1] for step, args in
+                  (gp.build_step(m, size) for m in ("fp32_engine", "fp32_jax_grad"))]
+    assert math.isfinite(float(losses[0])) and abs(float(losses[0]) - float(losses[1])) <= 1e-5 * float(losses[0])

@@ -20,7 +20,7 @@ from jax.interpreters import ad, batching, mlir
 from jaxamp._src.core.rules import RULES, PrimitiveRules
 
 __all__ = [
-    "SEP", "NONFINITE_VALUES", "AMP_OFF", "scaler_key", "step_flags", "seed", "rescale", "unscale", "or_into",
+    "SEP", "NONFINITE_VALUES", "scaler_key", "step_flags", "seed", "rescale", "unscale", "or_into",
     "any_set", "merge_found_inf", "reduce_flags", "UNINTERPRETED", "UnscaledDerivativeWarning", "deriv_scale_p",
     "deriv_check_p", "deriv_scale", "deriv_check", "fresh", "PRIMITIVES"
 ]
@@ -29,9 +29,6 @@ SEP = "__"  # "u__x" is du/dx, "u__x__y" is d/dy(du/dx)
 # Reserved key of found_inf: True when an input, a network output or a value below a
 # derivative is non-finite (bad values: no scale can cure them).
 NONFINITE_VALUES = "nonfinite_values"
-# The term of the tag on a derivative traced with AMP off (plain JAX, unscaled): a program run
-# with AMP on that holds one reuses that trace (a jax.jit cache) and would go unscaled.
-AMP_OFF = "jaxamp_amp_off"
 
 
 def scaler_key(amp, order: int, term: Optional[str]) -> str:
@@ -278,17 +275,16 @@ def deriv_scale(v: jax.Array, *, order: int, term: Optional[str], wrt: Optional[
     return deriv_scale_p.bind(v, order=order, term=term, wrt=wrt)
 
 
-def fresh(x: Any, *, term: Optional[str] = None) -> Any:
+def fresh(x: Any) -> Any:
     """``x`` (a pytree) marked as the variable a derivative is taken along: whatever derivatives
     ``x`` was computed from, a step along it differentiates the function, not ``x``
     (:mod:`jaxamp._src.core.nesting`). Identity on values (no operation in the compiled program); non-float
-    leaves pass as they are. ``term=`` :data:`AMP_OFF` marks a derivative JAX took unscaled
-    because AMP was off when it was traced."""
+    leaves pass as they are."""
 
     def one(a):
         if not hasattr(a, "dtype") or not jnp.issubdtype(jnp.result_type(a), jnp.inexact):
             return a
-        return deriv_check_p.bind(a, a, order=0, term=term, wrt=None, check=False)
+        return deriv_check_p.bind(a, a, order=0, term=None, wrt=None, check=False)
 
     return jax.tree_util.tree_map(one, x)
 

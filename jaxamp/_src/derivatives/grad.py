@@ -80,7 +80,10 @@ def _reverse(transform: Callable, caller: str, scalar: bool, fun: Callable, argn
 
     @functools.wraps(fun)
     def derivative(*args, **kwargs):
-        if not scalar and vector.eligible(argnums, args, kwargs, has_aux, options["holomorphic"]):
+        # jacrev along a small argument, grad along a small pytree of coordinates: entry by entry
+        # (a grad along an array: a chain's step, or JAX's reverse mode)
+        if vector.eligible(argnums, args, kwargs, has_aux, options["holomorphic"]) and (
+                not scalar or (method != "reverse" and vector.is_pytree(args[argnums]))):
             try:  # a scalar or small vector argument, small values: entry by entry
                 return route.jacobian(args, of, wrt)
             except vector.NotScalar:
@@ -130,7 +133,9 @@ def grad(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_au
         the name of the inner ``grad`` ``fun`` calls (``"u__x"``), if any.
       wrt: the differentiated argument's name (``"x"``), one per entry of a tuple ``argnums``.
       method: ``"auto"`` (default): a nest of ``grad`` steps along float32 scalar arguments
-        runs as one Derivatives plan (:mod:`jaxamp._src.derivatives.chain`), other calls in reverse
+        runs as one Derivatives plan (:mod:`jaxamp._src.derivatives.chain`), a step along a small
+        pytree of float32 coordinates (a dict of scalars and vectors, 16 entries in all) one chain
+        per entry as ``jacrev`` (:mod:`jaxamp._src.derivatives.vector`), other calls in reverse
         mode; an entry point with AMP off computes the plan as JAX's nest of ``jax.grad`` (the
         user's program, bit for bit); ``"reverse"``: nested ``jax.grad`` always; ``"forward"``:
         the plan with AMP off too, an error where no chain runs.

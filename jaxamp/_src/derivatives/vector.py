@@ -34,26 +34,93 @@ class NotScalar(Exception):
     takes JAX's route instead."""
 
 
+def _small_leaves(tree: Any) -> bool:
+    """Whether ``tree`` is float32 arrays of rank <= 1 (a scalar, a vector, a pytree of them),
+    :data:`MAX_SIZE` entries in all."""
+    leaves = jax.tree_util.tree_leaves(tree)
+    return (bool(leaves) and all(hasattr(a, "dtype") and jnp.result_type(a) == jnp.float32 and jnp.ndim(a) <= 1
+                                 for a in leaves)
+            and 1 <= sum(int(jnp.size(a)) for a in leaves) <= MAX_SIZE)
+
+
 def eligible(argnums: Any, args: Tuple[Any, ...], kwargs: dict, has_aux: bool = False,
              holomorphic: bool = False) -> bool:
     """Whether a derivative along ``args[argnums]`` is planned entry by entry: one int
-    ``argnums`` at a float32 scalar or vector of at most :data:`MAX_SIZE` entries given by
-    position, no keyword arguments or aux (``fun``'s value is checked when the route runs:
-    else :class:`NotScalar` is raised)."""
+    ``argnums`` at a float32 scalar, vector or pytree of them of at most :data:`MAX_SIZE`
+    entries given by position, no keyword arguments or aux (``fun``'s value is checked when
+    the route runs: else :class:`NotScalar` is raised)."""
     if has_aux or holomorphic or kwargs or not isinstance(argnums, int) or isinstance(argnums, bool):
         return False
-    if not 0 <= argnums < len(args) or not hasattr(args[argnums], "dtype"):
-        return False
-    z = args[argnums]
-    return jnp.result_type(z) == jnp.float32 and (jnp.ndim(z) == 0 or jnp.ndim(z) == 1 and
-                                                  1 <= jnp.shape(z)[0] <= MAX_SIZE)
+    return 0 <= argnums < len(args) and _small_leaves(args[argnums])
+
+
+def is_pytree(z: Any) -> bool:
+    """Whether ``z`` is a pytree of arrays rather than one array (a dict of coordinates)."""
+    return not hasattr(z, "dtype")
 
 
 def _entries(z: Any) -> Tuple[Any, ...]:
-    """``z``'s entries ``z[k]`` (a scalar: itself). Two calls at ``z`` read them twice; the chains
-    still group (:func:`jaxamp._src.derivatives.chain_call.expand` reads equal reads of one
-    variable as one)."""
+    """``z``'s entries ``z[k]`` (a scalar: itself; a pytree: its leaves' entries in order). Two
+    calls at ``z`` read them twice; the chains still group
+    (:func:`jaxamp._src.derivatives.chain_call.expand` reads equal reads of one variable as one)."""
+    if is_pytree(z):
+        return tuple(e for leaf in jax.tree_util.tree_leaves(z) for e in _entries(leaf))
     return (z,) if jnp.ndim(z) == 0 else tuple(z[k] for k in range(jnp.shape(z)[0]))
+
+
+def _rebuilt(like: Any, entries: Sequence[Any]) -> Any:
+    """The pytree of ``like``'s structure and shapes holding ``entries`` (:func:`_entries`'s inverse)."""
+    leaves, tree = jax.tree_util.tree_flatten(like)
+    out, at = [], 0
+    for leaf in leaves:
+        n = int(jnp.size(leaf))
+        out.append(jnp.stack(entries[at:at + n]) if jnp.ndim(leaf) else entries[at])
+        at += n
+    return jax.tree_util.tree_unflatten(tree, out)
+
+
+def _value(out: Any) -> Any:
+    """``fun``'s value if it is one float32 array of at most :data:`MAX_SIZE` entries, else
+    :class:`NotScalar` (JAX's route, which names what is wrong)."""
+    if not (hasattr(out, "dtype") and jnp.result_type(out) == jnp.float32 and jnp.size(out) <= MAX_SIZE):
+        raise NotScalar()
+    return out
+
+
+def _split(flat: jax.Array, like: Any, lead: int) -> Any:
+    """``flat`` (its axis ``lead`` running over the entries of ``like``, a pytree) as ``like``'s
+    structure, each leaf's entries reshaped to its shape in place of that axis."""
+    leaves, tree = jax.tree_util.tree_flatten(like)
+    out, at = [], 0
+    for leaf in leaves:
+        n = int(jnp.size(leaf))
+        part = jax.lax.slice_in_dim(flat, at, at + n, axis=lead)
+        out.append(part.reshape(part.shape[:lead] + jnp.shape(leaf) + part.shape[lead + 1:]))
+        at += n
+    return jax.tree_util.tree_unflatten(tree, out)
+
+
+def _shapes(tree: Any) -> Any:
+    """``tree``'s structure, shapes and dtypes (values dropped)."""
+    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), tree)
+
+
+def _nest(flat: jax.Array, shape: Tuple[int, ...], z: Any, steps: int) -> Any:
+    """``flat`` (``[value entries] + [entries of z] * steps``) in JAX's layout for a pytree ``z``:
+    the value's shape, then ``z``'s structure once per step, each leaf its shape."""
+
+    def inner(block: jax.Array, lead: int, left: int) -> Any:  # the z axes from `lead` on
+        if left == 0:
+            return block
+        return jax.tree_util.tree_map(lambda a, leaf: inner(a, lead + jnp.ndim(leaf), left - 1),
+                                      _split(block, z, lead), z)
+
+    return inner(flat.reshape(shape + flat.shape[1:]), len(shape), steps)
+
+
+def _layout(nargs: int, z: Any) -> Tuple[Any, ...]:
+    """The layout of a call: its argument count and ``z``'s structure and shapes."""
+    return nargs, jax.tree_util.tree_structure(z), tuple(jnp.shape(a) for a in jax.tree_util.tree_leaves(z))
 
 
 class Route:
@@ -63,22 +130,25 @@ class Route:
 
     def __init__(self, fun: Callable[..., Any], argnum: int):
         self.fun, self.argnum = fun, argnum
-        self._flat: Dict[Tuple[int, bool], Callable[..., Any]] = {}
+        self._flat: Dict[Tuple[Any, ...], Callable[..., Any]] = {}
 
-    def flat(self, nargs: int, vector: bool) -> Callable[..., Any]:
+    def flat(self, nargs: int, like: Any) -> Callable[..., Any]:
         """``fun`` with ``z = args[argnum]`` given as scalars after the ``nargs`` arguments (a
-        scalar ``z``: in its place, as the user's call has it)."""
-        if (nargs, vector) not in self._flat:
+        scalar ``z``: in its place, as the user's call has it; ``like``: ``z``'s structure),
+        its value one float32 array (:func:`_value`)."""
+        vector = is_pytree(like) or jnp.ndim(like) == 1
+        key, like = _layout(nargs, like), _shapes(like)  # (no tracer held by the function)
+        if key not in self._flat:
             fun, argnum = self.fun, self.argnum
 
             def flat(*b):
-                out = fun(*substitute(b[:nargs], (argnum,), [jnp.stack(b[nargs:])])) if vector else fun(*b)
-                if not (hasattr(out, "dtype") and jnp.result_type(out) == jnp.float32 and jnp.size(out) <= MAX_SIZE):
-                    raise NotScalar()
-                return out
+                out = fun(*b) if not vector else fun(*substitute(b[:nargs], (argnum,), [_rebuilt(like, b[nargs:])]))
+                return _value(out)
 
-            self._flat[(nargs, vector)] = flat
-        return self._flat[(nargs, vector)]
+            self._flat[key] = flat
+        return self._flat[key]
+
+
 
     def _chains(self, args: Tuple[Any, ...], steps: Sequence[Tuple[int, ...]], of: Optional[str],
                 wrt: Optional[str]) -> Tuple[Tuple[int, ...], Dict[Tuple[Any, ...], jax.Array]]:
@@ -86,39 +156,55 @@ class Route:
         entries of ``args[argnum]`` listed in ``steps`` (innermost first) of every entry of
         ``fun``'s value, one chain each, bound as one request."""
         i = self.argnum
-        entries = _entries(args[i])
-        vector = jnp.ndim(args[i]) == 1
+        z = args[i]
+        entries = _entries(z)
+        vector = is_pytree(z) or jnp.ndim(z) == 1
         # z itself is no operand (its place holds None): only its entries are, so that chains at
         # the same entries group whatever vmap does to z
         full = tuple(args[:i]) + (None,) + tuple(args[i + 1:]) + entries if vector else tuple(args)
         at = [len(args) + k for k in range(len(entries))] if vector else [i]  # each entry's position
         # every entry carries the vector's name: per-term keys are those of JAX's route (u, u__z)
-        base = self.flat(len(args), vector)
+        base = self.flat(len(args), z)
         links = [chain.Chain(base, tuple(at[k] for k in s), (wrt,) * len(s), of) for s in steps]
         shape, values = chain_call.bind_entries(links, full)  # (raises NotScalar: JAX's route)
         return shape, dict(zip([(o, s) for o in np.ndindex(*shape) for s in steps], values))
 
-    def jacobian(self, args: Tuple[Any, ...], of: Optional[str], wrt: Optional[str]) -> jax.Array:
-        """``jax.jacfwd(fun, argnum)(*args)`` (shape ``value.shape + z.shape``) by one chain per entry."""
+    def jacobian(self, args: Tuple[Any, ...], of: Optional[str], wrt: Optional[str]) -> Any:
+        """``jax.jacfwd(fun, argnum)(*args)`` (shape ``value.shape + z.shape``; pytrees: JAX's
+        nesting, the value's structure outside) by one chain per entry."""
         z = args[self.argnum]
         d = len(_entries(z))
         shape, found = self._chains(args, [(k,) for k in range(d)], of, wrt)
+        if is_pytree(z):
+            flat = jnp.stack([jnp.stack([found[(o, (k,))] for k in range(d)]) for o in np.ndindex(*shape)])
+            return _nest(flat, shape, z, 1)
         rows = [jnp.stack([found[(o, (k,))] for k in range(d)]) if jnp.ndim(z) else found[(o, (0,))]
                 for o in np.ndindex(*shape)]
         return jnp.stack(rows).reshape(shape + jnp.shape(z)) if shape else rows[0]
 
-    def hessian(self, args: Tuple[Any, ...], of: Optional[str], wrt: Optional[str]) -> jax.Array:
-        """``jax.hessian(fun, argnum)(*args)`` (shape ``value.shape + z.shape * 2``) by one chain
-        per entry on and above the diagonal."""
+    def directional(self, args: Tuple[Any, ...], tangent: Any, of: Optional[str]) -> Any:
+        """``jax.jvp``'s tangent of ``fun`` along ``args[argnum]`` in the direction ``tangent``
+        (``z``'s structure): the entries' chains, as :meth:`jacobian`'s, contracted with it."""
+        entries = _entries(tangent)
+        shape, found = self._chains(args, [(k,) for k in range(len(entries))], of, None)
+        return jnp.stack([sum(found[(o, (k,))] * v for k, v in enumerate(entries))
+                          for o in np.ndindex(*shape)]).reshape(shape)
+
+    def hessian(self, args: Tuple[Any, ...], of: Optional[str], wrt: Optional[str]) -> Any:
+        """``jax.hessian(fun, argnum)(*args)`` (shape ``value.shape + z.shape * 2``; pytrees:
+        JAX's nesting) by one chain per entry on and above the diagonal."""
         z = args[self.argnum]
         d = len(_entries(z))
         upper = [(j, k) for j in range(d) for k in range(j, d)]
         shape, found = self._chains(args, upper, of, wrt)
 
         def matrix(o):
-            if not jnp.ndim(z):
+            if not is_pytree(z) and not jnp.ndim(z):
                 return found[(o, (0, 0))]
             return jnp.stack([jnp.stack([found[(o, (min(j, k), max(j, k)))] for k in range(d)]) for j in range(d)])
 
+        if is_pytree(z):
+            return _nest(jnp.stack([matrix(o) for o in np.ndindex(*shape)]), shape, z, 2)
         rows = [matrix(o) for o in np.ndindex(*shape)]
         return jnp.stack(rows).reshape(shape + jnp.shape(z) * 2) if shape else rows[0]
+

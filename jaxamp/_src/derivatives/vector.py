@@ -73,8 +73,8 @@ def _rebuilt(like: Any, entries: Sequence[Any]) -> Any:
     leaves, tree = jax.tree_util.tree_flatten(like)
     out, at = [], 0
     for leaf in leaves:
-        n = int(jnp.size(leaf))
-        out.append(jnp.stack(entries[at:at + n]) if jnp.ndim(leaf) else entries[at])
+        n = int(np.prod(leaf.shape, dtype=int))
+        out.append(jnp.stack(entries[at:at + n]) if leaf.shape else entries[at])
         at += n
     return jax.tree_util.tree_unflatten(tree, out)
 
@@ -93,9 +93,9 @@ def _split(flat: jax.Array, like: Any, lead: int) -> Any:
     leaves, tree = jax.tree_util.tree_flatten(like)
     out, at = [], 0
     for leaf in leaves:
-        n = int(jnp.size(leaf))
+        n = int(np.prod(leaf.shape, dtype=int))
         part = jax.lax.slice_in_dim(flat, at, at + n, axis=lead)
-        out.append(part.reshape(part.shape[:lead] + jnp.shape(leaf) + part.shape[lead + 1:]))
+        out.append(part.reshape(part.shape[:lead] + tuple(leaf.shape) + part.shape[lead + 1:]))
         at += n
     return jax.tree_util.tree_unflatten(tree, out)
 
@@ -112,7 +112,7 @@ def _nest(flat: jax.Array, shape: Tuple[int, ...], z: Any, steps: int) -> Any:
     def inner(block: jax.Array, lead: int, left: int) -> Any:  # the z axes from `lead` on
         if left == 0:
             return block
-        return jax.tree_util.tree_map(lambda a, leaf: inner(a, lead + jnp.ndim(leaf), left - 1),
+        return jax.tree_util.tree_map(lambda a, leaf: inner(a, lead + len(leaf.shape), left - 1),
                                       _split(block, z, lead), z)
 
     return inner(flat.reshape(shape + flat.shape[1:]), len(shape), steps)

@@ -59,34 +59,12 @@ def jvp(fun: Callable[..., Any], primals: Sequence[Any], tangents: Sequence[Any]
     if not pair or len(primals) != len(tangents):
         raise TypeError(f"jaxamp.jvp: `primals` and `tangents` must be tuples of the same length, got "
                         f"{type(primals).__name__} and {type(tangents).__name__}.")
-    if not has_aux and _small(primals, tangents):
-        try:  # along small float32 arguments: the entries' chains, planned with the point's others
-            return fun(*primals), _planned(fun, tuple(primals), tangents, of)
-        except vector.NotScalar:
-            pass
     if boundary.crosses(fun, primals):  # the network boundary scales and checks each order
         return jax.jvp(fun, primals, tangents, has_aux=has_aux)
     out, f_jvp, aux, s = _linearized("jaxamp.jvp", fun, primals, has_aux, of, None)
     d = f_jvp(*[jax.tree_util.tree_map(lambda t: seed(t, s, jnp.result_type(t)), t) for t in tangents])
     d = finish(d, out, s, step(of, None))
     return (out, d, aux) if has_aux else (out, d)
-
-
-def _small(primals: Sequence[Any], tangents: Sequence[Any]) -> bool:
-    """Whether every primal is a small float32 argument (:func:`vector.eligible`) with a tangent of
-    its structure and shapes."""
-    return all(vector.eligible(0, (p,), {}) and jax.tree_util.tree_structure(p) == jax.tree_util.tree_structure(t)
-               and all(jnp.shape(a) == jnp.shape(b) for a, b in zip(jax.tree_util.tree_leaves(p),
-                                                                     jax.tree_util.tree_leaves(t)))
-               for p, t in zip(primals, tangents))
-
-
-def _planned(fun: Callable[..., Any], primals: Tuple[Any, ...], tangents: Sequence[Any], of: Optional[str]) -> Any:
-    """The tangent of ``jax.jvp(fun, primals, tangents)``: per argument the chains of its entries
-    (:meth:`vector.Route.directional`), summed (raises :class:`vector.NotScalar`: JAX's route)."""
-    parts = [vector.Route(fun, i).directional(primals, jax.tree_util.tree_map(jnp.asarray, t), of)
-             for i, t in enumerate(tangents)]
-    return functools.reduce(lambda a, b: jax.tree_util.tree_map(jnp.add, a, b), parts)
 
 
 def jacfwd(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_aux: bool = False,

@@ -182,14 +182,6 @@ class Route:
                 for o in np.ndindex(*shape)]
         return jnp.stack(rows).reshape(shape + jnp.shape(z)) if shape else rows[0]
 
-    def directional(self, args: Tuple[Any, ...], tangent: Any, of: Optional[str]) -> Any:
-        """``jax.jvp``'s tangent of ``fun`` along ``args[argnum]`` in the direction ``tangent``
-        (``z``'s structure): the entries' chains, as :meth:`jacobian`'s, contracted with it."""
-        entries = _entries(tangent)
-        shape, found = self._chains(args, [(k,) for k in range(len(entries))], of, None)
-        return jnp.stack([sum(found[(o, (k,))] * v for k, v in enumerate(entries))
-                          for o in np.ndindex(*shape)]).reshape(shape)
-
     def hessian(self, args: Tuple[Any, ...], of: Optional[str], wrt: Optional[str]) -> Any:
         """``jax.hessian(fun, argnum)(*args)`` (shape ``value.shape + z.shape * 2``; pytrees:
         JAX's nesting) by one chain per entry on and above the diagonal."""

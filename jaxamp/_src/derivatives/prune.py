@@ -91,6 +91,54 @@ class _Reader:
         self.stacks[key] = (k, rows)
         return key, jnp.stack([row for _, row in rows], axis=k)
 
+    def relabeled(self, var, x, shape: Sequence[int]) -> Optional[Part]:
+        """``reshape(x, shape)`` that only adds or drops unit axes, ``x`` (of ``var``) a stack: a
+        stack again, along the axis its stacking axis becomes, of its parts relabelled alike
+        (a scalar entry as ``(1,)`` beside a vector's entries); None for any other reshape."""
+        k, parts = self.stacks[var]
+        old, shape = tuple(jnp.shape(x)), tuple(shape)
+        if old[k] == 1 or [d for d in old if d != 1] != [d for d in shape if d != 1]:
+            return None
+        axis = [i for i, d in enumerate(shape) if d != 1][[i for i, d in enumerate(old) if d != 1].index(k)]
+        rest = shape[:axis] + shape[axis + 1:]
+        new = []
+        for v, part in parts:
+            hit = self.relabeled(v, part, rest) if v is not None and v in self.stacks else None
+            new.append(hit if hit is not None else (None, jnp.reshape(part, rest)))
+        key = object()  # (no variable of the program holds it)
+        self.stacks[key] = (axis, new)
+        return key, jnp.stack([part for _, part in new], axis=axis)
+
+    def concatenated(self, operands: Sequence[Part], axis: int) -> Part:
+        """``concatenate`` of ``operands`` along ``axis`` as a :data:`Part`, a stack when the
+        operands are stacks along ``axis`` or one entry thick there (a scalar's derivative beside
+        a vector's), or all stacks along one other axis with as many parts (rows of a Hessian's
+        blocks joined: each row the join of the blocks' rows)."""
+        value = lax.concatenate([x for _, x in operands], axis)
+        found = [self.stacks.get(v) if v is not None else None for v, _ in operands]
+        parts: List[Part] = []
+        for (v, x), hit in zip(operands, found):
+            if hit is not None and hit[0] == axis:
+                parts += hit[1]
+            elif jnp.shape(x)[axis] == 1:
+                parts.append((None, lax.squeeze(x, (axis,))))
+            else:
+                parts = []
+                break
+        key = object()  # (no variable of the program holds it)
+        if parts:
+            self.stacks[key] = (axis, parts)
+            return key, value
+        ks = {hit[0] for hit in found if hit is not None}
+        if all(hit is not None for hit in found) and len(ks) == 1 and axis not in ks:
+            k = ks.pop()
+            if len({len(hit[1]) for hit in found}) == 1:
+                inner = axis - (axis > k)
+                rows = [self.concatenated([hit[1][j] for hit in found], inner) for j in range(len(found[0][1]))]
+                self.stacks[key] = (k, rows)
+                return key, value
+        return None, value
+
     def select(self, pred: np.ndarray, cases: Sequence[Part]) -> Any:
         """``select_n(pred, *cases)`` with the constant ``pred``: each stacked entry from the case
         its predicate picks, so the entries of the other cases are not read."""
@@ -122,10 +170,16 @@ class _Reader:
             self.stacks[eqn.outvars[0]] = self.stacks[key]
             return [out]
         if eqn.primitive is jp.reshape_p and ins[0] in self.stacks and p.get("dimensions") is None:
-            hit = self.split(ins[0], vals[0], p["new_sizes"])
+            hit = self.split(ins[0], vals[0], p["new_sizes"]) or self.relabeled(ins[0], vals[0], p["new_sizes"])
             if hit is not None:
                 self.stacks[eqn.outvars[0]] = self.stacks[hit[0]]
                 return [hit[1]]
+        if eqn.primitive is jp.concatenate_p and any(v is not None and v in self.stacks for v in ins):
+            key, _ = self.concatenated(list(zip(ins, vals)), p["dimension"])
+            outs = bind(eqn, vals)
+            if key is not None:
+                self.stacks[eqn.outvars[0]] = self.stacks[key]
+            return outs
         if (eqn.primitive is jp.select_n_p and consts[0] is not None
                 and any(v is not None and v in self.stacks for v in ins[1:])):
             return [self.select(consts[0], list(zip(ins[1:], vals[1:])))]

@@ -87,35 +87,34 @@ def _value(out: Any) -> Any:
     return out
 
 
-def _split(flat: jax.Array, like: Any, lead: int) -> Any:
-    """``flat`` (its axis ``lead`` running over the entries of ``like``, a pytree) as ``like``'s
-    structure, each leaf's entries reshaped to its shape in place of that axis."""
-    leaves, tree = jax.tree_util.tree_flatten(like)
-    out, at = [], 0
-    for leaf in leaves:
-        n = int(np.prod(leaf.shape, dtype=int))
-        part = jax.lax.slice_in_dim(flat, at, at + n, axis=lead)
-        out.append(part.reshape(part.shape[:lead] + tuple(leaf.shape) + part.shape[lead + 1:]))
-        at += n
-    return jax.tree_util.tree_unflatten(tree, out)
-
-
 def _shapes(tree: Any) -> Any:
     """``tree``'s structure, shapes and dtypes (values dropped)."""
     return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), tree)
 
 
-def _nest(flat: jax.Array, shape: Tuple[int, ...], z: Any, steps: int) -> Any:
-    """``flat`` (``[value entries] + [entries of z] * steps``) in JAX's layout for a pytree ``z``:
-    the value's shape, then ``z``'s structure once per step, each leaf its shape."""
+def _block(get: Callable[[Tuple[int, ...]], jax.Array], shape: Tuple[int, ...]) -> jax.Array:
+    """The array of ``shape`` whose entry at each index is ``get(index)``, built by stacks (so that
+    a later read of one entry reads that derivative alone: :mod:`jaxamp._src.derivatives.prune`)."""
+    if not shape:
+        return get(())
+    return jnp.stack([_block(lambda rest, i=i: get((i,) + rest), shape[1:]) for i in range(shape[0])])
 
-    def inner(block: jax.Array, lead: int, left: int) -> Any:  # the z axes from `lead` on
-        if left == 0:
-            return block
-        return jax.tree_util.tree_map(lambda a, leaf: inner(a, lead + len(leaf.shape), left - 1),
-                                      _split(block, z, lead), z)
 
-    return inner(flat.reshape(shape + flat.shape[1:]), len(shape), steps)
+def _offsets(z: Any) -> Any:
+    """``z``'s leaves as ``(offset of its first entry among z's entries, its shape)``."""
+    leaves, tree = jax.tree_util.tree_flatten(z)
+    starts = np.cumsum([0] + [int(np.prod(jnp.shape(a), dtype=int)) for a in leaves])
+    return jax.tree_util.tree_unflatten(tree, [(int(a), tuple(jnp.shape(leaf))) for a, leaf in zip(starts, leaves)])
+
+
+def _is_offset(x: Any) -> bool:
+    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], int) and isinstance(x[1], tuple)
+
+
+def _entry(leaf: Tuple[int, Tuple[int, ...]], index: Tuple[int, ...]) -> int:
+    """The position among ``z``'s entries of ``index`` in ``leaf`` (an :func:`_offsets` pair)."""
+    start, shape = leaf
+    return start + (int(np.ravel_multi_index(index, shape)) if shape else 0)
 
 
 def _layout(nargs: int, z: Any) -> Tuple[Any, ...]:
@@ -175,9 +174,11 @@ class Route:
         z = args[self.argnum]
         d = len(_entries(z))
         shape, found = self._chains(args, [(k,) for k in range(d)], of, wrt)
-        if is_pytree(z):
-            flat = jnp.stack([jnp.stack([found[(o, (k,))] for k in range(d)]) for o in np.ndindex(*shape)])
-            return _nest(flat, shape, z, 1)
+        if is_pytree(z):  # JAX's layout: z's structure, each leaf of shape value.shape + leaf.shape
+            n = len(shape)
+            return jax.tree_util.tree_map(
+                lambda leaf: _block(lambda ix: found[(ix[:n], (_entry(leaf, ix[n:]),))], shape + leaf[1]),
+                _offsets(z), is_leaf=_is_offset)
         rows = [jnp.stack([found[(o, (k,))] for k in range(d)]) if jnp.ndim(z) else found[(o, (0,))]
                 for o in np.ndindex(*shape)]
         return jnp.stack(rows).reshape(shape + jnp.shape(z)) if shape else rows[0]
@@ -195,8 +196,18 @@ class Route:
                 return found[(o, (0, 0))]
             return jnp.stack([jnp.stack([found[(o, (min(j, k), max(j, k)))] for k in range(d)]) for j in range(d)])
 
-        if is_pytree(z):
-            return _nest(jnp.stack([matrix(o) for o in np.ndindex(*shape)]), shape, z, 2)
+        if is_pytree(z):  # z's structure twice, each leaf of shape value.shape + leaf1.shape + leaf2.shape
+            n, offsets = len(shape), _offsets(z)
+
+            def pair(a, b):
+                def get(ix):
+                    j, k = _entry(a, ix[n:n + len(a[1])]), _entry(b, ix[n + len(a[1]):])
+                    return found[(ix[:n], (min(j, k), max(j, k)))]
+                return _block(get, shape + a[1] + b[1])
+
+            return jax.tree_util.tree_map(
+                lambda a: jax.tree_util.tree_map(lambda b: pair(a, b), offsets, is_leaf=_is_offset),
+                offsets, is_leaf=_is_offset)
         rows = [matrix(o) for o in np.ndindex(*shape)]
         return jnp.stack(rows).reshape(shape + jnp.shape(z) * 2) if shape else rows[0]
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 from jax.extend.core import primitives as jp
@@ -29,10 +30,13 @@ __all__ = ["CJet", "ELEMENTWISE", "collapsed_second_order", "propagate_jaxpr"]
 
 # Elementwise in each operand: with one x-dependent operand z of the output's shape,
 # sum_i g''(z)[a_i, a_i] = g''(z)[1, sum_i a_i**2] (one nested jvp for all directions).
-ELEMENTWISE = frozenset(
-    "tanh sin cos tan exp exp2 log log1p expm1 logistic integer_pow pow sqrt rsqrt cbrt square erf erfc "
-    "erf_inv sinh cosh asin acos atan asinh acosh atanh abs sign mul div max min atan2 lgamma digamma".split()
-)
+ELEMENTWISE = frozenset((
+    lax.tanh_p, lax.sin_p, lax.cos_p, lax.tan_p, lax.exp_p, lax.exp2_p, lax.log_p, lax.log1p_p, lax.expm1_p,
+    lax.logistic_p, lax.integer_pow_p, lax.pow_p, lax.sqrt_p, lax.rsqrt_p, lax.cbrt_p, lax.square_p, lax.erf_p,
+    lax.erfc_p, lax.erf_inv_p, lax.sinh_p, lax.cosh_p, lax.asin_p, lax.acos_p, lax.atan_p, lax.asinh_p, lax.acosh_p,
+    lax.atanh_p, lax.abs_p, lax.sign_p, lax.mul_p, lax.div_p, lax.max_p, lax.min_p, lax.atan2_p, lax.lgamma_p,
+    lax.digamma_p,
+))
 
 
 class CJet(NamedTuple):
@@ -92,7 +96,7 @@ def _rule(eqn: jcore.JaxprEqn, invals: List[CJet], ratio: Optional[Ratio]) -> Li
 def _pointwise(eqn: jcore.JaxprEqn, p1: Tuple[Any, ...], outs: List[jax.Array]) -> bool:
     """Whether the equation is elementwise in its one x-dependent operand, with that operand's
     shape: its derivative is ``g'(z)`` entry by entry, one array for every direction."""
-    return eqn.primitive.name in ELEMENTWISE and len(p1) == 1 and all(o.shape == p1[0].shape for o in outs)
+    return eqn.primitive in ELEMENTWISE and len(p1) == 1 and all(o.shape == p1[0].shape for o in outs)
 
 
 def _quadratic(eqn, f1: Callable, p1: Tuple[Any, ...], firsts: List[jax.Array], outs: List[jax.Array],

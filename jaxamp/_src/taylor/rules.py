@@ -4,7 +4,7 @@ A primitive's *degree* in its ``x``-dependent operands is the highest order of i
 them that is not identically zero; it bounds the nonzero terms of Faa di Bruno's formula
 (:mod:`jaxamp._src.taylor.faa_di_bruno`): 1 (linear) has no product terms, 2 keeps products of two
 coefficients, ``None`` keeps every term. Call-like primitives are entered (:func:`body`).
-JAX's primitives are listed here by name; jaxamp's own give their degree in the rule table
+JAX's primitives are listed here, as objects; jaxamp's own give their degree in the rule table
 (the ``taylor`` field of :data:`jaxamp._src.core.rules.RULES`).
 """
 
@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from jax import lax
+from jax._src import ad_util  # add_any (add_jaxvals_p): not exported by jax.extend (JAX 0.10)
 from jax.extend import core as jcore
 
 from jaxamp._src.core import interpreter
@@ -19,14 +21,15 @@ from jaxamp._src.core.rules import rules_of
 
 __all__ = ["LINEAR", "BILINEAR", "degree", "body"]
 
-# Linear in their x-dependent operands (the others held fixed).
-LINEAR = frozenset(
-    "add add_any sub neg convert_element_type reshape broadcast_in_dim squeeze expand_dims transpose "
-    "slice concatenate reduce_sum copy real imag conj pad rev select_n dynamic_slice "
-    "dynamic_update_slice gather stack unstack split cumsum scatter_add".split()
-)
+# Linear in their x-dependent operands (the others held fixed); JAX's primitive objects.
+LINEAR = frozenset((
+    lax.add_p, ad_util.add_jaxvals_p, lax.sub_p, lax.neg_p, lax.convert_element_type_p, lax.reshape_p,
+    lax.broadcast_in_dim_p, lax.squeeze_p, lax.transpose_p, lax.slice_p, lax.concatenate_p, lax.reduce_sum_p,
+    lax.copy_p, lax.real_p, lax.imag_p, lax.conj_p, lax.pad_p, lax.rev_p, lax.select_n_p, lax.dynamic_slice_p,
+    lax.dynamic_update_slice_p, lax.gather_p, lax.stack_p, lax.unstack_p, lax.split_p, lax.cumsum_p, lax.scatter_add_p,
+))
 # Linear in each operand: linear when one operand depends on x, degree 2 when two do.
-BILINEAR = frozenset(("mul", "dot_general"))
+BILINEAR = frozenset((lax.mul_p, lax.dot_general_p))
 
 
 def degree(primitive: jcore.Primitive, n_dependent: int) -> Optional[int]:
@@ -43,7 +46,7 @@ def degree(primitive: jcore.Primitive, n_dependent: int) -> Optional[int]:
     """
     kind = rules_of(primitive).taylor
     if kind is None:
-        kind = "linear" if primitive.name in LINEAR else "bilinear" if primitive.name in BILINEAR else None
+        kind = "linear" if primitive in LINEAR else "bilinear" if primitive in BILINEAR else None
     if kind == "constant":
         return 0
     if kind == "linear" or (kind == "bilinear" and n_dependent == 1):

@@ -108,6 +108,7 @@ def _offsets(z: Any) -> Any:
 
 
 def _is_offset(x: Any) -> bool:
+    """Whether ``x`` is an :func:`_offsets` pair (a leaf of that tree)."""
     return isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], int) and isinstance(x[1], tuple)
 
 
@@ -141,13 +142,11 @@ class Route:
             fun, argnum = self.fun, self.argnum
 
             def flat(*b):
-                out = fun(*b) if not vector else fun(*substitute(b[:nargs], (argnum,), [_rebuilt(like, b[nargs:])]))
-                return _value(out)
+                return _value(fun(*b) if not vector else fun(*substitute(b[:nargs], (argnum,),
+                                                                         [_rebuilt(like, b[nargs:])])))
 
             self._flat[key] = flat
         return self._flat[key]
-
-
 
     def _chains(self, args: Tuple[Any, ...], steps: Sequence[Tuple[int, ...]], of: Optional[str],
                 wrt: Optional[str]) -> Tuple[Tuple[int, ...], Dict[Tuple[Any, ...], jax.Array]]:
@@ -169,8 +168,8 @@ class Route:
         return shape, dict(zip([(o, s) for o in np.ndindex(*shape) for s in steps], values))
 
     def jacobian(self, args: Tuple[Any, ...], of: Optional[str], wrt: Optional[str]) -> Any:
-        """``jax.jacfwd(fun, argnum)(*args)`` (shape ``value.shape + z.shape``; pytrees: JAX's
-        nesting, the value's structure outside) by one chain per entry."""
+        """``jax.jacfwd(fun, argnum)(*args)`` (shape ``value.shape + z.shape``; a pytree ``z``:
+        its structure, each leaf of shape ``value.shape + leaf.shape``) by one chain per entry."""
         z = args[self.argnum]
         d = len(_entries(z))
         shape, found = self._chains(args, [(k,) for k in range(d)], of, wrt)

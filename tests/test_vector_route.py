@@ -132,3 +132,72 @@ def test_an_equinox_module_takes_the_route(name):
     ours = getattr(jaxamp, name)(net)
     assert _chained(ours, z)
     np.testing.assert_allclose(ours(z), getattr(jax, name)(net)(z), rtol=2e-6, atol=2e-6)
+
+
+# ---------------------------------------------------------------- a pytree of coordinates
+def _dict_net():
+    import jax
+
+    W = jax.random.normal(jax.random.PRNGKey(0), (4, 8)) / 2.0
+    V = jax.random.normal(jax.random.PRNGKey(1), (8, 3)) / 3.0
+
+    def U(p, d):
+        z = jnp.concatenate([d["t"][None], d["xy"], d["s"][None]])
+        return jnp.tanh(z @ p[0]) @ p[1]
+
+    d = {"t": jnp.float32(0.3), "xy": jnp.array([0.1, -0.2], jnp.float32), "s": jnp.float32(0.5)}
+    return U, (W, V), d
+
+
+def test_derivatives_along_a_dict_of_coordinates_have_jaxs_layout_and_values():
+    """grad / jacrev / jacfwd / hessian along ``{"t": t, "xy": xy, "s": s}`` (entry by entry,
+    planned) give JAX's nested structure, shapes and values, under vmap and jit too."""
+    import jax
+
+    U, P, d = _dict_net()
+    u0 = lambda p, d: U(p, d)[0]  # noqa: E731
+    T = jnp.linspace(0.0, 1.0, 5)
+    for ours, theirs in ((jaxamp.grad(u0, 1), jax.grad(u0, 1)), (jaxamp.jacrev(U, 1), jax.jacrev(U, 1)),
+                         (jaxamp.jacfwd(U, 1), jax.jacfwd(U, 1)), (jaxamp.hessian(u0, 1), jax.hessian(u0, 1)),
+                         (jaxamp.jacfwd(jaxamp.jacrev(u0, 1), 1), jax.jacfwd(jax.jacrev(u0, 1), 1))):
+        got, want = ours(P, d), theirs(P, d)
+        assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+        for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+            assert a.shape == b.shape
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        run = lambda f: jax.jit(jax.vmap(lambda t: jax.tree_util.tree_leaves(f(P, {**d, "t": t}))))(T)  # noqa: E731
+        for a, b in zip(run(ours), run(theirs)):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_trace_of_a_raveled_dict_hessian_plans_its_diagonal_only():
+    """The Hessian over a dict, joined into a matrix by the user (concatenates of its blocks) and
+    traced under vmap: a scaled step plans the 4 diagonal entries, not the 10 of the triangle."""
+    import jax
+
+    from jaxamp._src.core.interpreter import trace
+    from jaxamp._src.derivatives.chain_call import chain_p
+    from jaxamp._src.derivatives.prune import pruned
+
+    U, P, d = _dict_net()
+    u0 = lambda p, d: U(p, d)[0]  # noqa: E731
+
+    def matrix(h):  # each row block raveled along the columns, then the blocks joined
+        def row(a):
+            lead = jnp.shape(d[a])
+            return jnp.reshape(jnp.concatenate([jnp.reshape(h[a][b], lead + (jnp.size(d[b]),))
+                                                for b in ("t", "xy", "s")], axis=-1), (jnp.size(d[a]), -1))
+        return jnp.concatenate([row(a) for a in ("t", "xy", "s")], axis=0)
+
+    def loss(p, T):
+        lap = jax.vmap(lambda t: jnp.trace(matrix(jaxamp.hessian(u0, 1)(p, {**d, "t": t}))))(T)
+        return jnp.mean(lap ** 2)
+
+    closed = pruned(trace(loss, (P, jnp.linspace(0.0, 1.0, 8)), {})[0])  # the entry points' first pass
+    links = [len(e.params["links"]) for e in closed.jaxpr.eqns if e.primitive is chain_p]
+    value, found = jaxamp.scaled(loss)(jaxamp.init(loss, jaxamp.AmpConfig(), from_profile=False)(P, jnp.zeros(8)),
+                                       P, jnp.linspace(0.0, 1.0, 8))
+    want = jnp.mean(jax.vmap(lambda t: jnp.trace(matrix(jax.hessian(u0, 1)(P, {**d, "t": t}))))(
+        jnp.linspace(0.0, 1.0, 8)) ** 2)
+    np.testing.assert_allclose(value, want, rtol=1e-5)
+    assert links == [4], links

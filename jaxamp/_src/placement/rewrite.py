@@ -26,7 +26,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from jaxamp._src.core import boundary, policy
-from jaxamp._src.scaling.config import AmpConfig, ConfigError
+from jaxamp._src.scaling.config import AmpConfig
 from jaxamp._src.placement.rules import ACTIVATION_PRIMITIVES, COMPUTE_PRIMITIVES, Placement, Val
 from jaxamp._src.placement.held import evaluate_held
 from jaxamp._src.core.interpreter import bind, eval_jaxpr

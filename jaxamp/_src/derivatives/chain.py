@@ -8,6 +8,7 @@ nested calls would have reported (docs/algorithm.md, "Engines").
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import jax
@@ -20,24 +21,36 @@ from jaxamp._src.derivatives.plan import make_plan, order_of, run_marked
 from jaxamp._src.core.interpreter import bind, cse, eval_jaxpr, substitute
 from jaxamp._src.core.marks import SEP, fresh
 
-__all__ = ["Chain", "METHODS", "check_output", "register", "link_of", "extend", "eligible", "evaluate"]
+__all__ = ["Along", "Chain", "METHODS", "check_output", "register", "link_of", "extend", "eligible", "positions",
+           "evaluate"]
 
 METHODS = ("auto", "forward", "reverse")
 # per-term keys (the parents' plan names): the plan's own step keys, each mapped to a mark below
 _PLAN_AMP = AmpConfig(mode="per_term_scaler")
 
 
+@dataclasses.dataclass(frozen=True)
+class Along:
+    """A step along a direction (``jaxamp.jvp`` along a vector): the arguments at positions
+    ``args`` move by the direction operands at positions ``dirs`` of the chain's equation (its
+    operands after the point's, :mod:`jaxamp._src.derivatives.chain_call`)."""
+
+    args: Tuple[int, ...]
+    dirs: Tuple[int, ...]
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Chain:
-    """A nest of ``grad`` calls: ``base`` and, innermost first, the argnum and name of each step;
-    ``out``: the entry of ``base``'s value it differentiates (``()``: the value is a scalar).
+    """A nest of ``grad`` calls: ``base`` and, innermost first, the argnum (an int, or an
+    :class:`Along` direction) and name of each step; ``out``: the entry of ``base``'s value it
+    differentiates (``()``: the value is a scalar).
 
     Equal when ``base`` is the same function object (``is``: the chain holds it) and the steps are
     equal; hashed by the steps: a user's callable is never hashed or compared by value, as an
     Equinox or NNX module holding arrays (tracers, under a trace) can be neither."""
 
     base: Callable[..., Any]
-    argnums: Tuple[int, ...]
+    argnums: Tuple[Any, ...]
     wrts: Tuple[Optional[str], ...]
     of: Optional[str]
     out: Tuple[int, ...] = ()
@@ -84,13 +97,18 @@ def extend(fun: Callable[..., Any], argnums: Any, of: Optional[str], wrt: Any) -
     return Chain(fun, (argnums,), (wrt,), of)
 
 
+def positions(chain: Chain) -> Tuple[int, ...]:
+    """The argument positions ``chain``'s steps move, in order of first use."""
+    return tuple(dict.fromkeys(i for a in chain.argnums for i in (a.args if isinstance(a, Along) else (a,))))
+
+
 def eligible(chain: Optional[Chain], args: Tuple[Any, ...], kwargs: dict) -> bool:
     """Whether every argument ``chain`` differentiates is a float32 scalar given by position."""
     if chain is None or kwargs:
         return False
     return all(i < len(args) and (hasattr(args[i], "dtype") or isinstance(args[i], float))
                and jnp.shape(args[i]) == () and jnp.result_type(args[i]) == jnp.float32
-               for i in set(chain.argnums))
+               for i in positions(chain))
 
 
 def check_output(caller: str, fun: Callable, out: Any, *, scalar: bool = True) -> Any:
@@ -104,52 +122,101 @@ def check_output(caller: str, fun: Callable, out: Any, *, scalar: bool = True) -
     return out
 
 
-def _node(chain: Chain, k: int, output: str) -> str:
+def _name(step: Any, along: Dict["Along", int]) -> str:
+    """A step's input in the plan: ``a2`` for argument 2, ``d0`` for the first direction."""
+    return f"d{along[step]}" if isinstance(step, Along) else f"a{step}"
+
+
+def _node(chain: Chain, k: int, output: str, along: Optional[Dict["Along", int]] = None) -> str:
     """The plan name (``u0__a2__a2``) of the value ``k`` steps of ``chain`` above ``output``."""
-    return SEP.join((output,) + tuple(f"a{i}" for i in chain.argnums[:k]))
+    return SEP.join((output,) + tuple(_name(a, along or {}) for a in chain.argnums[:k]))
+
+
+def _order_key(step: Any) -> Tuple[Any, ...]:
+    """Steps sorted: arguments by position, then directions."""
+    return (1, step.args, step.dirs) if isinstance(step, Along) else (0, step)
 
 
 def canonical(chain: Chain) -> Chain:
     """``chain`` with its steps in the order of their arguments where that changes none of its
     marks (the variables' names read in the same order): mixed partials are symmetric, so
     ``u__y__x`` and ``u__x__y`` are one path of the plan."""
-    order = sorted(range(len(chain.argnums)), key=lambda k: chain.argnums[k])
+    order = sorted(range(len(chain.argnums)), key=lambda k: _order_key(chain.argnums[k]))
     if tuple(chain.wrts[k] for k in order) != chain.wrts:
         return chain
     return Chain(chain.base, tuple(chain.argnums[k] for k in order), chain.wrts, chain.of, chain.out)
 
 
+def _expanded(c: Chain) -> List[Tuple[Tuple[int, ...], Chain]]:
+    """``c`` with each direction step replaced by the steps along the arguments it moves:
+    ``[(direction operands whose product is the coefficient, chain along arguments)]``, whose
+    sum is ``c`` (derivatives are linear in the direction)."""
+    out: List[Tuple[Tuple[int, ...], Chain]] = [((), dataclasses.replace(c, argnums=()))]
+    for step in c.argnums:
+        pairs = zip(step.args, step.dirs) if isinstance(step, Along) else [(step, None)]
+        out = [(coef + (() if d is None else (d,)), dataclasses.replace(b, argnums=b.argnums + (i,)))
+               for coef, b in out for i, d in pairs]
+    return [(coef, canonical(b)) for coef, b in out]
+
+
+def _requests(chains: Sequence[Chain], base_of: Sequence[int]):
+    """The chains a plan computes for ``chains`` and, per chain, ``[(coefficient operands, index
+    into them)]`` summing to it. A chain with direction steps is the sum of its steps along the
+    arguments (:func:`_expanded`) when at most one of those is not computed anyway (each is a
+    pass); else its direction is one more input of the plan (one tangent along it)."""
+    present = {(base_of[i], c.out, c.argnums[:k]) for i, c in enumerate(chains)
+               if not any(isinstance(a, Along) for a in c.argnums) for k in range(len(c.argnums) + 1)}
+    planned: List[Tuple[int, Chain]] = []
+    sums: List[List[Tuple[Tuple[int, ...], int]]] = []
+
+    def index(b: int, c: Chain) -> int:
+        if (b, c) not in planned:
+            planned.append((b, c))
+        return planned.index((b, c))
+
+    for b, c in zip(base_of, chains):
+        parts = _expanded(c)
+        if len(parts) > 1 and sum((b, e.out, e.argnums) not in present for _, e in parts) > 1:
+            parts = [((), c)]  # one pass along the direction
+        sums.append([(coef, index(b, e)) for coef, e in parts])
+    return planned, sums
+
+
 def evaluate(chains: Sequence[Chain], base_of: Sequence[int], bases: Sequence[Callable], args: Tuple[Any, ...],
-             base_order: int, base_term: Optional[str], shapes: Optional[Sequence[Tuple[int, ...]]] = None
-             ) -> List[jax.Array]:
+             base_order: int, base_term: Optional[str], shapes: Optional[Sequence[Tuple[int, ...]]] = None,
+             dirs: Sequence[Any] = ()) -> List[jax.Array]:
     """The top derivatives of ``chains`` at the positional ``args`` by one engine plan, marked.
 
     ``chains[i]`` differentiates entry ``chains[i].out`` of ``bases[base_of[i]]`` (a function
     of ``args`` returning an array of shape ``shapes[b]``, a scalar when ``shapes`` is None: each
     entry one output of the plan, their passes shared); ``base_order``, ``base_term``: the order
     and name of the bases' values
-    (:mod:`jaxamp._src.core.nesting`); a chain's ``of`` names its base first. Each value is marked as its
-    last step's derivative."""
-    chains = [canonical(c) for c in chains]
-    cols = tuple(sorted({i for c in chains for i in c.argnums}))
-    inputs = tuple(f"a{i}" for i in cols)
+    (:mod:`jaxamp._src.core.nesting`); a chain's ``of`` names its base first; ``dirs``: the
+    float32 scalars its :class:`Along` steps' ``dirs`` index. Each value is marked as its last
+    step's derivative."""
+    planned, sums = _requests([canonical(c) for c in chains], base_of)
+    base_of, chains = [b for b, _ in planned], [c for _, c in planned]
+    cols = tuple(sorted({i for c in chains for i in positions(c)}))
+    along = {a: j for j, a in enumerate(dict.fromkeys(a for c in chains for a in c.argnums if isinstance(a, Along)))}
+    inputs = tuple(f"a{i}" for i in cols) + tuple(f"d{j}" for j in range(len(along)))
     shapes = [()] * len(bases) if shapes is None else [tuple(s) for s in shapes]
     offsets = np.cumsum([0] + [int(np.prod(s, dtype=int)) for s in shapes])
     output = {i: f"u{offsets[b] + int(np.ravel_multi_index(c.out, shapes[b]) if c.out else 0)}"
               for i, (b, c) in enumerate(zip(base_of, chains))}
-    tops = [_node(c, len(c.argnums), output[i]) for i, c in enumerate(chains)]
+    tops = [_node(c, len(c.argnums), output[i], along) for i, c in enumerate(chains)]
     plan = make_plan(inputs, tuple(f"u{k}" for k in range(offsets[-1])), tuple(dict.fromkeys(tops)), _PLAN_AMP)
     terms: Dict[str, Optional[str]] = {}  # plan parent name -> the user's name of that value
     wrts: Dict[str, Optional[str]] = {}  # plan derivative name -> the user's name of its variable
     for i, c in enumerate(chains):
         term = c.of if c.of is not None else base_term  # the name of the value step k differentiates
         for k, w in enumerate(c.wrts):
-            node = _node(c, k, output[i])
+            node = _node(c, k, output[i], along)
             terms[node] = terms.get(node) or term
-            wrts[_node(c, k + 1, output[i])] = w
+            wrts[_node(c, k + 1, output[i], along)] = w
             term = SEP.join((term, w)) if term is not None and w is not None else None
     # the user's own scalars (eligible: float32), not a stack: the passes' primals are the user's calls
     x = tuple(args[i] if hasattr(args[i], "dtype") else jnp.float32(args[i]) for i in cols)
+    directions = [(tuple(cols.index(i) for i in a.args), tuple(dirs[d] for d in a.dirs)) for a in along]
 
     def f(z):
         full = substitute(args, cols, fresh(tuple(z)))
@@ -160,8 +227,18 @@ def evaluate(chains: Sequence[Chain], base_of: Sequence[int], bases: Sequence[Ca
     # per-term plan keys are the parents' plan names: each becomes the mark of its step (a
     # scale's order is relative to the point, of order 0: the base's order is added here)
     marks_of = {k: dict(order=base_order + order_of(k) + 1, term=terms.get(k)) for k in plan.step_keys}
-    values, _ = run_marked(plan, forward.point_values, f, x, marks_of, wrts)
-    return [values[top] for top in tops]
+    engine = functools.partial(forward.point_values, directions=directions)
+    values, _ = run_marked(plan, engine, f, x, marks_of, wrts)
+    top = [values[t] for t in tops]
+    return [functools.reduce(lambda a, b: a + b, [_product([dirs[d] for d in coef], top[j]) for coef, j in parts])
+            for parts in sums]
+
+
+def _product(factors: Sequence[Any], value: jax.Array) -> jax.Array:
+    """``value`` times each of ``factors`` (a direction's entries), in float32."""
+    for v in factors:
+        value = value * jnp.asarray(v, jnp.float32)
+    return value
 
 
 def _merged(f: Callable, x: Tuple[jax.Array, ...]) -> Callable:

@@ -44,6 +44,13 @@ chain_p = jcore.Primitive("jaxamp_chain")
 chain_p.multiple_results = True  # the top derivatives of its ``links``: requests at one point, one plan
 
 
+def _parts(params: Dict[str, Any], operands: Sequence[Any]) -> Tuple[Sequence[Any], Sequence[Any], Sequence[Any]]:
+    """A chain equation's operands (or anything laid out as they are: its levels' axes) as
+    ``(closure constants, the point's arguments, direction operands)``."""
+    n, m = params["n_consts"], len(operands) - params["n_dirs"]
+    return operands[:n], operands[n:m], operands[m:]
+
+
 def bind_chain(link: chain.Chain, args: Tuple[Any, ...], engine: bool = False) -> jax.Array:
     """The top derivative of ``link`` at the positional ``args`` (:func:`chain.eligible`)."""
     return bind_chains((link,), args, engine)[0]
@@ -57,11 +64,13 @@ def bind_chains(links: Sequence[chain.Chain], args: Tuple[Any, ...], engine: boo
     return _bind(links, args, False, engine)[1]
 
 
-def bind_entries(links: Sequence[chain.Chain], args: Tuple[Any, ...]) -> Tuple[Tuple[int, ...], List[jax.Array]]:
+def bind_entries(links: Sequence[chain.Chain], args: Tuple[Any, ...], dirs: Sequence[Any] = ()
+                 ) -> Tuple[Tuple[int, ...], List[jax.Array]]:
     """``(shape, derivatives)``: as :func:`bind_chains`, the base returning an array of
     ``shape``, each of ``links`` taken of each of its entries (entry-major: ``[(o, link) for o
-    in entries for link in links]``)."""
-    return _bind(links, args, True)
+    in entries for link in links]``); ``dirs``: the float32 scalars the links'
+    :class:`chain.Along` steps index (operands of the equation after the point's)."""
+    return _bind(links, args, True, dirs=dirs)
 
 
 # Entries of a float32 vector argument up to which a chain's body takes it entry by entry.
@@ -89,8 +98,16 @@ def _entrywise(fun, args: Tuple[Any, ...]) -> Tuple[Any, Tuple[Any, ...]]:
     return rebuilt, tuple(None if i in vecs else a for i, a in enumerate(args)) + entries
 
 
-def _bind(links: Sequence[chain.Chain], args: Tuple[Any, ...], per_entry: bool, engine: bool = False):
-    cols = {i for link in links for i in link.argnums}
+def _flat_step(step: Any, starts: Sequence[int]) -> Any:
+    """A step along the user's argument positions as one along the body's array arguments."""
+    if isinstance(step, chain.Along):
+        return chain.Along(tuple(starts[i] for i in step.args), step.dirs)
+    return starts[step]
+
+
+def _bind(links: Sequence[chain.Chain], args: Tuple[Any, ...], per_entry: bool, engine: bool = False,
+          dirs: Sequence[Any] = ()):
+    cols = {i for link in links for i in chain.positions(link)}
     user_fn = links[0].base
     args = tuple(jnp.float32(a) if i in cols and not hasattr(a, "dtype") else a for i, a in enumerate(args))
     base_fn, args = _entrywise(user_fn, args)
@@ -105,68 +122,89 @@ def _bind(links: Sequence[chain.Chain], args: Tuple[Any, ...], per_entry: bool, 
     for a in args:
         starts.append(n)
         n += len(split_arrays((a,), {})[0])
-    flat_links = tuple(chain.Chain(link.base, tuple(starts[i] for i in link.argnums), link.wrts, link.of, link.out)
-                       for link in links)
+    flat_links = tuple(chain.Chain(link.base, tuple(_flat_step(a, starts) for a in link.argnums), link.wrts, link.of,
+                                   link.out) for link in links)
+    dirs = [jnp.asarray(d, jnp.float32) for d in dirs]
     if has_chains(closed.jaxpr):  # derivatives of derivatives: each inner chain longer
-        return shape, _along(closed, flat_links, flat)
+        return shape, _along(closed, flat_links, flat, dirs)
     base = analyze(closed.jaxpr, [NO_DERIVATIVE] * len(flat)).outs[0]
-    params = dict(links=flat_links, body=closed.jaxpr, n_consts=len(closed.consts), base_order=base.order,
-                  base_term=single_name(base), levels=(), shape=(), engine=engine)
-    return shape, chain_p.bind(*closed.consts, *flat, **params)
+    params = dict(links=flat_links, body=closed.jaxpr, n_consts=len(closed.consts), n_dirs=len(dirs),
+                  base_order=base.order, base_term=single_name(base), levels=(), shape=(), engine=engine)
+    return shape, chain_p.bind(*closed.consts, *flat, *dirs, **params)
 
 
 def _run(members: Sequence[Dict[str, Any]], base_of: Sequence[int], consts: Sequence[Sequence[Any]],
-         args: Sequence[Any]) -> List[jax.Array]:
+         args: Sequence[Any], dirs: Sequence[Any] = (), dir_levels: Sequence[Sequence[Optional[int]]] = ()
+         ) -> List[jax.Array]:
     """The top derivatives of ``members`` (chain equations' params) at ``args``: one plan, the
-    ``b``-th base evaluated on ``consts[b]``; batched as the members' ``levels`` record."""
+    ``b``-th base evaluated on ``consts[b]``, the links' directions ``dirs`` (batched at
+    ``dir_levels[k]`` by level ``k``); batched as the members' ``levels`` record."""
     first = members[0]
     bodies = [next(m["body"] for m, b in zip(members, base_of) if b == i) for i in range(len(consts))]
     links = [m["link"] for m in members]
 
-    def fn(args, consts):
+    def fn(args, consts, dirs):
         bases = [_body_fn(body, c) for body, c in zip(bodies, consts)]
         return chain.evaluate(links, base_of, bases, tuple(args), first["base_order"], first["base_term"],
-                              [body.outvars[0].aval.shape for body in bodies])
+                              [body.outvars[0].aval.shape for body in bodies], dirs)
 
-    return _batched(fn, members, base_of, consts)(list(args), [list(c) for c in consts])
+    return _batched(fn, members, base_of, consts, dir_levels)(list(args), [list(c) for c in consts], list(dirs))
 
 
-def _batched(fn, members: Sequence[Dict[str, Any]], base_of: Sequence[int], consts: Sequence[Sequence[Any]]):
-    """``fn(args, consts)`` under the ``vmap`` of each level the members record, innermost first."""
+def _batched(fn, members: Sequence[Dict[str, Any]], base_of: Sequence[int], consts: Sequence[Sequence[Any]],
+             dir_levels: Sequence[Sequence[Optional[int]]] = ()):
+    """``fn(args, consts, dirs)`` under the ``vmap`` of each level the members record, innermost first."""
     first = members[0]
     for k in range(len(first["levels"])):  # each vmap maps one recorded axis
-        n = first["n_consts"]
-        arg_axes = list(first["levels"][k][n:])
+        arg_axes = list(_parts(first, first["levels"][k])[1])
         const_axes = [list(next(m for m, b in zip(members, base_of) if b == i)["levels"][k][:len(c)])
                       for i, c in enumerate(consts)]
-        fn = jax.vmap(fn, in_axes=(arg_axes, const_axes))
+        fn = jax.vmap(fn, in_axes=(arg_axes, const_axes, list(dir_levels[k]) if dir_levels else []))
     return fn
 
 
 def _jax_derivatives(*operands, **params) -> List[jax.Array]:
     """AMP off: each chain of the equation as JAX computes what its ``jaxamp.grad`` calls ask
     for, a nest of ``jax.grad`` of the body (batched as its levels record): the user's program."""
-    n, body = params["n_consts"], params["body"]
+    body = params["body"]
 
-    def fn(args, consts):
+    def fn(args, consts, dirs):
         f = _body_fn(body, consts[0])
         # the links of one call (grad(u, (1, 2))): one step each past a common nest, one jax.grad
         calls: Dict[Any, List[int]] = {}
         for j, link in enumerate(params["links"]):
-            calls.setdefault((link.out, link.argnums[:-1]), []).append(j)
+            last = link.argnums[-1]
+            calls.setdefault((link.out, link.argnums[:-1], isinstance(last, chain.Along) and j), []).append(j)
         outs: List[Any] = [None] * len(params["links"])
-        for (out, nest), members in calls.items():
+        for (out, nest, _), members in calls.items():
             g = f if out == () else functools.partial(lambda o, *a: f(*a)[o], out)
             for i in nest:
-                g = jax.grad(g, i)
+                g = _jax_step(g, i, dirs)
             last = tuple(params["links"][j].argnums[-1] for j in members)
-            values = jax.grad(g, last if len(last) > 1 else last[0])(*args)
+            values = (jax.grad(g, last if len(last) > 1 else last[0]) if not isinstance(last[0], chain.Along)
+                      else _jax_step(g, last[0], dirs))(*args)
             for j, v in zip(members, values if len(last) > 1 else (values,)):
                 outs[j] = v
         return outs
 
     members = _members(params)
-    return _batched(fn, members, [0] * len(members), [operands[:n]])(list(operands[n:]), [list(operands[:n])])
+    consts, args, dirs = _parts(params, operands)
+    dir_levels = [_parts(params, level)[2] for level in params["levels"]]
+    return _batched(fn, members, [0] * len(members), [consts], dir_levels)(list(args), [list(consts)], list(dirs))
+
+
+def _jax_step(g, step: Any, dirs: Sequence[Any]):
+    """JAX's derivative of ``g`` for one step: ``jax.grad`` along an argument, ``jax.jvp``'s
+    tangent along an :class:`chain.Along` direction."""
+    if not isinstance(step, chain.Along):
+        return jax.grad(g, step)
+
+    def tangent(*a):
+        line = lambda *z: g(*substitute(a, step.args, z))  # noqa: E731
+        return jax.jvp(line, [a[i] for i in step.args], [jnp.asarray(dirs[d], jnp.result_type(a[i]))
+                                                          for i, d in zip(step.args, step.dirs)])[1]
+
+    return tangent
 
 
 def _body_fn(body: jcore.Jaxpr, consts: Sequence[Any]):
@@ -179,9 +217,9 @@ def _members(params: Dict[str, Any]) -> List[Dict[str, Any]]:
 
 
 def _impl(*operands, **params):
-    n = params["n_consts"]
     members = _members(params)
-    return _run(members, [0] * len(members), [operands[:n]], operands[n:])
+    consts, args, dirs = _parts(params, operands)
+    return _run(members, [0] * len(members), [consts], args, dirs, [_parts(params, lv)[2] for lv in params["levels"]])
 
 
 def _batch(vals, dims, **params):
@@ -192,12 +230,13 @@ def _batch(vals, dims, **params):
     return outs, [0] * len(outs)
 
 
-def _along(closed: jcore.ClosedJaxpr, links: Sequence[chain.Chain], flat: Sequence[Any]) -> List[jax.Array]:
+def _along(closed: jcore.ClosedJaxpr, links: Sequence[chain.Chain], flat: Sequence[Any], dirs: Sequence[Any] = ()
+           ) -> List[jax.Array]:
     """The derivatives of ``closed`` (a body holding chains) along its scalar arguments
     ``link.argnums`` of each of ``links``, innermost first, by forward steps: each chain inside
     becomes longer chains (:func:`_jvp`), those at one point bound as one equation (one plan,
     :func:`_merged`); the rest of the body is differentiated as JAX does. Each step is scaled
-    and checked as a ``jaxamp.grad`` step is."""
+    and checked as a ``jaxamp.grad`` step is (a direction step: its tangent along ``dirs``)."""
 
     closed = pruned(closed)  # inner chains at the body's own scalars, where a stack of them was read
 
@@ -205,37 +244,44 @@ def _along(closed: jcore.ClosedJaxpr, links: Sequence[chain.Chain], flat: Sequen
         return eval_jaxpr(closed.jaxpr, closed.consts, a, bind)[0]
 
     def derivatives(*a):
+        point, d = a[:len(flat)], a[len(flat):]
         outs = []
         for link in links:
             g = functools.partial(lambda out, *b: body(*b)[out], link.out)
             for k, (i, wrt) in enumerate(zip(link.argnums, link.wrts)):
-                g = _step(g, i, dict(order=1, term=link.of if k == 0 else None, wrt=wrt))
-            outs.append(g(*a))
+                g = _step(g, i, dict(order=1, term=link.of if k == 0 else None, wrt=wrt), d)
+            outs.append(g(*point))
         return outs
 
-    stepped = _merged(pruned(jax.make_jaxpr(derivatives)(*flat)))
-    return eval_jaxpr(stepped.jaxpr, stepped.consts, list(flat), bind)
+    stepped = _merged(pruned(jax.make_jaxpr(derivatives)(*flat, *dirs)))
+    return eval_jaxpr(stepped.jaxpr, stepped.consts, [*flat, *dirs], bind)
 
 
-def _step(g, i: int, marks: Dict[str, Any]):
-    """``g``'s derivative along its scalar argument ``i``: the tangent seeded with the scale of
-    the step's key, the result checked and unscaled."""
+def _step(g, i: Any, marks: Dict[str, Any], dirs: Sequence[Any] = ()):
+    """``g``'s derivative along its scalar argument ``i`` (an :class:`chain.Along`: along the
+    arguments it moves, by ``dirs``): the tangent seeded with the scale of the step's key, the
+    result checked and unscaled."""
+    at = i.args if isinstance(i, chain.Along) else (i,)
 
     def derivative(*a):
         value = g(*a)
         s = deriv_scale(value, **marks)
-        _, d = jax.jvp(lambda ai: g(*a[:i], fresh(ai), *a[i + 1:]), (a[i],), (seed(jnp.ones_like(a[i]), s),))
+        ones = [jnp.ones_like(a[j]) for j in at]
+        if isinstance(i, chain.Along):
+            ones = [e * dirs[d] for e, d in zip(ones, i.dirs)]
+        line = lambda *z: g(*substitute(a, at, fresh(z)))  # noqa: E731
+        _, d = jax.jvp(line, [a[j] for j in at], [seed(e, s) for e in ones])
         return unscale(deriv_check(d, value, **marks), jnp.float32(1.0) / s)
 
     return derivative
 
 
-def _steppable(params: Dict[str, Any], i: int, primal: Any) -> bool:
+def _steppable(params: Dict[str, Any], i: int, primals: Sequence[Any]) -> bool:
     """Whether operand ``i`` is a point's float32 scalar the chain can take one more step along:
-    an argument (not a closure constant), batched at axis 0 by every level of the equation's
-    vmaps (so that its tangent is laid out as the chain's value)."""
-    return (i >= params["n_consts"] and jnp.result_type(primal) == jnp.float32
-            and all(level[i] == 0 for level in params["levels"]) and jnp.shape(primal) == params["shape"])
+    an argument (not a closure constant, not a direction), batched at axis 0 by every level of
+    the equation's vmaps (so that its tangent is laid out as the chain's value)."""
+    return (params["n_consts"] <= i < len(primals) - params["n_dirs"] and jnp.result_type(primals[i]) == jnp.float32
+            and all(level[i] == 0 for level in params["levels"]) and jnp.shape(primals[i]) == params["shape"])
 
 
 def _jvp(primals, tangents, **params):
@@ -245,7 +291,7 @@ def _jvp(primals, tangents, **params):
     links, n = params["links"], params["n_consts"]
     live = [i for i, t in enumerate(tangents) if type(t) is not ad.Zero]
     outs = chain_p.bind(*primals, **params)
-    steps = [i for i in live if _steppable(params, i, primals[i])]
+    steps = [i for i in live if _steppable(params, i, primals)]
     rest = [i for i in live if i not in steps]
     parts: List[List[Any]] = [[] for _ in links]
     if steps:
@@ -368,19 +414,21 @@ def _group_key(eqn, reads: Dict[Any, Any], one_base: bool) -> Optional[Tuple[Any
     None: this chain is planned alone (a level batching none of its arguments: the level's vmap
     could be another chain's)."""
     p = eqn.params
-    n, levels = p["n_consts"], p["levels"]
-    if any(all(a is None for a in level[n:]) for level in levels):
+    levels = [_parts(p, level)[1] for level in p["levels"]]
+    if any(all(a is None for a in level) for level in levels):
         return None
-    args = tuple(reads.get(v, atom(v)) if not isinstance(v, jcore.Literal) else atom(v) for v in eqn.invars[n:])
-    key = (args, p["base_order"], p["base_term"], tuple(level[n:] for level in levels))
+    consts, point, dirs = _parts(p, eqn.invars)
+    args = tuple(reads.get(v, atom(v)) if not isinstance(v, jcore.Literal) else atom(v) for v in point)
+    key = (args, p["base_order"], p["base_term"], tuple(levels))
     if one_base:  # the body by identity: the jaxpr object the equations share (held by them)
-        key += (p["body"], tuple(atom(v) for v in eqn.invars[:n]), levels)
+        key += (p["body"], tuple(atom(v) for v in consts), tuple(atom(v) for v in dirs), p["levels"])
     return key
 
 
 def _groups(jaxpr: jcore.Jaxpr, one_base: bool = False) -> Dict[int, List[int]]:
     """``{first: [members]}``: the chain equations (by index) planned with the chain at
-    ``first`` (at ``first``'s arguments); a member joins only if its closure constants exist there."""
+    ``first`` (at ``first``'s arguments); a member joins only if its closure constants and
+    directions exist there."""
     defined = {v: -1 for v in [*jaxpr.constvars, *jaxpr.invars]}
     for i, eqn in enumerate(jaxpr.eqns):
         defined.update((v, i) for v in eqn.outvars)
@@ -392,8 +440,8 @@ def _groups(jaxpr: jcore.Jaxpr, one_base: bool = False) -> Dict[int, List[int]]:
             continue
         key = _group_key(eqn, reads, one_base)
         first = open_groups.get(key, [None])[0] if key is not None else None
-        consts = eqn.invars[:eqn.params["n_consts"]]
-        if first is not None and all(isinstance(v, jcore.Literal) or defined[v] < first for v in consts):
+        consts, _, dirs = _parts(eqn.params, eqn.invars)
+        if first is not None and all(isinstance(v, jcore.Literal) or defined[v] < first for v in [*consts, *dirs]):
             groups[first].append(i)
             continue
         groups[i] = [i]
@@ -496,8 +544,9 @@ def _merged(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
 def _run_group(eqns, read) -> List[jax.Array]:
     """One plan for the chain equations ``eqns``; a base is shared by members with the same
     function, or the same traced body (two calls' traces of one network), and the same closure
-    constants."""
+    constants; a direction by members reading the same variable, batched alike."""
     members, base_of, consts, seen = [], [], [], []  # seen: (base, body, its constants' key) of each base
+    dirs: Dict[Any, Tuple[int, Any]] = {}  # (direction operand, its axes by level) -> (its position, operand)
     texts: Dict[Any, str] = {}  # a body's printed program, the same for two traces of one function
 
     def same(body_a, body_b) -> bool:
@@ -517,10 +566,21 @@ def _run_group(eqns, read) -> List[jax.Array]:
             b = len(seen)
             seen.append((base, p["body"], key))
             consts.append([read(v) for v in eqn.invars[:n]])
-        members += _members(p)
+        own = [dirs.setdefault((atom(v), tuple(_parts(p, lv)[2][d] for lv in p["levels"])), (len(dirs), v))[0]
+               for d, v in enumerate(_parts(p, eqn.invars)[2])]
+        members += [{**m, "link": _moved(m["link"], own)} for m in _members(p)]
         base_of += [b] * len(p["links"])
-    n = eqns[0].params["n_consts"]
-    return _run(members, base_of, consts, [read(v) for v in eqns[0].invars[n:]])
+    first = eqns[0]
+    values = [read(v) for _, v in dirs.values()]
+    levels = [[axes[k] for _, axes in dirs] for k in range(len(first.params["levels"]))]
+    return _run(members, base_of, consts, [read(v) for v in _parts(first.params, first.invars)[1]], values, levels)
+
+
+def _moved(link: chain.Chain, own: Sequence[int]) -> chain.Chain:
+    """``link`` with its directions' positions among its equation's (``own[d]``: among the group's)."""
+    steps = tuple(chain.Along(a.args, tuple(own[d] for d in a.dirs)) if isinstance(a, chain.Along) else a
+                  for a in link.argnums)
+    return dataclasses.replace(link, argnums=steps) if steps != link.argnums else link
 
 
 RULES[chain_p] = PrimitiveRules(expand=expand, off=expand_off)  # the program passes of jaxamp's entry points

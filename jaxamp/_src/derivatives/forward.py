@@ -59,12 +59,27 @@ def jvp(fun: Callable[..., Any], primals: Sequence[Any], tangents: Sequence[Any]
     if not pair or len(primals) != len(tangents):
         raise TypeError(f"jaxamp.jvp: `primals` and `tangents` must be tuples of the same length, got "
                         f"{type(primals).__name__} and {type(tangents).__name__}.")
+    if not has_aux and _small(primals, tangents):
+        try:  # along small float32 arguments: one request, planned with the point's others
+            return fun(*primals), vector.Route(lambda *p: fun(*p[0]), 0).directional(
+                (tuple(primals),), tuple(jax.tree_util.tree_map(jnp.asarray, t) for t in tangents), of)
+        except vector.NotScalar:
+            pass
     if boundary.crosses(fun, primals):  # the network boundary scales and checks each order
         return jax.jvp(fun, primals, tangents, has_aux=has_aux)
     out, f_jvp, aux, s = _linearized("jaxamp.jvp", fun, primals, has_aux, of, None)
     d = f_jvp(*[jax.tree_util.tree_map(lambda t: seed(t, s, jnp.result_type(t)), t) for t in tangents])
     d = finish(d, out, s, step(of, None))
     return (out, d, aux) if has_aux else (out, d)
+
+
+def _small(primals: Sequence[Any], tangents: Sequence[Any]) -> bool:
+    """Whether the primals are small float32 arguments (:func:`vector.eligible`, together) with
+    tangents of their structure and shapes."""
+    return (vector.eligible(0, (tuple(primals),), {})
+            and jax.tree_util.tree_structure(tuple(primals)) == jax.tree_util.tree_structure(tuple(tangents))
+            and all(jnp.shape(a) == jnp.shape(b) for a, b in zip(jax.tree_util.tree_leaves(primals),
+                                                                 jax.tree_util.tree_leaves(tangents))))
 
 
 def jacfwd(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] = 0, has_aux: bool = False,

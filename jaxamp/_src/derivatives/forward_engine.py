@@ -24,17 +24,21 @@ __all__ = ["SERIES_MIN_ORDER", "Levels", "Chain", "point_values", "shared_scales
 # second orders take jaxamp._src.taylor.second_order.
 SERIES_MIN_ORDER = 3
 
+Direction = Tuple[Tuple[int, ...], Tuple[jax.Array, ...]]  # (entries of the point, their factors)
 Levels = Tuple[List[jax.Array], List[jax.Array]]  # (unscaled [y, d1, ..., dk], scaled [d1, ..., dk])
 Chain = Callable[[jax.Array, Sequence[jax.Array]], Tuple[jax.Array, Levels]]
 
 
 def point_values(plan: Plan, f: Callable[[jax.Array], jax.Array], x: jax.Array, scales: Mapping[str, jax.Array], *,
-                 series_min_order: int = SERIES_MIN_ORDER) -> Tuple[Dict[str, jax.Array], Dict[str, jax.Array]]:
+                 series_min_order: int = SERIES_MIN_ORDER, directions: Sequence[Direction] = ()
+                 ) -> Tuple[Dict[str, jax.Array], Dict[str, jax.Array]]:
     """Every value of ``plan`` at one point by nested forward mode: ``(values, scaled)``, each
     value unscaled and each derivative's last step scaled.
 
     ``f`` maps the point ``x`` (``f32[n_inputs]``, or a tuple of float32 scalars: the drop-in's
-    chains) to ``f32[n_outputs]``; ``scales`` is ``{key: f32[]}`` for ``plan.step_keys``.
+    chains) to ``f32[n_outputs]``; ``scales`` is ``{key: f32[]}`` for ``plan.step_keys``. For a
+    tuple ``x``, the plan's inputs after ``x``'s are ``directions``: ``(entries of x, their
+    float32 factors)``, a step along one a tangent along that line (``jax.jvp``'s direction).
     """
     groups: Dict[Tuple[int, ...], List[Path]] = {}
     # Longest first: a path along a prefix of another's inputs joins that pass.
@@ -44,7 +48,7 @@ def point_values(plan: Plan, f: Callable[[jax.Array], jax.Array], x: jax.Array, 
         groups.setdefault(home, []).append(path)
     results: Dict[Path, Levels] = {}
     for cols, paths in groups.items():
-        chain = _chain(f, cols, series_min_order)
+        chain = _chain(f, cols, series_min_order, tuple(directions))
         per_path = [[scales[key] for key, _ in path] for path in paths]
         if len(paths) == 1:
             results[paths[0]] = chain(x, per_path[0])[1]
@@ -82,16 +86,25 @@ def as_scaled(value: jax.Array, scale: jax.Array) -> jax.Array:
     return (value * scale).astype(jnp.float16).astype(jnp.float32)
 
 
-def _line(g: Callable, x: Any, col: int, t: jax.Array) -> Tuple[Callable, jax.Array, jax.Array]:
+def _line(g: Callable, x: Any, col: int, t: jax.Array, directions: Sequence[Direction] = ()
+          ) -> Tuple[Callable, jax.Array, jax.Array]:
     """``(fn, primal, tangent)``: a tangent ``t`` along input ``col`` of the point ``x``. For a tuple
-    of scalars (the drop-in's chains), ``g`` restricted to that input; for ``f32[n_inputs]`` (the
-    engine), ``g`` itself and a basis tangent, so that no pass stacks its input."""
+    of scalars (the drop-in's chains), ``g`` restricted to that input (a direction, ``col`` past
+    ``x``'s inputs: to the entries it moves, stacked, the tangent ``t`` times its factors); for
+    ``f32[n_inputs]`` (the engine), ``g`` itself and a basis tangent, so that no pass stacks its input."""
+    if isinstance(x, tuple) and col >= len(x):
+        at, factors = directions[col - len(x)]
+
+        def along(z):
+            return g(tuple(z[at.index(i)] if i in at else xi for i, xi in enumerate(x)))
+
+        return along, jnp.stack([x[i] for i in at]), t * jnp.stack([jnp.asarray(v, jnp.float32) for v in factors])
     if isinstance(x, tuple):
         return (lambda xc: g(x[:col] + (xc,) + x[col + 1 :])), x[col], t
     return g, x, jnp.zeros_like(x).at[col].set(t)
 
 
-def _chain(f: Callable, cols: Tuple[int, ...], series_min_order: int) -> Chain:
+def _chain(f: Callable, cols: Tuple[int, ...], series_min_order: int, directions: Tuple[Direction, ...] = ()) -> Chain:
     """``chain(x, s) -> (scaled top, (unscaled levels, scaled levels))`` along inputs ``cols``."""
     one = jnp.float32(1.0)
     if not cols:
@@ -103,28 +116,28 @@ def _chain(f: Callable, cols: Tuple[int, ...], series_min_order: int) -> Chain:
         return outputs
     pure = all(col == cols[0] for col in cols)
     if pure and (len(cols) >= series_min_order or len(cols) == 2):
-        return _pure(f, cols[0], len(cols) >= series_min_order)
-    below, col = _chain(f, cols[:-1], series_min_order), cols[-1]
+        return _pure(f, cols[0], len(cols) >= series_min_order, directions)
+    below, col = _chain(f, cols[:-1], series_min_order, directions), cols[-1]
 
     def chain(x, s):
         seed = s[-1] / (s[-2] if len(s) > 1 else one)  # s_k / s_{k-1}
-        fn, primal, tangent = _line(lambda z: below(z, s[:-1]), x, col, seed)
+        fn, primal, tangent = _line(lambda z: below(z, s[:-1]), x, col, seed, directions)
         _, top, (unscaled, scaled) = jax.jvp(fn, (primal,), (tangent,), has_aux=True)
         return top, (unscaled + [unscale(top, one / s[-1])], scaled + [top])
 
     return chain
 
 
-def _pure(f: Callable, col: int, series: bool) -> Chain:
+def _pure(f: Callable, col: int, series: bool, directions: Tuple[Direction, ...] = ()) -> Chain:
     """The chain of a pure derivative along input ``col``: Taylor mode, each order at its own scale
     (``series``), or a pure second derivative (``u__x__x``) as one propagated tangent."""
     one = jnp.float32(1.0)
 
     def chain(x, s):
         if series:
-            y, scaled = taylor.series(*_line(f, x, col, one), len(s), list(s))
+            y, scaled = taylor.series(*_line(f, x, col, one, directions), len(s), list(s))
         else:  # outer seed s2/s1 over inner seed s1, as two factors: s1**2 may underflow float32
-            y, *scaled = taylor.second_order(*_line(f, x, col, s[0]), (s[1] / s[0], one / s[0]))
+            y, *scaled = taylor.second_order(*_line(f, x, col, s[0], directions), (s[1] / s[0], one / s[0]))
         return scaled[-1], ([y] + [unscale(d, one / sk) for d, sk in zip(scaled, s)], list(scaled))
 
     return chain

@@ -80,10 +80,11 @@ def _reverse(transform: Callable, caller: str, scalar: bool, fun: Callable, argn
 
     @functools.wraps(fun)
     def derivative(*args, **kwargs):
-        # jacrev along a small argument, grad along a small pytree of coordinates: entry by entry
-        # (a grad along an array: a chain's step, or JAX's reverse mode)
-        if vector.eligible(argnums, args, kwargs, has_aux, options["holomorphic"]) and (
-                not scalar or (method != "reverse" and vector.is_pytree(args[argnums]))):
+        # jacrev along a small argument, grad along a small pytree or vector of coordinates: entry
+        # by entry, requests planned with the point's others (else a chain's step, or JAX's reverse mode)
+        small = vector.eligible(argnums, args, kwargs, has_aux, options["holomorphic"])
+        if small and (not scalar or (method != "reverse" and vector.is_pytree(args[argnums]))
+                      or (method == "auto" and jnp.ndim(args[argnums]) == 1)):
             try:  # a scalar or small vector argument, small values: entry by entry
                 return route.jacobian(args, of, wrt)
             except vector.NotScalar:

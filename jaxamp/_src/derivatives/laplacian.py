@@ -21,7 +21,7 @@ from jaxamp._src.core import interpreter
 from jaxamp._src.derivatives.plan import LAP
 from jaxamp._src.core.checks import check_fun
 from jaxamp._src.core.marks import SEP, deriv_check, deriv_scale, fresh, seed
-from jaxamp._src.derivatives import chain_call
+from jaxamp._src.derivatives import chain_call, vector
 from jaxamp._src.core.nesting import NO_DERIVATIVE, analyze, single_name
 from jaxamp._src.taylor.collapsed import propagate_jaxpr
 
@@ -124,6 +124,7 @@ def laplacian(fun: Callable[..., Any], argnums: int = 0, *, of: Optional[str] = 
     if method not in METHODS:
         raise ValueError(f"{CALLER}: `method`={method!r} must be one of {sorted(METHODS)}.")
     static = _static_indices(indices)
+    route = vector.Route(fun, argnums)
 
     @functools.wraps(fun)
     def value(*args, **kwargs):
@@ -131,6 +132,11 @@ def laplacian(fun: Callable[..., Any], argnums: int = 0, *, of: Optional[str] = 
             raise ValueError(f"{CALLER}: `argnums`={argnums} must index one of the {len(args)} positional "
                              f"arguments of `fun` (0..{len(args) - 1}).")
         pos = argnums % len(args)
+        if method == "collapsed" and vector.eligible(argnums, args, kwargs) and jnp.size(args[pos]) == 1:
+            try:  # one entry: the second derivative, a chain planned with the point's other requests
+                return route.second(args, of, (LAP, None))  # its keys: of (order 1), of__lap (order 2)
+            except vector.NotScalar:
+                pass
         x = args[pos]
         if not hasattr(x, "dtype") and not isinstance(x, float):
             raise TypeError(f"{CALLER}: argument {pos} (`argnums`) must be a floating-point array x, got "

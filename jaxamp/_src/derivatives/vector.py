@@ -148,11 +148,13 @@ class Route:
             self._flat[key] = flat
         return self._flat[key]
 
-    def _chains(self, args: Tuple[Any, ...], steps: Sequence[Tuple[int, ...]], of: Optional[str],
-                wrt: Optional[str]) -> Tuple[Tuple[int, ...], Dict[Tuple[Any, ...], jax.Array]]:
+    def _chains(self, args: Tuple[Any, ...], steps: Sequence[Tuple[Any, ...]], of: Optional[str],
+                wrt: Any, direction: Any = None) -> Tuple[Tuple[int, ...], Dict[Tuple[Any, ...], jax.Array]]:
         """``(value shape, {(value entry, steps): derivative})``: the top derivatives along the
-        entries of ``args[argnum]`` listed in ``steps`` (innermost first) of every entry of
-        ``fun``'s value, one chain each, bound as one request."""
+        entries of ``args[argnum]`` listed in ``steps`` (innermost first; ``None``: along
+        ``direction``, a tangent of ``z``'s structure) of every entry of ``fun``'s value, one
+        chain each, bound as one request; ``wrt``: the name of every step's variable, or a tuple
+        of one per step."""
         i = self.argnum
         z = args[i]
         entries = _entries(z)
@@ -163,8 +165,11 @@ class Route:
         at = [len(args) + k for k in range(len(entries))] if vector else [i]  # each entry's position
         # every entry carries the vector's name: per-term keys are those of JAX's route (u, u__z)
         base = self.flat(len(args), z)
-        links = [chain.Chain(base, tuple(at[k] for k in s), (wrt,) * len(s), of) for s in steps]
-        shape, values = chain_call.bind_entries(links, full)  # (raises NotScalar: JAX's route)
+        dirs = () if direction is None else _entries(direction)
+        along = chain.Along(tuple(at), tuple(range(len(dirs))))
+        names = lambda s: wrt if isinstance(wrt, tuple) else (wrt,) * len(s)  # noqa: E731
+        links = [chain.Chain(base, tuple(along if k is None else at[k] for k in s), names(s), of) for s in steps]
+        shape, values = chain_call.bind_entries(links, full, dirs)  # (raises NotScalar: JAX's route)
         return shape, dict(zip([(o, s) for o in np.ndindex(*shape) for s in steps], values))
 
     def jacobian(self, args: Tuple[Any, ...], of: Optional[str], wrt: Optional[str]) -> Any:
@@ -181,6 +186,21 @@ class Route:
         rows = [jnp.stack([found[(o, (k,))] for k in range(d)]) if jnp.ndim(z) else found[(o, (0,))]
                 for o in np.ndindex(*shape)]
         return jnp.stack(rows).reshape(shape + jnp.shape(z)) if shape else rows[0]
+
+    def directional(self, args: Tuple[Any, ...], tangent: Any, of: Optional[str]) -> jax.Array:
+        """``jax.jvp``'s tangent of ``fun`` along ``args[argnum]`` in the direction ``tangent``
+        (``z``'s structure): one step along that direction, which the plan takes as the sum of
+        the entries' steps where those are computed anyway, else as one tangent."""
+        shape, found = self._chains(args, [(None,)], of, None, tangent)
+        return jnp.stack([found[(o, (None,))] for o in np.ndindex(*shape)]).reshape(shape)
+
+    def second(self, args: Tuple[Any, ...], of: Optional[str], wrts: Tuple[Optional[str], Optional[str]]) -> Any:
+        """The second derivative of ``fun``'s scalar value along ``args[argnum]``, one entry (a
+        scalar or ``f32[1]``), one chain of two steps named ``wrts``."""
+        shape, found = self._chains(args, [(0, 0)], of, wrts)
+        if shape:
+            raise NotScalar()
+        return found[((), (0, 0))]
 
     def hessian(self, args: Tuple[Any, ...], of: Optional[str], wrt: Optional[str]) -> Any:
         """``jax.hessian(fun, argnum)(*args)`` (shape ``value.shape + z.shape * 2``; pytrees:

@@ -36,6 +36,7 @@ class AmpSettings:
     derivative_scaling: bool = True
     tensor_scaling: bool = False  # the rule is torch_ref.tensor_scale; the reference trains without it
     float8_formats: Mapping[str, str] = dataclasses.field(default_factory=dict)  # likewise: no FP8 training
+    recompute_float32: bool = True  # what jaxamp's backward pass stores (the same numbers): no effect here
 
     def __post_init__(self) -> None:
         if self.tensor_scaling is not False:
@@ -44,7 +45,7 @@ class AmpSettings:
         if dict(self.float8_formats):
             raise ValueError(f"amp.float8_formats={dict(self.float8_formats)!r} is not supported by torch_ref's training "
                              "(it trains without FP8): expected {}.")
-        for key in ("enabled", "autocast_activation", "autocast_firstlayer", "derivative_scaling"):
+        for key in ("enabled", "autocast_activation", "autocast_firstlayer", "derivative_scaling", "recompute_float32"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"amp.{key}={getattr(self, key)!r} is not allowed: expected true or false.")
         if self.mode not in MODES:

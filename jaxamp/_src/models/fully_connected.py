@@ -11,10 +11,12 @@ from typing import ClassVar, Optional, Tuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxamp._src.scaling.config import AmpConfig
 from jaxamp._src.models.activations import ACTIVATIONS, apply_activation, check_activation
 from jaxamp._src.placement.tensor_scale import scaled_dot
+from jaxamp._src.placement.recompute import WEIGHT_CAST
 
 __all__ = ["precision_fields", "WeightNormDense", "FullyConnected"]
 
@@ -59,8 +61,14 @@ class WeightNormDense(nn.Module):
         if self.matmul_formats is not None and jnp.dtype(self.dtype) != jnp.float32:
             dims = (((x.ndim - 1,), (0,)), ((), ()))
             y = scaled_dot(x, kernel, dims, self.matmul_formats, scaling=self.tensor_scaling, out_dtype=self.dtype)
-            return y + bias.astype(self.dtype)
-        return jnp.dot(x, kernel.astype(self.dtype)) + bias.astype(self.dtype)
+            return y + self._cast(bias)
+        return jnp.dot(x, self._cast(kernel)) + self._cast(bias)
+
+    def _cast(self, param: jax.Array) -> jax.Array:
+        """``param`` in ``dtype``; a 16-bit cast named for the backward pass to keep
+        (``AmpConfig.recompute_float32``, ``jaxamp/_src/placement/recompute.py``)."""
+        cast = param.astype(self.dtype)
+        return checkpoint_name(cast, WEIGHT_CAST) if cast.dtype != param.dtype else cast
 
 
 class FullyConnected(nn.Module):

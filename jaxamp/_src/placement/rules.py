@@ -9,6 +9,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jcore
 from jax.extend.core import primitives as jp
 
@@ -16,6 +17,7 @@ from jaxamp._src.scaling.config import AmpConfig
 from jaxamp._src.core.interpreter import bind, custom_body, eval_jaxpr, sub_jaxpr
 from jaxamp._src.core.rules import rules_of
 from jaxamp._src.placement.tensor_scale import scaled_dot
+from jaxamp._src.placement.recompute import WEIGHT_CAST
 
 __all__ = ["COMPUTE_PRIMITIVES", "ACTIVATION_PRIMITIVES", "BODY_PRIMITIVES", "Val", "merge", "primitive_counts",
            "Placement"]
@@ -69,6 +71,7 @@ class Placement:
         self.activation = amp.autocast_activation
         # per-tensor scales and/or FP8 operands for matmuls (jaxamp/_src/placement/tensor_scale.py); None: plain casts
         self.formats, self.tensor_scaling = amp.matmul_formats, amp.tensor_scaling
+        self.recomputes = amp.recomputes  # parameters' casts named: the backward pass keeps them
         self.counts: Dict[str, int] = collections.Counter()
 
     def _evaluate(self, jaxpr: jcore.Jaxpr, consts: List[Val], invals: List[Val]) -> List[Val]:
@@ -120,6 +123,9 @@ class Placement:
             out = scaled_dot(*xs, eqn.params["dimension_numbers"], self.formats, scaling=self.tensor_scaling)
             return [flags._replace(x=jax.lax.convert_element_type(out, eqn.outvars[0].aval.dtype))]
         xs = [jax.lax.convert_element_type(x, self.dtype) if _floating(jnp.result_type(x)) else x for x in xs]
+        if self.recomputes:  # a parameter's cast is saved, not recomputed (jaxamp/_src/placement/recompute.py)
+            xs = [checkpoint_name(x, WEIGHT_CAST) if v.params and not v.inputs and _floating(jnp.result_type(x)) else x
+                  for x, v in zip(xs, invals)]
         if eqn.params.get("preferred_element_type") is not None:
             eqn = eqn.replace(params={**eqn.params, "preferred_element_type": self.dtype})
         outs = bind(eqn, xs)

@@ -59,6 +59,12 @@ class AmpConfig:
       float8_formats: with dtype ``"float8"``, overrides of the recipe's operand format per role,
         e.g. ``{"tangent": "float8_e5m2"}``: roles ``"value"``, ``"tangent"``, ``"cotangent"``,
         formats ``"float16"``, ``"float8_e4m3fn"``, ``"float8_e5m2"`` (the rest keep the recipe's).
+      recompute_float32: the weight gradient's backward pass keeps only the 16-bit matmul outputs
+        (and the parameters' 16-bit casts) and recomputes the float32 values computed from them
+        (the first layer's outputs, float32 activations and their derivative streams) instead of
+        storing them: the same numbers, about half the device memory of the GPU step, a few more
+        kernels (``jaxamp/_src/placement/recompute.py``, docs/gpu.md). False: stored, as
+        ``jax.grad`` does. For plain casts (not with per-tensor scaling or FP8).
 
     A bad value raises :class:`ConfigError` naming the key, the value and what is allowed.
     The mapping fields are read-only (sorted, dict-like); equal configs hash equal, however built
@@ -85,6 +91,7 @@ class AmpConfig:
     derivative_scaling: bool = True
     tensor_scaling: Optional[bool] = None
     float8_formats: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    recompute_float32: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", dtype_name(self.dtype))  # jnp.float16 -> "float16"
@@ -157,6 +164,12 @@ class AmpConfig:
         if self.dtype != "float8":
             return ("float16",) * 3
         return tuple(self.float8_formats.get(role, fmt) for role, fmt in zip(ROLES, FP8_FORMATS))
+
+    @property
+    def recomputes(self) -> bool:
+        """True when the weight gradient recomputes its float32 values (:attr:`recompute_float32`):
+        AMP on with plain casts to :attr:`compute_dtype` (no :attr:`matmul_formats`)."""
+        return self.recompute_float32 and not self.off and self.matmul_formats is None
 
     def max_scale_log2(self, key: str) -> int:
         """The exponent of ``key``'s max scale: its custom value, else ``default_max_scale_log2``."""

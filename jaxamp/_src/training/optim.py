@@ -29,6 +29,7 @@ from jaxamp._src.scaling.config import check_flags
 from jaxamp._src.scaling.state import AmpState, find
 from jaxamp._src.training.flags import all_finite, flag_set, skipped_updates, zeroed_when
 from jaxamp._src.training.monitor import STALL_LIMIT, report_stall
+from jaxamp._src.placement.recompute import recomputed_grad
 from jaxamp._src.training.step import AmpOptState, StepCheck, StepFlags, decide, find_opt_state, found_inf_of, locate
 
 __all__ = ["loss_scaled_grad", "value_and_grad", "grad_norms", "apply_or_skip", "optimizer", "AmpOptimizer",
@@ -39,7 +40,8 @@ ON_STALL = ("warn", "raise", None)
 
 
 def loss_scaled_grad(fun: Callable[..., Tuple[jax.Array, Any]], argnums: Any, loss_scale: Optional[jax.Array],
-                     held: bool = False, written: bool = True) -> Callable[..., Tuple[Any, Tuple[jax.Array, Any]]]:
+                     held: bool = False, written: bool = True, recompute: bool = False
+                     ) -> Callable[..., Tuple[Any, Tuple[jax.Array, Any]]]:
     """The gradients of ``fun``'s loss times ``loss_scale`` (float32), divided by it, as in
     :func:`value_and_grad`: float16 weight gradients that would underflow survive.
 
@@ -51,6 +53,8 @@ def loss_scaled_grad(fun: Callable[..., Tuple[jax.Array, Any]], argnums: Any, lo
         (:func:`jaxamp._src.placement.held.held_operands`: the cotangents of float16 activations).
       written: the matrices' gradients written out as the backward pass makes them
         (:func:`_written_out`); False: the gradients as ``jax.grad`` gives them (AMP off: the user's program).
+      recompute: the backward pass stores only the 16-bit matmul outputs and recomputes the float32
+        values (:func:`jaxamp._src.placement.recompute.recomputed_grad`; ``AmpConfig.recompute_float32``).
 
     Returns:
       ``g(*args) -> (grads, (loss, aux))``, ``loss`` unscaled.
@@ -63,7 +67,8 @@ def loss_scaled_grad(fun: Callable[..., Tuple[jax.Array, Any]], argnums: Any, lo
             loss, aux = fun(*a)
             return (loss if s is None else loss.astype(jnp.float32) * s), (loss, aux)
 
-        grads, out = jax.grad(scaled_loss, argnums, has_aux=True)(*args)
+        grad = recomputed_grad if recompute else functools.partial(jax.grad, has_aux=True)
+        grads, out = grad(scaled_loss, argnums)(*args)
         grads = _written_out(grads) if written else grads
         if s is None:
             return grads, out
@@ -188,7 +193,8 @@ def value_and_grad(fun: Callable[..., Any], argnums: Union[int, Sequence[int]] =
             return loss, (aux, found, room)
 
         held = amp_state.amp.tensor_scaling  # float16 cotangents widened: multiplied as float16 (no amax)
-        grad_of = functools.partial(loss_scaled_grad, written=not amp_state.amp.off)
+        grad_of = functools.partial(loss_scaled_grad, written=not amp_state.amp.off,
+                                    recompute=amp_state.amp.recomputes)
         grads, (loss, (aux, found, room)) = filter_grad(grad_of, loss_of, argnums, loss_scale, held)(*args)
         if not amp_state.amp.off:  # AMP off: the user's program as written
             found = {**found, NONFINITE_VALUES: _bad_values(args, kwargs, argnums, found, loss)}

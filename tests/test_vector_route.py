@@ -201,3 +201,61 @@ def test_the_trace_of_a_raveled_dict_hessian_plans_its_diagonal_only():
         jnp.linspace(0.0, 1.0, 8)) ** 2)
     np.testing.assert_allclose(value, want, rtol=1e-5)
     assert links == [4], links
+
+
+def _step_flops(residual, p, zs):
+    """XLA FLOPs of a scaled fp16-config step of the mean squared ``residual`` over ``zs``."""
+    loss = lambda p, zs: jnp.mean(jax.vmap(residual, (None, 0))(p, zs) ** 2)  # noqa: E731
+    state = jaxamp.init(loss, jaxamp.AmpConfig(), from_profile=False)(p, zs)
+    step = jax.jit(lambda p, zs: jaxamp.value_and_grad(loss)(state, p, zs))
+    return step.lower(p, zs).compile().cost_analysis()["flops"]
+
+
+def test_jvp_along_a_vector_is_one_request_with_jaxs_values(pz):
+    """jaxamp.jvp along a small vector binds one chain equation (a direction step); its values
+    are jax.jvp's alone, nested (grad, hessian of it), under vmap and jit, and scaled."""
+    p, z, zs = pz
+    v = jnp.array([1.0, -2.0, 0.5])
+    ours = lambda p, z: jaxamp.jvp(lambda z: _u(p, z), (z,), (v,))[1]  # noqa: E731
+    theirs = lambda p, z: jax.jvp(lambda z: _u(p, z), (z,), (v,))[1]  # noqa: E731
+    assert _chained(ours, p, z)
+    for o, t in ((ours, theirs), (jaxamp.grad(ours, 1), jax.grad(theirs, 1)),
+                 (jaxamp.hessian(ours, 1), jax.hessian(theirs, 1))):
+        np.testing.assert_allclose(jax.jit(jax.vmap(o, (None, 0)))(p, zs), jax.vmap(t, (None, 0))(p, zs),
+                                   rtol=2e-5, atol=2e-5)
+    scaled = jax.jit(jaxamp.scaled(jax.vmap(jaxamp.grad(ours, 1), (None, 0))))
+    one, _ = scaled({"1": 1.0, "2": 1.0}, p, zs)
+    values, found = scaled({"1": 2.0**-5, "2": 2.0**9}, p, zs)
+    np.testing.assert_array_equal(values, one)  # binary scales change no bit
+    assert not any(bool(f) for f in found.values())
+    np.testing.assert_allclose(one, jax.vmap(jax.grad(theirs, 1), (None, 0))(p, zs), rtol=2e-5, atol=2e-5)
+
+
+def test_a_direction_is_one_tangent_or_the_sum_of_steps_computed_anyway(pz):
+    """The plan takes a jvp along a vector as one tangent where the entries' steps are not
+    computed otherwise (cheaper than the Jacobian), and as their sum where they are (it costs
+    nothing beside the Jacobian)."""
+    k = jax.random.split(jax.random.PRNGKey(1), 3)  # a network whose passes dominate the step's FLOPs
+    p = {"w1": jax.random.normal(k[0], (64, 3)), "w2": jax.random.normal(k[1], (64,))}
+    zs = jax.random.normal(k[2], (64, 3))
+    v = jnp.array([1.0, -2.0, 0.5])
+    jvp = lambda p, z: jaxamp.jvp(lambda z: _u(p, z), (z,), (v,))[1]  # noqa: E731 (p a closure: one point still)
+    jac = lambda p, z: jnp.sum(jaxamp.jacfwd(_u, 1)(p, z))  # noqa: E731
+    contracted = lambda p, z: jaxamp.jacfwd(_u, 1)(p, z) @ v  # noqa: E731
+    assert _step_flops(jvp, p, zs) < 0.8 * _step_flops(jac, p, zs)
+    assert _step_flops(lambda p, z: jvp(p, z) + jac(p, z), p, zs) <= 1.02 * _step_flops(
+        lambda p, z: contracted(p, z) + jac(p, z), p, zs)
+
+
+def test_grad_along_a_vector_and_a_laplacian_along_one_entry_are_chains(pz):
+    p, z, zs = pz
+    g = jaxamp.grad(_u, 1)
+    assert _chained(g, p, z)
+    np.testing.assert_allclose(jax.jit(jax.vmap(g, (None, 0)))(p, zs), jax.vmap(jax.grad(_u, 1), (None, 0))(p, zs),
+                               rtol=2e-6, atol=2e-6)
+    along_t = lambda p, t, z: _u(p, z.at[0].set(t))  # noqa: E731
+    lap = jaxamp.laplacian(along_t, 1, of="u")
+    assert _chained(lap, p, z[0], z)
+    np.testing.assert_allclose(lap(p, z[0], z), jax.hessian(along_t, 1)(p, z[0], z), rtol=2e-6, atol=2e-6)
+    _, found = jaxamp.scaled(lap, jaxamp.AmpConfig(mode="per_term_scaler"))({"u": 1.0, "u__lap": 1.0}, p, z[0], z)
+    assert set(found) == {"u", "u__lap", NONFINITE_VALUES}  # the keys of the collapsed Laplacian

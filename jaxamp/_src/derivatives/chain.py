@@ -168,11 +168,13 @@ def _requests(chains: Sequence[Chain], base_of: Sequence[int]):
                if not any(isinstance(a, Along) for a in c.argnums) for k in range(len(c.argnums) + 1)}
     planned: List[Tuple[int, Chain]] = []
     sums: List[List[Tuple[Tuple[int, ...], int]]] = []
+    at: Dict[Tuple[Any, ...], int] = {}  # (base, entry, steps) -> its place in planned: one plan node
 
     def index(b: int, c: Chain) -> int:
-        if (b, c) not in planned:
+        if (b, c.out, c.argnums) not in at:
+            at[(b, c.out, c.argnums)] = len(planned)
             planned.append((b, c))
-        return planned.index((b, c))
+        return at[(b, c.out, c.argnums)]
 
     for b, c in zip(base_of, chains):
         parts = _expanded(c)

@@ -408,11 +408,50 @@ def _reads(jaxpr: jcore.Jaxpr) -> Dict[Any, Any]:
     return keys
 
 
+def _point(params: Dict[str, Any]) -> List[int]:
+    """The positions, among a chain equation's arguments, of its point: its body's float32
+    scalar arguments (the others, the parameters, are the network's as closure constants are:
+    ``jvp(lambda z: u(p, z), ...)`` and ``jacfwd(u, 1)(p, z)`` are at the same point)."""
+    return [j for j, v in enumerate(params["body"].invars) if v.aval.shape == () and v.aval.dtype == jnp.float32]
+
+
+def _at_point(eqn):
+    """``eqn`` (a chain equation) with its arguments off its point moved among its closure
+    constants: its body's, its levels' and its links' positions laid out as ``(constants,
+    point, directions)``."""
+    p = eqn.params
+    consts, args, dirs = _parts(p, eqn.invars)
+    point = _point(p)
+    other = [j for j in range(len(args)) if j not in point]
+    if not other:
+        return eqn
+    body = p["body"]
+    info = body.debug_info
+    names = None if info.arg_names is None else tuple(info.arg_names[j] for j in point)
+    body = body.replace(constvars=[*body.constvars, *[body.invars[j] for j in other]],
+                        invars=[body.invars[j] for j in point], debug_info=info._replace(arg_names=names))
+
+    def laid(ops):
+        c, a, d = _parts(p, ops)
+        return (*c, *[a[j] for j in other], *[a[j] for j in point], *d)
+
+    def moved(step):
+        if isinstance(step, chain.Along):
+            return chain.Along(tuple(point.index(j) for j in step.args), step.dirs)
+        return point.index(step)
+
+    links = tuple(dataclasses.replace(link, argnums=tuple(moved(a) for a in link.argnums)) for link in p["links"])
+    params = dict(p, body=body, n_consts=len(consts) + len(other), links=links,
+                  levels=tuple(tuple(laid(level)) for level in p["levels"]))
+    return eqn.replace(invars=list(laid(eqn.invars)), params=params)
+
+
 def _group_key(eqn, reads: Dict[Any, Any], one_base: bool) -> Optional[Tuple[Any, ...]]:
     """Chains with equal keys differentiate the same values the same way: one plan computes
-    them (``one_base``: of the same body and closure constants, so one equation holds them).
-    None: this chain is planned alone (a level batching none of its arguments: the level's vmap
-    could be another chain's)."""
+    them (``one_base``: of the same body and closure constants, so one equation holds them;
+    else at the same point, :func:`_at_point`). None: this chain is planned alone (a level
+    batching none of its point's arguments: the level's vmap could be another chain's)."""
+    eqn = eqn if one_base else _at_point(eqn)
     p = eqn.params
     levels = [_parts(p, level)[1] for level in p["levels"]]
     if any(all(a is None for a in level) for level in levels):
@@ -440,7 +479,7 @@ def _groups(jaxpr: jcore.Jaxpr, one_base: bool = False) -> Dict[int, List[int]]:
             continue
         key = _group_key(eqn, reads, one_base)
         first = open_groups.get(key, [None])[0] if key is not None else None
-        consts, _, dirs = _parts(eqn.params, eqn.invars)
+        consts, _, dirs = _parts(eqn.params, (eqn if one_base else _at_point(eqn)).invars)
         if first is not None and all(isinstance(v, jcore.Literal) or defined[v] < first for v in [*consts, *dirs]):
             groups[first].append(i)
             continue
@@ -547,6 +586,7 @@ def _run_group(eqns, read) -> List[jax.Array]:
     constants; a direction by members reading the same variable, batched alike."""
     members, base_of, consts, seen = [], [], [], []  # seen: (base, body, its constants' key) of each base
     dirs: Dict[Any, Tuple[int, Any]] = {}  # (direction operand, its axes by level) -> (its position, operand)
+    eqns = [_at_point(eqn) for eqn in eqns]
     texts: Dict[Any, str] = {}  # a body's printed program, the same for two traces of one function
 
     def same(body_a, body_b) -> bool:

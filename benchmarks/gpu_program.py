@@ -417,6 +417,8 @@ MODES: Dict[str, Optional[Dict[str, Any]]] = {
     "bf16": {"dtype": "bfloat16"},
     "fp16_plain": {"derivative_scaling": False},
     "fp16_scaler": {},  # AmpConfig(): fp16 + DerivScaler, per order
+    # the same with the float32 values stored for the backward pass, not recomputed (as jax.grad keeps them)
+    "fp16_stored": {"recompute_float32": False},
     "fp16_per_term": {"mode": "per_term_scaler"},
     # fp16 + DerivScaler with every layer and activation in float16 (the examples' placement, examples/common/config.py)
     "fp16_all16": {"autocast_firstlayer": True, "autocast_activation": True},

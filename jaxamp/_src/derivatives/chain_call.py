@@ -98,6 +98,25 @@ def _entrywise(fun, args: Tuple[Any, ...]) -> Tuple[Any, Tuple[Any, ...]]:
     return rebuilt, tuple(None if i in vecs else a for i, a in enumerate(args)) + entries
 
 
+def _scalars_as_arguments(closed: jcore.ClosedJaxpr, flat: Sequence[Any]) -> Tuple[jcore.ClosedJaxpr, List[Any]]:
+    """``closed`` with the traced float32 scalars it closes over as arguments after ``flat``'s:
+    another coordinate of the point, which a closure holds (``jvp(lambda t: u(p, t, x), ...)``),
+    so that a step along it is a chain's step and the chain is at the point of the others."""
+    jaxpr = closed.jaxpr
+    moved = [k for k, (v, c) in enumerate(zip(jaxpr.constvars, closed.consts))
+             if isinstance(c, jax.core.Tracer) and v.aval.shape == () and v.aval.dtype == jnp.float32]
+    if not moved:
+        return closed, list(flat)
+    keep = [k for k in range(len(closed.consts)) if k not in moved]
+    info = jaxpr.debug_info
+    names = None if info.arg_names is None else tuple(info.arg_names) + ("",) * len(moved)
+    body = jaxpr.replace(constvars=[jaxpr.constvars[k] for k in keep],
+                         invars=[*jaxpr.invars, *[jaxpr.constvars[k] for k in moved]],
+                         debug_info=info._replace(arg_names=names))
+    return (jcore.ClosedJaxpr(body, [closed.consts[k] for k in keep]),
+            [*flat, *[closed.consts[k] for k in moved]])
+
+
 def _flat_step(step: Any, starts: Sequence[int]) -> Any:
     """A step along the user's argument positions as one along the body's array arguments."""
     if isinstance(step, chain.Along):
@@ -114,6 +133,7 @@ def _bind(links: Sequence[chain.Chain], args: Tuple[Any, ...], per_entry: bool, 
     scalar = not per_entry and all(link.out == () for link in links)
     closed, flat, _ = trace(lambda *a: chain.check_output("jaxamp.grad", user_fn, base_fn(*a), scalar=scalar),
                             args, {})
+    closed, flat = _scalars_as_arguments(closed, flat)
     shape = tuple(closed.jaxpr.outvars[0].aval.shape)
     if per_entry:
         links = [dataclasses.replace(link, out=tuple(map(int, o))) for o in np.ndindex(*shape) for link in links]
@@ -415,15 +435,28 @@ def _point(params: Dict[str, Any]) -> List[int]:
     return [j for j, v in enumerate(params["body"].invars) if v.aval.shape == () and v.aval.dtype == jnp.float32]
 
 
-def _at_point(eqn):
+def _point_key(eqn, reads: Dict[Any, Any], j: int) -> Any:
+    """The key of argument ``j`` of chain equation ``eqn``: its read (:func:`_reads`) and its
+    axis at each level."""
+    p = eqn.params
+    v = _parts(p, eqn.invars)[1][j]
+    read = reads.get(v, atom(v)) if not isinstance(v, jcore.Literal) else atom(v)
+    return read, tuple(_parts(p, level)[1][j] for level in p["levels"])
+
+
+def _at_point(eqn, reads: Optional[Dict[Any, Any]] = None, order: Optional[Sequence[Any]] = None):
     """``eqn`` (a chain equation) with its arguments off its point moved among its closure
     constants: its body's, its levels' and its links' positions laid out as ``(constants,
-    point, directions)``."""
+    point, directions)``; ``order``: its point's arguments in that order of their keys
+    (:func:`_point_key`), those of another equation at the same point."""
     p = eqn.params
     consts, args, dirs = _parts(p, eqn.invars)
     point = _point(p)
+    if order is not None:
+        keys = [_point_key(eqn, reads, j) for j in point]
+        point = [point[keys.index(k)] for k in order]
     other = [j for j in range(len(args)) if j not in point]
-    if not other:
+    if not other and point == sorted(point):
         return eqn
     body = p["body"]
     info = body.debug_info
@@ -459,19 +492,23 @@ def _group_key(eqn, reads: Dict[Any, Any], one_base: bool) -> Optional[Tuple[Any
     consts, point, dirs = _parts(p, eqn.invars)
     args = tuple(reads.get(v, atom(v)) if not isinstance(v, jcore.Literal) else atom(v) for v in point)
     key = (args, p["base_order"], p["base_term"], tuple(levels))
+    pairs = [_point_key(eqn, reads, j) for j in range(len(point))]
+    if not one_base and len(set(pairs)) == len(pairs):  # the point in any order of its arguments
+        key = (frozenset(pairs), p["base_order"], p["base_term"])
     if one_base:  # the body by identity: the jaxpr object the equations share (held by them)
         key += (p["body"], tuple(atom(v) for v in consts), tuple(atom(v) for v in dirs), p["levels"])
     return key
 
 
-def _groups(jaxpr: jcore.Jaxpr, one_base: bool = False) -> Dict[int, List[int]]:
+def _groups(jaxpr: jcore.Jaxpr, one_base: bool = False, reads: Optional[Dict[Any, Any]] = None
+            ) -> Dict[int, List[int]]:
     """``{first: [members]}``: the chain equations (by index) planned with the chain at
     ``first`` (at ``first``'s arguments); a member joins only if its closure constants and
     directions exist there."""
     defined = {v: -1 for v in [*jaxpr.constvars, *jaxpr.invars]}
     for i, eqn in enumerate(jaxpr.eqns):
         defined.update((v, i) for v in eqn.outvars)
-    reads = _reads(jaxpr)
+    reads = _reads(jaxpr) if reads is None else reads
     open_groups: Dict[Any, List[int]] = {}
     groups: Dict[int, List[int]] = {}
     for i, eqn in enumerate(jaxpr.eqns):
@@ -509,7 +546,8 @@ class _Expanding:
 
 
 def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx, infos):
-    groups = {} if ctx.off else _groups(jaxpr)
+    reads = _reads(jaxpr)
+    groups = {} if ctx.off else _groups(jaxpr, reads=reads)
     env = dict(zip([*jaxpr.constvars, *jaxpr.invars], [*consts, *args]))
     done: Dict[int, jax.Array] = {}
 
@@ -522,7 +560,7 @@ def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ct
             outs = off(*[read(v) for v in eqn.invars], **eqn.params)
         elif eqn.primitive is chain_p:
             if i in groups:
-                done.update(_split(groups[i], jaxpr.eqns, _run_group([jaxpr.eqns[j] for j in groups[i]], read)))
+                done.update(_split(groups[i], jaxpr.eqns, _run_group([jaxpr.eqns[j] for j in groups[i]], read, reads)))
             outs = done.pop(i)
         elif any(has_chains(j, ctx.holds) for j in sub_jaxprs(eqn)):
             handler = rules_of(eqn.primitive).evaluate
@@ -580,13 +618,15 @@ def _merged(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
     return jax.make_jaxpr(run)(*_avals(closed))
 
 
-def _run_group(eqns, read) -> List[jax.Array]:
+def _run_group(eqns, read, reads: Dict[Any, Any]) -> List[jax.Array]:
     """One plan for the chain equations ``eqns``; a base is shared by members with the same
     function, or the same traced body (two calls' traces of one network), and the same closure
     constants; a direction by members reading the same variable, batched alike."""
     members, base_of, consts, seen = [], [], [], []  # seen: (base, body, its constants' key) of each base
     dirs: Dict[Any, Tuple[int, Any]] = {}  # (direction operand, its axes by level) -> (its position, operand)
-    eqns = [_at_point(eqn) for eqn in eqns]
+    first = _at_point(eqns[0])
+    order = [_point_key(first, reads, j) for j in range(len(_parts(first.params, first.invars)[1]))]
+    eqns = [first] + [_at_point(eqn, reads, order) for eqn in eqns[1:]]
     texts: Dict[Any, str] = {}  # a body's printed program, the same for two traces of one function
 
     def same(body_a, body_b) -> bool:

@@ -61,14 +61,14 @@ class WeightNormDense(nn.Module):
         if self.matmul_formats is not None and jnp.dtype(self.dtype) != jnp.float32:
             dims = (((x.ndim - 1,), (0,)), ((), ()))
             y = scaled_dot(x, kernel, dims, self.matmul_formats, scaling=self.tensor_scaling, out_dtype=self.dtype)
-            return y + self._cast(bias)
-        return jnp.dot(x, self._cast(kernel)) + self._cast(bias)
+            return y + bias.astype(self.dtype)
+        return jnp.dot(x, self._kernel(kernel)) + bias.astype(self.dtype)
 
-    def _cast(self, param: jax.Array) -> jax.Array:
-        """``param`` in ``dtype``; a 16-bit cast named for the backward pass to keep
-        (``AmpConfig.recompute_float32``, ``jaxamp/_src/placement/recompute.py``)."""
-        cast = param.astype(self.dtype)
-        return checkpoint_name(cast, WEIGHT_CAST) if cast.dtype != param.dtype else cast
+    def _kernel(self, kernel: jax.Array) -> jax.Array:
+        """``kernel`` in ``dtype``; a 16-bit cast named for the backward pass to keep (the bias's is
+        recomputed: ``AmpConfig.recompute_float32``, ``jaxamp/_src/placement/recompute.py``)."""
+        cast = kernel.astype(self.dtype)
+        return checkpoint_name(cast, WEIGHT_CAST) if cast.dtype != kernel.dtype else cast
 
 
 class FullyConnected(nn.Module):

@@ -15,9 +15,11 @@ them: the same operations on the same operands, so the same numbers (tests/test_
 does not merge it back into the forward pass. XLA's GPU compiler merges the matmuls that share a
 weight (a layer's value and derivative streams) into one GEMM, so a barrier on each stream's
 output copies it out of that GEMM's result (a kernel per stream). :func:`recomputed_grad` keeps the
-barrier on the differentiated arguments only: everything the recomputation redoes depends on a
-parameter (a bias, a weight), so it still cannot be merged, and the saved matmul outputs stay
-slices of one buffer.
+barriers on the differentiated arguments only: what the recomputation redoes depends on a
+parameter (a layer's bias, added in float32 or cast from it, never saved), so it still cannot be
+merged; the saved matmul outputs stay slices of one buffer, and the casts of one weight (a network
+called on several point sets) stay one. A layer without a bias: its activation depends on saved
+values only, XLA merges it back and stores it, as without the option (the same numbers either way).
 """
 
 from __future__ import annotations

@@ -58,6 +58,7 @@ VARIANTS: Dict[str, Dict[str, Any]] = {
     "bf16": {"dtype": "bfloat16", "derivative_scaling": False},
     "fp16_plain": {"derivative_scaling": False},
     "fp16_scaler": {},
+    "fp16_scaler_stored": {"recompute_float32": False},  # the float32 values stored for the backward pass
     "fp16_scaler_tensor": {"tensor_scaling": True},
     "fp16_tensor_only": {"tensor_scaling": True, "derivative_scaling": False},
     "fp8_plain": {"dtype": "float8", "tensor_scaling": False, "derivative_scaling": False},

@@ -1,6 +1,6 @@
 """Random derivative idioms against JAX's own and the engine's plan of the same derivative set.
 
-    python -m benchmarks idioms --random N --seed S [--amp {off,fp16}] [--no-x64] [--out FILE]
+    python -m benchmarks idioms --random N --seed S [--amp {off,fp16}] [--no-x64] [--step-time K] [--out FILE]
 
 A generator of derivative programs (issue #56, item 2). Each program has
 
@@ -689,6 +689,36 @@ def measure(prog: Program, amp_mode: str = "off") -> Dict[str, Any]:
     return row
 
 
+def step_times(prog: Program, amp_mode: str = "off", samples: int = 15, target_s: float = 0.02) -> Dict[str, Any]:
+    """Median seconds of one gradient step (``jax.grad`` of the mean squared terms along the
+    parameters) of the jaxamp form and of the engine's plan, timed interleaved: each sample runs
+    each form's compiled step ``n`` times back to back (``n`` so that a sample lasts about
+    ``target_s``), alternating which goes first."""
+    amp = jaxamp.AmpConfig() if amp_mode == "fp16" else None
+    net, params = _network(prog)
+    Z = points(prog)
+    forms = {
+        "jaxamp": _amp_wrap(terms_fn(prog, "jaxamp", net if amp is None else jaxamp.autocast(net, amp)), amp),
+        "engine": engine_fn(prog, net, amp),
+    }
+    steps = {name: jax.jit(jax.grad(lambda p, Z, fn=fn: jnp.mean(fn(p, Z) ** 2))) for name, fn in forms.items()}
+    for step in steps.values():
+        jax.block_until_ready(step(params, Z))
+    start = time.perf_counter()
+    jax.block_until_ready(steps["engine"](params, Z))
+    n = max(1, int(target_s / max(time.perf_counter() - start, 1e-6)))
+    times: Dict[str, List[float]] = {name: [] for name in steps}
+    for k in range(samples):
+        for name in (("jaxamp", "engine") if k % 2 == 0 else ("engine", "jaxamp")):
+            start = time.perf_counter()
+            for _ in range(n):
+                out = steps[name](params, Z)
+            jax.block_until_ready(out)
+            times[name].append((time.perf_counter() - start) / n)
+    med = {name: float(np.median(t)) for name, t in times.items()}
+    return {"step_s": med, "step_over_engine": round(med["jaxamp"] / med["engine"], 4), "calls_per_sample": n}
+
+
 def _x64_errors(seed: int, indices: Sequence[int]) -> Dict[int, Any]:
     """float64 values errors of programs ``indices`` of ``seed`` (run in this process under x64)."""
     errors: Dict[int, Any] = {}
@@ -717,6 +747,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                          "jaxamp.scaled under AmpConfig() against the engine under it")
     ap.add_argument("--no-x64", action="store_true", help="skip the float64 values check")
     ap.add_argument("--budget-s", type=float, default=None, help="stop generating after this many seconds")
+    ap.add_argument("--step-time", type=int, default=0, metavar="K",
+                    help="also time the gradient step of K programs spread over the run against the engine's "
+                         "(interleaved medians)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.random < 1:
@@ -741,9 +774,12 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
             row["traceback"] = traceback.format_exc()[-3000:]
         if not args.no_x64:
             row["error_f64"] = _x64_errors(seed, [i])[i]
+        if args.step_time and "failure" not in row and i % max(1, args.random // args.step_time) == 0:
+            row.update(step_times(prog, args.amp))
         rows.append(row)
         print(f"[{i}] {row.get('flops_over_engine')}x engine, {row.get('flops_over_jax')}x jax, "
-              f"err {row.get('error_f32')} / {row.get('error_f64')}, compile {row.get('compile_over_jax')}x jax: "
+              f"err {row.get('error_f32')} / {row.get('error_f64')}, compile {row.get('compile_over_jax')}x jax"
+              + (f", step {row['step_over_engine']}x engine" if "step_over_engine" in row else "") + ": "
               f"{prog.desc}" + (f"  FAILED {row['failure'][:200]}" if "failure" in row else ""), flush=True)
         if out and (i % 10 == 9):  # the results so far, should the run be cut short
             _write(out, _result(args, argv, commit, seed, start, rows))
@@ -805,6 +841,9 @@ def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
                                                        len(chains)],
         "flops_over_engine_paths": _quantiles([r["flops_over_engine_paths"] for r in chains]),
         "flops_over_engine_by_template": {k: _quantiles(v) | {"n": len(v)} for k, v in sorted(by_template.items())},
+        "step_over_engine": _quantiles([r["step_over_engine"] for r in ok if "step_over_engine" in r]) | {
+            "n": sum("step_over_engine" in r for r in ok),
+            "within_1_10": sum(r["step_over_engine"] <= 1.10 for r in ok if "step_over_engine" in r)},
         "value_tolerance": tol,
         "value_mismatches_f32": mism, "value_mismatches_f64": mism64,
         "worst10": [{"index": r["index"], "flops_over_engine": r["flops_over_engine"],
@@ -815,7 +854,8 @@ def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
 def print_summary(s: Dict[str, Any]) -> None:
     print(f"\n{s['within_1_05_of_engine']}/{s['measured']} programs at <= 1.05x the engine's FLOPs "
           f"({len(s['failures'])} failed: {s['failures']})")
-    for k in ("flops_over_engine", "flops_over_jax", "engine_over_jax", "compile_over_jax", "compile_over_engine"):
+    for k in ("flops_over_engine", "flops_over_jax", "engine_over_jax", "compile_over_jax", "compile_over_engine",
+              "step_over_engine"):
         print(f"  {k}: {s[k]}")
     print(f"  scalar grad chains: {s['chain_programs_within_1_05_of_engine_paths']} within 1.05x the engine along "
           f"the same paths: {s['flops_over_engine_paths']}")

@@ -31,6 +31,52 @@ _MAX_CONSTANT = 4096
 Part = Tuple[Any, Any]  # (the variable holding a value, or None; the value)
 
 
+def _iota(*, dtype, shape, dimension, **_):
+    line = np.arange(shape[dimension], dtype=dtype).reshape([-1 if i == dimension else 1 for i in range(len(shape))])
+    return np.broadcast_to(line, shape)
+
+
+def _broadcast(x, *, shape, broadcast_dimensions, **_):
+    expanded = [1] * len(shape)
+    for i, d in enumerate(broadcast_dimensions):
+        expanded[d] = np.shape(x)[i]
+    return np.broadcast_to(np.reshape(x, expanded), shape)
+
+
+def _binary(fn):
+    return lambda x, y, **_: fn(x, y)
+
+
+# The primitives whose constant results (an iota mask and what a trace or a diagonal builds from
+# it) are computed while re-tracing, by numpy: no eager XLA program is compiled for them.
+_CONSTANT_RULES = {
+    jp.iota_p: _iota,
+    jp.broadcast_in_dim_p: _broadcast,
+    jp.convert_element_type_p: lambda x, *, new_dtype, **_: np.asarray(x).astype(new_dtype),
+    jp.reshape_p: lambda x, *, new_sizes, dimensions, **_: None if dimensions is not None else np.reshape(x, new_sizes),
+    jp.squeeze_p: lambda x, *, dimensions, **_: np.squeeze(x, tuple(dimensions)),
+    jp.transpose_p: lambda x, *, permutation, **_: np.transpose(x, permutation),
+    jp.select_n_p: lambda pred, *cases: np.choose(np.asarray(pred, np.int32), cases),
+    jp.not_p: lambda x, **_: np.logical_not(x) if np.asarray(x).dtype == bool else np.invert(x),
+    jp.add_p: _binary(np.add), jp.sub_p: _binary(np.subtract), jp.mul_p: _binary(np.multiply),
+    jp.eq_p: _binary(np.equal), jp.ne_p: _binary(np.not_equal), jp.lt_p: _binary(np.less),
+    jp.le_p: _binary(np.less_equal), jp.gt_p: _binary(np.greater), jp.ge_p: _binary(np.greater_equal),
+    jp.and_p: _binary(np.bitwise_and), jp.or_p: _binary(np.bitwise_or),
+}
+
+
+def _fold(eqn, consts: Sequence[np.ndarray]) -> Optional[np.ndarray]:
+    """``eqn``'s result from its constant operands by :data:`_CONSTANT_RULES`, in its dtype; None
+    where no rule applies (the equation is then traced as it is, its result unknown)."""
+    rule = _CONSTANT_RULES.get(eqn.primitive)
+    out = eqn.outvars[0].aval
+    if rule is None or len(eqn.outvars) != 1 or np.prod(out.shape, dtype=int) > _MAX_CONSTANT:
+        return None
+    with np.errstate(all="ignore"):  # integer wrap-around as XLA's
+        value = rule(*[np.asarray(c) for c in consts], **eqn.params)
+    return None if value is None else np.asarray(value, dtype=out.dtype).reshape(out.shape)
+
+
 def _avals(closed: jcore.ClosedJaxpr) -> List[jax.ShapeDtypeStruct]:
     return [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type) for v in closed.jaxpr.invars]
 
@@ -193,12 +239,10 @@ class _Reader:
                 if v in self.known:
                     self.known[inner] = self.known[v]
             return eval_jaxpr(body.jaxpr, body.consts, vals, self.rule)
-        if (all(c is not None for c in consts) and not eqn.effects and not sub_jaxprs(eqn)
-                and all(np.prod(v.aval.shape, dtype=int) <= _MAX_CONSTANT for v in eqn.outvars)):
-            with jax.ensure_compile_time_eval():  # a constant of the program (an iota mask): known while tracing
-                outs = bind(eqn, [jnp.asarray(c) for c in consts])
-            self.known.update((v, np.asarray(o)) for v, o in zip(eqn.outvars, outs))
-            return outs
+        folded = _fold(eqn, consts) if all(c is not None for c in consts) else None
+        if folded is not None:  # a constant of the program (an iota mask): known while tracing
+            self.known[eqn.outvars[0]] = folded
+            return [jnp.asarray(folded)]
         outs = bind(eqn, vals)
         if eqn.primitive is jax.lax.stack_p:
             self.stacks[eqn.outvars[0]] = (p["axis"], list(zip(ins, vals)))

@@ -479,6 +479,27 @@ def _at_point(eqn, reads: Optional[Dict[Any, Any]] = None, order: Optional[Seque
     return eqn.replace(invars=list(laid(eqn.invars)), params=params)
 
 
+def _root(v, reads: Dict[Any, Any]) -> Any:
+    """The variable ``v`` reads (:func:`_reads`), through every read; ``v`` itself if none."""
+    key = reads.get(v, v) if not isinstance(v, jcore.Literal) else v
+    while isinstance(key, tuple) and len(key) == 3 and (key[0] == "relabel" or isinstance(key[0], jcore.Primitive)):
+        key = key[2]
+    return key
+
+
+def _reread(v, read, reads: Dict[Any, Any]) -> Any:
+    """``v``'s value, its reads (:func:`_reads`) applied again to the variable they read."""
+
+    def value(key):
+        if isinstance(key, tuple) and len(key) == 3 and key[0] == "relabel":
+            return jnp.reshape(value(key[2]), key[1])
+        if isinstance(key, tuple) and len(key) == 3 and isinstance(key[0], jcore.Primitive):
+            return key[0].bind(value(key[2]), **dict(key[1]))
+        return read(key)
+
+    return value(reads.get(v, v)) if not isinstance(v, jcore.Literal) else read(v)
+
+
 def _group_key(eqn, reads: Dict[Any, Any], one_base: bool) -> Optional[Tuple[Any, ...]]:
     """Chains with equal keys differentiate the same values the same way: one plan computes
     them (``one_base``: of the same body and closure constants, so one equation holds them;
@@ -501,29 +522,44 @@ def _group_key(eqn, reads: Dict[Any, Any], one_base: bool) -> Optional[Tuple[Any
 
 
 def _groups(jaxpr: jcore.Jaxpr, one_base: bool = False, reads: Optional[Dict[Any, Any]] = None
-            ) -> Dict[int, List[int]]:
-    """``{first: [members]}``: the chain equations (by index) planned with the chain at
-    ``first`` (at ``first``'s arguments); a member joins only if its closure constants and
-    directions exist there."""
+            ) -> Dict[int, List[List[int]]]:
+    """``{at: [members, ...]}``: the chain equations (by index) planned together, computed before
+    equation ``at`` (``len(eqns)``: after the last): a chain joins a group of its key when the
+    group can run where every member's operands exist and no member's value has been read yet
+    (a jvp's direction built just before it joins the chains before it)."""
+    eqns = jaxpr.eqns
     defined = {v: -1 for v in [*jaxpr.constvars, *jaxpr.invars]}
-    for i, eqn in enumerate(jaxpr.eqns):
+    used: Dict[Any, int] = {}  # a variable -> the first equation reading it
+    for i, eqn in enumerate(eqns):
         defined.update((v, i) for v in eqn.outvars)
+        for v in eqn.invars:
+            if not isinstance(v, jcore.Literal):
+                used.setdefault(v, i)
     reads = _reads(jaxpr) if reads is None else reads
-    open_groups: Dict[Any, List[int]] = {}
-    groups: Dict[int, List[int]] = {}
-    for i, eqn in enumerate(jaxpr.eqns):
+    open_groups: Dict[Any, List[Any]] = {}  # key -> [earliest place, latest place, members]
+    groups: List[List[Any]] = []
+    for i, eqn in enumerate(eqns):
         if eqn.primitive is not chain_p:
             continue
-        key = _group_key(eqn, reads, one_base)
-        first = open_groups.get(key, [None])[0] if key is not None else None
         consts, _, dirs = _parts(eqn.params, (eqn if one_base else _at_point(eqn)).invars)
-        if first is not None and all(isinstance(v, jcore.Literal) or defined[v] < first for v in [*consts, *dirs]):
-            groups[first].append(i)
+        # its own operands (a group computes its members at its first member's point); a direction
+        # read from a variable (the entries of a tangent) is read again where the group runs
+        dirs = dirs if one_base else [_root(v, reads) for v in dirs]
+        ready = 1 + max([defined[v] for v in [*consts, *dirs] if not isinstance(v, jcore.Literal)], default=-1)
+        latest = min([used.get(v, len(eqns)) for v in eqn.outvars], default=len(eqns))
+        key = _group_key(eqn, reads, one_base)
+        group = open_groups.get(key) if key is not None else None
+        if group is not None and max(group[0], ready) <= min(group[1], latest):
+            group[0], group[1] = max(group[0], ready), min(group[1], latest)
+            group[2].append(i)
             continue
-        groups[i] = [i]
+        groups.append([i, latest, [i]])  # (the first member's point: defined before it)
         if key is not None:
-            open_groups[key] = [i]
-    return groups
+            open_groups[key] = groups[-1]
+    scheduled: Dict[int, List[List[int]]] = {}
+    for ready, _, members in groups:
+        scheduled.setdefault(ready, []).append(members)
+    return scheduled
 
 
 class _Expanding:
@@ -547,21 +583,25 @@ class _Expanding:
 
 def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx, infos):
     reads = _reads(jaxpr)
-    groups = {} if ctx.off else _groups(jaxpr, reads=reads)
+    scheduled = {} if ctx.off else _groups(jaxpr, reads=reads)
     env = dict(zip([*jaxpr.constvars, *jaxpr.invars], [*consts, *args]))
-    done: Dict[int, jax.Array] = {}
 
     def read(v):
         return v.val if isinstance(v, jcore.Literal) else env[v]
 
+    def run(at: int) -> None:  # the groups planned before equation `at`: their values written
+        for members in scheduled.get(at, ()):
+            values = _run_group([jaxpr.eqns[j] for j in members], read, reads)
+            for j, outs in _split(members, jaxpr.eqns, values).items():
+                _write(env, jaxpr.eqns[j].outvars, outs)
+
     for i, eqn in enumerate(jaxpr.eqns):
+        run(i)
         if eqn.primitive is chain_p and ctx.off:  # method="forward" asked for the engine: it stays
             off = _impl if eqn.params["engine"] else _jax_derivatives
             outs = off(*[read(v) for v in eqn.invars], **eqn.params)
         elif eqn.primitive is chain_p:
-            if i in groups:
-                done.update(_split(groups[i], jaxpr.eqns, _run_group([jaxpr.eqns[j] for j in groups[i]], read, reads)))
-            outs = done.pop(i)
+            continue  # computed with its group
         elif any(has_chains(j, ctx.holds) for j in sub_jaxprs(eqn)):
             handler = rules_of(eqn.primitive).evaluate
             if handler is None:
@@ -571,10 +611,15 @@ def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ct
             outs = handler(eqn, [read(v) for v in eqn.invars], ctx, [None] * 8)[0]
         else:
             outs = bind(eqn, [read(v) for v in eqn.invars])
-        for v, out in zip(eqn.outvars, outs):
-            if not isinstance(v, jcore.DropVar):
-                env[v] = out
+        _write(env, eqn.outvars, outs)
+    run(len(jaxpr.eqns))
     return [read(v) for v in jaxpr.outvars], {}
+
+
+def _write(env: Dict[Any, Any], outvars, outs) -> None:
+    for v, out in zip(outvars, outs):
+        if not isinstance(v, jcore.DropVar):
+            env[v] = out
 
 
 def _split(indices: Sequence[int], eqns, values: Sequence[Any]) -> Dict[int, List[Any]]:
@@ -591,28 +636,30 @@ def _merged(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
     jaxpr's, not its bodies') bound as one equation: requests planned together, still chains
     (a later transformation extends them)."""
     jaxpr = closed.jaxpr
-    groups = _groups(jaxpr, one_base=True)
-    if all(len(g) == 1 for g in groups.values()):
+    scheduled = _groups(jaxpr, one_base=True)
+    if all(len(g) == 1 for gs in scheduled.values() for g in gs):
         return closed
 
     def run(*args):
         env = dict(zip([*jaxpr.constvars, *jaxpr.invars], [*closed.consts, *args]))
-        done: Dict[int, List[Any]] = {}
 
         def read(v):
             return v.val if isinstance(v, jcore.Literal) else env[v]
 
-        for i, eqn in enumerate(jaxpr.eqns):
-            if eqn.primitive is chain_p and i in groups:
-                members = [jaxpr.eqns[j] for j in groups[i]]
+        def merged(at: int) -> None:  # the groups bound before equation `at`, one equation each
+            for group in scheduled.get(at, ()):
+                members = [jaxpr.eqns[j] for j in group]
                 links = [link for e in members for link in e.params["links"]]
                 unique = tuple(dict.fromkeys(links))  # (equal: the same base and steps)
-                values = chain_p.bind(*[read(v) for v in eqn.invars], **{**eqn.params, "links": unique})
-                done.update(_split(groups[i], jaxpr.eqns, [values[unique.index(link)] for link in links]))
-            outs = done.pop(i) if eqn.primitive is chain_p else bind(eqn, [read(v) for v in eqn.invars])
-            for v, out in zip(eqn.outvars, outs):
-                if not isinstance(v, jcore.DropVar):
-                    env[v] = out
+                values = chain_p.bind(*[read(v) for v in members[0].invars], **{**members[0].params, "links": unique})
+                for j, outs in _split(group, jaxpr.eqns, [values[unique.index(link)] for link in links]).items():
+                    _write(env, jaxpr.eqns[j].outvars, outs)
+
+        for i, eqn in enumerate(jaxpr.eqns):
+            merged(i)
+            if eqn.primitive is not chain_p:
+                _write(env, eqn.outvars, bind(eqn, [read(v) for v in eqn.invars]))
+        merged(len(jaxpr.eqns))
         return [read(v) for v in jaxpr.outvars]
 
     return jax.make_jaxpr(run)(*_avals(closed))
@@ -646,12 +693,13 @@ def _run_group(eqns, read, reads: Dict[Any, Any]) -> List[jax.Array]:
             b = len(seen)
             seen.append((base, p["body"], key))
             consts.append([read(v) for v in eqn.invars[:n]])
-        own = [dirs.setdefault((atom(v), tuple(_parts(p, lv)[2][d] for lv in p["levels"])), (len(dirs), v))[0]
+        own = [dirs.setdefault((reads.get(v, atom(v)) if not isinstance(v, jcore.Literal) else atom(v),
+                                tuple(_parts(p, lv)[2][d] for lv in p["levels"])), (len(dirs), v))[0]
                for d, v in enumerate(_parts(p, eqn.invars)[2])]
         members += [{**m, "link": _moved(m["link"], own)} for m in _members(p)]
         base_of += [b] * len(p["links"])
     first = eqns[0]
-    values = [read(v) for _, v in dirs.values()]
+    values = [_reread(v, read, reads) for _, v in dirs.values()]
     levels = [[axes[k] for _, axes in dirs] for k in range(len(first.params["levels"]))]
     return _run(members, base_of, consts, [read(v) for v in _parts(first.params, first.invars)[1]], values, levels)
 

@@ -182,12 +182,18 @@ def test_merge_cost_times_both_programs_and_profiles_them(tmp_path):
     assert all(sum(kinds.values()) > 0 for kinds in res["op_ms_per_call"].values())
 
 
-def test_matrix_times_the_autocast_placement_where_tensor_scales_act():
+def test_matrix_times_the_autocast_placement_where_tensor_scales_act(monkeypatch):
     """The `autocast` placement (a float32 network placed by jaxamp.autocast) beside
     FullyConnected's float16 one: in both the per-tensor case compiles to more FLOPs than plain
-    fp16 (the float32 weights take scales; float16 activations and their cotangents none)."""
+    fp16 (the float32 weights take scales; float16 activations and their cotangents none). Both
+    store their float32 values (per-tensor scaling does not recompute them: recompute_float32)."""
+    import dataclasses
+
     from benchmarks import matrix
 
+    for name in ("all_fp16", "autocast"):
+        stored = dataclasses.replace(matrix.PLACEMENTS[name], recompute_float32=False)
+        monkeypatch.setitem(matrix.PLACEMENTS, name, stored)
     res = matrix.main(["--quick", "--problems", "poisson1d", "--placements", "all_fp16", "autocast",
                        "--modes", "plain", "tensor"])  # fmt: skip
     cases = res["problems"]["poisson1d"]["cases"]

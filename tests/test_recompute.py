@@ -71,8 +71,8 @@ def _remats(jaxpr):
 
 
 @pytest.mark.parametrize("make", [_poisson, _cavity], ids=["flax_tanh_autocast", "fully_connected_silu"])
-@pytest.mark.parametrize("amp", [AmpConfig(), AmpConfig(autocast_activation=True, autocast_firstlayer=True)],
-                         ids=["default", "all16"])
+@pytest.mark.parametrize("amp", [AmpConfig(), pytest.param(AmpConfig(autocast_activation=True, autocast_firstlayer=True),
+                                                             marks=pytest.mark.slow)], ids=["default", "all16"])
 def test_recomputed_step_is_the_stored_step_bit_for_bit(make, amp):
     points = jax.random.uniform(jax.random.PRNGKey(1), (48, 2))
     got, jaxpr = _step(make, amp, points)

@@ -396,6 +396,9 @@ def _relabels(eqn) -> bool:
     prim, (x,), (out,) = eqn.primitive, eqn.invars, eqn.outvars
     if prim is jp.squeeze_p:
         return True
+    if prim is jp.transpose_p:  # only unit axes move
+        moved = [d for d in eqn.params["permutation"] if x.aval.shape[d] != 1]
+        return moved == sorted(moved)
     if prim is jp.reshape_p:
         return eqn.params.get("dimensions") is None
     dims = eqn.params.get("broadcast_dimensions", ())
@@ -408,11 +411,30 @@ def _reads(jaxpr: jcore.Jaxpr) -> Dict[Any, Any]:
     equal for equal reads of the same variable: the entries of a vector ``z`` that two
     derivative calls at ``z`` each take (``jacfwd`` then ``hessian``) are the same operands.
     Relabels (:func:`_relabels`: a unit axis added then squeezed) are keyed by the shape they
-    give and the read they relabel, however many there are."""
+    give and the read they relabel, however many there are; an entry sliced from a ``stack``
+    (a vector rebuilt from its entries, as a derivative's body does) is a relabel of that entry."""
     keys: Dict[Any, Any] = {}
+    stacked: Dict[Any, Tuple[int, List[Any]]] = {}  # a stack's variable -> (its axis, its parts' keys)
+
+    def unlabeled(key):
+        return key[2] if isinstance(key, tuple) and key[0] == "relabel" else key
+
     for eqn in jaxpr.eqns:
         if _is_fresh(eqn):  # the variable a step is taken along: its values are its operand's
             keys[eqn.outvars[0]] = keys.get(eqn.invars[0], eqn.invars[0])
+            continue
+        if eqn.primitive is jax.lax.stack_p and not any(isinstance(v, jcore.Literal) for v in eqn.invars):
+            stacked[eqn.outvars[0]] = (eqn.params["axis"], [keys.get(v, v) for v in eqn.invars])
+            if len(eqn.invars) == 1:  # one entry: a unit axis added
+                keys[eqn.outvars[0]] = ("relabel", tuple(eqn.outvars[0].aval.shape),
+                                        unlabeled(keys.get(eqn.invars[0], eqn.invars[0])))
+            continue
+        if eqn.primitive is jp.transpose_p and eqn.invars[0] in stacked:  # the stack's axis moved
+            axis, parts = stacked[eqn.invars[0]]
+            stacked[eqn.outvars[0]] = (list(eqn.params["permutation"]).index(axis), parts)
+        part = _stacked_entry(eqn, stacked)
+        if part is not None:
+            keys[eqn.outvars[0]] = ("relabel", tuple(eqn.outvars[0].aval.shape), unlabeled(part))
             continue
         if eqn.primitive in _READS and len(eqn.invars) == 1 and not isinstance(eqn.invars[0], jcore.Literal):
             source = keys.get(eqn.invars[0], eqn.invars[0])
@@ -426,6 +448,19 @@ def _reads(jaxpr: jcore.Jaxpr) -> Dict[Any, Any]:
             except TypeError:  # an unhashable parameter: the variable is its own key
                 keys.pop(eqn.outvars[0], None)
     return keys
+
+
+def _stacked_entry(eqn, stacked: Dict[Any, Tuple[int, List[Any]]]) -> Any:
+    """The key of the part of a stack (of ``stacked``) that ``eqn``, a one-entry ``slice`` along
+    the stack's axis (whole along the others), reads; else None."""
+    if eqn.primitive is not jp.slice_p or eqn.params.get("strides") or isinstance(eqn.invars[0], jcore.Literal):
+        return None
+    if eqn.invars[0] not in stacked:
+        return None
+    axis, parts = stacked[eqn.invars[0]]
+    start, limit, shape = eqn.params["start_indices"], eqn.params["limit_indices"], eqn.invars[0].aval.shape
+    whole = all(start[d] == 0 and limit[d] == shape[d] for d in range(len(shape)) if d != axis)
+    return parts[start[axis]] if whole and limit[axis] - start[axis] == 1 else None
 
 
 def _point(params: Dict[str, Any]) -> List[int]:
@@ -542,9 +577,11 @@ def _groups(jaxpr: jcore.Jaxpr, one_base: bool = False, reads: Optional[Dict[Any
         if eqn.primitive is not chain_p:
             continue
         consts, _, dirs = _parts(eqn.params, (eqn if one_base else _at_point(eqn)).invars)
-        # its own operands (a group computes its members at its first member's point); a direction
-        # read from a variable (the entries of a tangent) is read again where the group runs
-        dirs = dirs if one_base else [_root(v, reads) for v in dirs]
+        # its own operands (a group computes its members at its first member's point); a constant
+        # or direction read from a variable (a vector rebuilt from its entries, the entries of a
+        # tangent) is read again where the group runs
+        if not one_base:
+            consts, dirs = [_root(v, reads) for v in consts], [_root(v, reads) for v in dirs]
         ready = 1 + max([defined[v] for v in [*consts, *dirs] if not isinstance(v, jcore.Literal)], default=-1)
         latest = min([used.get(v, len(eqns)) for v in eqn.outvars], default=len(eqns))
         key = _group_key(eqn, reads, one_base)
@@ -686,13 +723,15 @@ def _run_group(eqns, read, reads: Dict[Any, Any]) -> List[jax.Array]:
 
     for eqn in eqns:
         p, n = eqn.params, eqn.params["n_consts"]
-        base, key = p["links"][0].base, (tuple(atom(v) for v in eqn.invars[:n]), tuple(lv[:n] for lv in p["levels"]))
+        key = (tuple(reads.get(v, atom(v)) if not isinstance(v, jcore.Literal) else atom(v) for v in eqn.invars[:n]),
+               tuple(lv[:n] for lv in p["levels"]))  # its constants by what they read
+        base = p["links"][0].base
         b = next((i for i, (f, body, k) in enumerate(seen)
                   if k == key and (f is base or same(body, p["body"]))), None)  # the function itself, by `is`
         if b is None:
             b = len(seen)
             seen.append((base, p["body"], key))
-            consts.append([read(v) for v in eqn.invars[:n]])
+            consts.append([_reread(v, read, reads) for v in eqn.invars[:n]])
         own = [dirs.setdefault((reads.get(v, atom(v)) if not isinstance(v, jcore.Literal) else atom(v),
                                 tuple(_parts(p, lv)[2][d] for lv in p["levels"])), (len(dirs), v))[0]
                for d, v in enumerate(_parts(p, eqn.invars)[2])]

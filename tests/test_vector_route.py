@@ -259,3 +259,21 @@ def test_grad_along_a_vector_and_a_laplacian_along_one_entry_are_chains(pz):
     np.testing.assert_allclose(lap(p, z[0], z), jax.hessian(along_t, 1)(p, z[0], z), rtol=2e-6, atol=2e-6)
     _, found = jaxamp.scaled(lap, jaxamp.AmpConfig(mode="per_term_scaler"))({"u": 1.0, "u__lap": 1.0}, p, z[0], z)
     assert set(found) == {"u", "u__lap", NONFINITE_VALUES}  # the keys of the collapsed Laplacian
+
+
+def test_a_jacobian_of_a_pytree_value_has_jaxs_layout_on_either_route():
+    """jacrev / jacfwd of a function returning a dict (a gradient along a dict): JAX's layout
+    and values, as chains when small, by JAX's route past 16 entries."""
+    u = lambda p, z: jnp.tanh(p * z["t"] * jnp.sum(z["x"]) + z["t"] ** 2)  # noqa: E731
+    z = {"t": jnp.float32(0.3), "x": jnp.array([0.5, -0.2])}
+    for name in ("jacrev", "jacfwd"):
+        ours, theirs = getattr(jaxamp, name)(jaxamp.grad(u, 1), 1), getattr(jax, name)(jax.grad(u, 1), 1)
+        assert _chained(ours, 1.5, z)
+        a, b = ours(1.5, z), theirs(1.5, z)
+        assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+        jax.tree_util.tree_map(lambda x, y: np.testing.assert_allclose(x, y, rtol=2e-6, atol=2e-6), a, b)
+    long = lambda p, z: {"a": jnp.sin(p * z[:3]).sum(), "b": z * z[0]}  # noqa: E731 (20 entries of z)
+    z = jnp.linspace(0.1, 1.0, 20)
+    for name in ("jacrev", "jacfwd"):
+        a, b = getattr(jaxamp, name)(long, 1)(2.0, z), getattr(jax, name)(long, 1)(2.0, z)
+        jax.tree_util.tree_map(lambda x, y: np.testing.assert_allclose(x, y, rtol=2e-6, atol=2e-6), a, b)

@@ -101,14 +101,21 @@ def _reverse(transform: Callable, caller: str, scalar: bool, fun: Callable, argn
         def seeded(*a, **kw):
             out = fun(*substitute(a, nums, [fresh(a[i]) for i in nums]), **kw)
             out, aux = out if has_aux else (out, None)
-            chain.check_output(caller, fun, out, scalar=scalar)
-            s = deriv_scale(out, scalar=True, **step(of, wrt))
-            return seed(out, s), (out, s, aux)
+            leaves = jax.tree_util.tree_leaves(out)
+            tree = not scalar and not isinstance(argnums, tuple) and vector.is_pytree(out) and bool(leaves) and all(
+                hasattr(v, "dtype") for v in leaves)  # jacrev of a pytree of arrays: JAX's layout
+            for v in (leaves if tree else [out]):
+                chain.check_output(caller, fun, v, scalar=scalar)
+            s = deriv_scale(leaves[0] if tree else out, scalar=True, **step(of, wrt))
+            return jax.tree_util.tree_map(lambda v: seed(v, s), out), (out, s, aux)
 
         grads, (value, s, aux) = transform(seeded, argnums, has_aux=True, **options)(*args, **kwargs)
         inv = jnp.float32(1.0) / s
 
         def checked(tree, name):
+            if vector.is_pytree(value):  # each output leaf's Jacobian (a pytree of argnum's structure) by its value
+                return jax.tree_util.tree_map(lambda v, sub: jax.tree_util.tree_map(
+                    lambda d: finish(d, v, s, step(of, name), inv), sub), value, tree)
             return jax.tree_util.tree_map(lambda d: finish(d, value, s, step(of, name), inv), tree)
 
         if isinstance(argnums, tuple):  # one name per argnum

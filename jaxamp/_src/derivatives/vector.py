@@ -80,11 +80,18 @@ def _rebuilt(like: Any, entries: Sequence[Any]) -> Any:
 
 
 def _value(out: Any) -> Any:
-    """``fun``'s value if it is one float32 array of at most :data:`MAX_SIZE` entries, else
+    """``fun``'s value if it is one float32 array of at most :data:`MAX_SIZE` entries (a pytree
+    of them, :data:`MAX_SIZE` entries in all: its leaves raveled into one vector), else
     :class:`NotScalar` (JAX's route, which names what is wrong)."""
+    if is_pytree(out) and _small_leaves(out):
+        return jnp.concatenate([jnp.ravel(a) for a in jax.tree_util.tree_leaves(out)])
     if not (hasattr(out, "dtype") and jnp.result_type(out) == jnp.float32 and jnp.size(out) <= MAX_SIZE):
         raise NotScalar()
     return out
+
+
+def _shape(a: Any) -> Tuple[int, ...]:
+    return tuple(a.shape) if hasattr(a, "shape") else tuple(jnp.shape(a))
 
 
 def _shapes(tree: Any) -> Any:
@@ -103,8 +110,8 @@ def _block(get: Callable[[Tuple[int, ...]], jax.Array], shape: Tuple[int, ...]) 
 def _offsets(z: Any) -> Any:
     """``z``'s leaves as ``(offset of its first entry among z's entries, its shape)``."""
     leaves, tree = jax.tree_util.tree_flatten(z)
-    starts = np.cumsum([0] + [int(np.prod(jnp.shape(a), dtype=int)) for a in leaves])
-    return jax.tree_util.tree_unflatten(tree, [(int(a), tuple(jnp.shape(leaf))) for a, leaf in zip(starts, leaves)])
+    starts = np.cumsum([0] + [int(np.prod(_shape(a), dtype=int)) for a in leaves])
+    return jax.tree_util.tree_unflatten(tree, [(int(a), _shape(leaf)) for a, leaf in zip(starts, leaves)])
 
 
 def _is_offset(x: Any) -> bool:
@@ -131,6 +138,7 @@ class Route:
     def __init__(self, fun: Callable[..., Any], argnum: int):
         self.fun, self.argnum = fun, argnum
         self._flat: Dict[Tuple[Any, ...], Callable[..., Any]] = {}
+        self._out: Dict[Tuple[Any, ...], Any] = {}  # per layout: the value's pytree (shapes), None: one array
 
     def flat(self, nargs: int, like: Any) -> Callable[..., Any]:
         """``fun`` with ``z = args[argnum]`` given as scalars after the ``nargs`` arguments (a
@@ -142,8 +150,9 @@ class Route:
             fun, argnum = self.fun, self.argnum
 
             def flat(*b):
-                return _value(fun(*b) if not vector else fun(*substitute(b[:nargs], (argnum,),
-                                                                         [_rebuilt(like, b[nargs:])])))
+                out = fun(*b) if not vector else fun(*substitute(b[:nargs], (argnum,), [_rebuilt(like, b[nargs:])]))
+                self._out[key] = _shapes(out) if is_pytree(out) else None
+                return _value(out)
 
             self._flat[key] = flat
         return self._flat[key]
@@ -172,12 +181,31 @@ class Route:
         shape, values = chain_call.bind_entries(links, full, dirs)  # (raises NotScalar: JAX's route)
         return shape, dict(zip([(o, s) for o in np.ndindex(*shape) for s in steps], values))
 
+    def _tree(self, args: Tuple[Any, ...]) -> Any:
+        """The pytree of ``fun``'s value at ``args`` (shapes) when it is not one array, else None
+        (known once its chains are bound)."""
+        return self._out.get(_layout(len(args), args[self.argnum]))
+
     def jacobian(self, args: Tuple[Any, ...], of: Optional[str], wrt: Optional[str]) -> Any:
         """``jax.jacfwd(fun, argnum)(*args)`` (shape ``value.shape + z.shape``; a pytree ``z``:
-        its structure, each leaf of shape ``value.shape + leaf.shape``) by one chain per entry."""
+        its structure, each leaf of shape ``value.shape + leaf.shape``; a pytree value: its
+        structure, each leaf that layout) by one chain per entry."""
         z = args[self.argnum]
         d = len(_entries(z))
         shape, found = self._chains(args, [(k,) for k in range(d)], of, wrt)
+        tree = self._tree(args)
+        if tree is not None:  # JAX's layout: the value's structure, each leaf z's layout of its entries
+
+            def of_leaf(out):
+                n = len(out[1])
+                if is_pytree(z):
+                    return jax.tree_util.tree_map(lambda leaf: _block(
+                        lambda ix: found[((_entry(out, ix[:n]),), (_entry(leaf, ix[n:]),))], out[1] + leaf[1]),
+                        _offsets(z), is_leaf=_is_offset)
+                return _block(lambda ix: found[((_entry(out, ix[:n]),), (ix[n] if jnp.ndim(z) else 0,))],
+                              out[1] + tuple(jnp.shape(z)))
+
+            return jax.tree_util.tree_map(of_leaf, _offsets(tree), is_leaf=_is_offset)
         if is_pytree(z):  # JAX's layout: z's structure, each leaf of shape value.shape + leaf.shape
             n = len(shape)
             return jax.tree_util.tree_map(
@@ -192,13 +220,15 @@ class Route:
         (``z``'s structure): one step along that direction, which the plan takes as the sum of
         the entries' steps where those are computed anyway, else as one tangent."""
         shape, found = self._chains(args, [(None,)], of, None, tangent)
+        if self._tree(args) is not None:
+            raise NotScalar()
         return jnp.stack([found[(o, (None,))] for o in np.ndindex(*shape)]).reshape(shape)
 
     def second(self, args: Tuple[Any, ...], of: Optional[str], wrts: Tuple[Optional[str], Optional[str]]) -> Any:
         """The second derivative of ``fun``'s scalar value along ``args[argnum]``, one entry (a
         scalar or ``f32[1]``), one chain of two steps named ``wrts``."""
         shape, found = self._chains(args, [(0, 0)], of, wrts)
-        if shape:
+        if shape or self._tree(args) is not None:
             raise NotScalar()
         return found[((), (0, 0))]
 
@@ -209,6 +239,8 @@ class Route:
         d = len(_entries(z))
         upper = [(j, k) for j in range(d) for k in range(j, d)]
         shape, found = self._chains(args, upper, of, wrt)
+        if self._tree(args) is not None:
+            raise NotScalar()
 
         def matrix(o):
             if not is_pytree(z) and not jnp.ndim(z):

@@ -270,3 +270,23 @@ def test_directions_are_one_batch_and_the_first_layer_maps_the_seeds_once():
                        and sorted(e.outvars[0].aval.shape) == sorted((d, 16))])  # W times the seeds  # fmt: skip
     assert sizes[0] == sizes[1]
     assert all(len(f) == 1 for f in firsts)
+
+
+def test_checkpointed_network_is_propagated_collapsed_and_stays_checkpointed():
+    """``jax.checkpoint`` around the network: its body is propagated as the collapsed rules do
+    (the same equations as without it, inside the checkpoint: not a nested ``jax.jvp`` per
+    direction), the checkpoint kept for the weight gradient, the values and gradients the same."""
+    d = 3
+    params, x = init(d), points(d, n=8)
+    lap = lambda f: jax.vmap(laplacian(f, 1), (None, 0))  # noqa: E731
+    plain = jax.make_jaxpr(lap(mlp))(params, x).jaxpr
+    ckpt = jax.make_jaxpr(lap(jax.checkpoint(mlp)))(params, x).jaxpr
+    remats = [e for e in ckpt.eqns if e.primitive.name == "remat2"]
+    assert remats and _eqns(ckpt) <= _eqns(plain) + len(remats)
+    loss = lambda f: lambda p: jnp.mean(lap(f)(p, x) ** 2)  # noqa: E731
+    grad = jax.make_jaxpr(jax.grad(loss(jax.checkpoint(mlp))))(params).jaxpr
+    assert any(e.primitive.name == "remat2" for e in grad.eqns)
+    with jax.default_matmul_precision("highest"):
+        pairs = [(jax.jit(lap(f))(params, x), jax.jit(jax.grad(loss(f)))(params)) for f in (mlp, jax.checkpoint(mlp))]
+    for u, v in zip(jax.tree_util.tree_leaves(pairs[0]), jax.tree_util.tree_leaves(pairs[1])):
+        np.testing.assert_allclose(u, v, rtol=1e-6, atol=1e-6 * float(jnp.max(jnp.abs(u))))

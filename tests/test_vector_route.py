@@ -277,3 +277,37 @@ def test_a_jacobian_of_a_pytree_value_has_jaxs_layout_on_either_route():
     for name in ("jacrev", "jacfwd"):
         a, b = getattr(jaxamp, name)(long, 1)(2.0, z), getattr(jax, name)(long, 1)(2.0, z)
         jax.tree_util.tree_map(lambda x, y: np.testing.assert_allclose(x, y, rtol=2e-6, atol=2e-6), a, b)
+
+
+def test_the_trace_of_a_raveled_dict_jacobian_of_a_gradient_plans_its_diagonal_only():
+    """``trace(ravel(jacrev(ravel(grad(u, dict)), dict)))`` over ``{"t": t, "x": x}``, ``x`` of
+    one entry (a derivative of derivatives: each entry a chain one step longer): blocks one entry
+    thick, joined by the user's concatenates, still read as the entries, so the plan holds the 2
+    diagonal second orders (and their first), not the mixed ones."""
+    import jax
+
+    from jaxamp._src.core.interpreter import trace
+    from jaxamp._src.derivatives.chain_call import chain_p
+    from jaxamp._src.derivatives.prune import pruned
+
+    W = jax.random.normal(jax.random.PRNGKey(0), (2, 8)) / 2.0
+    P = (W, jax.random.normal(jax.random.PRNGKey(1), (8,)) / 3.0)
+    u0 = lambda p, d: jnp.tanh(jnp.concatenate([d["t"][None], d["x"]]) @ p[0]) @ p[1]  # noqa: E731
+    d = {"t": jnp.float32(0.3), "x": jnp.array([0.1], jnp.float32)}
+
+    def ravel(g, lead=()):
+        return jnp.concatenate([jnp.reshape(g[k], lead + (jnp.size(d[k]),)) for k in ("t", "x")], axis=-1)
+
+    def residual(f, grad):
+        def one(p, t):
+            return jnp.trace(ravel(f(lambda p, z: ravel(grad(u0, 1)(p, z)), 1)(p, {**d, "t": t}), (2,)))
+        return one
+
+    T = jnp.linspace(0.0, 1.0, 8)
+    loss = lambda p, T: jnp.mean(jax.vmap(residual(jaxamp.jacrev, jaxamp.grad), (None, 0))(p, T) ** 2)  # noqa: E731
+    closed = pruned(trace(loss, (P, T), {})[0])
+    links = [[link.argnums for link in e.params["links"]] for e in closed.jaxpr.eqns if e.primitive is chain_p]
+    assert len(links) == 1 and sorted(links[0]) == [(2,), (2, 2), (3,), (3, 3)], links
+    value, _ = jaxamp.scaled(loss)(jaxamp.init(loss, jaxamp.AmpConfig(), from_profile=False)(P, T), P, T)
+    want = jnp.mean(jax.vmap(residual(jax.jacrev, jax.grad), (None, 0))(P, T) ** 2)
+    np.testing.assert_allclose(value, want, rtol=1e-5)

@@ -10,14 +10,15 @@ table names these functions.
 
 from __future__ import annotations
 
-from typing import Dict, Mapping, Sequence
+from typing import Callable, Dict, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jcore
+from jax.extend.core import primitives as jp
 
-__all__ = ["full_flags", "call", "scan", "while_loop", "cond", "remat", "shard_map"]
+__all__ = ["full_flags", "call", "scan", "while_loop", "cond", "remat", "checkpointed", "remat_body", "shard_map"]
 
 
 def full_flags(flags: Mapping[str, jax.Array], keys: Sequence[str]) -> Dict[str, jax.Array]:
@@ -94,9 +95,19 @@ def cond(eqn, invals, ctx, bodies):
 
 def remat(eqn, invals, ctx, bodies):
     # jax.checkpoint keeps its rematerialization: the rewritten body is checkpointed again
+    return checkpointed(eqn, _flagged(eqn.params["jaxpr"], (), bodies[0], ctx))(*invals)
+
+
+def checkpointed(eqn, fn: Callable) -> Callable:
+    """``fn`` under ``jax.checkpoint`` as ``eqn`` (a ``jax.checkpoint`` equation) applies it: its
+    policy and ``prevent_cse``. A body rewritten or propagated keeps its rematerialisation."""
     p = eqn.params
-    fn = _flagged(p["jaxpr"], (), bodies[0], ctx)
-    return jax.checkpoint(fn, prevent_cse=p["prevent_cse"], policy=p["policy"])(*invals)
+    return jax.checkpoint(fn, prevent_cse=p["prevent_cse"], policy=p["policy"])
+
+
+def remat_body(eqn) -> Optional[jcore.ClosedJaxpr]:
+    """The body of a ``jax.checkpoint`` equation, else None."""
+    return jcore.ClosedJaxpr(eqn.params["jaxpr"], ()) if eqn.primitive is jp.remat_p else None
 
 
 def shard_map(eqn, invals, ctx, bodies):

@@ -166,8 +166,9 @@ class _Reader:
         for (v, x), hit in zip(operands, found):
             if hit is not None and hit[0] == axis:
                 parts += hit[1]
-            elif jnp.shape(x)[axis] == 1:
-                parts.append((None, lax.squeeze(x, (axis,))))
+            elif jnp.shape(x)[axis] == 1:  # a stack along another axis stays one (its entries read through)
+                thin = tuple(d for i, d in enumerate(jnp.shape(x)) if i != axis)
+                parts.append((hit is not None and self.relabeled(v, x, thin)) or (None, lax.squeeze(x, (axis,))))
             else:
                 parts = []
                 break
@@ -217,6 +218,11 @@ class _Reader:
             return [out]
         if eqn.primitive is jp.reshape_p and ins[0] in self.stacks and p.get("dimensions") is None:
             hit = self.split(ins[0], vals[0], p["new_sizes"]) or self.relabeled(ins[0], vals[0], p["new_sizes"])
+            if hit is not None:
+                self.stacks[eqn.outvars[0]] = self.stacks[hit[0]]
+                return [hit[1]]
+        if eqn.primitive is jp.squeeze_p and ins[0] in self.stacks:
+            hit = self.relabeled(ins[0], vals[0], eqn.outvars[0].aval.shape)
             if hit is not None:
                 self.stacks[eqn.outvars[0]] = self.stacks[hit[0]]
                 return [hit[1]]

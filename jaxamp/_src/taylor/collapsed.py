@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 from jax.extend.core import primitives as jp
 
-from jaxamp._src.core import interpreter
+from jaxamp._src.core import control, interpreter
 from jaxamp._src.core.marks import rescale
 from jaxamp._src.taylor import rules
 from jaxamp._src.taylor.faa_di_bruno import SCALE_AFTER_MIN_BITS, Ratio
@@ -124,10 +124,32 @@ def _quadratic(eqn, f1: Callable, p1: Tuple[Any, ...], firsts: List[jax.Array], 
     return q
 
 
+def _rematerialised(eqn: jcore.JaxprEqn, body: jcore.ClosedJaxpr, args: Sequence[CJet], ratio: Optional[Ratio]
+                    ) -> List[CJet]:
+    """A ``jax.checkpoint`` body propagated whole (its coefficients the collapsed ones, not a
+    nested ``jax.jvp`` per direction), under ``jax.checkpoint`` again with the equation's policy:
+    the weight gradient taken through the coefficients recomputes them as the user asked."""
+    given = [(v.first is not None, v.second is not None) for v in args]
+    made: List[Tuple[bool, bool]] = []  # the outputs' layout, known once the body is traced
+
+    def fn(*flat):
+        it = iter(flat)
+        ins = [CJet(next(it), next(it) if f else None, next(it) if s else None) for f, s in given]
+        outs = _run(body, ins, ratio)
+        made[:] = [(o.first is not None, o.second is not None) for o in outs]
+        return [a for o in outs for a in o if a is not None]
+
+    it = iter(control.checkpointed(eqn, fn)(*[a for v in args for a in v if a is not None]))
+    return [CJet(next(it), next(it) if f else None, next(it) if s else None) for f, s in made]
+
+
 def _run(closed: jcore.ClosedJaxpr, args: Sequence[CJet], ratio: Optional[Ratio]) -> List[CJet]:
     def step(eqn: jcore.JaxprEqn, invals: List[CJet]) -> List[CJet]:
         if all(v.first is None and v.second is None for v in invals):  # constant in x
             return [CJet(o) for o in interpreter.bind(eqn, [v.value for v in invals])]
+        remat = control.remat_body(eqn)
+        if remat is not None:
+            return _rematerialised(eqn, remat, invals, ratio)
         body = rules.body(eqn)
         body = interpreter.custom_body(eqn) if body is None else body
         return _rule(eqn, invals, ratio) if body is None else _run(body, invals, ratio)

@@ -47,3 +47,17 @@ def test_in_one_kernel_gives_every_leaf_back_bit_for_bit():
 def test_in_one_kernel_is_differentiable():
     f = lambda x: sum(jnp.sum(v) for v in in_one_kernel({"a": x, "b": 2 * x, "c": jnp.stack([x])}).values())
     assert float(jax.grad(f)(jnp.float32(1.5))) == 4.0
+
+
+def test_decision_is_any_of_each_row_from_one_vector():
+    from jaxamp._src.training.step import decision
+
+    t, f = jnp.bool_(True), jnp.bool_(False)
+    for rows, want in [([[f, f, t], [f]], (True, False)), ([[f, f], [t, f]], (False, True)),
+                       ([[f], [f], [f, t]], (False, False, True))]:
+        got = jax.jit(decision)(rows)
+        assert tuple(map(bool, got)) == want
+    text = jax.jit(lambda r: decision(r)[0]).lower([[t, f], [f]]).as_text()
+    assert text.count("stablehlo.reduce") == 1  # one reduction, its result a vector
+    with pytest.raises(ValueError, match="at least 2"):
+        decision([[t]])

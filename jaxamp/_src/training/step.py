@@ -16,19 +16,19 @@ from __future__ import annotations
 
 import enum
 import functools
-from typing import Any, Dict, Mapping, NamedTuple, Optional, Tuple, TypeVar, Union
+from typing import Any, Dict, Mapping, NamedTuple, Optional, Sequence, Tuple, TypeVar, Union
 
 import jax
 import jax.numpy as jnp
 import jmp
 
-from jaxamp._src.core.marks import NONFINITE_VALUES, any_set
+from jaxamp._src.core.marks import NONFINITE_VALUES
 from jaxamp._src.scaling.scaler import DynamicScaler, Scalers, ScaleState
 from jaxamp._src.scaling.state import AmpState, find
 from jaxamp._src.training.flags import finite_both, flag_set
 
 __all__ = ["Flags", "SkipReason", "StepFlags", "found_inf_of", "StepCheck", "check_step", "update_scalers",
-           "AmpOptState", "after_step", "Decision", "decide", "in_one_kernel", "find_opt_state", "with_opt_state",
+           "AmpOptState", "after_step", "Decision", "decide", "decision", "in_one_kernel", "find_opt_state", "with_opt_state",
            "replace_amp", "locate"]
 
 T = TypeVar("T")
@@ -184,11 +184,32 @@ def check_step(scalers: Mapping[str, Any], found_inf: Flags, grads: Any, *, axis
     unscaled = jnp.where(finite, applied, int(SkipReason.NONFINITE_GRADS))
     reason = jnp.where(values, int(SkipReason.NONFINITE_VALUES),
                        jnp.where(overflow, int(SkipReason.DERIVATIVE_OVERFLOW), unscaled))
-    # the decision every select of the step reads: one reduction, not the chain of selects above
-    apply = ~any_set([values, overflow, ~finite, ~new_finite])
-    return StepCheck(apply=apply, skip_reason=reason.astype(jnp.int32), found_inf=flags,
+    skip, updates = decision([[values, overflow, ~finite, ~new_finite], [reason == int(SkipReason.NONFINITE_UPDATES)]])
+    return StepCheck(apply=~skip, skip_reason=reason.astype(jnp.int32), found_inf=flags,
                      nonfinite_values=values, derivative_overflow=overflow, grads_finite=finite,
-                     nonfinite_updates=reason == int(SkipReason.NONFINITE_UPDATES))
+                     nonfinite_updates=updates)
+
+
+def decision(rows: Sequence[Sequence[jax.Array]]) -> Tuple[jax.Array, ...]:
+    """``any`` of each row of bools, as one reduction with a vector result (one ``bool[]`` per row,
+    slices of it).
+
+    The step's decision is read by every select of the step, fused into the kernels computing the
+    optimizer's new values. XLA merges sibling kernels of one shape into one only over a shared
+    operand that is an array, never over a scalar one: with the decision a ``bool[2]`` (at least two
+    rows), the new values of every leaf of one shape are one kernel (H100 program, 4x512/6000: 9
+    kernels for the Adam updates of 10 leaves become 3; docs/gpu.md). A reduction over stacked
+    scalars, not a chain of ORs: XLA would fuse such a chain into each consumer, the vector gone.
+    """
+    if len(rows) < 2:
+        raise ValueError(f"decision: {len(rows)} row(s); at least 2 keep the result a vector (see the docstring).")
+    width = max(len(r) for r in rows)
+    false = jnp.bool_(False)
+    table = jnp.stack([jnp.stack([jnp.asarray(b, bool).reshape(()) for b in r] + [false] * (width - len(r)))
+                       for r in rows])
+    # the conversion keeps XLA from rewriting the reduction of stacked scalars into ORs (as any_set)
+    out = jnp.any(table.astype(jnp.uint8) != 0, axis=1)
+    return tuple(out[i] for i in range(len(rows)))
 
 
 # 4. The scaler updates.

@@ -104,18 +104,14 @@ def test_nested_scalar_grad_chains_at_the_engines_flops():
 
 # #56's named forms measured through a scaled fp16 step (``measure(prog, "fp16")``: jaxamp.scaled
 # under AmpConfig(), the network autocast, the entry point's program passes; the engine's plan under
-# the same config). Not yet at the engine's FLOPs on every program of the form: laplacian(laplacian)
-# on two coordinates (0.26-1.07x: the collapsed Taylor of a collapsed Taylor, chosen whatever d).
-# Off an entry point (a plain call) each call is its own plan: the unread entries of a top-level
-# trace are computed and two calls at one point share no pass.
-NOT_YET = ("biharmonic_laplacian",)
-NAMED = ("scalar_chain", "jacfwd_jacrev", "biharmonic_hessian", "vector_field", "grad_t_hessian_xy") + NOT_YET
+# the same config). Off an entry point (a plain call) each call is its own plan: the unread entries
+# of a top-level trace are computed and two calls at one point share no pass.
+NAMED = ("scalar_chain", "jacfwd_jacrev", "biharmonic_hessian", "vector_field", "grad_t_hessian_xy",
+         "biharmonic_laplacian")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("template", [pytest.param(t, marks=pytest.mark.xfail(strict=False, reason="#56: not "
-                                                                               "yet at the engine's FLOPs"))
-                                      if t in NOT_YET else t for t in NAMED])
+@pytest.mark.parametrize("template", NAMED)
 def test_named_form_at_the_engines_flops(template):
     """Each of #56's named forms (a program of that template, a fresh seed) in a scaled fp16 step:
     XLA FLOPs <= 1.05x the engine's plan of the same derivative set, values JAX's own (through

@@ -311,3 +311,33 @@ def test_the_trace_of_a_raveled_dict_jacobian_of_a_gradient_plans_its_diagonal_o
     value, _ = jaxamp.scaled(loss)(jaxamp.init(loss, jaxamp.AmpConfig(), from_profile=False)(P, T), P, T)
     want = jnp.mean(jax.vmap(residual(jax.jacrev, jax.grad), (None, 0))(P, T) ** 2)
     np.testing.assert_allclose(value, want, rtol=1e-5)
+
+
+def test_a_jvp_closing_over_a_vector_a_derivative_steps_along_is_planned_with_it():
+    """``trace(hessian_x(jvp(lambda t: u(p, t, x), t)))`` (the jvp's function closes over ``x``,
+    a small vector the Hessian takes entry by entry) beside ``u_tt``: the inner chain is bound
+    with ``x``'s entries among its point's arguments, so each step along an entry is that chain
+    one step longer, planned with the point's other requests, and the entries a step does not
+    move carry no tangent (the trace reads no mixed entry): the step's FLOPs are those of the same
+    derivatives written as ``grad`` nests, the values JAX's."""
+    k = jax.random.split(jax.random.PRNGKey(2), 3)
+    p = {"w1": jax.random.normal(k[0], (32, 3)), "w2": jax.random.normal(k[1], (32,))}
+    ts, xs = jax.random.normal(k[2], (64, 3))[:, 0], jax.random.normal(k[2], (64, 3))[:, 1:]
+    u = lambda p, t, x: _u(p, jnp.concatenate([t[None], x]))  # noqa: E731
+
+    def closing(lib):
+        inner = lambda p, t, x: lib.jvp(lambda s: u(p, s, x), (t,), (jnp.float32(1.0),))[1]  # noqa: E731
+        return lambda p, t, x: jnp.trace(lib.hessian(inner, 2)(p, t, x)) + lib.grad(lib.grad(u, 1), 1)(p, t, x)
+
+    def nested(p, t, x):
+        return jnp.trace(jaxamp.hessian(jaxamp.grad(u, 1), 2)(p, t, x)) + jaxamp.grad(jaxamp.grad(u, 1), 1)(p, t, x)
+
+    def flops(residual):
+        loss = lambda p, ts, xs: jnp.mean(jax.vmap(residual, (None, 0, 0))(p, ts, xs) ** 2)  # noqa: E731
+        state = jaxamp.init(loss, jaxamp.AmpConfig(), from_profile=False)(p, ts, xs)
+        step = jax.jit(lambda p, ts, xs: jaxamp.value_and_grad(loss)(state, p, ts, xs))
+        return step.lower(p, ts, xs).compile().cost_analysis()["flops"]
+
+    assert flops(closing(jaxamp)) <= 1.01 * flops(nested)
+    np.testing.assert_allclose(jax.jit(jax.vmap(closing(jaxamp), (None, 0, 0)))(p, ts, xs),
+                               jax.vmap(closing(jax), (None, 0, 0))(p, ts, xs), rtol=2e-5, atol=2e-5)

@@ -259,9 +259,11 @@ def _along(closed: jcore.ClosedJaxpr, links: Sequence[chain.Chain], flat: Sequen
     and checked as a ``jaxamp.grad`` step is (a direction step: its tangent along ``dirs``)."""
 
     closed = pruned(closed)  # inner chains at the body's own scalars, where a stack of them was read
+    stacks = _stacks_of_arguments(closed.jaxpr)
 
     def body(*a):
-        return eval_jaxpr(closed.jaxpr, closed.consts, a, bind)[0]
+        entries = {v: [a[closed.jaxpr.invars.index(e)] for e in es] for v, es in stacks.items()}
+        return eval_jaxpr(closed.jaxpr, closed.consts, a, functools.partial(_entries_as_arguments, entries))[0]
 
     def derivatives(*a):
         point, d = a[:len(flat)], a[len(flat):]
@@ -275,6 +277,51 @@ def _along(closed: jcore.ClosedJaxpr, links: Sequence[chain.Chain], flat: Sequen
 
     stepped = _merged(pruned(jax.make_jaxpr(derivatives)(*flat, *dirs)))
     return eval_jaxpr(stepped.jaxpr, stepped.consts, [*flat, *dirs], bind)
+
+
+def _stacks_of_arguments(jaxpr: jcore.Jaxpr) -> Dict[Any, List[Any]]:
+    """``{vector: its entries}`` for the vectors ``jaxpr`` stacks from its own float32 scalar
+    arguments (a small vector argument given entry by entry, rebuilt for the function)."""
+    scalars = {v for v in jaxpr.invars if v.aval.shape == () and v.aval.dtype == jnp.float32}
+    return {e.outvars[0]: list(e.invars) for e in jaxpr.eqns if e.primitive is jax.lax.stack_p
+            and e.params["axis"] == 0 and all(not isinstance(v, jcore.Literal) and v in scalars for v in e.invars)}
+
+
+def _entries_as_arguments(stacks: Dict[Any, List[Any]], eqn, vals) -> List[Any]:
+    """``eqn`` bound; a chain equation closing over a vector of ``stacks`` (``{vector: the values
+    of its entries}``: ``jvp(lambda t: u(p, t, x), ...)`` inside a derivative along ``x``) bound
+    with that vector's entries among its point's arguments instead: a step along an entry is then
+    a chain one step longer, planned with the point's other requests, not the derivative of the
+    inner plan (and an entry not stepped along has no tangent, not a zero one)."""
+    p = eqn.params
+    if eqn.primitive is not chain_p or p["levels"]:
+        return bind(eqn, vals)
+    held = [k for k, v in enumerate(eqn.invars[:p["n_consts"]]) if v in stacks]
+    if not held:
+        return bind(eqn, vals)
+    consts, args, dirs = _parts(p, vals)
+    keep = [k for k in range(len(consts)) if k not in held]
+    sizes = [len(stacks[eqn.invars[k]]) for k in held]
+    entries = [e for k in held for e in stacks[eqn.invars[k]]]
+    body = p["body"]
+
+    def body_fn(kept, point, flat):
+        full, at = [None] * len(consts), 0
+        for k, c in zip(keep, kept):
+            full[k] = c
+        for k, m in zip(held, sizes):
+            full[k], at = jnp.stack(flat[at:at + m]), at + m
+        return eval_jaxpr(body, full, point, bind)
+
+    kept = [consts[k] for k in keep]
+    closed = jax.make_jaxpr(lambda *a: body_fn(a[:len(kept)], a[len(kept):len(kept) + len(args)],
+                                               a[len(kept) + len(args):]))(*kept, *args, *entries)
+    n = len(closed.consts) + len(kept)
+    jaxpr = closed.jaxpr
+    new_body = jaxpr.replace(constvars=[*jaxpr.constvars, *jaxpr.invars[:len(kept)]],
+                             invars=jaxpr.invars[len(kept):],
+                             debug_info=jaxpr.debug_info._replace(arg_names=None))
+    return chain_p.bind(*closed.consts, *kept, *args, *entries, *dirs, **{**p, "body": new_body, "n_consts": n})
 
 
 def _step(g, i: Any, marks: Dict[str, Any], dirs: Sequence[Any] = ()):

@@ -98,3 +98,18 @@ def test_hessian_of_a_trace_of_a_hessian_reads_only_the_diagonal_inside():
         assert steps[0] == steps[1], steps  # the inner Hessian's entry: diagonal
     want = jnp.trace(jax.hessian(lambda p, z: jnp.trace(jax.hessian(_net, 1)(p, z)), 1)(NET, Z))
     np.testing.assert_allclose(f(Z), want, rtol=1e-4)
+
+
+def test_a_direction_of_one_output_is_the_sum_of_steps_another_output_takes():
+    """Two bases at one point (two outputs of one network): a pass along an argument is a pass
+    of every output, so ``u0``'s step along a direction whose entries' steps ``u2`` takes anyway
+    is their sum (no tangent of its own), and with two of them missing it is one tangent."""
+    f0, f1 = (lambda t, x, y: t), (lambda t, x, y: x)
+    along = chain.Along((1, 2), (0, 1))
+    link = lambda f, *steps: chain.Chain(f, steps, (None,) * len(steps), None)  # noqa: E731
+    steps = [link(f0, 0, 1), link(f0, 0, 2)]  # canonical: arguments first, in order
+    planned, sums = chain._requests(steps + [link(f1, 0, along)], [0, 0, 1])
+    assert [c.argnums for _, c in planned] == [(0, 1), (0, 2), (0, 1), (0, 2)]
+    assert [b for b, _ in planned] == [0, 0, 1, 1] and sums[2] == [((0,), 2), ((1,), 3)]
+    planned, sums = chain._requests([link(f0, 0), link(f1, 0, along)], [0, 1])
+    assert [c.argnums for _, c in planned] == [(0,), (0, along)] and sums[1] == [((), 1)]

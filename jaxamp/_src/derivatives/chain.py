@@ -163,8 +163,9 @@ def _requests(chains: Sequence[Chain], base_of: Sequence[int]):
     """The chains a plan computes for ``chains`` and, per chain, ``[(coefficient operands, index
     into them)]`` summing to it. A chain with direction steps is the sum of its steps along the
     arguments (:func:`_expanded`) when at most one of those is not computed anyway (each is a
-    pass); else its direction is one more input of the plan (one tangent along it)."""
-    present = {(base_of[i], c.out, c.argnums[:k]) for i, c in enumerate(chains)
+    pass along its steps, of every output of every base: one function of the point); else its
+    direction is one more input of the plan (one tangent along it)."""
+    present = {c.argnums[:k] for c in chains
                if not any(isinstance(a, Along) for a in c.argnums) for k in range(len(c.argnums) + 1)}
     planned: List[Tuple[int, Chain]] = []
     sums: List[List[Tuple[Tuple[int, ...], int]]] = []
@@ -178,7 +179,7 @@ def _requests(chains: Sequence[Chain], base_of: Sequence[int]):
 
     for b, c in zip(base_of, chains):
         parts = _expanded(c)
-        if len(parts) > 1 and sum((b, e.out, e.argnums) not in present for _, e in parts) > 1:
+        if len(parts) > 1 and sum(e.argnums not in present for _, e in parts) > 1:
             parts = [((), c)]  # one pass along the direction
         sums.append([(coef, index(b, e)) for coef, e in parts])
     return planned, sums

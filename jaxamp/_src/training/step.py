@@ -28,8 +28,8 @@ from jaxamp._src.scaling.state import AmpState, find
 from jaxamp._src.training.flags import finite_both, flag_set
 
 __all__ = ["Flags", "SkipReason", "StepFlags", "found_inf_of", "StepCheck", "check_step", "update_scalers",
-           "AmpOptState", "after_step", "Decision", "decide", "decision", "in_one_kernel", "find_opt_state", "with_opt_state",
-           "replace_amp", "locate"]
+           "AmpOptState", "after_step", "Decision", "decide", "decision", "in_one_kernel", "find_opt_state",
+           "with_opt_state", "replace_amp", "locate"]
 
 T = TypeVar("T")
 Flags = Mapping[str, jax.Array]

@@ -290,3 +290,23 @@ def test_checkpointed_network_is_propagated_collapsed_and_stays_checkpointed():
         pairs = [(jax.jit(lap(f))(params, x), jax.jit(jax.grad(loss(f)))(params)) for f in (mlp, jax.checkpoint(mlp))]
     for u, v in zip(jax.tree_util.tree_leaves(pairs[0]), jax.tree_util.tree_leaves(pairs[1])):
         np.testing.assert_allclose(u, v, rtol=1e-6, atol=1e-6 * float(jnp.max(jnp.abs(u))))
+
+
+def test_a_laplacian_of_a_function_taking_derivatives_is_chains_with_the_collapsed_keys():
+    """``laplacian(u_t, x)`` with ``u_t`` a ``jaxamp.grad``: each entry's second derivative is
+    the chain ``u_t`` two steps longer (planned with the point's other requests), the value the
+    trace of JAX's Hessian, the scaler keys the collapsed Laplacian's (per term: ``u__t`` for the
+    first step, ``u__t__lap`` for the second), whether ``x`` has one entry or several."""
+    d = 3
+    params, x = init(d), points(d, n=8)
+    u = lambda p, t, x: mlp(p, x * (1.0 + t))  # noqa: E731
+    ts = jnp.linspace(0.1, 0.4, 8)
+    u_t = jaxamp.grad(u, 1, of="u", wrt="t")
+    lap = jax.vmap(laplacian(u_t, 2), (None, 0, 0))
+    assert "jaxamp_chain" in str(jax.make_jaxpr(lap)(params, ts, x))
+    want = jax.vmap(trace_hessian(jax.grad(u, 1), 2), (None, 0, 0))(params, ts, x)
+    np.testing.assert_allclose(jax.jit(lap)(params, ts, x), want, rtol=2e-5, atol=2e-5 * float(jnp.max(jnp.abs(want))))
+    term = jaxamp.AmpConfig(mode="per_term_scaler")
+    for f, args in ((laplacian(u_t, 2), (params, ts[0], x[0])), (laplacian(u_t, 1), (params, ts[0], x[0]))):
+        assert scaler_keys(f, term)(*args) == ("u", "u__t", "u__t__lap")
+        assert scaler_keys(f)(*args) == ("1", "2", "3")

@@ -149,7 +149,7 @@ def _bind(links: Sequence[chain.Chain], args: Tuple[Any, ...], per_entry: bool, 
         return shape, _along(closed, flat_links, flat, dirs)
     base = analyze(closed.jaxpr, [NO_DERIVATIVE] * len(flat)).outs[0]
     params = dict(links=flat_links, body=closed.jaxpr, n_consts=len(closed.consts), n_dirs=len(dirs),
-                  base_order=base.order, base_term=single_name(base), levels=(), shape=(), engine=engine)
+                  base_order=base.order, base_term=single_name(base), levels=(), shape=(), engine=engine, names=())
     return shape, chain_p.bind(*closed.consts, *flat, *dirs, **params)
 
 
@@ -261,15 +261,15 @@ def _along(closed: jcore.ClosedJaxpr, links: Sequence[chain.Chain], flat: Sequen
     closed = pruned(closed)  # inner chains at the body's own scalars, where a stack of them was read
     stacks = _stacks_of_arguments(closed.jaxpr)
 
-    def body(*a):
+    def body(names, *a):
         entries = {v: [a[closed.jaxpr.invars.index(e)] for e in es] for v, es in stacks.items()}
-        return eval_jaxpr(closed.jaxpr, closed.consts, a, functools.partial(_entries_as_arguments, entries))[0]
+        return eval_jaxpr(closed.jaxpr, closed.consts, a, functools.partial(_inner_chain, entries, names))[0]
 
     def derivatives(*a):
         point, d = a[:len(flat)], a[len(flat):]
         outs = []
-        for link in links:
-            g = functools.partial(lambda out, *b: body(*b)[out], link.out)
+        for link in links:  # the chains inside name the steps they take on as the link does
+            g = functools.partial(lambda out, names, *b: body(names, *b)[out], link.out, link.wrts)
             for k, (i, wrt) in enumerate(zip(link.argnums, link.wrts)):
                 g = _step(g, i, dict(order=1, term=link.of if k == 0 else None, wrt=wrt), d)
             outs.append(g(*point))
@@ -287,18 +287,20 @@ def _stacks_of_arguments(jaxpr: jcore.Jaxpr) -> Dict[Any, List[Any]]:
             and e.params["axis"] == 0 and all(not isinstance(v, jcore.Literal) and v in scalars for v in e.invars)}
 
 
-def _entries_as_arguments(stacks: Dict[Any, List[Any]], eqn, vals) -> List[Any]:
-    """``eqn`` bound; a chain equation closing over a vector of ``stacks`` (``{vector: the values
-    of its entries}``: ``jvp(lambda t: u(p, t, x), ...)`` inside a derivative along ``x``) bound
-    with that vector's entries among its point's arguments instead: a step along an entry is then
-    a chain one step longer, planned with the point's other requests, not the derivative of the
-    inner plan (and an entry not stepped along has no tangent, not a zero one)."""
+def _inner_chain(stacks: Dict[Any, List[Any]], names: Tuple[Optional[str], ...], eqn, vals) -> List[Any]:
+    """``eqn`` bound; a chain equation with ``names`` for the steps the derivatives around it add
+    (:func:`_jvp`), and, closing over a vector of ``stacks`` (``{vector: the values of its
+    entries}``: ``jvp(lambda t: u(p, t, x), ...)`` inside a derivative along ``x``), with that
+    vector's entries among its point's arguments instead: a step along an entry is then a chain
+    one step longer, planned with the point's other requests, not the derivative of the inner
+    plan (and an entry not stepped along has no tangent, not a zero one)."""
     p = eqn.params
-    if eqn.primitive is not chain_p or p["levels"]:
+    if eqn.primitive is not chain_p:
         return bind(eqn, vals)
-    held = [k for k, v in enumerate(eqn.invars[:p["n_consts"]]) if v in stacks]
+    p = {**p, "names": tuple(names)}
+    held = [k for k, v in enumerate(eqn.invars[:p["n_consts"]]) if v in stacks] if not p["levels"] else []
     if not held:
-        return bind(eqn, vals)
+        return chain_p.bind(*vals, **p)
     consts, args, dirs = _parts(p, vals)
     keep = [k for k in range(len(consts)) if k not in held]
     sizes = [len(stacks[eqn.invars[k]]) for k in held]
@@ -355,14 +357,16 @@ def _jvp(primals, tangents, **params):
     """The tangents of chains: along their point's scalars, the chains one step longer (requests
     on the program, one equation, planned with the others at the point, whatever transformation
     asked); along anything else (the parameters), the derivative of the chains' plan."""
-    links, n = params["links"], params["n_consts"]
+    links, n, names = params["links"], params["n_consts"], params.get("names", ())
     live = [i for i, t in enumerate(tangents) if type(t) is not ad.Zero]
+    params = {**params, "names": names[1:]}  # the next name is this step's
     outs = chain_p.bind(*primals, **params)
     steps = [i for i in live if _steppable(params, i, primals)]
     rest = [i for i in live if i not in steps]
     parts: List[List[Any]] = [[] for _ in links]
     if steps:
-        longer = tuple(chain.Chain(link.base, link.argnums + (i - n,), link.wrts + (None,), link.of, link.out)
+        wrt = names[0] if names else None
+        longer = tuple(chain.Chain(link.base, link.argnums + (i - n,), link.wrts + (wrt,), link.of, link.out)
                        for link in links for i in steps)
         values = chain_p.bind(*primals, **{**params, "links": longer})
         for j in range(len(links)):
@@ -721,7 +725,8 @@ def _merged(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
     (a later transformation extends them)."""
     jaxpr = closed.jaxpr
     scheduled = _groups(jaxpr, one_base=True)
-    if all(len(g) == 1 for gs in scheduled.values() for g in gs):
+    if all(len(g) == 1 for gs in scheduled.values() for g in gs) and not any(
+            e.params.get("names") for e in jaxpr.eqns if e.primitive is chain_p):
         return closed
 
     def run(*args):
@@ -735,7 +740,8 @@ def _merged(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
                 members = [jaxpr.eqns[j] for j in group]
                 links = [link for e in members for link in e.params["links"]]
                 unique = tuple(dict.fromkeys(links))  # (equal: the same base and steps)
-                values = chain_p.bind(*[read(v) for v in members[0].invars], **{**members[0].params, "links": unique})
+                values = chain_p.bind(*[read(v) for v in members[0].invars],
+                                      **{**members[0].params, "links": unique, "names": ()})
                 for j, outs in _split(group, jaxpr.eqns, [values[unique.index(link)] for link in links]).items():
                     _write(env, jaxpr.eqns[j].outvars, outs)
 

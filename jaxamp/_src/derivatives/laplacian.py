@@ -132,9 +132,10 @@ def laplacian(fun: Callable[..., Any], argnums: int = 0, *, of: Optional[str] = 
             raise ValueError(f"{CALLER}: `argnums`={argnums} must index one of the {len(args)} positional "
                              f"arguments of `fun` (0..{len(args) - 1}).")
         pos = argnums % len(args)
-        if method == "collapsed" and vector.eligible(argnums, args, kwargs) and jnp.size(args[pos]) == 1:
+        chains = method == "collapsed" and vector.eligible(argnums, args, kwargs)
+        if chains and jnp.size(args[pos]) == 1:
             try:  # one entry: the second derivative, a chain planned with the point's other requests
-                return route.second(args, of, (LAP, None))  # its keys: of (order 1), of__lap (order 2)
+                return route.diagonal(args, of, (LAP, None), (0,))  # its keys: of (order 1), of__lap (order 2)
             except vector.NotScalar:
                 pass
         x = args[pos]
@@ -155,7 +156,13 @@ def laplacian(fun: Callable[..., Any], argnums: int = 0, *, of: Optional[str] = 
             return fun(*interpreter.substitute(args, (pos,), (jnp.reshape(fresh(zv), x.shape),)), **kwargs)
 
         xv = jnp.reshape(x, (d,))
-        closed = chain_call.expand(jax.make_jaxpr(flat)(xv))  # nests of jaxamp.grad in fun computed
+        closed = jax.make_jaxpr(flat)(xv)
+        if chains and d <= chain_call.MAX_SIZE and chain_call.has_chains(closed.jaxpr):
+            try:  # fun takes derivatives itself: each entry's second derivative a chain one step longer
+                return route.diagonal(args, of, (LAP, None), idx)  # planned with the point's requests
+            except vector.NotScalar:
+                pass
+        closed = chain_call.expand(closed)  # nests of jaxamp.grad in fun computed
         avals = closed.out_avals
         if len(avals) != 1 or avals[0].shape != () or not jnp.issubdtype(avals[0].dtype, jnp.inexact):
             got = ", ".join(f"{a.dtype}{list(a.shape)}" for a in avals)

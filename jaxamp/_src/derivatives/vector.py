@@ -13,6 +13,8 @@ every other call takes JAX's route (:mod:`jaxamp._src.derivatives.forward`).
 
 from __future__ import annotations
 
+import functools
+
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import jax
@@ -224,13 +226,14 @@ class Route:
             raise NotScalar()
         return jnp.stack([found[(o, (None,))] for o in np.ndindex(*shape)]).reshape(shape)
 
-    def second(self, args: Tuple[Any, ...], of: Optional[str], wrts: Tuple[Optional[str], Optional[str]]) -> Any:
-        """The second derivative of ``fun``'s scalar value along ``args[argnum]``, one entry (a
-        scalar or ``f32[1]``), one chain of two steps named ``wrts``."""
-        shape, found = self._chains(args, [(0, 0)], of, wrts)
+    def diagonal(self, args: Tuple[Any, ...], of: Optional[str], wrts: Tuple[Optional[str], Optional[str]],
+                 indices: Sequence[int]) -> jax.Array:
+        """The sum of the second derivatives of ``fun``'s scalar value along the entries
+        ``indices`` of ``args[argnum]`` (a Laplacian), one chain of two steps named ``wrts`` each."""
+        shape, found = self._chains(args, [(k, k) for k in indices], of, wrts)
         if shape or self._tree(args) is not None:
             raise NotScalar()
-        return found[((), (0, 0))]
+        return functools.reduce(lambda a, b: a + b, [found[((), (k, k))] for k in indices])
 
     def hessian(self, args: Tuple[Any, ...], of: Optional[str], wrt: Optional[str]) -> Any:
         """``jax.hessian(fun, argnum)(*args)`` (shape ``value.shape + z.shape * 2``; pytrees:

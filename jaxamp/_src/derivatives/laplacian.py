@@ -6,6 +6,10 @@ on, :mod:`jaxamp._src.core.nesting`), the first-order tangents carry the scale `
 (per term: key ``of``), the summed second order ``s2`` of order ``m + 2`` (``of + "__lap"``) by the
 factors ``(s2 / s1, 1 / s1)``: no float16 value carries ``s1 * s2``. Its value is a derivative of
 order ``m + 2`` with no name.
+
+Along one entry, or when ``fun`` takes derivatives itself (``jaxamp.grad`` chains inside, ``x`` of
+at most 16 entries), each entry's second derivative is a chain two steps longer (steps named
+``(lap, None)``: the same keys), planned with the point's other requests.
 """
 
 from __future__ import annotations

@@ -79,14 +79,15 @@ def loss_scaled_grad(fun: Callable[..., Tuple[jax.Array, Any]], argnums: Any, lo
 
 
 def _written_out(grads: Any) -> Any:
-    """``grads`` with each matrix's (2 or more dimensions) written out as the backward pass made it, the
-    unscale, the checks and the skip's selects fused into its consumers. Without it XLA fuses a weight
-    gradient's last stage (the sum of a split-K GEMM's partial products) into each consumer and keeps
-    the partials live until the optimizer's decision (H100 program, 4x512/6000: 32 MiB more device temp
-    memory with fp16, 43 MiB with bf16). The vectors' (biases') unscale fuses into the reduction that
-    makes them (4 kernels fewer than writing every leaf out; docs/gpu.md)."""
+    """``grads`` with each matrix's (2 or more dimensions longer than 1) written out as the backward pass
+    made it, the unscale, the checks and the skip's selects fused into its consumers. Without it XLA fuses
+    a weight gradient's last stage (the sum of a split-K GEMM's partial products) into each consumer and
+    keeps the partials live until the optimizer's decision (H100 program, 4x512/6000: 32 MiB more device
+    temp memory with fp16, 43 MiB with bf16). The vectors' (biases', a one-output layer's ``[width, 1]``
+    kernel's) unscale fuses into the reduction that makes them (a kernel fewer each than writing them
+    out; docs/gpu.md)."""
     leaves, treedef = jax.tree_util.tree_flatten(grads)
-    matrices = [i for i, x in enumerate(leaves) if jnp.ndim(x) >= 2]
+    matrices = [i for i, x in enumerate(leaves) if sum(d > 1 for d in jnp.shape(x)) >= 2]
     for i, x in zip(matrices, jax.lax.optimization_barrier([leaves[i] for i in matrices])):
         leaves[i] = x
     return jax.tree_util.tree_unflatten(treedef, leaves)

@@ -116,7 +116,6 @@ def test_casting_only_the_input_stays_fp32_but_autocast_moves_the_dots():
 
     assert walk(jax.make_jaxpr(cast_input)(params, x).jaxpr, "dot_general") == [(F32, F32)] * (DEPTH + 1)
     jaxpr = jax.make_jaxpr(autocast(cast_input, AmpConfig()))(params, x).jaxpr
-    # the first layer: a float32 matmul (on a GPU products, rules.coordinate_dot)
     assert walk(jaxpr, "dot_general") == [(F32, F32)] + [(F16, F16)] * DEPTH
 
 
@@ -377,44 +376,3 @@ def test_matmuls_left_inside_other_primitives_warn():
     with pytest.warns(UserWarning, match=r"three_layers.*1 inside custom_vmap_call \(left as written\)"):
         jaxpr = jax.make_jaxpr(autocast(three_layers, AmpConfig()))(params, points()).jaxpr
     assert walk(jaxpr, "dot_general") == [(F32, F32), (F16, F16), (F32, F32)]
-
-
-@pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
-def test_a_float32_first_layer_of_few_coordinates_runs_as_products_on_a_gpu(k):
-    """rules.coordinate_dot: contracting at most SMALL_CONTRACTION (4) entries, the float32 first layer
-    is lowered for a GPU as products summed over the entries (the matmul's values to an ulp, and so
-    its derivatives), for the CPU as the matmul; wider first layers stay matmuls everywhere."""
-    from jax import export
-
-    from jaxamp._src.placement.rules import SMALL_CONTRACTION, coordinate_products
-
-    keys = jax.random.split(jax.random.PRNGKey(k), 3)
-    params = {"w0": jax.random.normal(keys[0], (k, 16)), "b0": jnp.linspace(-1, 1, 16),
-              "w1": jax.random.normal(keys[1], (16, 3))}
-    x = jax.random.uniform(keys[2], (64, k), minval=-1.0, maxval=1.0)
-
-    def net(p, x):
-        return jnp.tanh(x @ p["w0"] + p["b0"]) @ p["w1"]
-
-    wrapped = autocast(net, AmpConfig())
-    assert walk(jax.make_jaxpr(wrapped)(params, x).jaxpr, "dot_general") == [(F32, F32), (F16, F16)]
-    step = jax.jit(jax.grad(lambda p, x: jnp.sum(jnp.sin(wrapped(p, x)))))
-    for platform in ("cpu", "cuda"):  # the StableHLO each platform compiles: float32 dots in it
-        text = export.export(step, platforms=[platform])(params, x).mlir_module()
-        f32_dots = [ln for ln in text.splitlines() if "stablehlo.dot_general" in ln and "xf16>" not in ln]
-        gpu_products = platform == "cuda" and k <= SMALL_CONTRACTION
-        assert bool(f32_dots) != gpu_products, (platform, f32_dots)
-    exact = np.asarray(x, np.float64) @ np.asarray(params["w0"], np.float64)
-    for a, b, axes in ((x, params["w0"], (1, 0)), (x.T, params["w0"].T, (0, 1))):  # either operand's either axis
-        got = jax.jit(coordinate_products, static_argnums=(2, 3))(a, b, *axes)
-        assert got.dtype == F32 and got.shape == exact.shape
-        np.testing.assert_allclose(got, exact, rtol=0, atol=k * 2.0 ** -22 * float(np.max(np.abs(exact))))
-    # the derivatives through the products: the kernel's gradient a reduction over the points
-    def by_hand(p, first):
-        h = jnp.tanh(first(x, p["w0"]) + p["b0"])
-        return jnp.sum(jnp.sin(jnp.matmul(h.astype(jnp.float16), p["w1"].astype(jnp.float16)).astype(jnp.float32)))
-
-    got = jax.jit(jax.grad(lambda p: by_hand(p, lambda a, b: coordinate_products(a, b, 1, 0))))(params)
-    ref = jax.jit(jax.grad(lambda p: by_hand(p, lambda a, b: jnp.matmul(a, b, precision="highest"))))(params)
-    for name in params:
-        np.testing.assert_allclose(got[name], ref[name], rtol=0, atol=1e-2 * float(jnp.max(jnp.abs(ref[name]))))

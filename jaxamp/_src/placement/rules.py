@@ -20,7 +20,6 @@ from jaxamp._src.placement.tensor_scale import scaled_dot
 from jaxamp._src.placement.recompute import WEIGHT_CAST
 
 __all__ = ["COMPUTE_PRIMITIVES", "ACTIVATION_PRIMITIVES", "BODY_PRIMITIVES", "Val", "merge", "primitive_counts",
-           "SMALL_CONTRACTION", "coordinate_dot", "coordinate_products",
            "Placement"]
 
 COMPUTE_PRIMITIVES = frozenset((jp.dot_general_p, jp.conv_general_dilated_p))
@@ -61,49 +60,6 @@ def primitive_counts(jaxpr: jcore.Jaxpr) -> collections.Counter:
     for sub in jcore.subjaxprs(jaxpr):
         found.update(primitive_counts(sub))
     return found
-
-
-# A float32 first-layer matmul contracting at most this many entries (a PINN's coordinates) runs
-# as products summed in float32 (coordinate_dot).
-SMALL_CONTRACTION = 4
-
-
-def coordinate_dot(eqn: jcore.JaxprEqn, xs: Sequence[Any]) -> Optional[List[Any]]:
-    """A float32 ``dot_general`` contracting one axis of at most :data:`SMALL_CONTRACTION` entries
-    and no batch axes, as compiled for a GPU: the products of each entry's slices summed over a
-    broadcast axis; for the CPU the matmul as written (``lax.platform_dependent``: one program, the
-    platform picks when it is lowered). None for any other equation (then bound as written).
-
-    A point's coordinates times the first layer's kernel (``[points, 2] @ [2, width]``) is a few
-    products per output, which a GPU's GEMM kernel runs at no use of its tiles. As elementwise
-    products and a short sum, XLA fuses the layer into the kernels that read its output, in the
-    forward pass and in the recomputed backward pass (``AmpConfig.recompute_float32``), and the
-    kernel's gradient is a reduction over the points; XLA then lays the layers' values out unit-major
-    (H100 program, the README Poisson 4x512/6000: 123 -> 102 kernels; docs/gpu.md). On the CPU the
-    same form takes 1.3x the step's time (XLA's CPU layouts), so the CPU keeps the matmul. Each
-    product is exact in float32 up to its rounding and the few are summed in order: the matmul's
-    numbers to an ulp (at JAX's default precision a GPU's float32 matmul runs in TF32, the products
-    in float32).
-    """
-    if eqn.primitive is not jp.dot_general_p or len(xs) != 2:
-        return None
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    f32 = jnp.dtype(jnp.float32)
-    if (lb or rb or len(lc) != 1 or xs[0].shape[lc[0]] > SMALL_CONTRACTION or jnp.result_type(xs[0]) != f32
-            or jnp.result_type(xs[1]) != f32 or eqn.outvars[0].aval.dtype != f32):
-        return None
-
-    products = lambda a, b: coordinate_products(a, b, lc[0], rc[0])  # noqa: E731
-    return [jax.lax.platform_dependent(*xs, cpu=lambda a, b: bind(eqn, [a, b])[0], default=products)]
-
-
-def coordinate_products(a: jax.Array, b: jax.Array, a_axis: int, b_axis: int) -> jax.Array:
-    """``lax.dot_general`` of ``a`` and ``b`` contracting ``a``'s axis ``a_axis`` with ``b``'s ``b_axis``
-    (no batch axes): the products of each entry's slices, broadcast, summed over the entries in order."""
-    a = jnp.moveaxis(a, a_axis, -1)  # [..., K]
-    b = jnp.moveaxis(b, b_axis, 0)  # [K, ...]
-    terms = a.reshape(a.shape + (1,) * (b.ndim - 1)) * b.reshape((1,) * (a.ndim - 1) + b.shape)
-    return jnp.sum(terms, axis=a.ndim - 1)
 
 
 class Placement:
@@ -148,7 +104,7 @@ class Placement:
             self.counts[why] += 1
             if why == "compute dtype":
                 return self._lowered(eqn, invals, flags)
-            outs = (coordinate_dot(eqn, xs) if why == "first layer" else None) or bind(eqn, xs)
+            outs = bind(eqn, xs)
         elif prim in ACTIVATION_PRIMITIVES and floating and self.activation and flags.low:
             return self._lowered(eqn, invals, flags)
         else:

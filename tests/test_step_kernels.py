@@ -61,3 +61,16 @@ def test_decision_is_any_of_each_row_from_one_vector():
     assert text.count("stablehlo.reduce") == 1  # one reduction, its result a vector
     with pytest.raises(ValueError, match="at least 2"):
         decision([[t]])
+
+
+@pytest.mark.parametrize("bad", [jnp.nan, jnp.inf, -jnp.inf])
+@pytest.mark.parametrize("where", ["f16", "bf16", "f32"])
+def test_all_finite_of_leaves_of_several_dtypes_and_sizes(bad, where):
+    from jaxamp._src.training.flags import all_finite
+
+    tree = {"f16": jnp.full((3, 2), 65504.0, jnp.float16), "bf16": jnp.full((5,), 3e38, jnp.bfloat16),
+            "f32": jnp.full((2, 2), 3.4e38, jnp.float32), "n": jnp.arange(3)}
+    assert bool(jax.jit(all_finite)(tree))  # the largest finite values stay finite when widened
+    tree[where] = tree[where].reshape(-1).at[-1].set(bad).reshape(tree[where].shape)
+    assert not bool(jax.jit(all_finite)(tree))
+    assert bool(all_finite({"n": jnp.arange(3)})) and bool(all_finite(()))

@@ -34,8 +34,16 @@ def zeroed_when(flags: Sequence[Any], grads: Any) -> Any:
 
 
 def all_finite(tree: Any) -> jax.Array:
-    """``bool[]``: every inexact leaf of ``tree`` is finite (integer and bool leaves always are)."""
-    return finite_both(tree, ())[0]
+    """``bool[]``: every inexact leaf of ``tree`` is finite (integer and bool leaves always are). The
+    leaves widened to one dtype (exact: a widening keeps every value, inf and NaN included) and
+    concatenated, then one check and reduction, which XLA fuses into one kernel (a batch's interior
+    and boundary points: one kernel on a GPU where :func:`finite_both`'s padded codes take two,
+    H100 program 4x512/6000; docs/gpu.md)."""
+    leaves = [x for x in map(jnp.asarray, jax.tree_util.tree_leaves(tree)) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    if not leaves:
+        return jnp.bool_(True)
+    wide = functools.reduce(jnp.promote_types, [x.dtype for x in leaves])
+    return jnp.all(jnp.isfinite(jnp.concatenate([x.astype(wide).reshape(-1) for x in leaves])))
 
 
 def finite_both(first: Any, second: Any) -> Tuple[jax.Array, jax.Array]:

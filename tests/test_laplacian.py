@@ -310,3 +310,24 @@ def test_a_laplacian_of_a_function_taking_derivatives_is_chains_with_the_collaps
     for f, args in ((laplacian(u_t, 2), (params, ts[0], x[0])), (laplacian(u_t, 1), (params, ts[0], x[0]))):
         assert scaler_keys(f, term)(*args) == ("u", "u__t", "u__t__lap")
         assert scaler_keys(f)(*args) == ("1", "2", "3")
+
+
+def test_the_steps_a_laplacian_adds_to_an_unnamed_derivative_stay_unnamed():
+    """``laplacian(jvp(grad_x(u), t), t)``: the chain inside is unnamed, so the steps the
+    Laplacian adds carry no name either (a name would fix their order: the plan orders unnamed
+    steps as it orders the nested ``grad``s', sharing passes with the point's other requests);
+    a named chain's added steps carry the Laplacian's names (its keys: the collapsed ones)."""
+    from jaxamp._src.derivatives.chain_call import chain_p
+
+    params = init(2)
+    u = lambda p, t, x: mlp(p, jnp.stack([t, x]))  # noqa: E731
+
+    def inner(of):
+        d = jaxamp.grad(u, 2, of=of, wrt=None if of is None else "x")
+        return lambda p, t, x: jaxamp.jvp(lambda s: d(p, s, x), (t,), (jnp.float32(1.0),))[1]
+
+    for of, want in ((None, {(None, None, None)}), ("u", {("x", "lap", None)})):
+        closed = jax.make_jaxpr(laplacian(inner(of), 1))(params, jnp.float32(0.2), jnp.float32(0.3))
+        wrts = {link.wrts for e in closed.jaxpr.eqns if e.primitive is chain_p for link in e.params["links"]
+                if len(link.argnums) == 4}
+        assert wrts == {w[:1] + (None,) + w[1:] for w in want}, wrts

@@ -297,7 +297,8 @@ def _inner_chain(stacks: Dict[Any, List[Any]], names: Tuple[Optional[str], ...],
     p = eqn.params
     if eqn.primitive is not chain_p:
         return bind(eqn, vals)
-    p = {**p, "names": tuple(names)}
+    if p["base_term"] is not None or any(link.of is not None for link in p["links"]):
+        p = {**p, "names": tuple(names)}  # (unnamed chains: their steps stay in any order, the plan's)
     held = [k for k, v in enumerate(eqn.invars[:p["n_consts"]]) if v in stacks] if not p["levels"] else []
     if not held:
         return chain_p.bind(*vals, **p)

@@ -292,6 +292,7 @@ def test_checkpointed_network_is_propagated_collapsed_and_stays_checkpointed():
         np.testing.assert_allclose(u, v, rtol=1e-6, atol=1e-6 * float(jnp.max(jnp.abs(u))))
 
 
+@pytest.mark.slow  # (the fast suite's budget)
 def test_a_laplacian_of_a_function_taking_derivatives_is_chains_with_the_collapsed_keys():
     """``laplacian(u_t, x)`` with ``u_t`` a ``jaxamp.grad``: each entry's second derivative is
     the chain ``u_t`` two steps longer (planned with the point's other requests), the value the

@@ -313,6 +313,7 @@ def test_the_trace_of_a_raveled_dict_jacobian_of_a_gradient_plans_its_diagonal_o
     np.testing.assert_allclose(value, want, rtol=1e-5)
 
 
+@pytest.mark.slow  # (the fast suite's budget)
 def test_a_jvp_closing_over_a_vector_a_derivative_steps_along_is_planned_with_it():
     """``trace(hessian_x(jvp(lambda t: u(p, t, x), t)))`` (the jvp's function closes over ``x``,
     a small vector the Hessian takes entry by entry) beside ``u_tt``: the inner chain is bound

@@ -150,7 +150,7 @@ def test_every_rule_against_the_hessian_float64():
         @jax.jit
         def both(x, t):
             return (laplacian(_every_primitive)(x), jnp.trace(jax.hessian(_every_primitive)(x)),
-                    laplacian(scalar)(t), jax.grad(jax.grad(scalar))(t))  # fmt: skip
+                    laplacian(scalar)(t), jax.grad(jax.grad(scalar))(t))
 
         ours, ref, ours_t, ref_t = both(jnp.array([0.3, -0.6, 0.45]), 0.7)
         np.testing.assert_allclose(ours, ref, rtol=1e-12)
@@ -267,7 +267,7 @@ def test_directions_are_one_batch_and_the_first_layer_maps_the_seeds_once():
         program = jax.make_jaxpr(jax.vmap(laplacian(mlp, 1), (None, 0)))(params, points(d, n=8))
         sizes.append(_eqns(program.jaxpr))
         firsts.append([e for e in program.jaxpr.eqns if e.primitive.name == "dot_general"
-                       and sorted(e.outvars[0].aval.shape) == sorted((d, 16))])  # W times the seeds  # fmt: skip
+                       and sorted(e.outvars[0].aval.shape) == sorted((d, 16))])  # W times the seeds
     assert sizes[0] == sizes[1]
     assert all(len(f) == 1 for f in firsts)
 

@@ -149,6 +149,7 @@ def _dict_net():
     return U, (W, V), d
 
 
+@pytest.mark.slow  # (the fast suite's budget)
 def test_derivatives_along_a_dict_of_coordinates_have_jaxs_layout_and_values():
     """grad / jacrev / jacfwd / hessian along ``{"t": t, "xy": xy, "s": s}`` (entry by entry,
     planned) give JAX's nested structure, shapes and values, under vmap and jit too."""
@@ -170,6 +171,7 @@ def test_derivatives_along_a_dict_of_coordinates_have_jaxs_layout_and_values():
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # (the fast suite's budget)
 def test_the_trace_of_a_raveled_dict_hessian_plans_its_diagonal_only():
     """The Hessian over a dict, joined into a matrix by the user (concatenates of its blocks) and
     traced under vmap: a scaled step plans the 4 diagonal entries, not the 10 of the triangle."""
@@ -261,6 +263,7 @@ def test_grad_along_a_vector_and_a_laplacian_along_one_entry_are_chains(pz):
     assert set(found) == {"u", "u__lap", NONFINITE_VALUES}  # the keys of the collapsed Laplacian
 
 
+@pytest.mark.slow  # (the fast suite's budget)
 def test_a_jacobian_of_a_pytree_value_has_jaxs_layout_on_either_route():
     """jacrev / jacfwd of a function returning a dict (a gradient along a dict): JAX's layout
     and values, as chains when small, by JAX's route past 16 entries."""

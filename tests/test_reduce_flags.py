@@ -38,3 +38,34 @@ def test_one_set_flag_is_found_in_every_position():
 
 def test_no_flags():
     assert reduce_flags({}) == {}
+
+
+@pytest.mark.parametrize("n", [16384, 16385, 20000, 20011, 44000])
+def test_long_flags_each_key_found_at_every_piece_edge(n):
+    """Past marks.ROW_BOUND the first stage is written out in pieces (a divisor of n, or n padded:
+    20 011 is prime) and each key's flag is the OR of its pieces: a set element at either end of a
+    piece, or at the last (padded) piece, is found, for its key only."""
+    from jaxamp._src.core.marks import _pieces
+
+    pieces = _pieces(n) if n > 16384 else 1
+    width = -(-n // pieces)
+    run = jax.jit(reduce_flags)
+    for at in sorted({0, width - 1, min(width, n - 1), n // 2, n - 1}):
+        for hot in ("a", "c"):
+            pending = {k: [jnp.zeros(n, bool).at[at].set(k == hot)] for k in ("a", "b", "c")}
+            got = run(pending)
+            assert {k: bool(v) for k, v in got.items()} == {k: k == hot for k in ("a", "b", "c")}, (n, at, hot)
+    assert not any(bool(v) for v in run({k: [jnp.zeros(n, bool)] for k in "ab"}).values())
+
+
+def test_pieces_short_rows_whole_divisors():
+    """The pieces of a long row: about sqrt(n) of them, each at most marks.ROW_BOUND long, a divisor
+    of n with the most factors of 2 where one lies within a factor 2 of sqrt(n) (20 000: 160 pieces
+    of 125 points, whole for 2, 4, 8, 16 or 32 devices), else a power of 2 with n padded."""
+    from jaxamp._src.core.marks import ROW_BOUND, _pieces
+
+    assert _pieces(20000) == 160 and _pieces(44000) == 160
+    assert _pieces(20011) == 128  # prime: padded to 20 096
+    for n in (16385, 20000, 20011, 44000, 10**6, 10**8):
+        p = _pieces(n)
+        assert -(-n // p) <= ROW_BOUND and p <= 2 * int(n ** 0.5) + 1, (n, p)

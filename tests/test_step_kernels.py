@@ -74,3 +74,16 @@ def test_all_finite_of_leaves_of_several_dtypes_and_sizes(bad, where):
     tree[where] = tree[where].reshape(-1).at[-1].set(bad).reshape(tree[where].shape)
     assert not bool(jax.jit(all_finite)(tree))
     assert bool(all_finite({"n": jnp.arange(3)})) and bool(all_finite(()))
+
+
+@pytest.mark.parametrize("n", [20000, 20011])
+def test_all_finite_of_a_long_batch_in_pieces(n):
+    """A batch longer than marks.ROW_BOUND is checked in pieces (their ORs fused into the consumers):
+    a NaN anywhere, the last (padded) piece included, is found."""
+    from jaxamp._src.training.flags import all_finite
+
+    run = jax.jit(all_finite)
+    batch = {"interior": jnp.zeros((n, 2)), "boundary": jnp.ones((n // 10, 2))}
+    assert bool(run(batch))
+    for leaf, at in (("interior", (0, 0)), ("interior", (n - 1, 1)), ("boundary", (n // 10 - 1, 1))):
+        assert not bool(run({**batch, leaf: batch[leaf].at[at].set(jnp.nan)})), (leaf, at)

@@ -9,6 +9,8 @@ marks ``g``, the scaled derivative of ``v``, for the overflow check; both carry 
 
 from __future__ import annotations
 
+import functools
+import math
 import warnings
 from typing import Any, Dict, List, Mapping, MutableMapping, Optional, Sequence, Tuple
 
@@ -129,7 +131,9 @@ def reduce_flags(pending: Mapping[str, List[jax.Array]]) -> Dict[str, jax.Array]
     ``any`` of its bit over that code. The keys' reductions read one array, so XLA merges them into
     one kernel (stacking the keys' flags instead writes a copy of them all first), and each stays an
     OR of booleans, reduced across devices as ``jnp.any`` is when the points are sharded (a bitwise
-    OR reduction has no cross-device form).
+    OR reduction has no cross-device form). Past :data:`ROW_BOUND` points the keys' first stage is
+    one kernel and each key's second stage an OR of its pieces fused into the consumers
+    (:func:`any_rows`; left to XLA, a kernel per key: H100 program, 4x128 / 20 000 points, −2).
 
     Example:
       >>> import jax.numpy as jnp
@@ -151,9 +155,62 @@ def reduce_flags(pending: Mapping[str, List[jax.Array]]) -> Dict[str, jax.Array]
                 codes[n] = h if n not in codes else codes[n] | h
                 has.setdefault(n, {})[key] = bit
         for n, code in codes.items():
-            for key, bit in has[n].items():
-                found.setdefault(key, []).append(jnp.any(jnp.bitwise_and(code, dtype(1 << bit)) != 0))
+            keyed = list(has[n].items())
+            masks = jnp.asarray([1 << bit for _, bit in keyed], dtype)
+            rows = any_rows(code, lambda c, i: jnp.bitwise_and(c, masks[i]) != 0, len(keyed))
+            for (key, _), row in zip(keyed, rows):
+                found.setdefault(key, []).append(row)
     return {key: f[0] if len(f) == 1 else any_set(f) for key, f in found.items()}
+
+
+# XLA's GPU compiler reduces a row of up to this many elements in one kernel; a longer one in two,
+# the second stage a kernel of its own per result (its tree reduction rewriter: 1 024 threads x 16)
+ROW_BOUND = 16384
+
+
+def _pieces(n: int) -> int:
+    """How many pieces :func:`any_rows` cuts a row of ``n > ROW_BOUND`` elements into: about
+    ``sqrt(n)`` (as XLA's own split: short rows keep the producer fused into the first stage; rows
+    of 10 000 elements did not), a divisor of ``n`` with the most factors of 2 (a point axis sharded
+    over a power-of-two number of devices then cuts into whole pieces per device), else a power of 2
+    (``n`` padded)."""
+    root = math.isqrt(n)
+    low, high = max(2, -(-n // ROW_BOUND), root // 2), 2 * root
+    divisors = [p for p in range(low, high + 1) if n % p == 0 and n // p <= ROW_BOUND]
+    if divisors:
+        return max(divisors, key=lambda p: ((p & -p), -abs(p - root)))
+    return max(1 << (root.bit_length() - 1), -(-n // ROW_BOUND))
+
+
+def any_rows(values: jax.Array, test: Any, count: int, pad: Any = 0) -> List[jax.Array]:
+    """``[bool[]] * count``: ``any`` of each row of ``test(values)``, all rows in one reduction.
+
+    ``values`` is a vector (``[n]``); ``test(x, i)`` maps an array of its elements to bools, elementwise,
+    for row ``i``: an ``int``, or an index array of shape ``[count, 1, 1]`` (then each row on the leading
+    axis, e.g. ``(x & masks[i]) != 0``: one bit of a code per row); ``False`` on ``pad``. Rows of at
+    most :data:`ROW_BOUND` elements: a reduction per row, which XLA merges into one kernel (they read
+    one array). A longer row: the first stage written out, ``values`` reduced in about ``sqrt(n)`` pieces
+    (one kernel, ``bool[count, pieces]``; :func:`_pieces`), each row's result the OR of its pieces, a
+    chain of ORs that XLA fuses into every consumer (left to XLA, the second stage is one more
+    kernel per row: H100 program, 4x128 / 20 000 points, docs/gpu.md).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> code = jnp.zeros(40000, jnp.uint8).at[39999].set(2)
+      >>> masks = jnp.array([1, 2], jnp.uint8)
+      >>> [bool(r) for r in any_rows(code, lambda c, i: (c & masks[i]) != 0, 2)]
+      [False, True]
+    """
+    n = values.shape[0]
+    if n <= ROW_BOUND:  # a reduction per row: XLA merges those reading one array into one kernel
+        return [jnp.any(test(values, i)) for i in range(count)]
+    pieces = _pieces(n)
+    if n % pieces:
+        values = jnp.pad(values, (0, -n % pieces), constant_values=pad)
+    x = values.reshape(1, pieces, -1)
+    part = jnp.any(jnp.broadcast_to(test(x, jnp.arange(count).reshape(count, 1, 1)), (count,) + x.shape[1:]),
+                   axis=-1)  # [count, pieces]
+    return [functools.reduce(jnp.logical_or, [part[i, j] for j in range(pieces)]) for i in range(count)]
 
 
 def any_set(flags: Sequence[Any]) -> jax.Array:

@@ -12,7 +12,7 @@ from typing import Any, Dict, Sequence, Tuple
 import jax
 import jax.numpy as jnp
 
-from jaxamp._src.core.marks import any_set
+from jaxamp._src.core.marks import any_rows, any_set
 
 __all__ = ["flag_set", "zeroed_when", "all_finite", "skipped_updates"]
 
@@ -38,12 +38,15 @@ def all_finite(tree: Any) -> jax.Array:
     leaves widened to one dtype (exact: a widening keeps every value, inf and NaN included) and
     concatenated, then one check and reduction, which XLA fuses into one kernel (a batch's interior
     and boundary points: one kernel on a GPU where :func:`finite_both`'s padded codes take two,
-    H100 program 4x512/6000; docs/gpu.md)."""
+    H100 program 4x512/6000; docs/gpu.md). Past ``marks.ROW_BOUND`` values, the reduction's second
+    stage is an OR of its pieces fused into the consumers (``marks.any_rows``: one kernel, not two,
+    at 44 000 values)."""
     leaves = [x for x in map(jnp.asarray, jax.tree_util.tree_leaves(tree)) if jnp.issubdtype(x.dtype, jnp.inexact)]
     if not leaves:
         return jnp.bool_(True)
     wide = functools.reduce(jnp.promote_types, [x.dtype for x in leaves])
-    return jnp.all(jnp.isfinite(jnp.concatenate([x.astype(wide).reshape(-1) for x in leaves])))
+    flat = jnp.concatenate([x.astype(wide).reshape(-1) for x in leaves])
+    return ~any_rows(flat, lambda x, _: ~jnp.isfinite(x), 1)[0]
 
 
 def finite_both(first: Any, second: Any) -> Tuple[jax.Array, jax.Array]:

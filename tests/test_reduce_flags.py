@@ -69,3 +69,35 @@ def test_pieces_short_rows_whole_divisors():
     for n in (16385, 20000, 20011, 44000, 10**6, 10**8):
         p = _pieces(n)
         assert -(-n // p) <= ROW_BOUND and p <= 2 * int(n ** 0.5) + 1, (n, p)
+
+
+_SHARDED = r"""
+import jax, jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jaxamp._src.core.marks import reduce_flags
+from jaxamp._src.training.flags import all_finite
+mesh = Mesh(jax.devices(), ("d",))
+points = NamedSharding(mesh, P("d"))
+for n in (20000, 20008):  # 160 pieces (20 per device); 164 (not a multiple of 8)
+    run = jax.jit(lambda a, b, x: (reduce_flags({"a": [a], "b": [b]}), all_finite(x)))
+    for at in (0, 7777, n - 1):
+        a = jax.device_put(jnp.zeros(n, bool).at[at].set(True), points)
+        b = jax.device_put(jnp.zeros(n, bool), points)
+        x = jax.device_put(jnp.zeros((n, 2)).at[at, 1].set(jnp.nan), NamedSharding(mesh, P("d", None)))
+        flags, finite = run(a, b, x)
+        assert bool(flags["a"]) and not bool(flags["b"]) and not bool(finite), (n, at)
+print("ok")
+"""
+
+
+@pytest.mark.slow  # a subprocess on 8 fake devices
+def test_long_flags_with_points_sharded_over_8_devices():
+    """Past marks.ROW_BOUND, the pieces of a point axis sharded over 8 devices (a divisor of 8 or
+    not) give each key's flag and the batch's check as on one device."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", _SHARDED], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]

@@ -49,6 +49,56 @@ def test_effects_are_never_merged():
     assert len(cse(closed).jaxpr.eqns) == len(closed.jaxpr.eqns) == 2
 
 
+def test_two_traces_of_one_body_are_merged_and_different_bodies_are_not():
+    """Calls holding a body (``jax.checkpoint`` here; ``jaxamp.autocast``'s boundary, a
+    ``jax.jit`` call) traced twice hold two jaxpr objects of one program: merged by the
+    program they print and their constants; a body computing something else stays."""
+    def f(x):
+        a = jax.checkpoint(lambda z: jnp.sin(z) * 2.0)(x)
+        b = jax.checkpoint(lambda z: jnp.sin(z) * 2.0)(x)
+        c = jax.checkpoint(lambda z: jnp.sin(z) * 3.0)(x)
+        return a + b, c
+
+    closed = jax.make_jaxpr(f)(1.0)
+    calls = [e for e in closed.jaxpr.eqns if "jaxpr" in e.params]
+    assert len(calls) == 3 and calls[0].params["jaxpr"] is not calls[1].params["jaxpr"]
+    merged = cse(closed)
+    assert sum("jaxpr" in e.params for e in merged.jaxpr.eqns) == 2
+    for got, want in zip(_run(merged, jnp.float32(0.7)), f(jnp.float32(0.7))):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_outputs_of_one_autocast_network_share_their_passes_in_the_step():
+    """The divergence of an autocast network's 3 outputs beside each output's Laplacian (a
+    vector field's terms; each output's ``hessian`` traces the network again): the step's
+    FLOPs are those of the same derivatives by the engine, one network per pass (its
+    traces merged before the step differentiates them)."""
+    k = jax.random.split(jax.random.PRNGKey(4), 3)
+    p = {"w1": jax.random.normal(k[0], (3, 32)) / 2, "w2": jax.random.normal(k[1], (32, 3)) / 4}
+    zs = jax.random.uniform(k[2], (32, 3), minval=-1.0, maxval=1.0)
+    amp = jaxamp.AmpConfig()
+    U = jaxamp.autocast(lambda p, z: jnp.tanh(z @ p["w1"]) @ p["w2"], amp)
+
+    def residual(p, z):
+        div = jnp.trace(jaxamp.jacfwd(U, 1)(p, z))
+        return div + sum(jnp.trace(jaxamp.hessian(lambda p, z, i=i: U(p, z)[i], 1)(p, z)) for i in range(3))
+
+    eng = jaxamp.Derivatives(lambda p, z: U(p, z), inputs=("t", "x", "y"), outputs=("u", "v", "w"), amp=amp,
+                             derivatives=[f"{o}__{c}" for o in "uvw" for c in "txy"]
+                             + [f"{o}__{c}__{c}" for o in "uvw" for c in "txy"])
+
+    def engine(p, zs):
+        d = eng(p, zs)
+        return (d["u__t"] + d["v__x"] + d["w__y"] + sum(d[f"{o}__{c}__{c}"] for o in "uvw" for c in "txy"))
+
+    def flops(fn):
+        f = jaxamp.scaled(lambda p: jnp.mean(fn(p, zs) ** 2), amp)
+        scales = {key: 1.0 for key in ("1", "2")}
+        return jax.jit(jax.grad(lambda p: f(scales, p)[0])).lower(p).compile().cost_analysis()["flops"]
+
+    assert flops(jax.vmap(residual, (None, 0))) <= 1.03 * flops(engine)
+
+
 def _mlp_params(outputs):
     shapes = [(2, 32), (32, 32), (32, outputs)]
     return [jax.random.normal(jax.random.PRNGKey(i), s) / 4 for i, s in enumerate(shapes)]

@@ -146,6 +146,31 @@ def atom(v) -> Any:
     return v
 
 
+def _param_key(value: Any, texts: Dict[Any, Any]) -> Any:
+    """A hashable key of an equation parameter under which equal programs are equal: a body
+    (two traces of one network: ``jaxamp.autocast``'s boundary, a ``jax.jit`` call) by its
+    printed program and constants, anything else itself."""
+    if isinstance(value, (tuple, list)):
+        return tuple(_param_key(v, texts) for v in value)
+    if isinstance(value, (jcore.ClosedJaxpr, jcore.Jaxpr)):
+        if value not in texts:
+            consts = value.consts if isinstance(value, jcore.ClosedJaxpr) else ()
+            texts[value] = ("program", str(value), tuple(_const_key(c) for c in consts))
+        return texts[value]
+    return value
+
+
+def _const_key(c: Any) -> Any:
+    """A body's constant: an array by its bytes (a large one by itself: the body holds it
+    for the call), anything else itself."""
+    if hasattr(c, "dtype") and hasattr(c, "shape") and not isinstance(c, jcore.Tracer):
+        if int(np.prod(c.shape)) > 1 << 16:
+            return ("array object", id(c))
+        a = np.asarray(c)
+        return ("array", a.dtype.str, a.shape, a.tobytes())
+    return c
+
+
 def _relabels(eqn: jcore.JaxprEqn) -> bool:
     """Whether ``eqn`` only relabels its operand's elements, in order (a squeeze, a reshape, a
     broadcast or transpose of size-1 axes): two stacks of relabelings of the same values are
@@ -186,6 +211,7 @@ def cse(closed: jcore.ClosedJaxpr, *, held: Sequence[int] = ()) -> jcore.ClosedJ
     """
     jaxpr, env, seen, eqns = closed.jaxpr, {}, {}, []
     tainted = {jaxpr.invars[i] for i in held}
+    texts: Dict[Any, Any] = {}  # a body -> its structural key, for this call (the bodies held alive)
     relabeled: Dict[Any, Any] = {}  # a relabeling's output -> the variable it relabels
 
     def read(v):
@@ -201,8 +227,9 @@ def cse(closed: jcore.ClosedJaxpr, *, held: Sequence[int] = ()) -> jcore.ClosedJ
             relabeled[eqn.outvars[0]] = relabeled.get(eqn.invars[0], eqn.invars[0])
         try:
             operands = [relabeled.get(v, v) for v in eqn.invars] if eqn.primitive is jax.lax.stack_p else eqn.invars
-            key = None if eqn.effects else (eqn.primitive, tuple(map(atom, operands)),
-                                            tuple(sorted(eqn.params.items())), str(eqn.outvars[0].aval))
+            params = tuple(sorted((k, _param_key(v, texts)) for k, v in eqn.params.items()))
+            key = None if eqn.effects else (eqn.primitive, tuple(map(atom, operands)), params,
+                                            str(eqn.outvars[0].aval))
             earlier = None if key is None else seen.get(key)
         except (TypeError, ValueError):  # unhashable, or compared elementwise
             key = earlier = None

@@ -24,7 +24,8 @@ the engine's plan of the same derivative set: ``jaxamp.Derivatives`` (method "fo
 partial derivative the terms read (lower orders included), the terms summed from its values.
 
 Recorded per program: a description, XLA FLOPs of each form (``cost_analysis()["flops"]`` of the
-jitted program) and their ratios (jaxamp / engine, jaxamp / JAX), trace + lower + compile seconds of
+jitted program) and their ratios (jaxamp / engine, jaxamp / JAX), the same of the gradient step
+(``jax.grad`` of the mean squared terms along the parameters: jaxamp / engine), trace + lower + compile seconds of
 each (the first compile, and again at a new batch shape: ``n_points + 8``), and the values' largest error against JAX's own (relative to each term's largest magnitude),
 float32 and (unless ``--no-x64``) float64. Program ``i`` of seed ``S`` is drawn from
 ``numpy.random.default_rng([S, i])``: ``describe(generate(S, i))`` reproduces it.
@@ -678,6 +679,15 @@ def measure(prog: Program, amp_mode: str = "off") -> Dict[str, Any]:
         row["flops"][name] = _flops(compiled)
         row["compile_s"][name] = round(secs, 3)
         out[name] = np.asarray(compiled(params, Z))
+    # the gradient step the forms are trained with (jax.grad of the mean squared terms): its
+    # backward pass differentiates the program as written, which XLA's merging of repeated work
+    # in the forward program does not reach
+    row["step_flops"] = {}
+    for name in ("jaxamp", "engine"):
+        step = jax.grad(lambda p, Z, fn=forms[name]: jnp.mean(fn(p, Z) ** 2))
+        row["step_flops"][name] = _flops(jax.jit(step).lower(params, Z).compile())
+    sf = row["step_flops"]
+    row["step_flops_over_engine"] = round(sf["jaxamp"] / sf["engine"], 4) if sf["engine"] else None
     # a new batch shape (the points a training run's next shape brings): each form compiled again
     # at ``n_points + 8``, every one-time cost of the first compile (JAX's and jaxamp's) paid
     Z2 = jax.random.uniform(jax.random.PRNGKey(prog.seed + prog.index), (prog.n_points + 8, prog.D), minval=-1.0,
@@ -844,6 +854,8 @@ def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
         "within_1_05_of_engine": sum(x <= 1.05 for x in over),
         "flops_over_engine": _quantiles(over),
         "flops_over_jax": _quantiles([r["flops_over_jax"] for r in ok]),
+        "step_flops_within_1_05_of_engine": sum(r["step_flops_over_engine"] <= 1.05 for r in ok),
+        "step_flops_over_engine": _quantiles([r["step_flops_over_engine"] for r in ok]),
         "engine_over_jax": _quantiles([r["engine_over_jax"] for r in ok]),
         "compile_over_jax": _quantiles([r["compile_over_jax"] for r in ok]),
         "compile_over_engine": _quantiles([r["compile_over_engine"] for r in ok]),
@@ -857,6 +869,8 @@ def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
             "within_1_10": sum(r["step_over_engine"] <= 1.10 for r in ok if "step_over_engine" in r)},
         "value_tolerance": tol,
         "value_mismatches_f32": mism, "value_mismatches_f64": mism64,
+        "worst10_step": [{"index": r["index"], "step_flops_over_engine": r["step_flops_over_engine"],
+                          "program": r["program"]} for r in sorted(ok, key=lambda r: -r["step_flops_over_engine"])[:10]],
         "worst10": [{"index": r["index"], "flops_over_engine": r["flops_over_engine"],
                      "flops_over_jax": r["flops_over_jax"], "program": r["program"]} for r in worst],
     }
@@ -865,7 +879,8 @@ def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
 def print_summary(s: Dict[str, Any]) -> None:
     print(f"\n{s['within_1_05_of_engine']}/{s['measured']} programs at <= 1.05x the engine's FLOPs "
           f"({len(s['failures'])} failed: {s['failures']})")
-    for k in ("flops_over_engine", "flops_over_jax", "engine_over_jax", "compile_over_jax", "compile_over_engine",
+    print(f"  gradient step: {s['step_flops_within_1_05_of_engine']}/{s['measured']} at <= 1.05x the engine's FLOPs")
+    for k in ("flops_over_engine", "step_flops_over_engine", "flops_over_jax", "engine_over_jax", "compile_over_jax", "compile_over_engine",
               "compile_new_shape_over_jax", "step_over_engine"):
         print(f"  {k}: {s[k]}")
     print(f"  scalar grad chains: {s['chain_programs_within_1_05_of_engine_paths']} within 1.05x the engine along "
@@ -874,6 +889,8 @@ def print_summary(s: Dict[str, Any]) -> None:
         print(f"  [{k}] flops/engine {v}")
     print(f"  value mismatches: float32 {s['value_mismatches_f32']}, float64 {s['value_mismatches_f64']}")
     print("  worst 10 (FLOPs / engine):")
+    for w in s["worst10_step"]:
+        print(f"    step {w['step_flops_over_engine']:7.3f}x engine  #{w['index']}: {w['program']}")
     for w in s["worst10"]:
         print(f"    {w['flops_over_engine']:7.3f}x engine {w['flops_over_jax']:7.3f}x jax  #{w['index']}: "
               f"{w['program']}")

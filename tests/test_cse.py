@@ -157,15 +157,23 @@ def test_outputs_of_one_network_share_their_passes():
     np.testing.assert_allclose(got, want, rtol=2e-2)  # float16 network: fp16 rounding
 
 
-def test_a_stack_of_relabeled_entries_is_the_earlier_stack_and_a_transposes_entries_stay_apart():
-    def f(a, b, m):
+def test_reads_of_the_same_entries_are_one_array_whatever_reads_them():
+    """A read (slices, squeezes, reshapes, transposes, broadcasts, stacks, concatenations) is the
+    entries it reads, in their layout: a stack of relabelings is the earlier stack; the columns
+    of ``m`` stacked and the rows of ``m.T`` stacked are one array; a stack of a vector's
+    entries in order is the vector; other entries, or another order, stay apart."""
+    def f(a, b, m, v):
         z = jnp.stack([a, b])  # [2, 3]
         again = jnp.stack([jnp.squeeze(a[None, :]), jnp.reshape(b[:, None], (3,))])  # the same values
-        swapped = jnp.stack([m.T[0], m.T[1]])  # entries of a transpose: no relabelings of m, kept (conservative)
-        return jnp.tanh(z), jnp.tanh(again), jnp.tanh(jnp.stack([m[:, 0], m[:, 1]])), jnp.tanh(swapped)
+        swapped = jnp.stack([m.T[0], m.T[1]])  # the same entries as the columns' stack
+        whole = jnp.stack([v[0], v[1], v[2]])  # v itself
+        reversed_ = jnp.stack([v[2], v[1], v[0]])  # another order
+        return (jnp.tanh(z), jnp.tanh(again), jnp.tanh(jnp.stack([m[:, 0], m[:, 1]])), jnp.tanh(swapped),
+                jnp.sin(whole), jnp.sin(v), jnp.sin(reversed_))
 
-    args = (jnp.arange(3.0), -jnp.arange(3.0), jnp.arange(6.0).reshape(3, 2))
+    args = (jnp.arange(3.0), -jnp.arange(3.0), jnp.arange(6.0).reshape(3, 2), jnp.array([0.5, -1.0, 2.0]))
     merged = cse(jax.make_jaxpr(f)(*args))
-    assert [e.primitive.name for e in merged.jaxpr.eqns].count("tanh") == 3
+    names = [e.primitive.name for e in merged.jaxpr.eqns]
+    assert names.count("tanh") == 2 and names.count("sin") == 2
     for got, want in zip(_run(merged, *args), f(*args)):
         np.testing.assert_array_equal(got, want)

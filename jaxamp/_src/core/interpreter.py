@@ -8,7 +8,7 @@ written, :func:`sub_jaxpr` exposes call bodies, :func:`cse` removes repeated wor
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import jax
 import numpy as np
@@ -155,37 +155,81 @@ def _param_key(value: Any, texts: Dict[Any, Any]) -> Any:
     if isinstance(value, (jcore.ClosedJaxpr, jcore.Jaxpr)):
         if value not in texts:
             consts = value.consts if isinstance(value, jcore.ClosedJaxpr) else ()
-            texts[value] = ("program", str(value), tuple(_const_key(c) for c in consts))
+            keys = [_const_key(c) for c in consts]
+            # a body holding a large array constant is keyed by itself (not worth its bytes)
+            texts[value] = value if None in keys else ("program", str(value), tuple(keys))
         return texts[value]
     return value
 
 
 def _const_key(c: Any) -> Any:
-    """A body's constant: an array by its bytes (a large one by itself: the body holds it
-    for the call), anything else itself."""
+    """A body's constant: an array by its bytes (None past 2**16 entries), anything else itself."""
     if hasattr(c, "dtype") and hasattr(c, "shape") and not isinstance(c, jcore.Tracer):
         if int(np.prod(c.shape)) > 1 << 16:
-            return ("array object", id(c))
+            return None
         a = np.asarray(c)
         return ("array", a.dtype.str, a.shape, a.tobytes())
     return c
 
 
-def _relabels(eqn: jcore.JaxprEqn) -> bool:
-    """Whether ``eqn`` only relabels its operand's elements, in order (a squeeze, a reshape, a
-    broadcast or transpose of size-1 axes): two stacks of relabelings of the same values are
-    the same array."""
-    if len(eqn.invars) != 1 or isinstance(eqn.invars[0], jcore.Literal) or len(eqn.outvars) != 1:
-        return False
-    prim, src, out = eqn.primitive, eqn.invars[0].aval, eqn.outvars[0].aval
-    if getattr(src, "dtype", None) != getattr(out, "dtype", None) or int(np.prod(src.shape)) != int(np.prod(out.shape)):
-        return False
-    if prim is jp.transpose_p:
-        big = [a for a in eqn.params["permutation"] if src.shape[a] != 1]
-        return big == sorted(big)
-    if prim is jp.reshape_p:
-        return eqn.params.get("dimensions") is None
-    return prim in (jp.squeeze_p, jp.broadcast_in_dim_p)
+# Equations that only read entries of their operands: their values are which entries they read,
+# in which layout (an index map), whatever the equations that read them.
+_READS = (jp.slice_p, jp.squeeze_p, jp.reshape_p, jp.transpose_p, jp.broadcast_in_dim_p, jax.lax.stack_p,
+          jp.concatenate_p)
+_MAX_READ = 1 << 20  # entries of a read's index map (larger reads are keyed as written)
+
+
+def _read_map(eqn: jcore.JaxprEqn, maps: Dict[Any, Any]) -> Optional[Tuple[Tuple[Any, ...], np.ndarray]]:
+    """``(roots, index)`` when ``eqn`` only reads entries of arrays (``_READS``, of one dtype):
+    its output is ``concatenate([ravel(r) for r in roots])[index]``. ``x[0]`` read as a slice and
+    a squeeze, or as a slice of a transpose, or a stack of a vector's entries (the vector
+    itself), have one index map; ``maps`` holds the reads before ``eqn``."""
+    if eqn.primitive not in _READS or len(eqn.outvars) != 1 or eqn.effects:
+        return None
+    if any(isinstance(v, jcore.Literal) or getattr(v.aval, "dtype", None) != eqn.outvars[0].aval.dtype
+           for v in eqn.invars):
+        return None
+    sources = [maps.get(v) or ((v,), None) for v in eqn.invars]
+    roots: List[Any] = list(dict.fromkeys(r for own, _ in sources for r in own))
+    sizes = [int(np.prod(r.aval.shape)) for r in roots]
+    if sum(sizes) > _MAX_READ:
+        return None
+    starts = dict(zip(roots, np.cumsum([0] + sizes)))
+    parts = []
+    for v, (own, index) in zip(eqn.invars, sources):
+        if index is None:  # the operand itself
+            index = np.arange(int(np.prod(v.aval.shape)), dtype=np.int64).reshape(v.aval.shape)
+        # its entries renumbered into this equation's roots
+        own_starts = np.cumsum([0] + [int(np.prod(r.aval.shape)) for r in own])
+        which = np.searchsorted(own_starts, index, side="right") - 1
+        moved = np.array([starts[r] - own_starts[k] for k, r in enumerate(own)], np.int64)
+        parts.append(index + moved[which] if index.size else index)
+    p, a = eqn.params, parts[0]
+    prim = eqn.primitive
+    if prim is jp.slice_p:
+        strides = p["strides"] or (1,) * a.ndim
+        out = a[tuple(slice(lo, hi, st) for lo, hi, st in zip(p["start_indices"], p["limit_indices"], strides))]
+    elif prim is jp.squeeze_p:
+        out = np.squeeze(a, axis=tuple(p["dimensions"]))
+    elif prim is jp.reshape_p:
+        if p.get("dimensions") is not None:
+            return None
+        out = a.reshape(p["new_sizes"])
+    elif prim is jp.transpose_p:
+        out = a.transpose(p["permutation"])
+    elif prim is jp.broadcast_in_dim_p:
+        shape, dims = tuple(p["shape"]), tuple(p["broadcast_dimensions"])
+        expanded = [1] * len(shape)
+        for d, n in zip(dims, a.shape):
+            expanded[d] = n
+        out = np.broadcast_to(a.reshape(expanded), shape)
+    elif prim is jax.lax.stack_p:
+        out = np.stack(parts, axis=p["axis"])
+    else:
+        out = np.concatenate(parts, axis=p["dimension"])
+    if out.shape != tuple(eqn.outvars[0].aval.shape):
+        return None
+    return tuple(roots), np.array(out)  # (a copy: contiguous, 0-d kept)
 
 
 def cse(closed: jcore.ClosedJaxpr, *, held: Sequence[int] = ()) -> jcore.ClosedJaxpr:
@@ -212,7 +256,7 @@ def cse(closed: jcore.ClosedJaxpr, *, held: Sequence[int] = ()) -> jcore.ClosedJ
     jaxpr, env, seen, eqns = closed.jaxpr, {}, {}, []
     tainted = {jaxpr.invars[i] for i in held}
     texts: Dict[Any, Any] = {}  # a body -> its structural key, for this call (the bodies held alive)
-    relabeled: Dict[Any, Any] = {}  # a relabeling's output -> the variable it relabels
+    maps: Dict[Any, Any] = {}  # a read's output -> its roots and index map (_read_map)
 
     def read(v):
         return v if isinstance(v, jcore.Literal) else env.get(v, v)
@@ -223,13 +267,22 @@ def cse(closed: jcore.ClosedJaxpr, *, held: Sequence[int] = ()) -> jcore.ClosedJ
             tainted.update(eqn.outvars)
             eqns.append(eqn)
             continue
-        if _relabels(eqn):
-            relabeled[eqn.outvars[0]] = relabeled.get(eqn.invars[0], eqn.invars[0])
+        entries = _read_map(eqn, maps)
+        if entries is not None:
+            roots, index = entries
+            out = eqn.outvars[0]
+            if (len(roots) == 1 and str(roots[0].aval) == str(out.aval)
+                    and np.array_equal(index, np.arange(index.size).reshape(index.shape))):
+                env[out] = roots[0]  # every entry of one array, in its order: the array
+                continue
+            maps[out] = entries
         try:
-            operands = [relabeled.get(v, v) for v in eqn.invars] if eqn.primitive is jax.lax.stack_p else eqn.invars
-            params = tuple(sorted((k, _param_key(v, texts)) for k, v in eqn.params.items()))
-            key = None if eqn.effects else (eqn.primitive, tuple(map(atom, operands)), params,
-                                            str(eqn.outvars[0].aval))
+            if entries is not None:  # a read: the entries it reads
+                key = ("read", entries[0], entries[1].shape, entries[1].tobytes(), str(eqn.outvars[0].aval))
+            else:
+                params = tuple(sorted((k, _param_key(v, texts)) for k, v in eqn.params.items()))
+                key = None if eqn.effects else (eqn.primitive, tuple(map(atom, eqn.invars)), params,
+                                                str(eqn.outvars[0].aval))
             earlier = None if key is None else seen.get(key)
         except (TypeError, ValueError):  # unhashable, or compared elementwise
             key = earlier = None

@@ -236,7 +236,9 @@ def cse(closed: jcore.ClosedJaxpr, *, held: Sequence[int] = ()) -> jcore.ClosedJ
     """``closed`` with every equation that repeats an earlier one removed (common subexpressions).
 
     Two equations repeat when they apply the same primitive with the same parameters to the
-    same operands and have no effects (a user's ``u`` beside a derivative pass's primal of ``u``).
+    same operands and have no effects (a user's ``u`` beside a derivative pass's primal of ``u``);
+    a body among the parameters is compared by the program it prints and its constants (two
+    traces of one network), and a read (:func:`_read_map`) by the entries it reads.
 
     Args:
       closed: the program.

@@ -68,6 +68,20 @@ def test_two_traces_of_one_body_are_merged_and_different_bodies_are_not():
         np.testing.assert_array_equal(got, want)
 
 
+def test_bodies_printing_alike_with_different_rules_are_not_merged():
+    """Two custom_jvp functions print one program (their rules show by name only): their
+    bodies stay apart and each keeps its own derivative; two traces of one of them merge."""
+    f = jax.custom_jvp(lambda x: jnp.sin(x))
+    f.defjvp(lambda p, t: (jnp.sin(p[0]), t[0] * 2.0))
+    g = jax.custom_jvp(lambda x: jnp.sin(x))
+    g.defjvp(lambda p, t: (jnp.sin(p[0]), t[0] * 3.0))
+    closed = jax.make_jaxpr(lambda x: (jax.checkpoint(f)(x), jax.checkpoint(g)(x), jax.checkpoint(f)(x)))(1.0)
+    merged = cse(closed)
+    assert len(closed.jaxpr.eqns) == 3 and len(merged.jaxpr.eqns) == 2
+    tangents = jax.jvp(lambda x: jnp.stack(_run(merged, x)), (1.0,), (1.0,))[1]
+    np.testing.assert_array_equal(tangents, [2.0, 3.0, 2.0])
+
+
 def test_outputs_of_one_autocast_network_share_their_passes_in_the_step():
     """The divergence of an autocast network's 3 outputs beside each output's Laplacian (a
     vector field's terms; each output's ``hessian`` traces the network again): the step's

@@ -156,10 +156,46 @@ def _param_key(value: Any, texts: Dict[Any, Any]) -> Any:
         if value not in texts:
             consts = value.consts if isinstance(value, jcore.ClosedJaxpr) else ()
             keys = [_const_key(c) for c in consts]
-            # a body holding a large array constant is keyed by itself (not worth its bytes)
-            texts[value] = value if None in keys else ("program", str(value), tuple(keys))
+            # a body holding a large array constant is keyed by itself (not worth its bytes); the
+            # parameters a program prints by name only (a custom_jvp's rule) are keyed as themselves
+            held = _unprinted(value.jaxpr if isinstance(value, jcore.ClosedJaxpr) else value)
+            texts[value] = value if None in keys or held is None else ("program", str(value), tuple(keys), held)
         return texts[value]
     return value
+
+
+_PRINTED = (int, float, bool, str, type(None), np.dtype, np.generic)
+
+
+def _unprinted(jaxpr: jcore.Jaxpr) -> Optional[Tuple[Any, ...]]:
+    """The parameters of ``jaxpr``'s equations (its bodies' too) that its printed program shows
+    by name only (functions, rules: two with one name may differ), as themselves; None where one
+    is unhashable."""
+    out: List[Any] = []
+
+    def visit(v: Any) -> None:
+        if isinstance(v, (tuple, list)):
+            for x in v:
+                visit(x)
+        elif isinstance(v, jcore.ClosedJaxpr):
+            out.extend(walk(v.jaxpr))
+        elif isinstance(v, jcore.Jaxpr):
+            out.extend(walk(v))
+        elif not isinstance(v, _PRINTED) and not hasattr(v, "dtype"):
+            out.append(v)
+
+    def walk(j: jcore.Jaxpr) -> List[Any]:
+        for eqn in j.eqns:
+            for v in eqn.params.values():
+                visit(v)
+        return []
+
+    walk(jaxpr)
+    try:
+        hash(tuple(out))
+    except TypeError:
+        return None
+    return tuple(out)
 
 
 def _const_key(c: Any) -> Any:

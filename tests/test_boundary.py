@@ -76,6 +76,31 @@ def test_a_forced_second_order_overflow_flags_key_2_only_and_backs_off(form):
     np.testing.assert_allclose(vals, ref, atol=2e-2 * float(jnp.abs(ref).max()))
 
 
+@pytest.mark.parametrize("form", ["hessian", "jvp laplacian"])
+def test_a_derivative_nobody_reads_is_not_checked(form):
+    """An overflowing second order the function computes but does not return flags nothing (it
+    cannot make a result wrong) and is not in the program; returned, it flags key 2."""
+    params = _params(gain=400.0)  # |u_xx| ~ 1e5 overflows float16 at scale 1 (the test above)
+    u, d2 = _u(AMP), FORMS[form](_u(AMP))
+
+    def unread(p, x):
+        lap = d2(p, x)  # noqa: F841 -- computed, never read
+        return u(p, x)
+
+    def read(p, x):
+        return u(p, x) + 0.0 * d2(p, x)
+
+    for fn, flagged in ((unread, False), (read, True)):
+        call = jax.jit(jaxamp.scaled(jax.vmap(fn, (None, 0)), AMP), compiler_options=STRICT_FP16)
+        vals, found = call({"1": 1.0, "2": 1.0}, params, X)
+        assert bool(found.get("2", False)) is flagged and not bool(found.get("nonfinite_values", False))
+        if not flagged:
+            np.testing.assert_array_equal(np.asarray(vals), np.asarray(jax.jit(jax.vmap(u, (None, 0)))(params, X)))
+            dots = [str(jax.make_jaxpr(jaxamp.scaled(jax.vmap(g, (None, 0)), AMP))({"1": 1.0, "2": 1.0}, params, X))
+                    .count("dot_general") for g in (fn, u)]
+            assert dots[0] == dots[1]  # the unread derivative's passes are gone from the program
+
+
 def test_fourth_order_and_scale_invariance_bit_for_bit():
     """Binary scales commute with rounding: any power-of-two scales give the same bits."""
     u = _u(AMP)

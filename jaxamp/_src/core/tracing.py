@@ -9,10 +9,12 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping, Optional
 
 import jax.numpy as jnp
+from jax.extend import core as jcore
 
 from jaxamp._src.core import policy
 from jaxamp._src.scaling.config import AmpConfig, ConfigError
 from jaxamp._src.core.interpreter import holds, trace
+from jaxamp._src.core.marks import deriv_check_p
 from jaxamp._src.core.rules import passes
 from jaxamp._src.scaling.state import find
 
@@ -26,6 +28,27 @@ def expand(closed: Any, off: bool = False) -> Any:
         if holds(closed.jaxpr, frozenset((primitive,))):
             closed = rewrite(closed)
     return closed
+
+
+def live(closed: Any) -> Any:
+    """``closed`` without the equations of its top level that no output reads (inputs kept; calls
+    and loops kept whole): a derivative nobody reads is neither computed nor checked, as its
+    overflow cannot make a result wrong. A check whose own result nothing reads is written for
+    its flag alone (an engine checks its scaled values and returns them unscaled): it stays."""
+    eqns, outs = closed.jaxpr.eqns, closed.jaxpr.outvars
+    read = {v for v in outs if isinstance(v, jcore.Var)}
+    read.update(v for eqn in eqns for v in eqn.invars if isinstance(v, jcore.Var))
+    reads = {v for v in outs if isinstance(v, jcore.Var)}
+    kept = []
+    for k in range(len(eqns) - 1, -1, -1):
+        eqn = eqns[k]
+        if (eqn.effects or any(v in reads for v in eqn.outvars)
+                or (eqn.primitive is deriv_check_p and not any(v in read for v in eqn.outvars))):
+            kept.append(k)
+            reads.update(v for v in eqn.invars if isinstance(v, jcore.Var))
+    if len(kept) == len(eqns):
+        return closed
+    return jcore.ClosedJaxpr(closed.jaxpr.replace(eqns=[eqns[k] for k in reversed(kept)]), closed.consts)
 
 
 def check_amp(amp, caller: str = "jaxamp.scaled") -> None:
@@ -63,5 +86,5 @@ def traced(fun: Callable, args, kwargs, amp: Optional[AmpConfig], caller: str,
     first, flat, out_tree = trace(fun, args, kwargs)
     if amp is not None:
         policy.check(policy.policies_in(first), amp, caller, against)
-    closed = expand(first, off=amp is not None and amp.off)
+    closed = live(expand(first, off=amp is not None and amp.off))
     return (closed, flat, out_tree, first) if raw else (closed, flat, out_tree)

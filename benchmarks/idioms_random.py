@@ -1,6 +1,7 @@
 """Random derivative idioms against JAX's own and the engine's plan of the same derivative set.
 
-    python -m benchmarks idioms --random N --seed S [--amp {off,fp16}] [--no-x64] [--step-time K] [--out FILE]
+    python -m benchmarks idioms --random N --seed S [--amp {off,fp16}] [--no-x64] [--step-time K]
+        [--program-timeout S] [--out FILE]
 
 A generator of derivative programs (issue #56, item 2). Each program has
 
@@ -25,7 +26,8 @@ partial derivative the terms read (lower orders included), the terms summed from
 
 Recorded per program: a description, XLA FLOPs of each form (``cost_analysis()["flops"]`` of the
 jitted program) and their ratios (jaxamp / engine, jaxamp / JAX), the same of the gradient step
-(``jax.grad`` of the mean squared terms along the parameters: jaxamp / engine), trace + lower + compile seconds of
+(``jax.grad`` of the mean squared terms along the parameters: jaxamp / engine, and its trace + lower +
+compile seconds against JAX's own step's), trace + lower + compile seconds of
 each (the first compile, and again at a new batch shape: ``n_points + 8``), and the values' largest error against JAX's own (relative to each term's largest magnitude),
 float32 and (unless ``--no-x64``) float64. Program ``i`` of seed ``S`` is drawn from
 ``numpy.random.default_rng([S, i])``: ``describe(generate(S, i))`` reproduces it.
@@ -682,12 +684,14 @@ def measure(prog: Program, amp_mode: str = "off") -> Dict[str, Any]:
     # the gradient step the forms are trained with (jax.grad of the mean squared terms): its
     # backward pass differentiates the program as written, which XLA's merging of repeated work
     # in the forward program does not reach
-    row["step_flops"] = {}
-    for name in ("jaxamp", "engine"):
+    row["step_flops"], row["step_compile_s"] = {}, {}
+    for name in ("jaxamp", "engine", "jax"):
         step = jax.grad(lambda p, Z, fn=forms[name]: jnp.mean(fn(p, Z) ** 2))
-        row["step_flops"][name] = _flops(jax.jit(step).lower(params, Z).compile())
+        compiled, secs = _compile(step, params, Z)
+        row["step_flops"][name], row["step_compile_s"][name] = _flops(compiled), round(secs, 3)
     sf = row["step_flops"]
     row["step_flops_over_engine"] = round(sf["jaxamp"] / sf["engine"], 4) if sf["engine"] else None
+    row["step_compile_over_jax"] = round(row["step_compile_s"]["jaxamp"] / row["step_compile_s"]["jax"], 3)
     # a new batch shape (the points a training run's next shape brings): each form compiled again
     # at ``n_points + 8``, every one-time cost of the first compile (JAX's and jaxamp's) paid
     Z2 = jax.random.uniform(jax.random.PRNGKey(prog.seed + prog.index), (prog.n_points + 8, prog.D), minval=-1.0,
@@ -751,6 +755,50 @@ def _x64_errors(seed: int, indices: Sequence[int]) -> Dict[int, Any]:
     return errors
 
 
+def program_row(seed: int, i: int, amp_mode: str = "off", x64: bool = True, timed: bool = False) -> Dict[str, Any]:
+    """Program ``i`` of ``seed`` measured (:func:`measure`; ``x64``: its float64 values too; ``timed``:
+    its gradient step timed): one row of the results, a failure recorded in it."""
+    prog = generate(seed, i)
+    row: Dict[str, Any] = {"index": i, "program": prog.desc, "template": prog.template, "order": order_of(prog),
+                           "engine_derivatives": engine_names(prog)}
+    try:
+        row.update(measure(prog, amp_mode))
+    except Exception as e:  # noqa: BLE001 -- a failing form is a finding, recorded
+        row["failure"] = f"{type(e).__name__}: {e}"[:2000]
+        row["traceback"] = traceback.format_exc()[-3000:]
+    if x64:
+        row["error_f64"] = _x64_errors(seed, [i])[i]
+    if timed and "failure" not in row:
+        row.update(step_times(prog, amp_mode))
+    return row
+
+
+def _child(queue, *args) -> None:
+    queue.put(program_row(*args))
+
+
+def _in_process(seed: int, i: int, amp_mode: str, x64: bool, timed: bool, timeout_s: float) -> Dict[str, Any]:
+    """:func:`program_row` in a process of its own, stopped after ``timeout_s`` seconds."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(queue, seed, i, amp_mode, x64, timed), daemon=True)
+    start = time.perf_counter()
+    proc.start()
+    try:
+        return queue.get(timeout=timeout_s)
+    except Exception:  # noqa: BLE001 -- queue.Empty: over the limit
+        prog = generate(seed, i)
+        return {"index": i, "program": prog.desc, "template": prog.template, "order": order_of(prog),
+                "engine_derivatives": engine_names(prog), "timeout": True,
+                "failure": f"over --program-timeout={timeout_s:g} s ({time.perf_counter() - start:.0f} s)"}
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+
+
 def _commit() -> str:
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
@@ -770,10 +818,15 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     ap.add_argument("--step-time", type=int, default=0, metavar="K",
                     help="also time the gradient step of K programs spread over the run against the engine's "
                          "(interleaved medians)")
+    ap.add_argument("--program-timeout", type=float, default=None, metavar="S",
+                    help="measure each program in a process of its own, stopped after S seconds (recorded as a "
+                         "timeout with its description: a program whose compile runs away does not stall the run)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.random < 1:
         ap.error(f"--random={args.random} must be >= 1")
+    if args.program_timeout is not None and args.program_timeout <= 0:
+        ap.error(f"--program-timeout={args.program_timeout} must be > 0 seconds")
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(3), "little")
     commit = _commit()
     out = args.out or f"benchmarks/results/idioms-random-{commit}-{seed}-{datetime.date.today()}.json"
@@ -785,17 +838,11 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
             print(f"budget reached after {i} programs", flush=True)
             break
         prog = generate(seed, i)
-        row: Dict[str, Any] = {"index": i, "program": prog.desc, "template": prog.template, "order": order_of(prog),
-                               "engine_derivatives": engine_names(prog)}
-        try:
-            row.update(measure(prog, args.amp))
-        except Exception as e:  # noqa: BLE001 -- a failing form is a finding, recorded
-            row["failure"] = f"{type(e).__name__}: {e}"[:2000]
-            row["traceback"] = traceback.format_exc()[-3000:]
-        if not args.no_x64:
-            row["error_f64"] = _x64_errors(seed, [i])[i]
-        if args.step_time and "failure" not in row and i % max(1, args.random // args.step_time) == 0:
-            row.update(step_times(prog, args.amp))
+        timed = bool(args.step_time) and i % max(1, args.random // args.step_time) == 0
+        if args.program_timeout is None:
+            row = program_row(seed, i, args.amp, not args.no_x64, timed)
+        else:
+            row = _in_process(seed, i, args.amp, not args.no_x64, timed, args.program_timeout)
         rows.append(row)
         print(f"[{i}] {row.get('flops_over_engine')}x engine, {row.get('flops_over_jax')}x jax, "
               f"err {row.get('error_f32')} / {row.get('error_f64')}, compile {row.get('compile_over_jax')}x jax"
@@ -860,6 +907,8 @@ def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
         "compile_over_jax": _quantiles([r["compile_over_jax"] for r in ok]),
         "compile_over_engine": _quantiles([r["compile_over_engine"] for r in ok]),
         "compile_new_shape_over_jax": _quantiles([r["compile_new_shape_over_jax"] for r in ok]),
+        "step_compile_over_jax": _quantiles([r["step_compile_over_jax"] for r in ok if "step_compile_over_jax" in r]),
+        "timeouts": [r["index"] for r in rows if r.get("timeout")],
         "chain_programs_within_1_05_of_engine_paths": [sum(r["flops_over_engine_paths"] <= 1.05 for r in chains),
                                                        len(chains)],
         "flops_over_engine_paths": _quantiles([r["flops_over_engine_paths"] for r in chains]),
@@ -878,10 +927,10 @@ def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
 
 def print_summary(s: Dict[str, Any]) -> None:
     print(f"\n{s['within_1_05_of_engine']}/{s['measured']} programs at <= 1.05x the engine's FLOPs "
-          f"({len(s['failures'])} failed: {s['failures']})")
+          f"({len(s['failures'])} failed: {s['failures']}; over the time limit: {s['timeouts']})")
     print(f"  gradient step: {s['step_flops_within_1_05_of_engine']}/{s['measured']} at <= 1.05x the engine's FLOPs")
     for k in ("flops_over_engine", "step_flops_over_engine", "flops_over_jax", "engine_over_jax", "compile_over_jax", "compile_over_engine",
-              "compile_new_shape_over_jax", "step_over_engine"):
+              "compile_new_shape_over_jax", "step_compile_over_jax", "step_over_engine"):
         print(f"  {k}: {s[k]}")
     print(f"  scalar grad chains: {s['chain_programs_within_1_05_of_engine_paths']} within 1.05x the engine along "
           f"the same paths: {s['flops_over_engine_paths']}")

@@ -5,6 +5,7 @@ A failure names its seed; reproduce it with ``JAXAMP_IDIOMS_SEED=<seed> pytest t
 or ``python -m benchmarks idioms --random 4 --seed <seed>``.
 """
 
+import json
 import os
 
 import pytest
@@ -69,6 +70,18 @@ def test_generator_is_reproducible_and_covers_the_forms():
                  "jax.checkpoint", "flax", "[scalar_chain]", "[vector_field]", "[grad_t_hessian_xy]"):
         assert form in text, f"seed {seed}: no program with {form!r} in 300"
     assert max(ir.order_of(ir.generate(seed, i)) for i in range(50)) == 4
+
+
+def test_a_program_over_the_time_limit_is_recorded_and_the_run_goes_on(tmp_path):
+    """``--program-timeout``: each program in a process of its own; one over the limit is a row
+    with its description and ``timeout``, listed in the summary, and the run writes its JSON."""
+    out = tmp_path / "r.json"
+    result = ir.main(["--random", "2", "--seed", "7", "--no-x64", "--program-timeout", "0.01", "--out", str(out)])
+    assert result["summary"]["timeouts"] == [0, 1] and result["summary"]["measured"] == 0
+    assert [r["program"] for r in result["programs"]] == [ir.generate(7, i).desc for i in range(2)]
+    assert json.loads(out.read_text())["summary"]["timeouts"] == [0, 1]
+    with pytest.raises(SystemExit):
+        ir.main(["--random", "1", "--program-timeout", "0"])
 
 
 @pytest.mark.slow

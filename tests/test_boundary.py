@@ -101,6 +101,20 @@ def test_a_derivative_nobody_reads_is_not_checked(form):
             assert dots[0] == dots[1]  # the unread derivative's passes are gone from the program
 
 
+@pytest.mark.parametrize("form", list(FORMS))
+def test_an_overflow_below_the_returned_derivative_is_flagged(form):
+    """Only the second derivative is returned, but it is computed from the first's scaled float16
+    values: a first order that overflows (its seed, 2**17, is past float16's range) flags key 1,
+    though nothing reads the first derivative itself."""
+    fn = jax.vmap(FORMS[form](_u(AMP)), (None, 0))
+    call = jax.jit(jaxamp.scaled(fn, AMP), compiler_options=STRICT_FP16)
+    vals, found = call({"1": 2.0**17, "2": 1.0}, _params(), X)
+    assert bool(found["1"]) and not bool(found["nonfinite_values"])
+    assert not np.all(np.isfinite(np.asarray(vals)))  # the result it guards is wrong
+    _, found = call({"1": 2.0**-2, "2": 1.0}, _params(), X)
+    assert not any(bool(v) for v in found.values())
+
+
 def test_fourth_order_and_scale_invariance_bit_for_bit():
     """Binary scales commute with rounding: any power-of-two scales give the same bits."""
     u = _u(AMP)

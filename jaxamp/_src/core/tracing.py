@@ -33,22 +33,34 @@ def expand(closed: Any, off: bool = False) -> Any:
 def live(closed: Any) -> Any:
     """``closed`` without the equations of its top level that no output reads (inputs kept; calls
     and loops kept whole): a derivative nobody reads is neither computed nor checked, as its
-    overflow cannot make a result wrong. A check whose own result nothing reads is written for
-    its flag alone (an engine checks its scaled values and returns them unscaled): it stays."""
+    overflow cannot make a result wrong. A check of a value the program computes for its
+    outputs stays, whoever reads the check (the check of a first derivative whose second is
+    returned: the second is computed from the first's scaled values), and so does a check whose
+    own result nothing reads (written for its flag alone: an engine checks its scaled values and
+    returns them unscaled)."""
     eqns, outs = closed.jaxpr.eqns, closed.jaxpr.outvars
     read = {v for v in outs if isinstance(v, jcore.Var)}
     read.update(v for eqn in eqns for v in eqn.invars if isinstance(v, jcore.Var))
     reads = {v for v in outs if isinstance(v, jcore.Var)}
-    kept = []
-    for k in range(len(eqns) - 1, -1, -1):
-        eqn = eqns[k]
-        if (eqn.effects or any(v in reads for v in eqn.outvars)
-                or (eqn.primitive is deriv_check_p and not any(v in read for v in eqn.outvars))):
-            kept.append(k)
-            reads.update(v for v in eqn.invars if isinstance(v, jcore.Var))
+    kept: set = set()
+    while True:  # until no check of a value found live joins (its own operands may make more live)
+        grown = False
+        for k in range(len(eqns) - 1, -1, -1):
+            eqn = eqns[k]
+            if k in kept:
+                continue
+            check = eqn.primitive is deriv_check_p and eqn.params.get("check", True)
+            if (eqn.effects or any(v in reads for v in eqn.outvars)
+                    or (eqn.primitive is deriv_check_p and not any(v in read for v in eqn.outvars))
+                    or (check and isinstance(eqn.invars[0], jcore.Var) and eqn.invars[0] in reads)):
+                kept.add(k)
+                grown = True
+                reads.update(v for v in eqn.invars if isinstance(v, jcore.Var))
+        if not grown:
+            break
     if len(kept) == len(eqns):
         return closed
-    return jcore.ClosedJaxpr(closed.jaxpr.replace(eqns=[eqns[k] for k in reversed(kept)]), closed.consts)
+    return jcore.ClosedJaxpr(closed.jaxpr.replace(eqns=[eqns[k] for k in sorted(kept)]), closed.consts)
 
 
 def check_amp(amp, caller: str = "jaxamp.scaled") -> None:

@@ -113,3 +113,54 @@ def test_a_direction_of_one_output_is_the_sum_of_steps_another_output_takes():
     assert [b for b, _ in planned] == [0, 0, 1, 1] and sums[2] == [((0,), 2), ((1,), 3)]
     planned, sums = chain._requests([link(f0, 0), link(f1, 0, along)], [0, 1])
     assert [c.argnums for _, c in planned] == [(0,), (0, along)] and sums[1] == [((), 1)]
+
+
+def _mlp(p, y, z):
+    h = jnp.tanh(jnp.stack([y, z]) @ p[0])
+    return jnp.tanh(h @ p[1]) @ p[2]
+
+
+MLP = tuple(jax.random.normal(jax.random.PRNGKey(k), s) / jnp.sqrt(s[0])
+            for k, s in enumerate([(2, 32), (32, 32), (32,)]))
+YS, ZS = jnp.linspace(-0.5, 0.5, 32), jnp.linspace(0.2, -0.3, 32)
+
+
+def test_a_level_read_only_as_flags_takes_no_pass_of_its_own():
+    """``jacrev(grad(hessian(u, y), z), y)``: its levels u_yy and u_yyz are read only by the checks
+    of the levels above them (is the value below finite?), so the plan takes the steps of u_yyzy
+    in the order that costs least (a Taylor pass along y, then one jvp along z: the engine's plan
+    of ``u__y__y__y__z``) and those checks read its own levels: the scaled step's FLOPs are the
+    engine's, the values JAX's, an overflow flagged by its order."""
+    amp = jaxamp.AmpConfig()
+    net = jaxamp.autocast(_mlp, amp)  # float16
+    f = jaxamp.jacrev(jaxamp.grad(jaxamp.hessian(net, 1), 2), 1)
+    loss = lambda p, ys, zs: jnp.mean(jax.vmap(f, (None, 0, 0))(p, ys, zs) ** 2)  # noqa: E731
+    engine = jaxamp.Derivatives(lambda p, x: net(p, x[0], x[1])[None], inputs=("y", "z"), outputs=("u",),
+                                derivatives=["u__y__y__y__z"], amp=amp)
+    by_engine = lambda p, ys, zs: jnp.mean(engine(p, jnp.stack([ys, zs], 1))["u__y__y__y__z"] ** 2)  # noqa: E731
+
+    def step_flops(fn):
+        state = jaxamp.init(fn, amp, from_profile=False)(MLP, YS, ZS)
+        step = jax.jit(lambda p, ys, zs: jaxamp.value_and_grad(fn)(state, p, ys, zs))
+        return step.lower(MLP, YS, ZS).compile().cost_analysis()["flops"]
+
+    assert step_flops(loss) <= 1.02 * step_flops(by_engine)
+    scaled = jax.jit(jaxamp.scaled(loss, amp))
+    want = jnp.mean(jax.vmap(jax.grad(jax.grad(jax.grad(jax.grad(_mlp, 1), 1), 2), 1), (None, 0, 0))(MLP, YS, ZS) ** 2)
+    value, found = scaled({k: 1.0 for k in "1234"}, MLP, YS, ZS)
+    np.testing.assert_allclose(value, want, rtol=5e-2)  # float16
+    assert not any(bool(v) for v in found.values())
+    for key in "234":  # a level past float16's range flags its own key, not the bad values
+        _, found = scaled({k: 2.0**40 if k == key else 1.0 for k in "1234"}, MLP, YS, ZS)
+        assert sorted(k for k, v in found.items() if bool(v)) == [key]
+
+
+def test_the_plan_takes_a_mixed_partials_steps_in_the_order_that_costs_least():
+    """A pure run first is one Taylor pass (u_yyyz: 4 coefficients, then a jvp: 8 values per
+    network value, not 16 by the arguments' order); a chain whose prefix another takes is that
+    pass (u_zy beside u_zyy: the arguments' order wins); the steps' names are kept as written."""
+    c = lambda steps, wrts=None: chain.Chain(u, steps, wrts or (None,) * len(steps), None)  # noqa: E731
+    assert [x.argnums for x in chain.ordered([c((2, 1, 1, 1))])] == [(1, 1, 1, 2)]
+    assert [x.argnums for x in chain.ordered([c((1, 2)), c((1, 2, 2))])] == [(1, 2), (1, 2, 2)]
+    named = c((2, 1, 1, 1), ("x", "t", "t", "t"))
+    assert chain.ordered([named]) == [named]

@@ -24,7 +24,7 @@ from jaxamp._src.core.rules import RULES, PrimitiveRules
 __all__ = [
     "SEP", "NONFINITE_VALUES", "scaler_key", "step_flags", "seed", "rescale", "unscale", "or_into",
     "any_set", "merge_found_inf", "reduce_flags", "UNINTERPRETED", "UnscaledDerivativeWarning", "deriv_scale_p",
-    "deriv_check_p", "deriv_scale", "deriv_check", "fresh", "PRIMITIVES"
+    "deriv_check_p", "deriv_scale", "deriv_check", "fresh", "PRIMITIVES", "flags_only"
 ]
 
 SEP = "__"  # "u__x" is du/dx, "u__x__y" is d/dy(du/dx)
@@ -352,3 +352,24 @@ def deriv_check(g: jax.Array, v: jax.Array, *, order: int, term: Optional[str], 
     its key (``order`` 0: ``g`` is a value, checked for bad values). ``check=False`` only
     names ``g`` as that derivative (its order and name for the marks above it)."""
     return deriv_check_p.bind(g, v, order=order, term=term, wrt=wrt, check=check)
+
+
+def flags_only(jaxpr: jcore.Jaxpr) -> frozenset:
+    """The variables of ``jaxpr`` whose values reach its outputs only as flags: read by a scale
+    (for its shape and order), as the value below a check (whether it is finite), or by
+    equations whose own results are such variables (a check of a derivative nobody reads). A
+    check decides only where the value below it is finite, so the value below can be any other
+    of the same order that the program computes: the Derivatives engine's own levels. Inside
+    a call, loop or branch, and in an equation with effects, every operand is a value."""
+    values = {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
+    for eqn in reversed(jaxpr.eqns):
+        if eqn.primitive is deriv_scale_p:
+            continue
+        if eqn.primitive is deriv_check_p:
+            if eqn.outvars[0] in values and isinstance(eqn.invars[0], jcore.Var):
+                values.add(eqn.invars[0])
+            continue
+        if eqn.effects or list(jcore.jaxprs_in_params(eqn.params)) or any(v in values for v in eqn.outvars):
+            values.update(v for v in eqn.invars if isinstance(v, jcore.Var))
+    defined = [*jaxpr.invars, *jaxpr.constvars, *(v for eqn in jaxpr.eqns for v in eqn.outvars)]
+    return frozenset(v for v in defined if isinstance(v, jcore.Var) and v not in values)

@@ -7,8 +7,10 @@ nested calls would have reported (docs/algorithm.md, "Engines").
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+import itertools
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import jax
@@ -147,6 +149,67 @@ def canonical(chain: Chain) -> Chain:
     return Chain(chain.base, tuple(chain.argnums[k] for k in order), chain.wrts, chain.of, chain.out)
 
 
+# Steps of a chain up to which the plan weighs every order of them (beyond: the arguments' order
+# and the pure runs first).
+_PERMUTED = 6
+
+
+def _orders(c: Chain) -> List[Tuple[Any, ...]]:
+    """The orders of ``c``'s steps that read its marks the same (mixed partials are symmetric):
+    the arguments' order (:func:`canonical`), the longest pure runs first (a pure run is one
+    Taylor pass), then every other."""
+    steps, k = c.argnums, len(c.argnums)
+    count = collections.Counter(steps)
+    perms = [sorted(range(k), key=lambda i: _order_key(steps[i])),
+             sorted(range(k), key=lambda i: (-count[steps[i]], _order_key(steps[i])))]
+    if k <= _PERMUTED:
+        perms += itertools.permutations(range(k))
+    out = (tuple(steps[i] for i in perm) for perm in perms if tuple(c.wrts[i] for i in perm) == c.wrts)
+    return list(dict.fromkeys(out))
+
+
+class _Passes:
+    """The passes of a plan as paths join it (:func:`forward.passes`): the inputs of each pass
+    (``homes``), every prefix of them, and what they carry (``cost``, :func:`forward.pass_cost`)."""
+
+    def __init__(self) -> None:
+        self.homes: set = set()
+        self.prefixes: set = set()
+        self.cost = 0
+
+    def extra(self, path: Tuple[Any, ...]) -> int:
+        """What ``path`` adds: nothing along a prefix of a pass, a pass it extends made longer."""
+        if path in self.prefixes:
+            return 0
+        below = next((path[:k] for k in range(len(path) - 1, 0, -1) if path[:k] in self.homes), ())
+        return forward.pass_cost(path) - (forward.pass_cost(below) if below else 0)
+
+    def add(self, path: Tuple[Any, ...]) -> None:
+        self.cost += self.extra(path)
+        if path not in self.prefixes:
+            self.homes.difference_update(path[:k] for k in range(1, len(path)))
+            self.homes.add(path)
+            self.prefixes.update(path[:k] for k in range(1, len(path) + 1))
+
+
+def ordered(chains: Sequence[Chain]) -> List[Chain]:
+    """``chains`` (planned at one point) with their steps in the orders (:func:`_orders`) whose
+    passes carry the least: the arguments' order, or each chain in turn, shortest or longest
+    first, the order adding least to the passes before it (ties: the arguments' order)."""
+    options = [_orders(c) for c in chains]
+    if all(len(o) == 1 for o in options):
+        return list(chains)
+    plans = [(forward.plan_cost([o[0] for o in options]), [o[0] for o in options])]
+    for longest in (False, True):
+        passes, choice = _Passes(), [o[0] for o in options]
+        for i in sorted(range(len(chains)), key=lambda i: len(chains[i].argnums), reverse=longest):
+            choice[i] = min(options[i], key=passes.extra)
+            passes.add(choice[i])
+        plans.append((passes.cost, choice))
+    best = min(plans, key=lambda p: p[0])[1]
+    return [dataclasses.replace(c, argnums=steps) for c, steps in zip(chains, best)]
+
+
 def _expanded(c: Chain) -> List[Tuple[Tuple[int, ...], Chain]]:
     """``c`` with each direction step replaced by the steps along the arguments it moves:
     ``[(direction operands whose product is the coefficient, chain along arguments)]``, whose
@@ -185,9 +248,21 @@ def _requests(chains: Sequence[Chain], base_of: Sequence[int]):
     return planned, sums
 
 
+def _covers(s: Chain, b: int, planned: Sequence[Tuple[int, Chain]]) -> List[int]:
+    """The planned chains (indices) whose passes hold a value of ``s``'s order below their top,
+    along the same arguments, with the same marks: chains of base ``b``'s entry ``s.out``
+    whose steps include ``s``'s and whose first steps' names are ``s``'s."""
+    k, need = len(s.argnums), collections.Counter(s.argnums)
+    if any(isinstance(a, Along) for a in s.argnums):
+        return []
+    return [j for j, (bj, c) in enumerate(planned)
+            if bj == b and c.out == s.out and c.of == s.of and len(c.argnums) >= k and c.wrts[:k] == s.wrts
+            and not any(isinstance(a, Along) for a in c.argnums) and not need - collections.Counter(c.argnums)]
+
+
 def evaluate(chains: Sequence[Chain], base_of: Sequence[int], bases: Sequence[Callable], args: Tuple[Any, ...],
              base_order: int, base_term: Optional[str], shapes: Optional[Sequence[Tuple[int, ...]]] = None,
-             dirs: Sequence[Any] = ()) -> List[jax.Array]:
+             dirs: Sequence[Any] = (), soft: Sequence[bool] = ()) -> List[jax.Array]:
     """The top derivatives of ``chains`` at the positional ``args`` by one engine plan, marked.
 
     ``chains[i]`` differentiates entry ``chains[i].out`` of ``bases[base_of[i]]`` (a function
@@ -196,8 +271,27 @@ def evaluate(chains: Sequence[Chain], base_of: Sequence[int], bases: Sequence[Ca
     and name of the bases' values
     (:mod:`jaxamp._src.core.nesting`); a chain's ``of`` names its base first; ``dirs``: the
     float32 scalars its :class:`Along` steps' ``dirs`` index. Each value is marked as its last
-    step's derivative."""
-    planned, sums = _requests([canonical(c) for c in chains], base_of)
+    step's derivative. ``soft[i]``: the program reads ``chains[i]`` only as flags
+    (:func:`jaxamp._src.core.marks.flags_only`: the value below the check of a longer chain), so
+    it is the value of its order that the passes of a chain taking its steps and more compute
+    (the plan orders those steps for the chains read, :func:`ordered`), not a pass of its own;
+    it is planned as the others where no chain covers it."""
+    soft = [bool(f) for f in soft] or [False] * len(chains)
+    hard = [i for i, f in enumerate(soft) if not f] or list(range(len(chains)))
+    while True:
+        planned, sums = _requests([canonical(chains[i]) for i in hard], [base_of[i] for i in hard])
+        bare = [i for i in range(len(chains)) if i not in hard and not _covers(chains[i], base_of[i], planned)]
+        if not bare:
+            break
+        hard = sorted(hard + bare)
+    planned = list(zip([b for b, _ in planned], ordered([c for _, c in planned])))
+    below: Dict[int, Tuple[int, int]] = {}  # a soft chain -> (the planned chain covering it, its order)
+    for i in range(len(chains)):
+        if i not in hard:
+            covers = _covers(chains[i], base_of[i], planned)
+            k, need = len(chains[i].argnums), collections.Counter(chains[i].argnums)
+            exact = [j for j in covers if collections.Counter(planned[j][1].argnums[:k]) == need]
+            below[i] = ((exact or covers)[0], k)
     base_of, chains = [b for b, _ in planned], [c for _, c in planned]
     cols = tuple(sorted({i for c in chains for i in positions(c)}))
     along = {a: j for j, a in enumerate(dict.fromkeys(a for c in chains for a in c.argnums if isinstance(a, Along)))}
@@ -233,8 +327,10 @@ def evaluate(chains: Sequence[Chain], base_of: Sequence[int], bases: Sequence[Ca
     engine = functools.partial(forward.point_values, directions=directions)
     values, _ = run_marked(plan, engine, f, x, marks_of, wrts)
     top = [values[t] for t in tops]
-    return [functools.reduce(lambda a, b: a + b, [_product([dirs[d] for d in coef], top[j]) for coef, j in parts])
-            for parts in sums]
+    found = iter([functools.reduce(lambda a, b: a + b, [_product([dirs[d] for d in coef], top[j]) for coef, j in parts])
+                  for parts in sums])
+    return [values[_node(chains[below[i][0]], below[i][1], output[below[i][0]], along)] if i in below else next(found)
+            for i in range(len(soft))]
 
 
 def _product(factors: Sequence[Any], value: jax.Array) -> jax.Array:

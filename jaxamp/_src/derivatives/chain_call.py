@@ -34,7 +34,7 @@ from jaxamp._src.derivatives import chain
 from jaxamp._src.derivatives.prune import pruned
 from jaxamp._src.core.interpreter import (atom, bind, eval_jaxpr, holds, split_arrays, sub_jaxprs, substitute,
                                             trace)
-from jaxamp._src.core.marks import deriv_check, deriv_check_p, deriv_scale, fresh, seed, unscale
+from jaxamp._src.core.marks import deriv_check, deriv_check_p, deriv_scale, flags_only, fresh, seed, unscale
 from jaxamp._src.core.nesting import NO_DERIVATIVE, analyze, single_name
 from jaxamp._src.core.rules import RULES, PrimitiveRules, evaluated, rules_of
 
@@ -166,7 +166,8 @@ def _run(members: Sequence[Dict[str, Any]], base_of: Sequence[int], consts: Sequ
     def fn(args, consts, dirs):
         bases = [_body_fn(body, c) for body, c in zip(bodies, consts)]
         return chain.evaluate(links, base_of, bases, tuple(args), first["base_order"], first["base_term"],
-                              [body.outvars[0].aval.shape for body in bodies], dirs)
+                              [body.outvars[0].aval.shape for body in bodies], dirs,
+                              [m.get("soft", False) for m in members])
 
     return _batched(fn, members, base_of, consts, dir_levels)(list(args), [list(c) for c in consts], list(dirs))
 
@@ -673,6 +674,7 @@ class _Expanding:
 def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx, infos):
     reads = _reads(jaxpr)
     scheduled = {} if ctx.off else _groups(jaxpr, reads=reads)
+    flags = frozenset() if ctx.off else flags_only(jaxpr)  # links read as flags only: any value of their order
     env = dict(zip([*jaxpr.constvars, *jaxpr.invars], [*consts, *args]))
 
     def read(v):
@@ -680,7 +682,7 @@ def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ct
 
     def run(at: int) -> None:  # the groups planned before equation `at`: their values written
         for members in scheduled.get(at, ()):
-            values = _run_group([jaxpr.eqns[j] for j in members], read, reads)
+            values = _run_group([jaxpr.eqns[j] for j in members], read, reads, flags)
             for j, outs in _split(members, jaxpr.eqns, values).items():
                 _write(env, jaxpr.eqns[j].outvars, outs)
 
@@ -756,10 +758,11 @@ def _merged(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
     return jax.make_jaxpr(run)(*_avals(closed))
 
 
-def _run_group(eqns, read, reads: Dict[Any, Any]) -> List[jax.Array]:
+def _run_group(eqns, read, reads: Dict[Any, Any], flags: frozenset = frozenset()) -> List[jax.Array]:
     """One plan for the chain equations ``eqns``; a base is shared by members with the same
     function, or the same traced body (two calls' traces of one network), and the same closure
-    constants; a direction by members reading the same variable, batched alike."""
+    constants; a direction by members reading the same variable, batched alike. A link whose
+    value is among ``flags`` (read as flags only) is soft (:func:`chain.evaluate`)."""
     members, base_of, consts, seen = [], [], [], []  # seen: (base, body, its constants' key) of each base
     dirs: Dict[Any, Tuple[int, Any]] = {}  # (direction operand, its axes by level) -> (its position, operand)
     first = _at_point(eqns[0])
@@ -789,7 +792,7 @@ def _run_group(eqns, read, reads: Dict[Any, Any]) -> List[jax.Array]:
         own = [dirs.setdefault((reads.get(v, atom(v)) if not isinstance(v, jcore.Literal) else atom(v),
                                 tuple(_parts(p, lv)[2][d] for lv in p["levels"])), (len(dirs), v))[0]
                for d, v in enumerate(_parts(p, eqn.invars)[2])]
-        members += [{**m, "link": _moved(m["link"], own)} for m in _members(p)]
+        members += [{**m, "link": _moved(m["link"], own), "soft": v in flags} for m, v in zip(_members(p), eqn.outvars)]
         base_of += [b] * len(p["links"])
     first = eqns[0]
     values = [_reread(v, read, reads) for _, v in dirs.values()]

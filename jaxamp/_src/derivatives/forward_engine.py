@@ -18,7 +18,8 @@ from jaxamp._src import taylor
 from jaxamp._src.derivatives.plan import Path, Plan, parse_name
 from jaxamp._src.core.marks import unscale
 
-__all__ = ["SERIES_MIN_ORDER", "Levels", "Chain", "point_values", "shared_scales", "as_scaled"]
+__all__ = ["SERIES_MIN_ORDER", "Levels", "Chain", "point_values", "passes", "pass_cost", "plan_cost", "shared_scales",
+           "as_scaled"]
 
 # Pure derivatives of at least this order take Taylor mode (jaxamp._src.taylor.series); pure
 # second orders take jaxamp._src.taylor.second_order.
@@ -40,12 +41,7 @@ def point_values(plan: Plan, f: Callable[[jax.Array], jax.Array], x: jax.Array, 
     tuple ``x``, the plan's inputs after ``x``'s are ``directions``: ``(entries of x, their
     float32 factors)``, a step along one a tangent along that line (``jax.jvp``'s direction).
     """
-    groups: Dict[Tuple[int, ...], List[Path]] = {}
-    # Longest first: a path along a prefix of another's inputs joins that pass.
-    for path in sorted(plan.maximal_paths(), key=len, reverse=True):
-        cols = tuple(col for _, col in path)
-        home = next((g for g in groups if g[: len(cols)] == cols), cols)
-        groups.setdefault(home, []).append(path)
+    groups = passes(plan.maximal_paths(), lambda path: tuple(col for _, col in path))
     results: Dict[Path, Levels] = {}
     for cols, paths in groups.items():
         chain = _chain(f, cols, series_min_order, tuple(directions))
@@ -67,6 +63,39 @@ def point_values(plan: Plan, f: Callable[[jax.Array], jax.Array], x: jax.Array, 
     y = next(iter(results.values()))[0][0] if results else f(x)
     values.update({name: y[i] for name, i in row.items()})
     return values, scaled_values
+
+
+def passes(paths: Sequence[Any], cols_of: Callable[[Any], Tuple[Any, ...]] = tuple) -> Dict[Tuple[Any, ...], List[Any]]:
+    """``{inputs of a pass: the paths it computes}``: longest first, a path along a prefix of
+    another's inputs joins that pass (``cols_of(path)``: the inputs it steps along, in order)."""
+    groups: Dict[Tuple[Any, ...], List[Any]] = {}
+    for path in sorted(paths, key=lambda p: len(cols_of(p)), reverse=True):
+        cols = cols_of(path)
+        home = next((g for g in groups if g[: len(cols)] == cols), cols)
+        groups.setdefault(home, []).append(path)
+    return groups
+
+
+def _taylor(cols: Sequence[Any], series_min_order: int) -> bool:
+    """Whether the pass along ``cols`` is a pure derivative :func:`_pure` computes (Taylor mode
+    or a pure second order), not a jvp of the pass along ``cols[:-1]``."""
+    return all(col == cols[0] for col in cols) and (len(cols) >= series_min_order or len(cols) == 2)
+
+
+def pass_cost(cols: Sequence[Any], series_min_order: int = SERIES_MIN_ORDER) -> int:
+    """The values per network value a pass along ``cols`` carries (its FLOPs, in the network's
+    evaluations): a Taylor series of order k carries k + 1 coefficients, a pure second order
+    3, a jvp twice the pass below (:func:`_chain`)."""
+    if not cols:
+        return 1
+    if _taylor(cols, series_min_order):
+        return len(cols) + 1
+    return 2 * pass_cost(cols[:-1], series_min_order)
+
+
+def plan_cost(paths: Sequence[Sequence[Any]], series_min_order: int = SERIES_MIN_ORDER) -> int:
+    """The values a plan of ``paths`` (each the inputs it steps along) carries: its passes' (:func:`passes`)."""
+    return sum(pass_cost(cols, series_min_order) for cols in passes([tuple(p) for p in paths]))
 
 
 def shared_scales(per_path: Sequence[Sequence[jax.Array]]) -> List[jax.Array]:
@@ -114,8 +143,7 @@ def _chain(f: Callable, cols: Tuple[int, ...], series_min_order: int, directions
             return y, ([y], [])
 
         return outputs
-    pure = all(col == cols[0] for col in cols)
-    if pure and (len(cols) >= series_min_order or len(cols) == 2):
+    if _taylor(cols, series_min_order):
         return _pure(f, cols[0], len(cols) >= series_min_order, directions)
     below, col = _chain(f, cols[:-1], series_min_order, directions), cols[-1]
 

@@ -251,9 +251,11 @@ def _requests(chains: Sequence[Chain], base_of: Sequence[int]):
 def _covers(s: Chain, b: int, planned: Sequence[Tuple[int, Chain]]) -> List[int]:
     """The planned chains (indices) whose passes hold a value of ``s``'s order below their top,
     along the same arguments, with the same marks: chains of base ``b``'s entry ``s.out``
-    whose steps include ``s``'s and whose first steps' names are ``s``'s."""
-    k, need = len(s.argnums), collections.Counter(s.argnums)
-    if any(isinstance(a, Along) for a in s.argnums):
+    whose steps include ``s``'s (a direction moving one argument: a step along it) and whose
+    first steps' names are ``s``'s."""
+    steps = [a.args[0] if isinstance(a, Along) and len(a.args) == 1 else a for a in s.argnums]
+    k, need = len(steps), collections.Counter(steps)
+    if any(isinstance(a, Along) for a in steps):
         return []
     return [j for j, (bj, c) in enumerate(planned)
             if bj == b and c.out == s.out and c.of == s.of and len(c.argnums) >= k and c.wrts[:k] == s.wrts
@@ -262,7 +264,7 @@ def _covers(s: Chain, b: int, planned: Sequence[Tuple[int, Chain]]) -> List[int]
 
 def evaluate(chains: Sequence[Chain], base_of: Sequence[int], bases: Sequence[Callable], args: Tuple[Any, ...],
              base_order: int, base_term: Optional[str], shapes: Optional[Sequence[Tuple[int, ...]]] = None,
-             dirs: Sequence[Any] = (), soft: Sequence[bool] = ()) -> List[jax.Array]:
+             dirs: Sequence[Any] = (), soft: Sequence[bool] = (), scaled: bool = False) -> List[jax.Array]:
     """The top derivatives of ``chains`` at the positional ``args`` by one engine plan, marked.
 
     ``chains[i]`` differentiates entry ``chains[i].out`` of ``bases[base_of[i]]`` (a function
@@ -275,7 +277,9 @@ def evaluate(chains: Sequence[Chain], base_of: Sequence[int], bases: Sequence[Ca
     (:func:`jaxamp._src.core.marks.flags_only`: the value below the check of a longer chain), so
     it is the value of its order that the passes of a chain taking its steps and more compute
     (the plan orders those steps for the chains read, :func:`ordered`), not a pass of its own;
-    it is planned as the others where no chain covers it."""
+    it is planned as the others where no chain covers it. ``scaled``: the passes carry the
+    scales of :func:`jaxamp.scaled` (each level its own, so no two streams are equal): the
+    steps are taken in the order that costs least (:func:`ordered`)."""
     soft = [bool(f) for f in soft] or [False] * len(chains)
     hard = [i for i, f in enumerate(soft) if not f] or list(range(len(chains)))
     while True:
@@ -284,12 +288,14 @@ def evaluate(chains: Sequence[Chain], base_of: Sequence[int], bases: Sequence[Ca
         if not bare:
             break
         hard = sorted(hard + bare)
-    planned = list(zip([b for b, _ in planned], ordered([c for _, c in planned])))
+    if scaled:  # (unscaled, XLA merges the passes' equal streams: the arguments' order, alike in every plan)
+        planned = list(zip([b for b, _ in planned], ordered([c for _, c in planned])))
     below: Dict[int, Tuple[int, int]] = {}  # a soft chain -> (the planned chain covering it, its order)
     for i in range(len(chains)):
         if i not in hard:
             covers = _covers(chains[i], base_of[i], planned)
-            k, need = len(chains[i].argnums), collections.Counter(chains[i].argnums)
+            k = len(chains[i].argnums)
+            need = collections.Counter(a.args[0] if isinstance(a, Along) else a for a in chains[i].argnums)
             exact = [j for j in covers if collections.Counter(planned[j][1].argnums[:k]) == need]
             below[i] = ((exact or covers)[0], k)
     base_of, chains = [b for b, _ in planned], [c for _, c in planned]

@@ -154,11 +154,12 @@ def _bind(links: Sequence[chain.Chain], args: Tuple[Any, ...], per_entry: bool, 
 
 
 def _run(members: Sequence[Dict[str, Any]], base_of: Sequence[int], consts: Sequence[Sequence[Any]],
-         args: Sequence[Any], dirs: Sequence[Any] = (), dir_levels: Sequence[Sequence[Optional[int]]] = ()
-         ) -> List[jax.Array]:
+         args: Sequence[Any], dirs: Sequence[Any] = (), dir_levels: Sequence[Sequence[Optional[int]]] = (),
+         scaled: bool = False) -> List[jax.Array]:
     """The top derivatives of ``members`` (chain equations' params) at ``args``: one plan, the
     ``b``-th base evaluated on ``consts[b]``, the links' directions ``dirs`` (batched at
-    ``dir_levels[k]`` by level ``k``); batched as the members' ``levels`` record."""
+    ``dir_levels[k]`` by level ``k``); batched as the members' ``levels`` record; ``scaled``:
+    under an entry point's scales (:func:`chain.evaluate`)."""
     first = members[0]
     bodies = [next(m["body"] for m, b in zip(members, base_of) if b == i) for i in range(len(consts))]
     links = [m["link"] for m in members]
@@ -167,7 +168,7 @@ def _run(members: Sequence[Dict[str, Any]], base_of: Sequence[int], consts: Sequ
         bases = [_body_fn(body, c) for body, c in zip(bodies, consts)]
         return chain.evaluate(links, base_of, bases, tuple(args), first["base_order"], first["base_term"],
                               [body.outvars[0].aval.shape for body in bodies], dirs,
-                              [m.get("soft", False) for m in members])
+                              [m.get("soft", False) for m in members], scaled)
 
     return _batched(fn, members, base_of, consts, dir_levels)(list(args), [list(c) for c in consts], list(dirs))
 
@@ -797,7 +798,8 @@ def _run_group(eqns, read, reads: Dict[Any, Any], flags: frozenset = frozenset()
     first = eqns[0]
     values = [_reread(v, read, reads) for _, v in dirs.values()]
     levels = [[axes[k] for _, axes in dirs] for k in range(len(first.params["levels"]))]
-    return _run(members, base_of, consts, [read(v) for v in _parts(first.params, first.invars)[1]], values, levels)
+    return _run(members, base_of, consts, [read(v) for v in _parts(first.params, first.invars)[1]], values, levels,
+                scaled=True)
 
 
 def _moved(link: chain.Chain, own: Sequence[int]) -> chain.Chain:

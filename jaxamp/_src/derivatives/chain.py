@@ -168,30 +168,6 @@ def _orders(c: Chain) -> List[Tuple[Any, ...]]:
     return list(dict.fromkeys(out))
 
 
-class _Passes:
-    """The passes of a plan as paths join it (:func:`forward.passes`): the inputs of each pass
-    (``homes``), every prefix of them, and what they carry (``cost``, :func:`forward.pass_cost`)."""
-
-    def __init__(self) -> None:
-        self.homes: set = set()
-        self.prefixes: set = set()
-        self.cost = 0
-
-    def extra(self, path: Tuple[Any, ...]) -> int:
-        """What ``path`` adds: nothing along a prefix of a pass, a pass it extends made longer."""
-        if path in self.prefixes:
-            return 0
-        below = next((path[:k] for k in range(len(path) - 1, 0, -1) if path[:k] in self.homes), ())
-        return forward.pass_cost(path) - (forward.pass_cost(below) if below else 0)
-
-    def add(self, path: Tuple[Any, ...]) -> None:
-        self.cost += self.extra(path)
-        if path not in self.prefixes:
-            self.homes.difference_update(path[:k] for k in range(1, len(path)))
-            self.homes.add(path)
-            self.prefixes.update(path[:k] for k in range(1, len(path) + 1))
-
-
 def ordered(chains: Sequence[Chain]) -> List[Chain]:
     """``chains`` (planned at one point) with their steps in the orders (:func:`_orders`) whose
     passes carry the least: the arguments' order, or each chain in turn, shortest or longest
@@ -199,9 +175,12 @@ def ordered(chains: Sequence[Chain]) -> List[Chain]:
     options = [_orders(c) for c in chains]
     if all(len(o) == 1 for o in options):
         return list(chains)
-    plans = [(forward.plan_cost([o[0] for o in options]), [o[0] for o in options])]
+    first = forward.Passes()
+    for o in options:
+        first.add(o[0])
+    plans = [(first.cost, [o[0] for o in options])]
     for longest in (False, True):
-        passes, choice = _Passes(), [o[0] for o in options]
+        passes, choice = forward.Passes(), [o[0] for o in options]
         for i in sorted(range(len(chains)), key=lambda i: len(chains[i].argnums), reverse=longest):
             choice[i] = min(options[i], key=passes.extra)
             passes.add(choice[i])
@@ -248,12 +227,17 @@ def _requests(chains: Sequence[Chain], base_of: Sequence[int]):
     return planned, sums
 
 
+def _along_arguments(s: Chain) -> List[Any]:
+    """``s``'s steps, a direction moving one argument as a step along that argument."""
+    return [a.args[0] if isinstance(a, Along) and len(a.args) == 1 else a for a in s.argnums]
+
+
 def _covers(s: Chain, b: int, planned: Sequence[Tuple[int, Chain]]) -> List[int]:
     """The planned chains (indices) whose passes hold a value of ``s``'s order below their top,
     along the same arguments, with the same marks: chains of base ``b``'s entry ``s.out``
     whose steps include ``s``'s (a direction moving one argument: a step along it) and whose
     first steps' names are ``s``'s."""
-    steps = [a.args[0] if isinstance(a, Along) and len(a.args) == 1 else a for a in s.argnums]
+    steps = _along_arguments(s)
     k, need = len(steps), collections.Counter(steps)
     if any(isinstance(a, Along) for a in steps):
         return []
@@ -295,7 +279,7 @@ def evaluate(chains: Sequence[Chain], base_of: Sequence[int], bases: Sequence[Ca
         if i not in hard:
             covers = _covers(chains[i], base_of[i], planned)
             k = len(chains[i].argnums)
-            need = collections.Counter(a.args[0] if isinstance(a, Along) else a for a in chains[i].argnums)
+            need = collections.Counter(_along_arguments(chains[i]))
             exact = [j for j in covers if collections.Counter(planned[j][1].argnums[:k]) == need]
             below[i] = ((exact or covers)[0], k)
     base_of, chains = [b for b, _ in planned], [c for _, c in planned]

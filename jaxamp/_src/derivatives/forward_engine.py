@@ -18,7 +18,7 @@ from jaxamp._src import taylor
 from jaxamp._src.derivatives.plan import Path, Plan, parse_name
 from jaxamp._src.core.marks import unscale
 
-__all__ = ["SERIES_MIN_ORDER", "Levels", "Chain", "point_values", "passes", "pass_cost", "plan_cost", "shared_scales",
+__all__ = ["SERIES_MIN_ORDER", "Levels", "Chain", "point_values", "passes", "pass_cost", "Passes", "shared_scales",
            "as_scaled"]
 
 # Pure derivatives of at least this order take Taylor mode (jaxamp._src.taylor.series); pure
@@ -93,9 +93,30 @@ def pass_cost(cols: Sequence[Any], series_min_order: int = SERIES_MIN_ORDER) -> 
     return 2 * pass_cost(cols[:-1], series_min_order)
 
 
-def plan_cost(paths: Sequence[Sequence[Any]], series_min_order: int = SERIES_MIN_ORDER) -> int:
-    """The values a plan of ``paths`` (each the inputs it steps along) carries: its passes' (:func:`passes`)."""
-    return sum(pass_cost(cols, series_min_order) for cols in passes([tuple(p) for p in paths]))
+class Passes:
+    """The passes of a plan as paths join it one by one, as :func:`passes` groups them: the
+    inputs of each pass (``homes``), every prefix of them, and what they carry (``cost``, the
+    sum of their :func:`pass_cost`: the same whatever order the paths join in)."""
+
+    def __init__(self, series_min_order: int = SERIES_MIN_ORDER) -> None:
+        self.homes: set = set()
+        self.prefixes: set = set()
+        self.cost = 0
+        self.series_min_order = series_min_order
+
+    def extra(self, path: Tuple[Any, ...]) -> int:
+        """What ``path`` adds: nothing along a prefix of a pass, a pass it extends made longer."""
+        if path in self.prefixes:
+            return 0
+        below = next((path[:k] for k in range(len(path) - 1, 0, -1) if path[:k] in self.homes), ())
+        return pass_cost(path, self.series_min_order) - (pass_cost(below, self.series_min_order) if below else 0)
+
+    def add(self, path: Tuple[Any, ...]) -> None:
+        self.cost += self.extra(path)
+        if path not in self.prefixes:
+            self.homes.difference_update(path[:k] for k in range(1, len(path)))
+            self.homes.add(path)
+            self.prefixes.update(path[:k] for k in range(1, len(path) + 1))
 
 
 def shared_scales(per_path: Sequence[Sequence[jax.Array]]) -> List[jax.Array]:

@@ -182,6 +182,7 @@ def test_merge_cost_times_both_programs_and_profiles_them(tmp_path):
     assert all(sum(kinds.values()) > 0 for kinds in res["op_ms_per_call"].values())
 
 
+@pytest.mark.slow  # four train-step compiles and their timing: over the fast suite's share
 def test_matrix_times_the_autocast_placement_where_tensor_scales_act(monkeypatch):
     """The `autocast` placement (a float32 network placed by jaxamp.autocast) beside
     FullyConnected's float16 one: in both the per-tensor case compiles to more FLOPs than plain
@@ -220,6 +221,7 @@ def test_same_program_fingerprints_ignore_source_locations_only():
     assert fingerprint(first) == fingerprint(moved) != fingerprint(other)
 
 
+@pytest.mark.slow  # two compiles dumping XLA's LLVM IR and objects: over the fast suite's share
 def test_codegen_reads_what_xla_generates_for_a_case_and_compares_two_runs(tmp_path, monkeypatch):
     from benchmarks import codegen
 

@@ -207,6 +207,7 @@ def test_time_on_the_local_device_tiny(tmp_path):
         assert row["measured_us"]["reps"] == 3 and 0 < row["measured_us"]["min"] <= row["measured_us"]["median"]
 
 
+@pytest.mark.slow  # two cavity step compiles
 def test_cavity_user_grad_matches_the_engine():
     """The cavity's user step (nested ``jax.grad``) and its engine step have the same loss (float32, tiny).
     Last in this file: it starts JAX's backends, after which the deviceless compile above cannot."""

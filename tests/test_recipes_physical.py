@@ -87,6 +87,7 @@ def loss_at(params, n=N):
     return float(LOSS32(params, P.batch(n)))
 
 
+@pytest.mark.slow  # a clip + adam chain trained to its skipped steps: the schedule test below runs fast
 def test_a_stateful_chain_inside_the_wrapper_counts_applied_steps_only():
     (_, _, _, loss), params, state = start()
     tx = jaxamp.optimizer(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)), amp_state=state)

@@ -83,7 +83,8 @@ def _remats(jaxpr):
 ALL16 = AmpConfig(autocast_activation=True, autocast_firstlayer=True)
 
 
-@pytest.mark.parametrize("make", [_poisson, _cavity], ids=["flax_tanh_autocast", "fully_connected_silu"])
+@pytest.mark.parametrize("make", [_poisson, pytest.param(_cavity, marks=pytest.mark.slow)],
+                         ids=["flax_tanh_autocast", "fully_connected_silu"])
 @pytest.mark.parametrize("amp", [AmpConfig(), pytest.param(ALL16, marks=pytest.mark.slow)], ids=["default", "all16"])
 def test_recomputed_step_is_the_stored_step_bit_for_bit(make, amp):
     points = jax.random.uniform(jax.random.PRNGKey(1), (48, 2))

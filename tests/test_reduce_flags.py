@@ -16,7 +16,7 @@ def _pending(rng, n_keys, sizes, p):
             for i in range(n_keys)}
 
 
-@pytest.mark.parametrize("n_keys", [1, 3, 8, 9, 33, 70])
+@pytest.mark.parametrize("n_keys", [1, 3, 8, 9, 33, pytest.param(70, marks=pytest.mark.slow)])
 def test_each_key_any_of_its_flags(n_keys):
     rng = np.random.default_rng(n_keys)
     for p in (0.0, 0.002, 0.5):

@@ -187,7 +187,8 @@ def test_clipping_is_off_by_default_and_follows_torch_formula_when_asked():
     np.testing.assert_allclose(float(m["grad_norm"]), norm, rtol=1e-5)
     np.testing.assert_allclose(float(optax.tree.norm(delta(plain))), norm, rtol=1e-5)
     np.testing.assert_allclose(float(optax.tree.norm(delta(clipped))), 0.05 * norm / (norm + 1e-6), rtol=1e-5)
-    assert float(mc["grad_norm"]) == float(m["grad_norm"])  # the norm before clipping
+    # the norm before clipping (the two steps are two programs: their sums may round apart by an ulp)
+    np.testing.assert_allclose(float(mc["grad_norm"]), float(m["grad_norm"]), rtol=1e-6)
 
 
 @pytest.mark.slow

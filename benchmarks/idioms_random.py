@@ -660,8 +660,11 @@ def values_check(prog: Program, dtype=jnp.float32, entry: bool = False) -> Dict[
     return {"error": max_error(mine, want), "dtype": str(np.dtype(mine.dtype)), "mine": mine, "want": want}
 
 
-def measure(prog: Program, amp_mode: str = "off") -> Dict[str, Any]:
-    """FLOPs, compile seconds and float32 values of the three forms of ``prog``."""
+def measure(prog: Program, amp_mode: str = "off", progress: Optional[Callable[[Dict[str, Any]], None]] = None
+            ) -> Dict[str, Any]:
+    """FLOPs, compile seconds and float32 values of the three forms of ``prog``; ``progress``
+    (the row so far, its ``phase`` the one starting) called before each phase, so that a run
+    stopped in one keeps what the earlier ones measured."""
     amp = jaxamp.AmpConfig() if amp_mode == "fp16" else None
     net, params = _network(prog)
     Z = points(prog)
@@ -674,6 +677,13 @@ def measure(prog: Program, amp_mode: str = "off") -> Dict[str, Any]:
         forms["engine_paths"] = engine_fn(prog, net, amp, chain_names(prog))
     row: Dict[str, Any] = {"flops": {}, "compile_s": {}}
     out = {}
+
+    def phase(name: str) -> None:
+        row["phase"] = name
+        if progress is not None:
+            progress(dict(row))
+
+    phase("forms")
     # compiled in turn, the order reversed on odd programs: a compile's one-time costs (caches
     # JAX fills on first use) fall on each form alike
     for name, fn in (list(forms.items()) if prog.index % 2 == 0 else list(reversed(forms.items()))):
@@ -681,11 +691,20 @@ def measure(prog: Program, amp_mode: str = "off") -> Dict[str, Any]:
         row["flops"][name] = _flops(compiled)
         row["compile_s"][name] = round(secs, 3)
         out[name] = np.asarray(compiled(params, Z))
+    fl = row["flops"]
+    row["flops_over_engine"] = round(fl["jaxamp"] / fl["engine"], 4) if fl["engine"] else None
+    row["flops_over_jax"] = round(fl["jaxamp"] / fl["jax"], 4) if fl["jax"] else None
+    row["engine_over_jax"] = round(fl["engine"] / fl["jax"], 4) if fl["jax"] else None
+    row["compile_over_jax"] = round(row["compile_s"]["jaxamp"] / row["compile_s"]["jax"], 3)
+    row["compile_over_engine"] = round(row["compile_s"]["jaxamp"] / row["compile_s"]["engine"], 3)
+    if "engine_paths" in fl:
+        row["flops_over_engine_paths"] = round(fl["jaxamp"] / fl["engine_paths"], 4)
     # the gradient step the forms are trained with (jax.grad of the mean squared terms): its
     # backward pass differentiates the program as written, which XLA's merging of repeated work
     # in the forward program does not reach
     row["step_flops"], row["step_compile_s"] = {}, {}
     for name in ("jaxamp", "engine", "jax"):
+        phase(f"gradient step of {name}")
         step = jax.grad(lambda p, Z, fn=forms[name]: jnp.mean(fn(p, Z) ** 2))
         compiled, secs = _compile(step, params, Z)
         row["step_flops"][name], row["step_compile_s"][name] = _flops(compiled), round(secs, 3)
@@ -697,17 +716,11 @@ def measure(prog: Program, amp_mode: str = "off") -> Dict[str, Any]:
     Z2 = jax.random.uniform(jax.random.PRNGKey(prog.seed + prog.index), (prog.n_points + 8, prog.D), minval=-1.0,
                             maxval=1.0)
     row["compile_new_shape_s"] = {}
+    phase("new shape")
     for name, fn in (list(forms.items()) if prog.index % 2 == 1 else list(reversed(forms.items()))):
         row["compile_new_shape_s"][name] = round(_compile(fn, params, Z2)[1], 3)
     row["compile_new_shape_over_jax"] = round(row["compile_new_shape_s"]["jaxamp"] / row["compile_new_shape_s"]["jax"], 3)
-    fl = row["flops"]
-    row["flops_over_engine"] = round(fl["jaxamp"] / fl["engine"], 4) if fl["engine"] else None
-    row["flops_over_jax"] = round(fl["jaxamp"] / fl["jax"], 4) if fl["jax"] else None
-    row["engine_over_jax"] = round(fl["engine"] / fl["jax"], 4) if fl["jax"] else None
-    row["compile_over_jax"] = round(row["compile_s"]["jaxamp"] / row["compile_s"]["jax"], 3)
-    row["compile_over_engine"] = round(row["compile_s"]["jaxamp"] / row["compile_s"]["engine"], 3)
-    if "engine_paths" in fl:
-        row["flops_over_engine_paths"] = round(fl["jaxamp"] / fl["engine_paths"], 4)
+    del row["phase"]
     row["error_f32"] = max_error(out["jaxamp"], out["jax"]) if amp is None else None
     row["engine_error_f32"] = max_error(out["engine"], out["jax"]) if amp is None else None
     return row
@@ -755,44 +768,66 @@ def _x64_errors(seed: int, indices: Sequence[int]) -> Dict[int, Any]:
     return errors
 
 
-def program_row(seed: int, i: int, amp_mode: str = "off", x64: bool = True, timed: bool = False) -> Dict[str, Any]:
+def program_row(seed: int, i: int, amp_mode: str = "off", x64: bool = True, timed: bool = False,
+                progress: Optional[Callable[[Dict[str, Any]], None]] = None) -> Dict[str, Any]:
     """Program ``i`` of ``seed`` measured (:func:`measure`; ``x64``: its float64 values too; ``timed``:
-    its gradient step timed): one row of the results, a failure recorded in it."""
+    its gradient step timed): one row of the results, a failure recorded in it beside what the
+    phases before it measured; ``progress``: as :func:`measure`'s, with the whole row."""
     prog = generate(seed, i)
     row: Dict[str, Any] = {"index": i, "program": prog.desc, "template": prog.template, "order": order_of(prog),
                            "engine_derivatives": engine_names(prog)}
+
+    def keep(partial: Dict[str, Any]) -> None:
+        row.update(partial)
+        if progress is not None:
+            progress(dict(row))
+
     try:
-        row.update(measure(prog, amp_mode))
+        row.update(measure(prog, amp_mode, keep))
     except Exception as e:  # noqa: BLE001 -- a failing form is a finding, recorded
         row["failure"] = f"{type(e).__name__}: {e}"[:2000]
         row["traceback"] = traceback.format_exc()[-3000:]
     if x64:
+        keep({"phase": "float64 values"})
         row["error_f64"] = _x64_errors(seed, [i])[i]
     if timed and "failure" not in row:
+        keep({"phase": "step times"})
         row.update(step_times(prog, amp_mode))
+    if "failure" not in row:
+        row.pop("phase", None)
     return row
 
 
 def _child(queue, *args) -> None:
-    queue.put(program_row(*args))
+    queue.put(("done", program_row(*args, progress=lambda row: queue.put(("partial", row)))))
 
 
 def _in_process(seed: int, i: int, amp_mode: str, x64: bool, timed: bool, timeout_s: float) -> Dict[str, Any]:
-    """:func:`program_row` in a process of its own, stopped after ``timeout_s`` seconds."""
+    """:func:`program_row` in a process of its own, stopped after ``timeout_s`` seconds: then the
+    row of what the phases before the one running measured (the forms' FLOPs when the gradient
+    step's compile runs away), marked a timeout in that phase."""
     import multiprocessing
+    import queue as queues
 
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(target=_child, args=(queue, seed, i, amp_mode, x64, timed), daemon=True)
     start = time.perf_counter()
     proc.start()
+    prog = generate(seed, i)
+    last: Dict[str, Any] = {"index": i, "program": prog.desc, "template": prog.template, "order": order_of(prog),
+                            "engine_derivatives": engine_names(prog), "phase": "start"}
     try:
-        return queue.get(timeout=timeout_s)
-    except Exception:  # noqa: BLE001 -- queue.Empty: over the limit
-        prog = generate(seed, i)
-        return {"index": i, "program": prog.desc, "template": prog.template, "order": order_of(prog),
-                "engine_derivatives": engine_names(prog), "timeout": True,
-                "failure": f"over --program-timeout={timeout_s:g} s ({time.perf_counter() - start:.0f} s)"}
+        while time.perf_counter() - start < timeout_s:
+            try:
+                kind, row = queue.get(timeout=max(0.01, timeout_s - (time.perf_counter() - start)))
+            except queues.Empty:
+                break
+            if kind == "done":
+                return row
+            last = row
+        return {**last, "timeout": True, "failure": f"over --program-timeout={timeout_s:g} s "
+                f"({time.perf_counter() - start:.0f} s) in phase {last.get('phase')!r}"}
     finally:
         if proc.is_alive():
             proc.kill()
@@ -886,29 +921,35 @@ def _quantiles(xs: Sequence[float]) -> Dict[str, float]:
 
 def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
     ok = [r for r in rows if "failure" not in r and r.get("flops_over_engine") is not None]
-    over = [r["flops_over_engine"] for r in ok]
-    worst = sorted(ok, key=lambda r: -r["flops_over_engine"])[:10]
+    # the forms' FLOPs and compile times also of programs stopped or failed in a later phase
+    forms = [r for r in rows if r.get("flops_over_engine") is not None]
+    steps = [r for r in rows if r.get("step_flops_over_engine") is not None]
+    over = [r["flops_over_engine"] for r in forms]
+    worst = sorted(forms, key=lambda r: -r["flops_over_engine"])[:10]
     tol = {"f32": 1e-3, "f64": 1e-9}
     mism = [r["index"] for r in rows if isinstance(r.get("error_f32"), float) and not r["error_f32"] <= tol["f32"]]
     mism64 = [r["index"] for r in rows if "error_f64" in r and not (isinstance(r["error_f64"], float)
                                                                     and r["error_f64"] <= tol["f64"])]
-    chains = [r for r in ok if "flops_over_engine_paths" in r]
+    chains = [r for r in forms if "flops_over_engine_paths" in r]
     by_template: Dict[str, List[float]] = {}
-    for r in ok:
+    for r in forms:
         by_template.setdefault(r["template"], []).append(r["flops_over_engine"])
     return {
-        "programs": len(rows), "measured": len(ok), "failures": [r["index"] for r in rows if "failure" in r],
+        "programs": len(rows), "measured": len(forms), "measured_every_phase": len(ok),
+        "failures": [r["index"] for r in rows if "failure" in r],
         "within_1_05_of_engine": sum(x <= 1.05 for x in over),
         "flops_over_engine": _quantiles(over),
-        "flops_over_jax": _quantiles([r["flops_over_jax"] for r in ok]),
-        "step_flops_within_1_05_of_engine": sum(r["step_flops_over_engine"] <= 1.05 for r in ok),
-        "step_flops_over_engine": _quantiles([r["step_flops_over_engine"] for r in ok]),
-        "engine_over_jax": _quantiles([r["engine_over_jax"] for r in ok]),
-        "compile_over_jax": _quantiles([r["compile_over_jax"] for r in ok]),
-        "compile_over_engine": _quantiles([r["compile_over_engine"] for r in ok]),
+        "flops_over_jax": _quantiles([r["flops_over_jax"] for r in forms]),
+        "step_measured": len(steps),
+        "step_flops_within_1_05_of_engine": sum(r["step_flops_over_engine"] <= 1.05 for r in steps),
+        "step_flops_over_engine": _quantiles([r["step_flops_over_engine"] for r in steps]),
+        "engine_over_jax": _quantiles([r["engine_over_jax"] for r in forms]),
+        "compile_over_jax": _quantiles([r["compile_over_jax"] for r in forms]),
+        "compile_over_engine": _quantiles([r["compile_over_engine"] for r in forms]),
         "compile_new_shape_over_jax": _quantiles([r["compile_new_shape_over_jax"] for r in ok]),
         "step_compile_over_jax": _quantiles([r["step_compile_over_jax"] for r in ok if "step_compile_over_jax" in r]),
         "timeouts": [r["index"] for r in rows if r.get("timeout")],
+        "timeout_phases": {str(r["index"]): r.get("phase") for r in rows if r.get("timeout")},
         "chain_programs_within_1_05_of_engine_paths": [sum(r["flops_over_engine_paths"] <= 1.05 for r in chains),
                                                        len(chains)],
         "flops_over_engine_paths": _quantiles([r["flops_over_engine_paths"] for r in chains]),
@@ -919,7 +960,7 @@ def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
         "value_tolerance": tol,
         "value_mismatches_f32": mism, "value_mismatches_f64": mism64,
         "worst10_step": [{"index": r["index"], "step_flops_over_engine": r["step_flops_over_engine"],
-                          "program": r["program"]} for r in sorted(ok, key=lambda r: -r["step_flops_over_engine"])[:10]],
+                          "program": r["program"]} for r in sorted(steps, key=lambda r: -r["step_flops_over_engine"])[:10]],
         "worst10": [{"index": r["index"], "flops_over_engine": r["flops_over_engine"],
                      "flops_over_jax": r["flops_over_jax"], "program": r["program"]} for r in worst],
     }
@@ -928,7 +969,7 @@ def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
 def print_summary(s: Dict[str, Any]) -> None:
     print(f"\n{s['within_1_05_of_engine']}/{s['measured']} programs at <= 1.05x the engine's FLOPs "
           f"({len(s['failures'])} failed: {s['failures']}; over the time limit: {s['timeouts']})")
-    print(f"  gradient step: {s['step_flops_within_1_05_of_engine']}/{s['measured']} at <= 1.05x the engine's FLOPs")
+    print(f"  gradient step: {s['step_flops_within_1_05_of_engine']}/{s['step_measured']} at <= 1.05x the engine's FLOPs")
     for k in ("flops_over_engine", "step_flops_over_engine", "flops_over_jax", "engine_over_jax", "compile_over_jax", "compile_over_engine",
               "compile_new_shape_over_jax", "step_compile_over_jax", "step_over_engine"):
         print(f"  {k}: {s[k]}")

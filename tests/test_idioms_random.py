@@ -84,6 +84,24 @@ def test_a_program_over_the_time_limit_is_recorded_and_the_run_goes_on(tmp_path)
         ir.main(["--random", "1", "--program-timeout", "0"])
 
 
+@pytest.mark.slow  # one program's forms, gradient steps and new shape compiled
+def test_a_run_stopped_in_a_later_phase_keeps_the_forms_flops():
+    """``program_row`` reports each phase before it starts, the forms' FLOPs from the gradient
+    step on (what a ``--program-timeout`` run keeps of a program whose step compile runs away),
+    and the summary counts such a program's forms."""
+    seen = []
+    row = ir.program_row(7, 1, "off", x64=False, progress=seen.append)
+    assert "failure" not in row and "phase" not in row
+    assert [r["phase"] for r in seen] == ["forms", "gradient step of jaxamp", "gradient step of engine",
+                                          "gradient step of jax", "new shape"]
+    assert "flops_over_engine" not in seen[0]
+    assert all(r["flops_over_engine"] == row["flops_over_engine"] for r in seen[1:])
+    stopped = {**seen[1], "timeout": True, "failure": "over --program-timeout"}
+    summary = ir.summarize([row, stopped])
+    assert summary["measured"] == 2 and summary["measured_every_phase"] == 1 and summary["step_measured"] == 1
+    assert summary["timeout_phases"] == {"1": "gradient step of jaxamp"}
+
+
 @pytest.mark.slow
 def test_random_programs_give_jaxs_values_in_float64():
     import jax

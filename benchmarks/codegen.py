@@ -68,7 +68,7 @@ def run_case(problem: str, placement: str, mode: str, reps: int) -> Dict[str, An
     with tempfile.TemporaryDirectory() as dump:
         env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={dump}", JAX_PLATFORMS="cpu", PYTHONPATH=os.getcwd())
         done = subprocess.run([sys.executable, "-c", _WORKER, problem, placement, mode, str(reps), dump], env=env,
-                              capture_output=True, text=True, check=True)  # fmt: skip
+                              capture_output=True, text=True, check=True)
     line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")][-1]
     return json.loads(line[len("RESULT "):])
 
@@ -117,7 +117,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     import jax
 
     cases = {f"{p}/{args.placement}/{m}": run_case(p, args.placement, m, args.reps)
-             for p in args.problems for m in args.modes}  # fmt: skip
+             for p in args.problems for m in args.modes}
     for k, r in cases.items():
         print(f"{k}: {r['kernels']} kernels, {r['llvm_ir_bytes'] / 1e6:.3f} MB IR, {r['objects']} objects, "
               f"compile {r['compile_s']:.2f} s (trace {r['trace_s']:.2f} s)")

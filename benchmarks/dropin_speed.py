@@ -72,7 +72,8 @@ def problem(name: str, variant: str, n: int):
         u = comps[0]
 
         def r(p, t, x):
-            return u(p, t, x) * _nest(u, 2, 1, **g)(p, t, x) + _nest(u, 1, 1, **g)(p, t, x) - NU * _nest(u, 2, k, **g)(p, t, x)
+            return (u(p, t, x) * _nest(u, 2, 1, **g)(p, t, x) + _nest(u, 1, 1, **g)(p, t, x)
+                    - NU * _nest(u, 2, k, **g)(p, t, x))
     elif name == "poisson2d":
         u = comps[0]
 
@@ -117,7 +118,8 @@ def _engine_problem(name, model, amp, params, pts):
 
         def residuals(p, pts, scales):
             d, found = jaxamp.scaled(eng)(scales, p, pts)
-            mom = [d["u"] * d[f"{w}__x"] + d["v"] * d[f"{w}__y"] - NU * (d[f"{w}__x__x"] + d[f"{w}__y__y"]) for w in "uv"]
+            mom = [d["u"] * d[f"{w}__x"] + d["v"] * d[f"{w}__y"] - NU * (d[f"{w}__x__x"] + d[f"{w}__y__y"])
+                   for w in "uv"]
             return mom[0] + d["p__x"] + mom[1] + d["p__y"], found
 
     scales = {k: jnp.float32(1.0) for k in eng.scaler_keys}

@@ -46,7 +46,7 @@ def main(argv=None) -> dict:
     finally:
         jaxamp.init = original
     record.update(result, steps=args.steps, domain_scale=args.domain_scale, jax=jax.__version__,
-                  machine=platform.machine(), processor=platform.processor() or platform.platform())  # fmt: skip
+                  machine=platform.machine(), processor=platform.processor() or platform.platform())
     print(json.dumps(record, indent=1))
     if args.out:
         with open(args.out, "w") as f:

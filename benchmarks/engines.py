@@ -41,7 +41,7 @@ forward_nested = functools.partial(point_values, series_min_order=1 << 30)
 
 
 def forward_over_reverse(plan: Plan, f: Callable[[jax.Array], jax.Array], x: jax.Array,
-                         scales: Mapping[str, jax.Array]) -> Values:  # fmt: skip
+                         scales: Mapping[str, jax.Array]) -> Values:
     """A point engine: one chain of nested per-level functions.
 
     Each level's function returns its *scaled* derivatives (each row times the scale of the
@@ -138,11 +138,11 @@ def check_jet(engine: jaxamp.Derivatives) -> None:
 
 
 POINT_ENGINES = {"reverse": "reverse", "forward": "forward", "fwd_nested": forward_nested,
-                 "fwd_over_rev": forward_over_reverse, "jet": jet}  # fmt: skip
+                 "fwd_over_rev": forward_over_reverse, "jet": jet}
 
 
 def make_engine(kind: str, fn: Callable, *, inputs: Sequence[str], outputs: Sequence[str],
-                derivatives: Sequence[str], amp: Optional[jaxamp.AmpConfig] = None) -> jaxamp.Derivatives:  # fmt: skip
+                derivatives: Sequence[str], amp: Optional[jaxamp.AmpConfig] = None) -> jaxamp.Derivatives:
     """A ``jaxamp.Derivatives`` computing with the engine ``kind`` (one of :data:`KINDS`)."""
     if kind not in POINT_ENGINES:
         raise ValueError(f"make_engine: kind={kind!r} is not known: expected one of {list(KINDS)}.")
@@ -153,7 +153,8 @@ def make_engine(kind: str, fn: Callable, *, inputs: Sequence[str], outputs: Sequ
     return engine
 
 
-def pure_derivatives(order: int, outputs: Sequence[str] = ("u",), inputs: Sequence[str] = ("x", "y")) -> Tuple[str, ...]:
+def pure_derivatives(order: int, outputs: Sequence[str] = ("u",),
+                     inputs: Sequence[str] = ("x", "y")) -> Tuple[str, ...]:
     """``order`` 2 -> ``("u__x__x", "u__y__y")``: pure derivatives of each output along each input."""
     if isinstance(order, bool) or not isinstance(order, int) or order < 1:
         raise ValueError(f"pure_derivatives: `order`={order!r} must be an integer >= 1.")

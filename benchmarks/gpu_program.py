@@ -782,7 +782,8 @@ def table(rows: List[Dict[str, Any]]) -> str:
             lines.append(f"{r.get('problem', 'poisson'):<8} {r['size']:<15} {r['mode']:<16} error: {r['error'][:80]}")
             continue
         measured = f" {r['measured_us']['median']:>11.1f}" if "measured_us" in r else ""
-        lines.append(f"{r.get('problem', 'poisson'):<8} {r['size']:<15} {r['mode']:<16} {r['kernels']:>7} {r['memory']['temp'] / 2**20:>9.1f} "
+        lines.append(f"{r.get('problem', 'poisson'):<8} {r['size']:<15} {r['mode']:<16} {r['kernels']:>7} "
+                     f"{r['memory']['temp'] / 2**20:>9.1f} "
                      f"{r['memory']['argument'] / 2**20:>8.1f} {(r['read_bytes'] + r['write_bytes']) / 1e9:>7.3f} "
                      f"{r['model']['H100 SXM launch']['total_us']:>8.1f} "
                      f"{r['model']['H100 SXM command_buffer']['total_us']:>10.1f}{measured}")

@@ -27,10 +27,11 @@ partial derivative the terms read (lower orders included), the terms summed from
 Recorded per program: a description, XLA FLOPs of each form (``cost_analysis()["flops"]`` of the
 jitted program) and their ratios (jaxamp / engine, jaxamp / JAX), the same of the gradient step
 (``jax.grad`` of the mean squared terms along the parameters: jaxamp / engine, and its trace + lower +
-compile seconds against JAX's own step's), trace + lower + compile seconds of
-each (the first compile, and again at a new batch shape: ``n_points + 8``), and the values' largest error against JAX's own (relative to each term's largest magnitude),
-float32 and (unless ``--no-x64``) float64. Program ``i`` of seed ``S`` is drawn from
-``numpy.random.default_rng([S, i])``: ``describe(generate(S, i))`` reproduces it.
+compile seconds against JAX's own step's), trace + lower + compile seconds of each (the first
+compile, and again at a new batch shape: ``n_points + 8``), and the values' largest error against
+JAX's own (relative to each term's largest magnitude), float32 and (unless ``--no-x64``) float64.
+Program ``i`` of seed ``S`` is drawn from ``numpy.random.default_rng([S, i])``:
+``describe(generate(S, i))`` reproduces it.
 """
 
 from __future__ import annotations
@@ -719,7 +720,8 @@ def measure(prog: Program, amp_mode: str = "off", progress: Optional[Callable[[D
     phase("new shape")
     for name, fn in (list(forms.items()) if prog.index % 2 == 1 else list(reversed(forms.items()))):
         row["compile_new_shape_s"][name] = round(_compile(fn, params, Z2)[1], 3)
-    row["compile_new_shape_over_jax"] = round(row["compile_new_shape_s"]["jaxamp"] / row["compile_new_shape_s"]["jax"], 3)
+    new_shape = row["compile_new_shape_s"]
+    row["compile_new_shape_over_jax"] = round(new_shape["jaxamp"] / new_shape["jax"], 3)
     del row["phase"]
     row["error_f32"] = max_error(out["jaxamp"], out["jax"]) if amp is None else None
     row["engine_error_f32"] = max_error(out["engine"], out["jax"]) if amp is None else None
@@ -960,7 +962,8 @@ def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
         "value_tolerance": tol,
         "value_mismatches_f32": mism, "value_mismatches_f64": mism64,
         "worst10_step": [{"index": r["index"], "step_flops_over_engine": r["step_flops_over_engine"],
-                          "program": r["program"]} for r in sorted(steps, key=lambda r: -r["step_flops_over_engine"])[:10]],
+                          "program": r["program"]}
+                         for r in sorted(steps, key=lambda r: -r["step_flops_over_engine"])[:10]],
         "worst10": [{"index": r["index"], "flops_over_engine": r["flops_over_engine"],
                      "flops_over_jax": r["flops_over_jax"], "program": r["program"]} for r in worst],
     }
@@ -969,9 +972,10 @@ def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
 def print_summary(s: Dict[str, Any]) -> None:
     print(f"\n{s['within_1_05_of_engine']}/{s['measured']} programs at <= 1.05x the engine's FLOPs "
           f"({len(s['failures'])} failed: {s['failures']}; over the time limit: {s['timeouts']})")
-    print(f"  gradient step: {s['step_flops_within_1_05_of_engine']}/{s['step_measured']} at <= 1.05x the engine's FLOPs")
-    for k in ("flops_over_engine", "step_flops_over_engine", "flops_over_jax", "engine_over_jax", "compile_over_jax", "compile_over_engine",
-              "compile_new_shape_over_jax", "step_compile_over_jax", "step_over_engine"):
+    print(f"  gradient step: {s['step_flops_within_1_05_of_engine']}/{s['step_measured']} at <= 1.05x the "
+          "engine's FLOPs")
+    for k in ("flops_over_engine", "step_flops_over_engine", "flops_over_jax", "engine_over_jax", "compile_over_jax",
+              "compile_over_engine", "compile_new_shape_over_jax", "step_compile_over_jax", "step_over_engine"):
         print(f"  {k}: {s[k]}")
     print(f"  scalar grad chains: {s['chain_programs_within_1_05_of_engine_paths']} within 1.05x the engine along "
           f"the same paths: {s['flops_over_engine_paths']}")

@@ -75,7 +75,7 @@ def engine_loss(method: str, d: int) -> Callable:
     seconds = tuple(f"u__{x}__{x}" for x in inputs)
     eng = jaxamp.Derivatives(lambda p, x: mlp(p, x)[None], inputs=inputs, outputs=("u",), amp=jaxamp.AmpConfig(),
                              derivatives=("u__lap",) if method == "collapsed" else seconds,
-                             method="forward" if method == "collapsed" else method)  # fmt: skip
+                             method="forward" if method == "collapsed" else method)
     names = ("u__lap",) if method == "collapsed" else seconds
 
     def loss(p, x):
@@ -149,7 +149,7 @@ def bench(name: str, d: int, args: argparse.Namespace) -> Dict[str, Any]:
         "best_uncollapsed_by_time": best,
         "time_collapsed_over_best": timing.paired_ratio(samples["collapsed"], samples[best]),
         "time_collapsed_over": {m: round(timing.paired_ratio(samples["collapsed"], samples[m])["median"], 4)
-                                for m in uncollapsed},  # fmt: skip
+                                for m in uncollapsed},
         "best_uncollapsed_by_flops": best_flops,
     }
     if out["collapsed"]["flops"] and out[best_flops]["flops"]:
@@ -179,7 +179,7 @@ def main(argv=None) -> Dict[str, Any]:
         "info": timing.device_info(),
         "config": {"model": f"plain MLP {args.layers}x{args.width} tanh, float32", "points": args.points,
                    "dims": args.dims, "reps": args.reps, "inner": args.inner, "scales": SCALES,
-                   "methods": list(METHODS), "workloads": args.workloads},  # fmt: skip
+                   "methods": list(METHODS), "workloads": args.workloads},
         "results": {},
     }
     for name in args.workloads:
@@ -189,14 +189,15 @@ def main(argv=None) -> Dict[str, Any]:
             record["results"][name][str(d)] = res
             r, m = res["ratios"], res["methods"]
             if name == "dropin_vs_engine":
-                pairs = "  ".join(f"{k} {v['time_dropin_over_engine']['median']:.3f} (flops {v['flops_dropin_over_engine']})"
-                                  for k, v in r.items())  # fmt: skip
+                pairs = "  ".join(f"{k} {v['time_dropin_over_engine']['median']:.3f} "
+                                  f"(flops {v['flops_dropin_over_engine']})"
+                                  for k, v in r.items())
                 print(f"{name} d={d}: drop-in/engine {pairs}", flush=True)
                 continue
             times = "  ".join(f"{k} {1e3 * v['time_s']['median']:.2f}ms" for k, v in m.items())
             print(f"{name:13s} d={d}: {times}  | collapsed/{r['best_uncollapsed_by_time']} time "
                   f"{r['time_collapsed_over_best']['median']:.3f}, flops/{r['best_uncollapsed_by_flops']} "
-                  f"{r.get('flops_collapsed_over_best')}", flush=True)  # fmt: skip
+                  f"{r.get('flops_collapsed_over_best')}", flush=True)
     timing.save(record, args.out)
     return record
 

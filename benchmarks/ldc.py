@@ -53,7 +53,7 @@ DERIVATIVES = (
     "u__x", "u__y", "u__x__x", "u__y__y",
     "v__x", "v__y", "v__x__x", "v__y__y",
     "p__x", "p__y",
-)  # fmt: skip
+)
 
 MODES: Tuple[str, ...] = (
     "fp32_highest",
@@ -130,7 +130,7 @@ def mode_settings(mode: str) -> Tuple[jaxamp.AmpConfig, jaxamp.AmpConfig, jaxamp
         return term, term, term, "default"
     if mode in TENSOR_MODES:
         kw = {"fp16_tensor": dict(dtype="float16", tensor_scaling=True), "fp8_default": dict(dtype="float8"),
-              "fp8_all": dict(dtype="float8", float8_formats={"tangent": "float8_e4m3fn"})}[mode]  # fmt: skip
+              "fp8_all": dict(dtype="float8", float8_formats={"tangent": "float8_e4m3fn"})}[mode]
         amp = jaxamp.AmpConfig(**kw)
         return amp, amp, amp, "default"
     raise ValueError(f"ldc: mode={mode!r} is not known: expected one of {list(ALL_MODES)}.")
@@ -149,7 +149,7 @@ def make_points(size: LDCSize, seed: int = 0) -> Dict[str, jax.Array]:
         (side == 0)[:, None], np.stack([np.full_like(s, -h), s], -1),
         np.where((side == 1)[:, None], np.stack([s, np.full_like(s, -h)], -1),
                  np.stack([np.full_like(s, h), s], -1)),
-    )  # fmt: skip
+    )
     return {k: jnp.asarray(v, jnp.float32) for k, v in (("interior", interior), ("lid", lid), ("noslip", noslip))}
 
 
@@ -170,7 +170,7 @@ def residuals(d: Dict[str, jax.Array]) -> Dict[str, jax.Array]:
 
 
 def build_step(mode: str, size: LDCSize, params: Any = None, points: Dict[str, jax.Array] = None,
-               method: str = "forward") -> LDCStep:  # fmt: skip
+               method: str = "forward") -> LDCStep:
     """The LDC train step (Adam 1e-3, clip 0.5) for ``mode``, on shared ``params``/``points``;
     ``method`` is the derivative engine's (``jaxamp.Derivatives``)."""
     net_amp, engine_amp, step_amp, precision = mode_settings(mode)

@@ -80,7 +80,7 @@ class Case:
 
 
 def build_case(problem: Problem, placement: str, mode: str, params: Any, batch: Dict[str, jax.Array],
-               layers: int, width: int, merge: bool = False, on_stall: Any = None) -> Case:  # fmt: skip
+               layers: int, width: int, merge: bool = False, on_stall: Any = None) -> Case:
     """Compile the train step of ``problem`` for one placement and mode (public jaxamp API only);
     ``merge`` and ``on_stall`` as :func:`jaxamp.make_train_step`'s."""
     amp = case_amp(placement, mode)
@@ -90,7 +90,7 @@ def build_case(problem: Problem, placement: str, mode: str, params: Any, batch: 
     else:
         apply = FullyConnected.from_amp(amp, **shape).apply
     engine = jaxamp.Derivatives(lambda p, x: apply(p, x), inputs=problem.inputs, outputs=problem.outputs,
-                                derivatives=problem.derivatives, amp=amp)  # fmt: skip
+                                derivatives=problem.derivatives, amp=amp)
 
     def loss_fn(p, b):
         d = engine(p, b["interior"])
@@ -133,32 +133,32 @@ def bench_problem(problem: Problem, cfg: Dict[str, Any], placements: List[str], 
     batch = make_batch(problem, cfg["n"], cfg["nb"])
     cases = [build_case(problem, pl, m, params, batch, cfg["layers"], cfg["width"]) for pl in placements for m in modes]
     out: Dict[str, Any] = {"derivatives": list(problem.derivatives), "inputs": list(problem.inputs),
-                           "outputs": list(problem.outputs), "cases": {}, "ratios": {}}  # fmt: skip
+                           "outputs": list(problem.outputs), "cases": {}, "ratios": {}}
     first: Dict[str, Any] = {}
     for c in cases:
         new_state, metrics = c.compiled(c.state, batch)
         first[c.name] = (jax.device_get(new_state.params), float(metrics["loss"]))
         out["cases"][c.name] = {"compile_s": c.compile_s, **timing.cost_of(c.compiled),
                                 "xla_memory": timing.memory_of(c.compiled), "first_loss": first[c.name][1],
-                                "first_skipped": bool(metrics["skipped"])}  # fmt: skip
+                                "first_skipped": bool(metrics["skipped"])}
     for c in cases:
         plain = c.name.split("/")[0] + "/plain"
         if plain in first and plain != c.name:
             same = jax.tree_util.tree_all(jax.tree_util.tree_map(
-                lambda a, b: bool((a == b).all()), first[c.name][0], first[plain][0]))  # fmt: skip
+                lambda a, b: bool((a == b).all()), first[c.name][0], first[plain][0]))
             out["cases"][c.name]["first_step_params_identical_to_plain"] = same
     cpu: Dict[str, List[float]] = {c.name: [] for c in cases}
     wall = timing.interleaved({c.name: clocked(c, batch, cfg["inner"], cpu[c.name]) for c in cases}, cfg["reps"])
     for name in wall:
         cpu[name] = cpu[name][-len(wall[name]):]  # drop the warm-up round
         out["cases"][name].update(step_s=timing.stats(wall[name]), cpu_s=timing.stats(cpu[name]),
-                                  samples_s=wall[name], cpu_samples_s=cpu[name])  # fmt: skip
+                                  samples_s=wall[name], cpu_samples_s=cpu[name])
     for pl in placements:
         for m in modes:
             a, b = f"{pl}/{m}", f"{pl}/plain"
             if m != "plain" and b in wall:
                 out["ratios"][f"{a} / plain"] = {"wall": timing.paired_ratio(wall[a], wall[b]),
-                                                 "cpu": timing.paired_ratio(cpu[a], cpu[b])}  # fmt: skip
+                                                 "cpu": timing.paired_ratio(cpu[a], cpu[b])}
     return out
 
 
@@ -167,7 +167,7 @@ def print_matrix(res: Dict[str, Any]) -> None:
     m = res["meta"]
     print(f"backend={m['backend']} device={m['device_kind']} jax={m['jax']} preset={m['preset']} "
           f"net {m['config']['layers']}x{m['config']['width']} tanh, {m['config']['n']} points, "
-          f"{m['config']['reps']} reps x {m['config']['inner']} steps")  # fmt: skip
+          f"{m['config']['reps']} reps x {m['config']['inner']} steps")
     for name, p in res["problems"].items():
         print(f"\n== {name}: {len(p['derivatives'])} derivatives {p['derivatives']}")
         hdr = ["case", "step ms", "cpu ms", "GFLOP", "MB accessed", "temp MiB", "compile s", "1st step == plain"]
@@ -178,14 +178,14 @@ def print_matrix(res: Dict[str, Any]) -> None:
                          f"{r['cpu_s']['median'] * 1e3:.2f}", f"{(r['flops'] or 0) / 1e9:.3f}",
                          f"{(r['bytes_accessed'] or 0) / 1e6:.1f}",
                          f"{(r['xla_memory']['temp_bytes'] or 0) / 2**20:.2f}", f"{r['compile_s']:.1f}",
-                         str(r.get("first_step_params_identical_to_plain", "-"))])  # fmt: skip
+                         str(r.get("first_step_params_identical_to_plain", "-"))])
         widths = [max(len(row[i]) for row in rows) for i in range(len(hdr))]
         for row in rows:
             print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
         for k, r in p["ratios"].items():
             w, c = r["wall"], r["cpu"]
             print(f"  {k}: wall {w['median']:.3f} [{w['p25']:.3f}, {w['p75']:.3f}]  "
-                  f"cpu {c['median']:.3f} [{c['p25']:.3f}, {c['p75']:.3f}]")  # fmt: skip
+                  f"cpu {c['median']:.3f} [{c['p25']:.3f}, {c['p75']:.3f}]")
 
 
 def _load() -> Optional[float]:
@@ -218,7 +218,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     res: Dict[str, Any] = {"meta": {**timing.device_info(), "preset": preset, "config": cfg,
                                     "argv": sys.argv if argv is None else argv,
                                     "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                                    "load_avg_1min_start": _load()}, "problems": {}}  # fmt: skip
+                                    "load_avg_1min_start": _load()}, "problems": {}}
     out = a.out or (None if a.quick else f"benchmarks/results/matrix-{time.strftime('%Y-%m-%d')}.json")
     for name in a.problems:
         res["problems"][name] = bench_problem(PROBLEMS[name], cfg, a.placements, a.modes)

@@ -38,7 +38,7 @@ def compare(base: List[str], new: List[str]) -> Dict[str, Dict[str, float]]:
         rows[name] = {"flops": med(cur[name], "flops") / med(old[name], "flops"),
                       "compile": med(cur[name], "compile_s") / med(old[name], "compile_s"),
                       "step": statistics.median(r["step_s"]["median"] for r in cur[name])
-                      / statistics.median(r["step_s"]["median"] for r in old[name])}  # fmt: skip
+                      / statistics.median(r["step_s"]["median"] for r in old[name])}
     return rows
 
 

@@ -60,18 +60,18 @@ def bench(problem: Any, cfg: Dict[str, Any], a: argparse.Namespace) -> Dict[str,
     params = net.init(jax.random.PRNGKey(0), jax.numpy.zeros(len(problem.inputs)))
     batch = make_batch(problem, cfg["n"], cfg["nb"])
     cases = {f"merge={m}": build_case(problem, a.placement, a.mode, params, batch, cfg["layers"], cfg["width"], merge=m)
-             for m in (False, True)}  # fmt: skip
+             for m in (False, True)}
     runs, out = {}, {}
     for name, case in cases.items():
         runs[name] = timing.timer(lambda c=case: c.compiled(c.state, batch)[1]["loss"], cfg["inner"])
         out[name] = {"compile_s": round(case.compile_s, 3), **timing.cost_of(case.compiled),
-                     **timing.memory_of(case.compiled)}  # fmt: skip
+                     **timing.memory_of(case.compiled)}
     samples = timing.interleaved(runs, a.reps)
     for name in cases:
         out[name]["time_s"] = timing.stats(samples[name])
         out[name]["time_per_point_us"] = round(out[name]["time_s"]["median"] * 1e6 / cfg["n"], 3)
     res = {"cases": out, "time_on_over_off": timing.paired_ratio(samples["merge=True"], samples["merge=False"]),
-           "flops_on_over_off": round(out["merge=True"]["flops"] / out["merge=False"]["flops"], 4)}  # fmt: skip
+           "flops_on_over_off": round(out["merge=True"]["flops"] / out["merge=False"]["flops"], 4)}
     if a.profile:
         res["op_ms_per_call"] = op_profile(cases, batch, rounds=8)
     return res
@@ -98,13 +98,13 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         "config": {"problem": a.problem, "placement": a.placement, "mode": a.mode, "preset": a.preset, **preset,
                    "reps": a.reps},
         "results": {},
-    }  # fmt: skip
+    }
     for n in a.n or [preset["n"]]:
         res = record["results"][str(n)] = bench(problem, {**preset, "n": n}, a)
         r, c = res["time_on_over_off"], res["cases"]
         print(f"{a.problem}/{a.placement}/{a.mode} n={n}: merge on / off {r['median']:.3f} [{r['p25']:.3f}, "
               f"{r['p75']:.3f}], FLOPs {res['flops_on_over_off']:.3f}, us per point off "
-              f"{c['merge=False']['time_per_point_us']:.2f} on {c['merge=True']['time_per_point_us']:.2f}", flush=True)  # fmt: skip
+              f"{c['merge=False']['time_per_point_us']:.2f} on {c['merge=True']['time_per_point_us']:.2f}", flush=True)
         for name, kinds in res.get("op_ms_per_call", {}).items():
             print(f"  {name}: {sum(kinds.values()):.2f} ms of operations per call; "
                   + ", ".join(f"{k} {v:.2f}" for k, v in list(kinds.items())[:6]))

@@ -75,7 +75,7 @@ def compiled_run(fn: Callable, args: tuple, inner: int):
     start = time.perf_counter()
     compiled = jax.jit(fn).lower(*args).compile()
     record = {"trace_compile_s": round(time.perf_counter() - start, 3), **timing.cost_of(compiled),
-              **timing.memory_of(compiled)}  # fmt: skip
+              **timing.memory_of(compiled)}
     return timing.timer(lambda: compiled(*args), inner), record
 
 
@@ -108,14 +108,15 @@ def bench(layers: int, width: int, d: int, args: argparse.Namespace) -> Dict[str
             out[k]["time_s"] = timing.stats(samples[k])
     ratios = {}
     pairs = (("value", "value/jaxamp", "value/folx"), ("step", "step/jaxamp", "step/folx"),
-             ("fp16_step", "fp16_step/jaxamp", "step/folx"), ("fp16_step_vs_fp16", "fp16_step/jaxamp", "fp16_step/folx"))
+             ("fp16_step", "fp16_step/jaxamp", "step/folx"),
+             ("fp16_step_vs_fp16", "fp16_step/jaxamp", "fp16_step/folx"))
     for work, key, bkey in pairs:
         a, b = out.get(key, {}), out.get(bkey, {})
         if "error" in a or "error" in b:
             continue
         r = {"flops": a["flops"] / b["flops"] if a["flops"] and b["flops"] else None,
              "trace_compile": a["trace_compile_s"] / b["trace_compile_s"],
-             "temp_bytes": a["temp_bytes"] / b["temp_bytes"] if a["temp_bytes"] and b["temp_bytes"] else None}  # fmt: skip
+             "temp_bytes": a["temp_bytes"] / b["temp_bytes"] if a["temp_bytes"] and b["temp_bytes"] else None}
         if not args.no_time:
             r["time"] = timing.paired_ratio(samples[key], samples[bkey])["median"]
         ratios[f"{work}_jaxamp_over_folx"] = {k: (round(v, 4) if v is not None else None) for k, v in r.items()}
@@ -139,14 +140,14 @@ def main(argv=None) -> Dict[str, Any]:
     import importlib.metadata as md
 
     record: Dict[str, Any] = {"benchmark": "peers", "info": {**timing.device_info(), "folx": md.version("folx")},
-                              "config": vars(args), "results": {}}  # fmt: skip
+                              "config": vars(args), "results": {}}
     for shape in args.shapes:
         layers, width = (int(s) for s in shape.split("x"))
         for d in args.dims:
             res = bench(layers, width, d, args)
             record["results"][f"{shape}/d={d}"] = res
             print(f"{shape} d={d}: agree {res['max_rel_diff_vs_hessian']:.1e}  "
-                  + "  ".join(f"{k} {v}" for k, v in res["ratios"].items()), flush=True)  # fmt: skip
+                  + "  ".join(f"{k} {v}" for k, v in res["ratios"].items()), flush=True)
             timing.save(record, args.out)
     return record
 

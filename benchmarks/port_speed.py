@@ -96,7 +96,7 @@ def main(argv=None) -> Dict[str, Any]:
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     record: Dict[str, Any] = {"benchmark": "port_speed", "info": timing.device_info(), "config": vars(args),
-                              "results": {}}  # fmt: skip
+                              "results": {}}
     variants = ("fp32", "fp16_plain", "fp16", "fp16_reverse")
     captured = {v: run_port(v, args.warm_steps) for v in variants}
     for fn in WANTED:
@@ -105,10 +105,10 @@ def main(argv=None) -> Dict[str, Any]:
         out = {"ms": {v: round(1e3 * timing.stats(samples[v])["median"], 3) for v in variants},
                "over_fp16": {v: round(timing.paired_ratio(samples[v], samples["fp16"])["median"], 4)
                              for v in variants if v != "fp16"},
-               "kernels": {v: kernels(*captured[v][fn], v) for v in variants}}  # fmt: skip
+               "kernels": {v: kernels(*captured[v][fn], v) for v in variants}}
         record["results"][fn] = out
         print(f"{fn}: " + "  ".join(f"{v} {ms:.2f}ms" for v, ms in out["ms"].items())
-              + "  | over fp16: " + json.dumps(out["over_fp16"]), flush=True)  # fmt: skip
+              + "  | over fp16: " + json.dumps(out["over_fp16"]), flush=True)
     timing.save(record, args.out)
     return record
 

@@ -61,7 +61,7 @@ def _cavity_residuals(d: Values, x: jax.Array) -> Values:
 
 def _cavity_sample(rng: np.random.Generator, n: int, nb: int) -> Dict[str, np.ndarray]:
     pts = ldc.make_points(ldc.LDCSize(n_interior=n, n_lid=max(1, nb // 2), n_noslip=max(1, nb - nb // 2)),
-                          seed=int(rng.integers(1 << 30)))  # fmt: skip
+                          seed=int(rng.integers(1 << 30)))
     lid, wall = np.asarray(pts["lid"]), np.asarray(pts["noslip"])
     target = np.concatenate([np.tile([1.0, 0.0], (len(lid), 1)), np.zeros((len(wall), 2))])
     return {"interior": np.asarray(pts["interior"]), "boundary": np.concatenate([lid, wall]), "target": target}
@@ -72,7 +72,7 @@ UNSTEADY_NS_DERIVATIVES = (
     "u__t", "u__x", "u__y", "u__x__x", "u__y__y",
     "v__t", "v__x", "v__y", "v__x__x", "v__y__y",
     "p__x", "p__y",
-)  # fmt: skip
+)
 
 
 def _unsteady_ns_residuals(d: Values, x: jax.Array) -> Values:
@@ -102,7 +102,7 @@ def _ks_sample(rng: np.random.Generator, n: int, nb: int) -> Dict[str, np.ndarra
     interior = np.stack([rng.uniform(-1, 1, n), rng.uniform(0, 1, n)], axis=1)
     xb = rng.uniform(-1, 1, nb)
     return {"interior": interior, "boundary": np.stack([xb, np.zeros(nb)], axis=1),
-            "target": np.cos(np.pi * xb)[:, None]}  # fmt: skip
+            "target": np.cos(np.pi * xb)[:, None]}
 
 
 PROBLEMS: Dict[str, Problem] = {
@@ -111,7 +111,7 @@ PROBLEMS: Dict[str, Problem] = {
         Problem("poisson1d", ("x",), ("u",), ("u__x__x",), _poisson_residuals, _poisson_sample),
         Problem("cavity", ldc.INPUTS, ldc.OUTPUTS, ldc.DERIVATIVES, _cavity_residuals, _cavity_sample),
         Problem("unsteady_ns", ("x", "y", "t"), ("u", "v", "p"), UNSTEADY_NS_DERIVATIVES, _unsteady_ns_residuals,
-                _unsteady_ns_sample),  # fmt: skip
+                _unsteady_ns_sample),
         Problem("ks", ("x", "t"), ("u",), ("u__t", "u__x", "u__x__x", "u__x__x__x__x"), _ks_residuals, _ks_sample),
     )
 }

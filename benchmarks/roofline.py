@@ -52,11 +52,11 @@ LAUNCH_S = 3e-6  # assumed cost of one kernel launch on the device (no CUDA grap
 MODES = ("fp32_highest", "bf16", "fp16_plain", "fp16_noscale", "fp16_scaled_order")
 FP16 = "fp16_scaled_order"  # the reference of the time ratios "vs_fp16"
 _DOT = re.compile(r"stablehlo\.dot_general\s[^\n]*?contracting_dims\s*=\s*\[([0-9, ]*)\]\s*x\s*\[[0-9, ]*\]"
-                  r"[^\n]*?:\s*\(tensor<([0-9x]+)x(\w+)>,\s*tensor<[0-9x]+x(\w+)>\)\s*->\s*tensor<([0-9x]+)x(\w+)>")  # fmt: skip
+                  r"[^\n]*?:\s*\(tensor<([0-9x]+)x(\w+)>,\s*tensor<[0-9x]+x(\w+)>\)\s*->\s*tensor<([0-9x]+)x(\w+)>")
 # amax of a per-tensor scale: ``%a = stablehlo.abs %x`` then a max-reduce of ``%a`` (to a scalar)
 _ABS = re.compile(r"^\s*(%[\w#]+) = stablehlo\.abs (%[\w#]+) :", re.M)
 _AMAX = re.compile(r"stablehlo\.reduce\((%[\w#]+) init: [^)]*\) applies stablehlo\.maximum across dimensions = "
-                   r"\[[0-9, ]*\] : \(tensor<([0-9x]+)x(\w+)>, tensor<\w+>\) -> tensor<\w+>")  # fmt: skip
+                   r"\[[0-9, ]*\] : \(tensor<([0-9x]+)x(\w+)>, tensor<\w+>\) -> tensor<\w+>")
 _DEF = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = \w+\[([0-9,]*)\]", re.M)
 _OPT_DOT = re.compile(r"= \w+\[([0-9,]*)\]\S* dot\(%?([\w.\-]+), [^)]*\), lhs_contracting_dims=\{([0-9,]*)\}")
 _KERNEL = re.compile(r"^\s+\S+ = \S+ (fusion|dot|custom-call|convolution|reduce|sort|scatter|gather|copy)\(", re.M)
@@ -149,7 +149,7 @@ def analyse(mode: str, size: ldc.LDCSize, params: Any, points: Any) -> Dict[str,
     return {"matmul": mm, "matmul_flops": mm_flops, "lowered_matmul_flops": lowered_total, **cost,
             "compile_s": compile_s, "other_flops": max(0.0, (cost["flops"] or 0.0) - mm_flops),
             "amax_bytes": amax_bytes(lowered_text),
-            "kernels": len(_KERNEL.findall(text)), "xla_memory": timing.memory_of(compiled)}  # fmt: skip
+            "kernels": len(_KERNEL.findall(text)), "xla_memory": timing.memory_of(compiled)}
 
 
 def device_bytes(modes: Dict[str, Dict[str, Any]], backend: str) -> Dict[str, float]:
@@ -179,7 +179,7 @@ def predict(a: Dict[str, Any], mode: str, n_bytes: float, dev: Dict[str, Any]) -
     t_launch = a["kernels"] * LAUNCH_S
     return {"bytes": n_bytes, "compute_s": t_mm + t_vec, "matmul_s": t_mm, "vector_s": t_vec, "memory_s": t_mem,
             "launch_s": t_launch, "roofline_s": max(t_mm + t_vec, t_mem),
-            "additive_s": t_mm + t_vec + t_mem + t_launch}  # fmt: skip
+            "additive_s": t_mm + t_vec + t_mem + t_launch}
 
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
@@ -197,7 +197,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     params, points = ldc.init_params(size), ldc.make_points(size)
     res: Dict[str, Any] = {"meta": {**timing.device_info(), "size": a.size, "launch_s": LAUNCH_S,
                                     "argv": sys.argv if argv is None else argv,
-                                    "started": time.strftime("%Y-%m-%dT%H:%M:%S")}, "modes": {}}  # fmt: skip
+                                    "started": time.strftime("%Y-%m-%dT%H:%M:%S")}, "modes": {}}
     for mode in a.modes:
         res["modes"][mode] = analyse(mode, size, params, points)
         print(f"analysed {mode}", file=sys.stderr, flush=True)
@@ -217,28 +217,28 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         res["predictions"][dev_name] = p
     print(f"LDC step {a.size} on {res['meta']['backend']} ({res['meta']['device_kind']}): XLA cost analysis")
     print(f"{'mode':18s} {'XLA GF':>7s} {'dot GF':>7s} {'dot dtypes':>22s} {'XLA GB':>7s} {'GPU GB':>7s} "
-          f"{'dot GB':>7s} {'amax GB':>7s} {'kernels':>7s}")  # fmt: skip
+          f"{'dot GB':>7s} {'amax GB':>7s} {'kernels':>7s}")
     for m, r in res["modes"].items():
         dts = " ".join(f"{k}:{v['share']:.2f}" for k, v in sorted(r["matmul"].items()))
         print(f"{m:18s} {(r['flops'] or 0) / 1e9:7.2f} {r['matmul_flops'] / 1e9:7.2f} {dts:>22s} "
               f"{(r['bytes_accessed'] or 0) / 1e9:7.2f} {n_bytes[m] / 1e9:7.2f} "
               f"{sum(v['bytes'] for v in r['matmul'].values()) / 1e9:7.2f} {r['amax_bytes'] / 1e9:7.2f} "
-              f"{r['kernels']:7d}")  # fmt: skip
+              f"{r['kernels']:7d}")
     for dev_name, p in res["predictions"].items():
         print(f"\n{dev_name}, predicted ms: compute, memory, launches ({LAUNCH_S * 1e6:.0f} us each); "
-              f"roofline max(compute, memory) | additive sum; speed-up vs fp32_highest; time / {FP16}'s")  # fmt: skip
+              f"roofline max(compute, memory) | additive sum; speed-up vs fp32_highest; time / {FP16}'s")
         for m, q in p.items():
             print(f"  {m:18s} {q['compute_s'] * 1e3:6.3f} {q['memory_s'] * 1e3:6.3f} {q['launch_s'] * 1e3:6.3f}   "
                   f"{q['roofline_s'] * 1e3:6.3f} | {q['additive_s'] * 1e3:6.3f}   "
                   f"x{q.get('speedup_roofline_vs_fp32', float('nan')):.2f} | "
                   f"x{q.get('speedup_additive_vs_fp32', float('nan')):.2f}   "
                   f"{q.get('time_roofline_vs_fp16', float('nan')):.2f} | "
-                  f"{q.get('time_additive_vs_fp16', float('nan')):.2f}")  # fmt: skip
+                  f"{q.get('time_additive_vs_fp16', float('nan')):.2f}")
     if a.time:
         res["measured"] = runner.bench_steps(size, a.modes, a.reps, a.inner, res["meta"])
         ref, f16 = (res["measured"]["modes"].get(k) for k in ("fp32_highest", FP16))
         print(f"\nmeasured on {res['meta']['device_kind']}: step ms median [p25, p75], speed-up vs fp32_highest, "
-              f"time / {FP16}'s")  # fmt: skip
+              f"time / {FP16}'s")
         for m, r in res["measured"]["modes"].items():
             st = r["step_s"]
             up = f"x{ref['step_s']['median'] / st['median']:.2f}" if ref else ""

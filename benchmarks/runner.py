@@ -24,18 +24,19 @@ from benchmarks import ldc, timing
 from benchmarks.report import print_tables
 
 PRESETS: Dict[str, Dict[str, Any]] = {
-    "smoke": dict(sizes=["2x16:32/16/16"], modes=["fp16_plain", "fp16_scaled_order"], reverse_modes=["fp16_scaled_order"],
+    "smoke": dict(sizes=["2x16:32/16/16"], modes=["fp16_plain", "fp16_scaled_order"],
+                  reverse_modes=["fp16_scaled_order"],
                   reps=2, inner=1, torch=True, torch_modes=["fp16_scaled_order"], torch_compile=False,
                   orders_size="2x16:16", max_order=1, orders_reps=2, memory_modes=["fp16_scaled_order"]),
-    "cpu": dict(sizes=["4x128:1000/200/200"], modes=list(ldc.MODES), reverse_modes=["fp32_highest", "fp16_scaled_order"],
-                reps=5, inner=1, torch=True,
+    "cpu": dict(sizes=["4x128:1000/200/200"], modes=list(ldc.MODES),
+                reverse_modes=["fp32_highest", "fp16_scaled_order"], reps=5, inner=1, torch=True,
                 torch_modes=["fp32_highest", "fp16_scaled_order"], torch_compile=True,
                 orders_size="4x128:256", max_order=4, orders_reps=5, memory_modes=list(ldc.MODES)),
-    "gpu": dict(sizes=["6x512:4000/1000/1000"], modes=list(ldc.MODES), reverse_modes=["fp32_highest", "fp16_scaled_order"],
-                reps=15, inner=5, torch=False,
+    "gpu": dict(sizes=["6x512:4000/1000/1000"], modes=list(ldc.MODES),
+                reverse_modes=["fp32_highest", "fp16_scaled_order"], reps=15, inner=5, torch=False,
                 torch_modes=[], torch_compile=False, orders_size="6x512:4000", max_order=4, orders_reps=10,
                 memory_modes=list(ldc.MODES)),
-}  # fmt: skip
+}
 # The compute dtype behind each mode, to look up the device's peak throughput.
 PEAK_KEY = {"fp32_highest": "float32", "fp32_default": "tf32", "bf16": "bfloat16"}
 
@@ -72,7 +73,7 @@ def cached_step(mode: str, size: ldc.LDCSize, params: Any, points: Any, method: 
 
 
 def bench_steps(size: ldc.LDCSize, modes: List[str], reps: int, inner: int, info: Dict[str, Any],
-                reverse_modes: Sequence[str] = ()) -> Dict[str, Any]:  # fmt: skip
+                reverse_modes: Sequence[str] = ()) -> Dict[str, Any]:
     """Interleaved step times of every mode on shared weights and points, with FLOPs and ratios.
     Modes use the default (forward) derivative engine; ``reverse_modes`` are timed again with
     nested reverse mode, as ``"<mode>@reverse"``."""
@@ -90,7 +91,7 @@ def bench_steps(size: ldc.LDCSize, modes: List[str], reps: int, inner: int, info
 
         runs[mode] = timing.timer(run, inner)
         out["modes"][mode] = {"compile_s": compile_s, **timing.cost_of(compiled),
-                              "xla_memory": timing.memory_of(compiled)}  # fmt: skip
+                              "xla_memory": timing.memory_of(compiled)}
     samples = timing.interleaved(runs, reps)
     for mode, times in samples.items():
         m = out["modes"][mode]
@@ -112,7 +113,7 @@ def bench_steps(size: ldc.LDCSize, modes: List[str], reps: int, inner: int, info
         **{f"speedup_forward_vs_reverse_{m}": (m + REVERSE, m) for m in reverse_modes},
     }
     out["ratios"] = {k: timing.paired_ratio(samples[a], samples[b]) for k, (a, b) in pairs.items()
-                     if a in samples and b in samples}  # fmt: skip
+                     if a in samples and b in samples}
     return out
 
 
@@ -218,13 +219,13 @@ def memory_child(mode: str, size_text: str) -> Dict[str, Any]:
         st, m = compiled(st, s.batch)
     jax.block_until_ready(st)
     return {"rss_before_compile_bytes": base, "peak_rss_bytes": timing.peak_rss_bytes(),
-            "device_peak_bytes": timing.device_peak_bytes()}  # fmt: skip
+            "device_peak_bytes": timing.device_peak_bytes()}
 
 
 def bench_memory(size_text: str, modes: List[str], deadline: float = math.inf) -> Dict[str, Any]:
     """Each mode in a fresh subprocess (honest peak RSS / device peak; costs a compile each)."""
     out = {"size": size_text, "method": "fresh subprocess per mode: peak RSS (VmHWM) and RSS growth "
-           "from before compile; device peak_bytes_in_use where the backend reports it", "modes": {}}  # fmt: skip
+           "from before compile; device peak_bytes_in_use where the backend reports it", "modes": {}}
     for mode in modes:
         if time.perf_counter() > deadline:
             out["modes"][mode] = {"error": "skipped: time budget spent"}
@@ -253,7 +254,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     ap.add_argument("--max-order", type=int, choices=[1, 2, 3, 4])
     ap.add_argument("--memory-modes", nargs="+", choices=ldc.MODES)
     ap.add_argument("--sections", nargs="+", default=["step", "torch", "orders", "memory"],
-                    choices=["step", "torch", "orders", "memory"])  # fmt: skip
+                    choices=["step", "torch", "orders", "memory"])
     ap.add_argument("--time-budget", type=float, default=math.inf, help="seconds; later sections are skipped")
     ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument("--memory-child", help=argparse.SUPPRESS)
@@ -271,7 +272,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     sizes = [parse_size(t) for t in cfg["sizes"]]
     t0, info = time.perf_counter(), timing.device_info()
     res: Dict[str, Any] = {"meta": {**info, "preset": a.preset, "argv": sys.argv if argv is None else argv,
-                                    "config": cfg, "started": time.strftime("%Y-%m-%dT%H:%M:%S")}}  # fmt: skip
+                                    "config": cfg, "started": time.strftime("%Y-%m-%dT%H:%M:%S")}}
 
     def budget_left(section: str) -> bool:
         if time.perf_counter() - t0 < a.time_budget:
@@ -281,7 +282,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
 
     if "step" in a.sections:
         res["step"] = [bench_steps(s, cfg["modes"], cfg["reps"], cfg["inner"], info, cfg["reverse_modes"])
-                       for s in sizes]  # fmt: skip
+                       for s in sizes]
     if "torch" in a.sections and cfg["torch"] and budget_left("torch"):
         res["torch"] = bench_torch(sizes[0], cfg["torch_modes"], cfg["reps"], cfg["torch_compile"])
     if "orders" in a.sections and budget_left("orders"):

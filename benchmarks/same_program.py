@@ -4,10 +4,10 @@ benchmarks measure, to compare two commits.
 Each program of ``python -m benchmarks matrix`` (every problem, placement and mode), of
 ``python -m benchmarks peers`` (jaxamp's float32 Laplacian value and step and its float16 user
 step, per dimension) and the idioms of ``python -m benchmarks idioms`` (nested ``grad``, tuple
-``argnums``, ``jacfwd`` / ``jacrev`` + ``hessian``: the programs the chain planner expands) is compiled for this CPU and fingerprinted: the SHA-256 of XLA's optimised
-HLO text with its metadata (source locations) removed. Run from git worktrees of two commits;
-equal fingerprints mean the timings and FLOPs measured at one commit are those of the other's
-programs.
+``argnums``, ``jacfwd`` / ``jacrev`` + ``hessian``: the programs the chain planner expands) is
+compiled for this CPU and fingerprinted: the SHA-256 of XLA's optimised HLO text with its metadata
+(source locations) removed. Run from git worktrees of two commits; equal fingerprints mean the
+timings and FLOPs measured at one commit are those of the other's programs.
 
     python -m benchmarks.same_program --out A.json          # in a worktree of commit A
     python -m benchmarks.same_program --compare A.json B.json
@@ -73,7 +73,7 @@ def peers_programs(dims: List[int], points: int) -> Dict[str, str]:
         x = jax.random.uniform(jax.random.PRNGKey(1), (points, d), jnp.float32, -1.0, 1.0)
         for work, fn, args in (("value", peers.value_fn("jaxamp"), (params, x)),
                                ("step", peers.step_fn("jaxamp"), (params, x)),
-                               ("fp16_step", *peers.fp16_step(params, x))):  # fmt: skip
+                               ("fp16_step", *peers.fp16_step(params, x))):
             out[f"peers/d={d}/{work}"] = fingerprint(jax.jit(fn).lower(*args).compile())
     return out
 

@@ -136,7 +136,8 @@ def make_chunk(step):
             rec = {
                 "skipped": m["skipped"], "reason": m["skip_reason"], "loss": m["loss"],
                 "unchanged": _same((s.params, s.opt_state.inner), (new.params, new.opt_state.inner)),
-                "scalers_unchanged": _same((s.amp_state.derivative, s.amp_state.loss), (new.amp_state.derivative, new.amp_state.loss)),
+                "scalers_unchanged": _same((s.amp_state.derivative, s.amp_state.loss),
+                                           (new.amp_state.derivative, new.amp_state.loss)),
                 **{f"scale_log2/{k}": m[f"scale_log2/{k}"] for k in KEYS},
                 **{f"found_inf/{k}": m[f"found_inf/{k}"] for k in KEYS},
                 "finite": jnp.stack([jnp.all(jnp.isfinite(p)) for p in jax.tree_util.tree_leaves(new.params)]).all(),
@@ -210,7 +211,8 @@ def soak(steps: int = 10_000, *, chunk: int = 500, seed: int = 0,
         "nonfinite_param_steps": int((~rec["finite"].astype(bool)).sum()),
         "skipped_steps": int(skipped.sum()),
         "skipped_bit_identical_pct": 100.0 * float(rec["unchanged"][skipped].mean()) if skipped.any() else 100.0,
-        "nan_skipped_as_bad_values_pct": 100.0 * float((rec["reason"][nan] == jaxamp.SkipReason.NONFINITE_VALUES).mean()),
+        "nan_skipped_as_bad_values_pct": 100.0 * float(
+            (rec["reason"][nan] == jaxamp.SkipReason.NONFINITE_VALUES).mean()),
         "nan_steps_scalers_unchanged_pct": 100.0 * float(rec["scalers_unchanged"][nan].mean()),
         "overflow_skipped_as_overflow_pct": 100.0 * float(
             (rec["reason"][overflow] == jaxamp.SkipReason.DERIVATIVE_OVERFLOW).mean()) if overflow.any() else 100.0,

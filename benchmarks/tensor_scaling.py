@@ -70,7 +70,8 @@ VARIANTS: Dict[str, Dict[str, Any]] = {
     "fp8_value_e4m3": {"dtype": "float8", "float8_formats": {"value": "float8_e4m3fn"}},
     "fp8_cotangent_e4m3": {"dtype": "float8", "float8_formats": {"cotangent": "float8_e4m3fn"}},
     # two roles changed: tangents float16 and cotangents E4M3 (per-tensor scales give them the range)
-    "fp8_tangent_fp16_cotangent_e4m3": {"dtype": "float8", "float8_formats": {"tangent": "float16", "cotangent": "float8_e4m3fn"}},
+    "fp8_tangent_fp16_cotangent_e4m3": {"dtype": "float8",
+                                        "float8_formats": {"tangent": "float16", "cotangent": "float8_e4m3fn"}},
     # the first layer (the one carrying the physical length scale) in float32
     "fp8_recipe_first_fp32": {"dtype": "float8", "autocast_firstlayer": False},
     "fp16_plain_first_fp32": {"derivative_scaling": False, "autocast_firstlayer": False},
@@ -83,7 +84,8 @@ DEFAULT_VARIANTS = (
 LDC_PRESETS = {"fp32": "fp32", "bf16": "bf16", "fp16_plain": "fp16_plain", "fp16_scaler": "fp16_scaler_per_order"}
 DEFAULT_STEPS = {"jax_burgers": 1500, "ldc_demo": 3000, "flax_poisson": 1500}
 ROLES = jaxamp._src.placement.tensor_scale.ROLES
-FP8_DEFAULT_ROLES = dict(zip(ROLES, jaxamp._src.placement.tensor_scale.FP8_FORMATS))  # the library's recipe, recorded in each file
+# the library's recipe, recorded in each file
+FP8_DEFAULT_ROLES = dict(zip(ROLES, jaxamp._src.placement.tensor_scale.FP8_FORMATS))
 # The recipe of result files written before they recorded theirs (eda1c05's: E4M3 tangents, E5M2 cotangents).
 FP8_UNRECORDED_ROLES = {"value": "float16", "tangent": "float8_e4m3fn", "cotangent": "float8_e5m2"}
 
@@ -159,7 +161,8 @@ def _overrides(variant: str, steps: int, seed: int) -> List[str]:
     """The cavity's command-line overrides for a variant (``python -m examples.ldc --config ldc_demo ...``)."""
     from examples.common.config import MODES
 
-    out = [f"seed={seed}", f"training.max_steps={steps}", f"training.checkpoint_every={steps}", "training.tensorboard=false"]
+    out = [f"seed={seed}", f"training.max_steps={steps}", f"training.checkpoint_every={steps}",
+           "training.tensorboard=false"]
     if variant in LDC_PRESETS:
         return out + [f"mode={LDC_PRESETS[variant]}"]
     amp = {**MODES["fp16_scaler_per_order"], **VARIANTS[variant]}
@@ -211,9 +214,9 @@ def _run_ldc(variant: str, seed: int, steps: int, placement: str = "autocast") -
         s = train_and_evaluate(LDC, cfg, workdir, progress=False, plots=False)
     train._SETUPS.clear()  # its cache key does not know the placement (and frees the compiled steps)
     keep = ("skipped_steps", "first_skipped_step", "final_scale_log2", "first_nonfinite_loss_step",
-            "derivative_overflow_skips", "min_scale_log2", "stalled")  # fmt: skip
+            "derivative_overflow_skips", "min_scale_log2", "stalled")
     return {"error": s["rel_l2"], **{k: s.get(k) for k in keep}, "placement": placement,
-            "command": "python -m examples.ldc --config ldc_demo " + " ".join(overrides)}  # fmt: skip
+            "command": "python -m examples.ldc --config ldc_demo " + " ".join(overrides)}
 
 
 PROBLEMS: Dict[str, Callable[..., Dict[str, Any]]] = {
@@ -235,7 +238,7 @@ def _git_commit() -> str:
 
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout.strip()  # fmt: skip
+                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout.strip()
     except OSError:
         return "unknown"
 
@@ -313,12 +316,14 @@ def tables(runs: Sequence[Dict[str, Any]]) -> str:
         head = "| variant | " + " | ".join(f"seed {s} error (× fp32) | skipped | final scales" for s in seeds) + " |"
         lines += [head, "|---|" + "---|---|---|" * len(seeds)]
         order = list(VARIANTS)
-        for v in sorted(dict.fromkeys(r["variant"] for r in rows), key=lambda v: order.index(v) if v in order else len(order)):
+        for v in sorted(dict.fromkeys(r["variant"] for r in rows),
+                        key=lambda v: order.index(v) if v in order else len(order)):
             cells = []
             for s in seeds:
                 r = next((r for r in rows if r["variant"] == v and r["seed"] == s), None)
                 cells.append("- | - | -" if r is None else
-                             f"{_fmt_err(r)} | {r.get('skipped_steps', '-')} | {_fmt_scales(r.get('final_scale_log2'))}")
+                             f"{_fmt_err(r)} | {r.get('skipped_steps', '-')} | "
+                             f"{_fmt_scales(r.get('final_scale_log2'))}")
             lines.append(f"| {v} | " + " | ".join(cells) + " |")
         lines.append("")
     summ = summary(runs)
@@ -332,7 +337,8 @@ def tables(runs: Sequence[Dict[str, Any]]) -> str:
             fmt = " / ".join(_SHORT.get(f[role], f[role]) for role in ROLES) if f else "-"
             per = [d["median_over_fp32_per_problem"].get(p) for p in problems]
             lines.append(f"| {v} | {fmt} | " + " | ".join(_fmt_ratio(x) for x in per)
-                         + f" | {_fmt_ratio(d['median_over_fp32'])} | {_fmt_ratio(d['max_over_fp32'])} | {len(d['over_fp32'])} |")
+                         + f" | {_fmt_ratio(d['median_over_fp32'])} | {_fmt_ratio(d['max_over_fp32'])} | "
+                           f"{len(d['over_fp32'])} |")
     return "\n".join(lines) + "\n"
 
 
@@ -388,7 +394,7 @@ def main(argv=None) -> Dict[str, Any]:
         "info": {**device_info(), "cpu_model": _cpu_model(), "commit": _git_commit(),
                  "date": time.strftime("%Y-%m-%d"), "fp8_default_roles": FP8_DEFAULT_ROLES},
         "config": vars(args), "runs": [],
-    }  # fmt: skip
+    }
     for problem in args.problem:
         steps = args.steps or DEFAULT_STEPS[problem]
         for seed in args.seeds:
@@ -398,7 +404,7 @@ def main(argv=None) -> Dict[str, Any]:
                 base = out["error"] if variant == "fp32" else base
                 over = None if base is None else (out["error"] / base if math.isfinite(out["error"]) else math.inf)
                 row = {"problem": problem, "steps": steps, "seed": seed, "variant": variant, "keys": VARIANTS[variant],
-                       "formats": formats(VARIANTS[variant]), **out, "over_fp32": over}  # fmt: skip
+                       "formats": formats(VARIANTS[variant]), **out, "over_fp32": over}
                 record["runs"].append(row)
                 print(json.dumps(row), flush=True)
                 if args.out:

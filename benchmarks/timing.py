@@ -49,7 +49,7 @@ def stats(samples: List[float]) -> Dict[str, float]:
     a = np.asarray(samples, dtype=float)
     p25, med, p75 = np.percentile(a, [25, 50, 75])
     return {"median": float(med), "p25": float(p25), "p75": float(p75), "min": float(a.min()),
-            "max": float(a.max()), "n": int(a.size)}  # fmt: skip
+            "max": float(a.max()), "n": int(a.size)}
 
 
 def paired_ratio(num: List[float], den: List[float]) -> Dict[str, float]:
@@ -120,7 +120,7 @@ def device_info() -> Dict[str, Any]:
         h.update(f.read_bytes())
     d = jax.devices()[0]
     return {"backend": jax.default_backend(), "device_kind": d.device_kind, "n_devices": jax.device_count(),
-            "cpu_count": os.cpu_count(), "jax": jax.__version__, "jaxamp_sources_sha1": h.hexdigest()[:12]}  # fmt: skip
+            "cpu_count": os.cpu_count(), "jax": jax.__version__, "jaxamp_sources_sha1": h.hexdigest()[:12]}
 
 
 def peak_flops(device_kind: str, mode_dtype: str) -> Optional[float]:

@@ -22,7 +22,7 @@ def available() -> Optional[str]:
 
 
 def build_torch_step(mode: str, size: ldc.LDCSize, params: Any, points: Dict[str, Any],
-                     compile_model: bool = False) -> Tuple[Callable[[], Dict[str, Any]], Any]:  # fmt: skip
+                     compile_model: bool = False) -> Tuple[Callable[[], Dict[str, Any]], Any]:
     """``(run, model)``: ``run()`` takes one torch_ref train step (Adam 1e-3, clip 0.5) in ``mode``.
 
     ``compile_model`` wraps the network in ``torch.compile`` (the derivative graph itself is

@@ -62,7 +62,7 @@ def run_demo(config: str, seeds: Sequence[int], modes: Sequence[str], workdir: s
 
         for seed in seeds:
             runs = {r["mode"]: read_metrics(os.path.join(r["workdir"], "metrics.jsonl"))
-                    for r in rows if r["seed"] == seed}  # fmt: skip
+                    for r in rows if r["seed"] == seed}
             plot_comparison(os.path.join(workdir, f"seed{seed}"), runs, title=f"{probe['name']} seed {seed}")
     return rows
 
@@ -94,10 +94,10 @@ def _verdict_line(seed: int, v: Dict[str, Any]) -> str:
     if "plain_failed" in v:
         parts.append(f"fp16_plain first non-finite loss at step {v['plain_failure_step']}, "
                      f"{v['plain_skipped_steps']} steps skipped;" if v["plain_failed"]
-                     else "fp16_plain never had a non-finite loss;")  # fmt: skip
+                     else "fp16_plain never had a non-finite loss;")
     if "scaler_ratios" in v:
         parts.append(", ".join(f"{m} {x:.2f}x fp32" for m, x in v["scaler_ratios"].items())
-                     + f" (limit {RATIO_LIMIT}x);")  # fmt: skip
+                     + f" (limit {RATIO_LIMIT}x);")
     if "claim_holds" in v:
         parts.append("claim holds" if v["claim_holds"] else "claim does NOT hold")
     return " ".join(parts)
@@ -149,13 +149,13 @@ def provenance() -> str:
     commit = run("git", "rev-parse", "--short", "HEAD") or "unknown"
     dirty = " (with uncommitted changes)" if run("git", "status", "--porcelain", "--untracked-files=no") else ""
     cpu = next((line.split(":", 1)[1].strip() for line in run("lscpu").splitlines() if line.startswith("Model name")),
-               platform.processor() or platform.machine())  # fmt: skip
+               platform.processor() or platform.machine())
     import datetime
 
     import jax
 
     return (f"Measured at commit {commit}{dirty}, CPU {cpu} ({os.cpu_count()} cores), JAX {jax.__version__}, "
-            f"{datetime.date.today().isoformat()}; fp16 digits differ between CPUs.")  # fmt: skip
+            f"{datetime.date.today().isoformat()}; fp16 digits differ between CPUs.")
 
 
 def write_report(path: str, table: str, command: str, origin: str) -> None:

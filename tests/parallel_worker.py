@@ -152,7 +152,8 @@ def inject() -> Dict[str, Any]:
         state, _ = run(state, clean)
     order = list(mesh.devices.flat)
     bad_at = BAD_DEVICE * (GLOBAL_BATCH // 8) + 3
-    scales = lambda s: {k: [float(v.scale), int(v.growth_tracker)] for k, v in s.amp_state.derivative.items()}  # noqa: E731
+    scales = lambda s: {k: [float(v.scale), int(v.growth_tracker)]  # noqa: E731
+                        for k, v in s.amp_state.derivative.items()}
     out: Dict[str, Any] = {}
     for name, batch in (("nan", points(nan_at=bad_at)), ("overflow", points(overflow_at=bad_at))):
         bad = parallel.shard_batch(batch, mesh)
@@ -179,7 +180,8 @@ def inject() -> Dict[str, Any]:
                 for u in [amp_config("float16").derivative_scaler_for(k).update(jax.device_get(v), False)]
             },
             "deriv_scale_replicas": {
-                k: [float(np.asarray(s.data)) for s in v.scale.addressable_shards] for k, v in new.amp_state.derivative.items()
+                k: [float(np.asarray(s.data)) for s in v.scale.addressable_shards]
+                for k, v in new.amp_state.derivative.items()
             },
             "next_step_skipped": bool(metrics2["skipped"]),
             "replicas_identical_after_next": parallel.replicas_identical(after),

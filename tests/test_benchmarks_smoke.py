@@ -161,7 +161,7 @@ def test_laplacian_dropin_vs_engine_pairs_every_method(tmp_path):
 
     out = tmp_path / "lap.json"
     record = laplacian.main(["--workloads", "dropin_vs_engine", "--dims", "2", "--points", "8", "--width", "8",
-                             "--layers", "1", "--reps", "2", "--inner", "1", "--out", str(out)])  # fmt: skip
+                             "--layers", "1", "--reps", "2", "--inner", "1", "--out", str(out)])
     res = record["results"]["dropin_vs_engine"]["2"]
     assert set(res["ratios"]) == {f"{a}/{b}" for a, b in laplacian.PAIRS}
     for ratio in res["ratios"].values():
@@ -175,7 +175,7 @@ def test_merge_cost_times_both_programs_and_profiles_them(tmp_path):
     from benchmarks import merge_cost
 
     record = merge_cost.main(["--preset", "quick", "--n", "16", "--reps", "2", "--profile",
-                              "--out", str(tmp_path / "m.json")])  # fmt: skip
+                              "--out", str(tmp_path / "m.json")])
     res = record["results"]["16"]
     assert set(res["cases"]) == {"merge=False", "merge=True"}
     assert res["time_on_over_off"]["median"] > 0 and 0 < res["flops_on_over_off"] < 1
@@ -196,7 +196,7 @@ def test_matrix_times_the_autocast_placement_where_tensor_scales_act(monkeypatch
         stored = dataclasses.replace(matrix.PLACEMENTS[name], recompute_float32=False)
         monkeypatch.setitem(matrix.PLACEMENTS, name, stored)
     res = matrix.main(["--quick", "--problems", "poisson1d", "--placements", "all_fp16", "autocast",
-                       "--modes", "plain", "tensor"])  # fmt: skip
+                       "--modes", "plain", "tensor"])
     cases = res["problems"]["poisson1d"]["cases"]
     assert set(cases) == {f"{p}/{m}" for p in ("all_fp16", "autocast") for m in ("plain", "tensor")}
     extra = {p: cases[f"{p}/tensor"]["flops"] / cases[f"{p}/plain"]["flops"] for p in ("all_fp16", "autocast")}
@@ -216,7 +216,7 @@ def test_same_program_fingerprints_ignore_source_locations_only():
 
     first = compiled(lambda x: jnp.sin(x) * 2)
     moved = compiled(lambda x: (jnp.sin(x)
-                                * 2))  # fmt: skip  (the same program from other source lines)
+                                * 2))  # (the same program from other source lines)
     other = compiled(lambda x: jnp.sin(x) * 3)
     assert fingerprint(first) == fingerprint(moved) != fingerprint(other)
 

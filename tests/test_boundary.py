@@ -23,7 +23,8 @@ MODEL = nn.Sequential([nn.Dense(16), jnp.tanh, nn.Dense(16), jnp.tanh, nn.Dense(
 def _params(gain=1.0):
     p = MODEL.init(jax.random.PRNGKey(0), jnp.zeros(2))
     return jax.tree_util.tree_map_with_path(
-        lambda path, v: v * gain if "layers_0" in jax.tree_util.keystr(path) and "kernel" in jax.tree_util.keystr(path) else v, p)
+        lambda path, v: (v * gain if "layers_0" in jax.tree_util.keystr(path)
+                         and "kernel" in jax.tree_util.keystr(path) else v), p)
 
 
 def _u(amp):
@@ -53,7 +54,8 @@ X = jnp.stack([jnp.linspace(-0.02, 0.02, 8), jnp.linspace(0.01, -0.01, 8)], axis
 def test_each_form_is_scaled_per_order_and_matches_float32(form):
     d16, d32 = FORMS[form](_u(AMP)), FORMS[form](_u(None))
     fn = jax.vmap(d16, (None, 0))
-    assert jaxamp.init(lambda p, x: jnp.sum(fn(p, x)), AMP, from_profile=False)(_params(), X).scales.keys() == {"1", "2"}
+    assert (jaxamp.init(lambda p, x: jnp.sum(fn(p, x)), AMP, from_profile=False)(_params(), X).scales.keys()
+            == {"1", "2"})
     vals, found = jax.jit(jaxamp.scaled(fn, AMP))({"1": 2.0**-2, "2": 2.0**-5}, _params(), X)
     assert sorted(found) == ["1", "2", "nonfinite_values"] and not any(bool(v) for v in found.values())
     with jax.default_matmul_precision("highest"):

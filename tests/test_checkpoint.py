@@ -94,7 +94,8 @@ def test_monitor_state_beside_the_train_state_resumes_bit_identical(tmp_path):
     (lambda s: s.replace_amp(s.amp_state.replace(
         derivative=jaxamp.init(None, jaxamp.AmpConfig(), keys=["1"])().derivative)),
      "only in the checkpoint: ['opt_state.amp.derivative.2.growth_tracker', 'opt_state.amp.derivative.2.scale']"),
-    (lambda s: s._replace(step=jnp.asarray(0.0)), "different shape or dtype: ['step (checkpoint int32[], like float32[])']"),
+    (lambda s: s._replace(step=jnp.asarray(0.0)),
+     "different shape or dtype: ['step (checkpoint int32[], like float32[])']"),
     (lambda s: s._replace(params={**s.params, "extra": jnp.zeros(2)}), "only in `like`: ['params.extra']"),
 ])
 def test_restore_into_a_mismatched_state_names_the_leaves(tmp_path, change, fragment):

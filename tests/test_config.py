@@ -44,7 +44,8 @@ def test_from_yaml_with_amp_section(tmp_path):
 @pytest.mark.parametrize(
     "values, fragment",
     [
-        ({"dtype": "float64"}, "amp.dtype='float64' is not allowed: expected one of ['float16', 'bfloat16', 'float32', 'float8']"),
+        ({"dtype": "float64"},
+         "amp.dtype='float64' is not allowed: expected one of ['float16', 'bfloat16', 'float32', 'float8']"),
         ({"mode": "per_layer"}, "amp.mode='per_layer' is not allowed"),
         ({"enabled": "yes"}, "amp.enabled='yes' is not allowed: expected true or false"),
         ({"default_max_scale_log2": 1.5}, "amp.default_max_scale_log2=1.5"),
@@ -180,7 +181,8 @@ def test_keyword_arguments_take_omegaconf_and_ml_collections():
 
 
 def test_unknown_or_positional_arguments_are_config_errors():
-    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['precision'\]: allowed keys are \['enabled'.*remove or rename"):
+    with pytest.raises(ConfigError,
+                       match=r"unknown key\(s\) \['precision'\]: allowed keys are \['enabled'.*remove or rename"):
         AmpConfig(**{"dtype": "float16", "precision": "fp16"})
     with pytest.raises(ConfigError, match=r"positional value\(s\) \['float16'\].*e.g. AmpConfig\(\*\*config.amp\)"):
         AmpConfig("float16")

@@ -39,7 +39,8 @@ def net_and_params():
 @pytest.mark.parametrize("method", FAST_KINDS)
 def test_fp32_derivatives_match_jax_hessian_and_nested_jacfwd(net_and_params, method):
     net, params = net_and_params
-    names = ("u__x", "u__y", "v__x", "u__x__x", "u__x__y", "u__y__y", "v__y__x", "u__x__x__y", "v__y__y__y", "u__x__y__x")
+    names = ("u__x", "u__y", "v__x", "u__x__x", "u__x__y", "u__y__y", "v__y__x",
+             "u__x__x__y", "v__y__y__y", "u__x__y__x")
     eng = engine(method, lambda p, x: net.apply(p, x), inputs=("x", "y"), outputs=("u", "v"), derivatives=names)
     pts = jax.random.uniform(jax.random.PRNGKey(1), (32, 2), minval=-1, maxval=1)
     with jax.default_matmul_precision("highest"):
@@ -120,7 +121,8 @@ def test_crafted_fp16_overflow_backs_off_to_fp32_values(method):
     net32 = FullyConnected(out_features=1, layer_size=32, nr_layers=3)
     params = net16.init(jax.random.PRNGKey(0), jnp.zeros(1))
     params = jax.tree_util.tree_map_with_path(
-        lambda path, v: v * 500 if "layers_0" in jax.tree_util.keystr(path) and "weight_g" in jax.tree_util.keystr(path) else v,
+        lambda path, v: (v * 500 if "layers_0" in jax.tree_util.keystr(path)
+                         and "weight_g" in jax.tree_util.keystr(path) else v),
         params,
     )
     names = ("u__x__x",)

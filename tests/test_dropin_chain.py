@@ -29,7 +29,8 @@ def nest(f, argnum, k, jax_grad=False, **kw):
 
 def residual(g):
     def r(p, t, x):
-        return g(u, 1, 1)(p, t, x) + u(p, t, x) * g(u, 2, 1)(p, t, x) - 0.1 * g(u, 2, 2)(p, t, x) + g(g(u, 1, 1), 2, 1)(p, t, x)
+        return (g(u, 1, 1)(p, t, x) + u(p, t, x) * g(u, 2, 1)(p, t, x) - 0.1 * g(u, 2, 2)(p, t, x)
+                + g(g(u, 1, 1), 2, 1)(p, t, x))
 
     return jax.vmap(r, (None, 0, 0))
 
@@ -57,7 +58,8 @@ def test_weight_gradients_equal_jax_and_reverse_gradients_match_on_float16():
     def loss(g):
         return lambda p: jnp.mean(residual(g)(p, T, X) ** 2)
 
-    ours = jax.jit(jax.grad(lambda p: jaxamp.scaled(loss(lambda f, a, k: nest(f, a, k)))({"1": 0.5, "2": 0.5}, p)[0]))(P)
+    ours = jax.jit(jax.grad(
+        lambda p: jaxamp.scaled(loss(lambda f, a, k: nest(f, a, k)))({"1": 0.5, "2": 0.5}, p)[0]))(P)
     theirs = jax.grad(loss(lambda f, a, k: nest(f, a, k, jax_grad=True)))(P)
     np.testing.assert_allclose(ours, theirs, rtol=1e-4)
 

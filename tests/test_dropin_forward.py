@@ -49,10 +49,12 @@ def test_keys_and_binary_scaling_on_float32(small):
     lap = lambda p, xy: jnp.trace(jaxamp.hessian(_u, 1)(p, xy))  # noqa: E731
     fwd2 = lambda p, xy: jaxamp.jacfwd(jaxamp.jacfwd(_u, 1), 1)(p, xy)  # noqa: E731
     third = lambda p, xy: jaxamp.jacfwd(jaxamp.hessian(_u, 1), 1)(p, xy)  # noqa: E731
-    assert jaxamp._src.core.profile.scaler_keys(lap)(p, xy) == jaxamp._src.core.profile.scaler_keys(fwd2)(p, xy) == ("1", "2")
+    assert (jaxamp._src.core.profile.scaler_keys(lap)(p, xy) == jaxamp._src.core.profile.scaler_keys(fwd2)(p, xy)
+            == ("1", "2"))
     assert jaxamp._src.core.profile.scaler_keys(third)(p, xy) == ("1", "2", "3")
     named = lambda p, xy: jaxamp.hessian(_u, 1, of="u", wrt="xy")(p, xy)  # noqa: E731
-    assert jaxamp._src.core.profile.scaler_keys(named, jaxamp.AmpConfig(mode="per_term_scaler"))(p, xy) == ("u", "u__xy")
+    assert (jaxamp._src.core.profile.scaler_keys(named, jaxamp.AmpConfig(mode="per_term_scaler"))(p, xy)
+            == ("u", "u__xy"))
     for fn in (lap, fwd2):
         run = jax.jit(jaxamp.scaled(fn))
         one, found = run({"1": 1.0, "2": 1.0}, p, xy)
@@ -74,14 +76,14 @@ def test_float16_jacfwd_gives_the_engines_values_and_flags(net):
     amp = jaxamp.AmpConfig()
     ix = 1 + INPUTS.index("x")
     u_xx = {"jacfwd(grad)": jaxamp.jacfwd(jaxamp.grad(u_net, ix), ix),
-            "jacfwd(jacfwd)": jaxamp.jacfwd(jaxamp.jacfwd(u_net, ix), ix)}  # fmt: skip
+            "jacfwd(jacfwd)": jaxamp.jacfwd(jaxamp.jacfwd(u_net, ix), ix)}
     engine = jaxamp.Derivatives(fn, inputs=INPUTS, outputs=("u",), derivatives=("u__x__x",), amp=amp)
     pts = points()
     run_engine = jax.jit(jaxamp.scaled(engine))
     for name, f in u_xx.items():
         run = jax.jit(jaxamp.scaled(jax.vmap(f, (None, 0, 0)), amp))
         for scales, flags in (({"1": 2.0**-3, "2": 2.0**-5}, (False, False)), ({"1": 1.0, "2": 2.0**16}, (False, True)),
-                              ({"1": 2.0**18, "2": 1.0}, (True, False))):  # fmt: skip
+                              ({"1": 2.0**18, "2": 1.0}, (True, False))):
             scales = {k: jnp.float32(v) for k, v in scales.items()}
             values, found = run_engine(scales, params, pts)
             ours, our_found = run(scales, params, pts["t"], pts["x"])

@@ -48,7 +48,7 @@ def test_derivatives_are_the_engines_scaled_derivatives(net, profiler):
     amp = jaxamp.AmpConfig()
     engine = jaxamp.Derivatives(fn, inputs=INPUTS, outputs=("u",), derivatives=NAMES, amp=amp, method="reverse")
     engine32 = jaxamp.Derivatives(promote_to_float32(fn), inputs=INPUTS, outputs=("u",), derivatives=NAMES,
-                                  method="reverse")  # fmt: skip
+                                  method="reverse")
     scales = {"1": jnp.float32(2.0**-3), "2": jnp.float32(2.0**-5)}
     ours = profiler(scales, params, points())
     values = jax.jit(engine32)(params, points())
@@ -57,7 +57,8 @@ def test_derivatives_are_the_engines_scaled_derivatives(net, profiler):
     # key "1" also checks u__x, the inner derivative of u__x__x (the engine computes it too)
     first = jnp.concatenate([values["u__t"], values["u__x"]]) * scales["1"]
     np.testing.assert_allclose(_max(ours.derivatives["1"]), _max(value_range(first)), atol=1e-5)
-    np.testing.assert_allclose(_max(ours.derivatives["2"]), _max(value_range(values["u__x__x"] * scales["2"])), atol=1e-5)
+    np.testing.assert_allclose(_max(ours.derivatives["2"]), _max(value_range(values["u__x__x"] * scales["2"])),
+                               atol=1e-5)
     # keys hold the float16 values only: these derivatives are float32 (the inputs are), so
     # a key's range is its hidden values' (the derivatives are reported, not fitted)
     for k in ("1", "2"):
@@ -198,7 +199,8 @@ def test_a_state_brings_its_config_to_the_profile():
 
     def losses(p, t, x):
         u_xx = jaxamp.grad(jaxamp.grad(u, 2, of="u", wrt="x"), 2, wrt="x")
-        return jax.vmap(u_xx, (None, 0, 0))(p, t, x) + jax.vmap(jaxamp.grad(u, 1, of="u", wrt="t"), (None, 0, 0))(p, t, x)
+        return (jax.vmap(u_xx, (None, 0, 0))(p, t, x)
+                + jax.vmap(jaxamp.grad(u, 1, of="u", wrt="t"), (None, 0, 0))(p, t, x))
 
     args = (3.0, jnp.linspace(0.0, 1.0, 8), jnp.linspace(0.0, 0.1, 8))
     state = jaxamp.init(losses, jaxamp.AmpConfig(mode="per_term_scaler"))(*args)

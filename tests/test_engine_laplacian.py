@@ -93,7 +93,8 @@ def test_float16_overflow_at_scale_1_and_none_at_a_small_scale():
 
 @pytest.mark.parametrize("method", FAST_METHOD)
 def test_scale_1_is_bit_identical_to_derivative_scaling_off(method):
-    scaled_eng, plain_eng = engine(jaxamp.AmpConfig(), method), engine(jaxamp.AmpConfig(derivative_scaling=False), method)
+    scaled_eng, plain_eng = (engine(jaxamp.AmpConfig(), method),
+                             engine(jaxamp.AmpConfig(derivative_scaling=False), method))
 
     def loss(eng, scales):
         def f(p):

@@ -13,6 +13,7 @@ from benchmarks import gpu_program as gp
 # What XLA's GPU compiler prints, cut down: a loop fusion, a Triton GEMM fusion (f16 operands, f32
 # ones converted inside), a cuBLAS call with its s8 workspace, a conditional (a skip: one branch
 # zeroes and copies, the other passes through), a while loop of known trip count.
+# (A line ending in a backslash goes on in the next: XLA prints each instruction on one line.)
 HLO = """HloModule jit_step, entry_computation_layout={(f32[64,32]{1,0})->f32[64,16]{1,0}}
 
 %fused_tanh (param_0: f32[64,32]) -> (f16[64,32], f32[64,32]) {
@@ -66,15 +67,22 @@ ENTRY %main.17 (x.1: f32[64,32], w.1: f32[32,16], v.1: f32[16], s.1: pred[]) -> 
   %w.1 = f32[32,16]{1,0} parameter(1)
   %v.1 = f32[16]{0} parameter(2)
   %s.1 = pred[] parameter(3)
-  %loop_tanh_fusion = (f16[64,32]{1,0}, f32[64,32]{1,0}) fusion(%x.1), kind=kLoop, calls=%fused_tanh, metadata={op_name="jit(step)/tanh"}
+  %loop_tanh_fusion = (f16[64,32]{1,0}, f32[64,32]{1,0}) fusion(%x.1), kind=kLoop, calls=%fused_tanh, \
+metadata={op_name="jit(step)/tanh"}
   %get-tuple-element.18 = f16[64,32]{1,0} get-tuple-element(%loop_tanh_fusion), index=0
-  %gemm_fusion_dot.7 = f32[64,16]{1,0} fusion(%get-tuple-element.18, %w.1), kind=kCustom, calls=%gemm_fusion_dot.7_computation, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+  %gemm_fusion_dot.7 = f32[64,16]{1,0} fusion(%get-tuple-element.18, %w.1), kind=kCustom, \
+calls=%gemm_fusion_dot.7_computation, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
   %get-tuple-element.19 = f32[64,32]{1,0} get-tuple-element(%loop_tanh_fusion), index=1
-  %custom-call.20 = (f32[64,32]{1,0}, s8[4194304]{0}) custom-call(%get-tuple-element.19, %x.1), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["0"],"rhs_contracting_dimensions":["0"]},"precision_config":{"operand_precision":["HIGHEST","HIGHEST"]}}}
+  %custom-call.20 = (f32[64,32]{1,0}, s8[4194304]{0}) custom-call(%get-tuple-element.19, %x.1), \
+custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"dot_dimension_numbers":\
+{"lhs_contracting_dimensions":["0"],"rhs_contracting_dimensions":["0"]},\
+"precision_config":{"operand_precision":["HIGHEST","HIGHEST"]}}}
   %tuple.21 = (f32[16]{0}) tuple(%v.1)
-  %conditional.22 = (f32[16]{0}) conditional(%s.1, %tuple.21, %tuple.21), true_computation=%skip, false_computation=%pass, metadata={op_name="jit(step)/cond"}
+  %conditional.22 = (f32[16]{0}) conditional(%s.1, %tuple.21, %tuple.21), true_computation=%skip, \
+false_computation=%pass, metadata={op_name="jit(step)/cond"}
   %tuple.23 = (s32[], f32[16]{0}) tuple(%s.1, %v.1)
-  %while.24 = (s32[], f32[16]{0}) while(%tuple.23), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %while.24 = (s32[], f32[16]{0}) while(%tuple.23), condition=%cond, body=%body, \
+backend_config={"known_trip_count":{"n":"3"}}
   ROOT %copy.25 = f32[64,16]{1,0} copy(%gemm_fusion_dot.7)
 }
 """

@@ -69,7 +69,8 @@ def test_a_scale_of_two_to_the_e_shifts_the_headroom_by_exactly_e(e):
 
 def test_an_overflow_shows_as_negative_headroom_and_zeros_as_infinite():
     k = 300.0  # a k^2 = 9e4 > 65504 at scale 1, in a float16 network
-    fp16 = lambda p, x: (jnp.sin(x.astype(jnp.float16) * jnp.float16(k)) * p["a"].astype(jnp.float16)).astype(jnp.float32)  # noqa: E731
+    fp16 = lambda p, x: (jnp.sin(x.astype(jnp.float16) * jnp.float16(k))  # noqa: E731
+                         * p["a"].astype(jnp.float16)).astype(jnp.float32)
     eng = jaxamp.Derivatives(fp16, inputs=("x",), outputs=("u",), derivatives=("u__x__x",), amp=jaxamp.AmpConfig())
     _, found_inf, h = _headroom_at(eng, ONES, {"a": jnp.float32(1.0)}, POINTS)
     assert bool(found_inf["2"]) and float(h["2"]) < 0
@@ -109,7 +110,8 @@ def _problem(headroom: bool, amp=None):
 @pytest.mark.parametrize("amp,shift2", [(None, 0), (SCALE8, 3)], ids=["scale1", "scale8"])
 def test_make_train_step_reports_headroom_per_key_without_recompiling(amp, shift2):
     state, step, _ = _problem(headroom=True, amp=amp)
-    assert float(state.amp_state.derivative["2"].scale) == 2.0**shift2 and float(state.amp_state.derivative["1"].scale) == 1.0
+    assert (float(state.amp_state.derivative["2"].scale) == 2.0**shift2
+            and float(state.amp_state.derivative["1"].scale) == 1.0)
     traces = []
 
     @jax.jit

@@ -40,7 +40,7 @@ def test_bind_rule_is_the_program_as_written():
     (got,) = eval_jaxpr(closed.jaxpr, closed.consts, [x], bind)
     np.testing.assert_array_equal(got, program(x))
     np.testing.assert_array_equal(jax.jit(lambda z: eval_jaxpr(closed.jaxpr, closed.consts, [z], bind)[0])(x),
-                                  jax.jit(program)(x))  # fmt: skip
+                                  jax.jit(program)(x))
     seen = []
     eval_jaxpr(closed.jaxpr, closed.consts, [x], lambda e, v: seen.append(e.primitive.name) or bind(e, v))
     call = "jit" if "jit" in seen else "pjit"  # the name of jax.jit's primitive varies by version

@@ -3,8 +3,9 @@
 fp32.py is the user's code (scalar u_net, nested jax.grad under vmap, own loop and optax chain,
 gradient-norm loss weights through jax.jacrev; Fourier features on the physical (t, x) with
 b ~ N(0, (2 pi / X)^2)); fp16.py is its port (first layer in fp16 too). Fast: the port is at
-most 12 changed lines of at most 100 characters without lambdas, the train step at most 3. Slow: in physical units (domain x 0.02) plain fp16 never trains and the
-port trains within 1.2x of fp32's error; why plain fp16 overflows there.
+most 12 changed lines of at most 100 characters without lambdas, the train step at most 3. Slow:
+in physical units (domain x 0.02) plain fp16 never trains and the port trains within 1.2x of
+fp32's error; why plain fp16 overflows there.
 """
 
 import math

@@ -116,7 +116,8 @@ def summary(u, out):
     row = {"error": relative_error(u, params)}
     if isinstance(opt_state, jaxamp._src.training.step.AmpOptState):
         row["scales"] = {k: float(v) for k, v in opt_state.amp.scales.items()}
-        row["applied"] = int(optax.tree_utils.tree_get_all_with_path(opt_state.inner, "count")[0][1])  # adam's: skips not counted
+        # adam's: skips not counted
+        row["applied"] = int(optax.tree_utils.tree_get_all_with_path(opt_state.inner, "count")[0][1])
     return row
 
 

@@ -240,7 +240,8 @@ def test_bad_inputs_name_the_argument():
         laplacian(mlp, 1)(params, x[None])
     with pytest.raises(TypeError, match=r"floating-point scalar or array of shape \(d,\), got int32\[2\]"):
         laplacian(mlp, 1)(params, jnp.array([1, 2]))
-    with pytest.raises(ValueError, match=r"`method`='hvp' must be one of \['collapsed', 'forward', 'reverse', 'taylor'\]"):
+    with pytest.raises(ValueError,
+                       match=r"`method`='hvp' must be one of \['collapsed', 'forward', 'reverse', 'taylor'\]"):
         laplacian(mlp, 1, method="hvp")
     with pytest.raises(ValueError, match=r"`indices`=\(0, 2\) must be entries of x in \[0, 2\)"):
         laplacian(mlp, 1, indices=(0, 2))(params, x)

@@ -108,5 +108,5 @@ def test_per_tensor_scaling_and_fp8_configs_reach_the_models_matmuls(keys, forma
     assert all(f in program for f in formats)
     assert "jaxamp_scaled_dot" not in str(jax.make_jaxpr(u_x(plain))(params, x))
     want = u_x(FullyConnected.from_amp(jaxamp.AmpConfig(enabled=False), 1, layer_size=16, nr_layers=2,
-                                       activation="tanh"))(params, x)  # fmt: skip
+                                       activation="tanh"))(params, x)
     np.testing.assert_allclose(u_x(net)(params, x), want, rtol=rtol)

@@ -80,7 +80,8 @@ def test_update_is_pure_and_the_same_under_jit_and_scan():
 
 
 @pytest.mark.parametrize("kwargs, error, fragment", [
-    (dict(max_consecutive_skips=0), ValueError, "`max_consecutive_skips`=0 is not allowed: expected a positive integer"),
+    (dict(max_consecutive_skips=0), ValueError,
+     "`max_consecutive_skips`=0 is not allowed: expected a positive integer"),
     (dict(window=2.5), ValueError, "`window`=2.5 is not allowed: expected a positive integer"),
     (dict(max_skip_rate=1.5), ValueError, "`max_skip_rate`=1.5 is not allowed: expected a number in (0, 1]"),
     (dict(amp={"dtype": "float16"}), TypeError, "`amp`={'dtype': 'float16'} must be an AmpConfig or None"),

@@ -139,12 +139,13 @@ def test_two_processes_train_the_same_params_as_one_process(runs, path):
         assert r["params0"] == runs["1 process"]["params0"]
         got = np.concatenate([_f32(x) for x in r[final]])
         diff = np.max(np.abs(got - ref))
-        assert diff <= 1e-2 * moved, (f"{path}: process {i}'s params differ from the 1-process run's by up to {diff:.3g}, "
-                                      f"more than 1% of the {moved:.3g} the run moved them")
+        assert diff <= 1e-2 * moved, (f"{path}: process {i}'s params differ from the 1-process run's by up to "
+                                      f"{diff:.3g}, more than 1% of the {moved:.3g} the run moved them")
     loss = lambda s: _f32(s["loss"] if path == "user" else s["metrics"]["loss"])  # noqa: E731
     for step, (a, ref_s) in enumerate(zip(runs["process 0 of 2"][path], runs["1 process"][path])):
         # NaN (the bad-values step) equals NaN
-        np.testing.assert_allclose(loss(a), loss(ref_s), rtol=1e-4, err_msg=f"{path} step {step}: loss, 2 processes vs 1")
+        np.testing.assert_allclose(loss(a), loss(ref_s), rtol=1e-4,
+                                   err_msg=f"{path} step {step}: loss, 2 processes vs 1")
 
 
 @pytest.mark.slow

@@ -29,8 +29,9 @@ the AMD EPYC VMs every case above held; on an Intel Xeon VM (same JAX 0.10.2) th
 engine's weight gradients at every scale 1 differ from the unscaled engine's in 504 of 2305
 entries, and the forward engine's at 2^-1 in 34, with the values bit-identical; the commit
 before the reverse engine became nested ``jaxamp.grad`` (2b2c7d4) fails the same two checks
-there (504 entries for the reverse engine), so it is XLA's code for float16 on that CPU (fusion decides where float16 products and sums
-round), not the engine. For those cases only the values are asserted.
+there (504 entries for the reverse engine), so it is XLA's code for float16 on that CPU (fusion
+decides where float16 products and sums round), not the engine. For those cases only the values
+are asserted.
 
 With XLA's default flags (excess precision allowed; :func:`test_what_holds_with_default_xla_flags`,
 ``-m slow``), measured: the same as above, case by case (scale 1: everything bit-identical,
@@ -50,7 +51,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def run_worker(xla_flags: str, *args: str) -> dict:
     env = dict(os.environ, XLA_FLAGS=xla_flags, JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-m", "tests.helpers.one_graph", *args], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=1800)  # fmt: skip
+                         capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -88,7 +89,8 @@ def strict(request, strict_runs):
     placement, problem = request.param
     if request.param not in strict_runs:
         train = [] if problem == "cavity" else ["--no-train"]
-        strict_runs[request.param] = run_worker(STRICT, "forward", f"--placement={placement}", f"--problem={problem}", *train)
+        strict_runs[request.param] = run_worker(STRICT, "forward", f"--placement={placement}",
+                                                f"--problem={problem}", *train)
     return strict_runs[request.param]
 
 
@@ -106,7 +108,8 @@ def test_every_case_ran(strict):
 def test_scales_one_are_bit_identical_to_unscaled(strict):
     cases = {k: v for k, v in engine_cases(strict).items() if k.endswith("/0")}
     assert len(cases) == 1
-    assert {k: (v["values_diff"], v["grads_diff"]) for k, v in cases.items() if v["values_diff"] or v["grads_diff"]} == {}
+    assert {k: (v["values_diff"], v["grads_diff"]) for k, v in cases.items()
+            if v["values_diff"] or v["grads_diff"]} == {}
 
 
 @pytest.mark.slow
@@ -122,9 +125,10 @@ def test_binary_scales_are_bit_identical_after_unscaling(strict, log2_scale):
     cases = {k: v for k, v in engine_cases(strict).items() if k.startswith("forward/") and k.endswith(f"/{log2_scale}")}
     assert len(cases) == 1
     measured_off = "fp16/cavity"  # float16 subnormals (see the module docstring)
-    values = {k: v["values_diff"] for k, v in cases.items() if v["values_diff"] and not (measured_off in k and log2_scale < 0)}
+    values = {k: v["values_diff"] for k, v in cases.items()
+              if v["values_diff"] and not (measured_off in k and log2_scale < 0)}
     grads = {k: v["grads_diff"] for k, v in cases.items()
-             if v["grads_diff"] and measured_off not in k and k not in CPU_DEPENDENT}  # fmt: skip
+             if v["grads_diff"] and measured_off not in k and k not in CPU_DEPENDENT}
     assert values == {} and grads == {}
 
 

@@ -1,8 +1,9 @@
 """jaxamp.optimizer as an optax citizen: outermost or after a stateless clip in optax.chain, under
 pmean/psum of the gradients (the flags OR-ed by its ``axis_name``), built before the loss, and the
 misuses around it (a stale state, gradients without their flags, its state nested in a stateful
-transformation, apply_or_skip's trees); jaxamp's gradients are plain, any optax optimizer takes them. Faults are injected through the batch with jaxamp's check
-marks (as tests/test_train_step.py does), not provoked by float16 rounding."""
+transformation, apply_or_skip's trees); jaxamp's gradients are plain, any optax optimizer takes
+them. Faults are injected through the batch with jaxamp's check marks (as tests/test_train_step.py
+does), not provoked by float16 rounding."""
 
 import os
 import subprocess
@@ -114,7 +115,8 @@ def test_flags_of_reduced_gradients_are_a_global_or(reduce):
             return optax.apply_updates(params, updates), opt_state
 
         two = jax.tree_util.tree_map(lambda a, b: jnp.stack([a, b]), batch(), batch(overflow=True, scale=2.0))
-        params, new_state = jax.jit(jax.vmap(replica, in_axes=(None, None, 0), axis_name="d"))(PARAMS, tx.init(PARAMS), two)
+        params, new_state = jax.jit(jax.vmap(replica, in_axes=(None, None, 0),
+                                             axis_name="d"))(PARAMS, tx.init(PARAMS), two)
         return params, jaxamp._src.training.step.find_opt_state(new_state)
 
     params, new = run("d")
@@ -156,7 +158,8 @@ PMAP_SCRIPT = textwrap.dedent("""
     p2, st2 = jstep(PARAMS, opt_state, b)
     assert int(jaxamp._src.training.step.find_opt_state(st2).skip_reason) == 1 and np.array_equal(p2["w"], PARAMS["w"])
     p3, st3 = jstep(PARAMS, opt_state, jax.device_put(batch(), {"x": shard, "overflow": None, "nan_grad": None}))
-    assert int(jaxamp._src.training.step.find_opt_state(st3).skip_reason) == 0 and not np.array_equal(p3["w"], PARAMS["w"])
+    assert (int(jaxamp._src.training.step.find_opt_state(st3).skip_reason) == 0
+            and not np.array_equal(p3["w"], PARAMS["w"]))
     print("ok")
 """)
 

@@ -240,7 +240,8 @@ def test_a_stall_on_plain_float16_with_a_non_finite_loss_names_derivative_scalin
     cause, advice = jaxamp._src.training.monitor.explain(
         int(jaxamp.SkipReason.NONFINITE_GRADS), [], loss_scale_log2=-30.0, derivative_keys=("2",))
     assert "derivative_scaling" not in advice and "non-dimensionalize" in advice
-    cause, advice = jaxamp._src.training.monitor.explain(int(jaxamp.SkipReason.NONFINITE_GRADS), [], loss_scale_log2=4.0)
+    cause, advice = jaxamp._src.training.monitor.explain(int(jaxamp.SkipReason.NONFINITE_GRADS), [],
+                                                         loss_scale_log2=4.0)
     assert "optax.clip_by_global_norm inside jaxamp.optimizer" in advice
 
 

@@ -98,7 +98,7 @@ def test_the_declared_license_has_its_file():
                     "4. Redistribution.", "5. Submission of Contributions.", "6. Trademarks.",
                     "7. Disclaimer of Warranty.", "8. Limitation of Liability.",
                     "9. Accepting Warranty or Additional Liability.", "END OF TERMS AND CONDITIONS",
-                    "APPENDIX: How to apply the Apache License to your work."):  # fmt: skip
+                    "APPENDIX: How to apply the Apache License to your work."):
         assert heading in text, heading
     assert len(text.split()) > 1500
 
@@ -110,7 +110,7 @@ def test_requires_python_admits_the_running_python():
 
 
 @pytest.mark.parametrize("req", _requirements() + _requirements("test") + _requirements("examples"),
-                         ids=str)  # fmt: skip
+                         ids=str)
 def test_every_floor_is_at_most_the_installed_version(req):
     """The floors are the versions the tests ran on: never above what this environment has."""
     installed = Version(metadata.version(req.name))
@@ -138,7 +138,7 @@ def test_every_third_party_import_is_declared(folder):
     declared = _names(_all_requirements())
     optional = set(OPTIONAL_UNDECLARED) & set(_imports(folder, skippable=True)) if folder == "tests" else set()
     missing = {m: str(p) for m, p in _third_party(_imports(folder)).items()
-               if canonicalize_name(DISTRIBUTION.get(m, m)) not in declared and m not in optional}  # fmt: skip
+               if canonicalize_name(DISTRIBUTION.get(m, m)) not in declared and m not in optional}
     assert not missing, f"imported but not in pyproject.toml's dependencies or extras: {missing}"
 
 
@@ -173,7 +173,7 @@ def test_the_test_extra_installs_what_the_tests_import():
     need = {m: p for m, p in need.items() if m not in set(OPTIONAL_UNDECLARED) & set(_imports("tests", skippable=True))}
     torch_extra = _names(_requirements("torch"))
     missing = {m: str(p) for m, p in need.items()
-               if canonicalize_name(DISTRIBUTION.get(m, m)) not in have | torch_extra}  # fmt: skip
+               if canonicalize_name(DISTRIBUTION.get(m, m)) not in have | torch_extra}
     assert not missing, missing
     assert _names(_requirements("examples")) <= have
 
@@ -211,7 +211,7 @@ def _readme_port() -> str:
 
 
 _IGNORED = shutil.ignore_patterns(".git", ".venv", "build", "dist", "runs", "*.egg-info", "__pycache__",
-                                  ".pytest_cache", "out")  # fmt: skip
+                                  ".pytest_cache", "out")
 
 
 @pytest.mark.slow  # builds the wheel, a venv and imports jax in it (about 20-40 s on 2 cores)
@@ -222,7 +222,7 @@ def test_the_wheel_holds_jaxamp_only_and_runs_the_readme_port_outside_the_reposi
     dist = tmp_path / "dist"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PIP_REQUIRE_VIRTUALENV")}
     build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                            "-w", str(dist), str(src)], capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+                            "-w", str(dist), str(src)], capture_output=True, text=True, env=env, timeout=300)
     assert build.returncode == 0, build.stderr
     (wheel,) = dist.glob("jaxamp_pinn-*.whl")
 
@@ -244,10 +244,10 @@ def test_the_wheel_holds_jaxamp_only_and_runs_the_readme_port_outside_the_reposi
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     py = venv / "bin" / "python"
     install = subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "--no-index",
-                              "-q", str(wheel)], capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+                              "-q", str(wheel)], capture_output=True, text=True, env=env, timeout=300)
     assert install.returncode == 0, install.stderr
     site_dir = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                               capture_output=True, text=True, check=True).stdout.strip())  # fmt: skip
+                               capture_output=True, text=True, check=True).stdout.strip())
     installed = sorted(p.name for p in site_dir.iterdir() if p.name != "__pycache__")
     assert [n for n in installed if not n.endswith(".dist-info")] == ["jaxamp"], installed
     (site_dir / "_deps_from_test_env.pth").write_text(sysconfig.get_path("purelib") + "\n")
@@ -265,7 +265,7 @@ def test_the_wheel_holds_jaxamp_only_and_runs_the_readme_port_outside_the_reposi
     r = subprocess.run([str(py), "-c", check], cwd=outside, capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     r = subprocess.run([str(py), "port.py"], cwd=outside, capture_output=True, text=True,
-                       env=dict(env, JAX_PLATFORMS="cpu"), timeout=600)  # fmt: skip
+                       env=dict(env, JAX_PLATFORMS="cpu"), timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     printed = [float(v) for v in re.findall(r"^step \d+ loss (\S+)$", r.stdout, flags=re.M)]
     assert len(printed) >= 2 and all(v == v and abs(v) != float("inf") for v in printed), r.stdout

@@ -85,7 +85,8 @@ UNSCALED = {  # name: (loss, params, what the warning names, whether a scaled de
         [r"an order-2 derivative \(reverse mode\) of fc"], True),
     "two networks, each named": (
         lambda p, x: d2(jax.grad, hand_cast)(p, x) + jax.grad(flax_dtype, 1)(p, x) + jax.grad(u, 1)(p, x), PARAMS,
-        [r"an order-1 derivative \(reverse mode\) of flax_dtype", r"an order-2 derivative \(reverse mode\) of hand_cast"],
+        [r"an order-1 derivative \(reverse mode\) of flax_dtype",
+         r"an order-2 derivative \(reverse mode\) of hand_cast"],
         True),
 }
 

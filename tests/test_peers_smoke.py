@@ -17,7 +17,8 @@ def test_three_laplacians_agree_in_float32(d):
     x = jax.random.uniform(jax.random.PRNGKey(1), (6, d), jnp.float32, -1.0, 1.0)
     vals = {m: jax.jit(peers.value_fn(m))(params, x) for m in peers.METHODS}
     for m in peers.METHODS:
-        np.testing.assert_allclose(vals[m], vals["hessian"], rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(vals["hessian"]))))
+        np.testing.assert_allclose(vals[m], vals["hessian"], rtol=1e-5,
+                                   atol=1e-5 * float(jnp.max(jnp.abs(vals["hessian"]))))
     grads = {m: jax.jit(peers.step_fn(m))(params, x) for m in peers.METHODS}
     for m in peers.METHODS:
         for a, b in zip(jax.tree_util.tree_leaves(grads[m]), jax.tree_util.tree_leaves(grads["hessian"])):

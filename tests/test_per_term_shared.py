@@ -33,7 +33,7 @@ def setup():
     params = net.init(jax.random.PRNGKey(0), jnp.zeros(2))
     fn = lambda p, x: net.apply(p, x)  # noqa: E731
     engines = {m: jaxamp.Derivatives(fn, inputs=INPUTS, outputs=OUTPUTS, derivatives=NAMES, amp=amp, method=m)
-               for m in ("forward", "reverse")}  # fmt: skip
+               for m in ("forward", "reverse")}
     f32 = FullyConnected.from_amp(jaxamp.AmpConfig(enabled=False), out_features=3, layer_size=16, nr_layers=2)
     exact = jaxamp.Derivatives(lambda p, x: f32.apply(p, x), inputs=INPUTS, outputs=OUTPUTS, derivatives=NAMES)
     x = 3.0 * jax.random.uniform(jax.random.PRNGKey(1), (16, 2), minval=-1.0, maxval=1.0)
@@ -50,7 +50,7 @@ def _flags(found):
 def test_per_term_costs_what_per_order_costs(setup):
     engines, params, x, _, _ = setup
     order = jaxamp.Derivatives(engines["forward"].fn, inputs=INPUTS, outputs=OUTPUTS, derivatives=NAMES,
-                               amp=jaxamp.AmpConfig())  # fmt: skip
+                               amp=jaxamp.AmpConfig())
 
     def flops(eng):
         scales = {k: jnp.float32(1.0) for k in eng.scaler_keys}
@@ -85,7 +85,7 @@ def own_passes(setup):
     engines, params, x, _, _ = setup
     fwd = engines["forward"]
     one = {n: jax.jit(jaxamp.scaled(jaxamp.Derivatives(fwd.fn, inputs=INPUTS, outputs=OUTPUTS, derivatives=(n,),
-                                                       amp=jaxamp.AmpConfig()))) for n in NAMES}  # fmt: skip
+                                                       amp=jaxamp.AmpConfig()))) for n in NAMES}
 
     def flags(scales):
         out = {}
@@ -139,7 +139,8 @@ def test_flags_are_sound_for_random_scales(setup, own_passes):
         # times the key's scale) is beyond float16's range.
         own = own_passes(scales)
         real = {path[-1][0] for n, path in engines["forward"].plan.paths.items()
-                if own[n] or float(jnp.max(jnp.abs(ref[n]))) * float(scales[path[-1][0]]) >= 65504.0 * (1 - FP16_ROUNDING)}
+                if own[n]
+                or float(jnp.max(jnp.abs(ref[n]))) * float(scales[path[-1][0]]) >= 65504.0 * (1 - FP16_ROUNDING)}
         assert flagged <= real, dict(zip(keys, log2))
         for n, path in engines["forward"].plan.paths.items():
             if any(key in flagged for key, _ in path):

@@ -92,7 +92,8 @@ def test_hidden_layer_tangents_of_a_network():
     # the float16 tangents of the hidden layers, per key; the float32 derivatives are reported
     assert set(prof.hidden) == set(prof.keys) == set(prof.derivatives) == {"1", "2"}
     for k in ("1", "2"):
-        assert np.isfinite(float(prof.hidden[k].log2_max)) and float(prof.keys[k].log2_max) == float(prof.hidden[k].log2_max)
+        assert (np.isfinite(float(prof.hidden[k].log2_max))
+                and float(prof.keys[k].log2_max) == float(prof.hidden[k].log2_max))
 
 
 def test_profiling_inside_jit_does_not_recompile():
@@ -161,7 +162,8 @@ def test_recommendation_applied_to_amp_starts_each_key_at_its_scale_and_never_ca
 
 
 def test_apply_keeps_a_start_at_or_below_a_lower_custom_max_scale():
-    rec = jaxamp._src.core.window.Recommendation(scales_log2={"1": 0, "2": -3}, custom_init_scales_log2={"2": -3}, margin_log2=2)
+    rec = jaxamp._src.core.window.Recommendation(scales_log2={"1": 0, "2": -3},
+                                                 custom_init_scales_log2={"2": -3}, margin_log2=2)
     amp = rec.apply(jaxamp.AmpConfig(custom_max_scales_log2={2: -9}, custom_init_scales_log2={"nu": -1}))
     assert dict(amp.custom_init_scales_log2) == {"nu": -1, "2": -9} and amp.max_scale_log2("2") == -9
 

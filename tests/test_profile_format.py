@@ -15,7 +15,8 @@ def _profile(**groups):
     out = {"keys": {}, "derivatives": {}, "hidden": {}}
     for name, values in groups.items():
         group, key = name.split("_", 1)
-        out[{"key": "keys", "derivative": "derivatives", "hidden": "hidden"}[group]][key] = value_range(np.asarray(values, np.float32))
+        out[{"key": "keys", "derivative": "derivatives",
+             "hidden": "hidden"}[group]][key] = value_range(np.asarray(values, np.float32))
     return Profile(**out)
 
 

@@ -58,7 +58,7 @@ def undefined(code: str, known: frozenset = frozenset()) -> set[str]:
         table = tables.pop()
         tables.extend(table.get_children())
         read |= {s.get_name() for s in table.get_symbols()
-                 if s.is_referenced() and (table is top or s.is_global())}  # fmt: skip
+                 if s.is_referenced() and (table is top or s.is_global())}
     return read - bound
 
 
@@ -110,7 +110,8 @@ def test_the_diff_is_two_programs_with_every_name_bound():
         assert call in after, call
     # the derivative code is the user's, as written: jax.grad, scaled where it crosses the network
     derivative = [line for line in after.splitlines() if line.startswith("u_xx")]
-    assert derivative == [line for line in before.splitlines() if line.startswith("u_xx")] and "jax.grad(" in derivative[0]
+    assert (derivative == [line for line in before.splitlines() if line.startswith("u_xx")]
+            and "jax.grad(" in derivative[0])
 
 
 def test_every_python_block_has_every_name_bound():

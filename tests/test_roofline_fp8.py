@@ -42,7 +42,7 @@ def test_amax_bytes_only_with_per_tensor_scaling():
     ("fp16_tensor", ("float16",) * 3),
     ("fp8_default", ("float16", "float16", "float8_e4m3fn")),
     ("fp8_all", ("float16", "float8_e4m3fn", "float8_e4m3fn")),
-])  # fmt: skip
+])
 def test_tensor_modes(mode, formats):
     net, engine, step, precision = ldc.mode_settings(mode)
     assert net.tensor_scaling and net.matmul_formats == formats and engine == net == step

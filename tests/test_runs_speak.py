@@ -67,7 +67,7 @@ def _records(n, loss, loss_scale, derivative=None, skipped=None):
     out = []
     for i in range(n):
         r = {"step": i + 1, "loss": loss[i], "skipped": bool(skipped[i]) if skipped else False,
-             "scale_log2/loss": loss_scale[i]}  # fmt: skip
+             "scale_log2/loss": loss_scale[i]}
         for k, v in (derivative or {}).items():
             r[f"scale_log2/{k}"] = v[i]
         out.append(r)
@@ -89,7 +89,7 @@ def test_comparison_png_hides_no_curve_and_gives_the_loss_scale_its_own_axis(tmp
         "fp16_plain": _records(n, ["nan"] * n, [max(-126.0, 15.0 - i) for i in range(n)], skipped=[1] * n),
         "fp16_scaler_per_order": _records(n, loss, [15.0 - min(i, 7) for i in range(n)],
                                           {"1": [-3.0] * n, "2": [-8.0 + min(i // 50, 3) for i in range(n)]}),
-    }  # fmt: skip
+    }
     fig = comparison_figure(runs, "synthetic")
     top, lscale, dscale, strip = fig.axes
     assert "loss scale" in lscale.get_ylabel() and "derivative" in dscale.get_ylabel()
@@ -124,12 +124,12 @@ def test_profile_png_says_what_every_row_and_color_means(tmp_path):
     over, under = np.concatenate([inside, [1e5]]), np.concatenate([inside, np.full(50, 1e-6)])
     rng_of = lambda v: value_range(np.asarray(v, np.float32))  # noqa: E731
     prof = Profile(derivatives={"1": rng_of(under), "2": rng_of(inside)}, hidden={},
-                   keys={"1": rng_of(inside), "2": rng_of(over)})  # fmt: skip
+                   keys={"1": rng_of(inside), "2": rng_of(over)})
     fig = profile_figure(prof)
     (ax,) = fig.axes
     labels = [t.get_text() for t in ax.get_yticklabels()]
     assert labels == ["key 1: derivatives it checks", "key 2: derivatives it checks",
-                      "key 1: every value it scales", "key 2: every value it scales"]  # fmt: skip
+                      "key 1: every value it scales", "key 2: every value it scales"]
     words = " ".join(t.get_text() for t in ax.texts + fig.texts)
     assert "overflow: max > 65504" in words and "underflow: p1 < 2^-14" in words  # each red bar says why
     assert "'derivatives it checks'" in words and "'every value it scales'" in words  # the rows explained
@@ -155,11 +155,11 @@ def test_an_example_that_skips_every_step_says_where_it_wrote_and_that_it_stalle
     # derivative scales start at 2**30 and the stall monitor never stops: every step overflows
     args = [*TINY_BURGERS, "mode=fp16_scaler_per_order", "amp.default_max_scale_log2=30",
             "amp.derivative_scaler.init_scale=1073741824.0", "training.max_steps=4",
-            "training.max_consecutive_skips=0", "eval.profile=false"]  # fmt: skip
+            "training.max_consecutive_skips=0", "eval.profile=false"]
     out = tmp_path / "run"
     p = subprocess.run([sys.executable, "-m", "examples.burgers", "--workdir", str(out), "--no-progress", *args],
                        cwd=ROOT, capture_output=True, text=True, timeout=600,
-                       env=dict(os.environ, JAX_PLATFORMS="cpu"))  # fmt: skip
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert p.returncode == 0, p.stderr[-3000:]
     lines = p.stdout.strip().splitlines()
     assert lines[-2].startswith(f"outputs: {out}{os.sep}") and "metrics.jsonl" in lines[-2], lines[-2:]

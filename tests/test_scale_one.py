@@ -75,7 +75,7 @@ def value_and_grads(net, path, amp, scales, options):
     r = residual(path, u)
     loss = jaxamp.scaled(lambda p: jnp.mean(jax.vmap(r, (None, 0, 0))(p, POINTS[:, 0], POINTS[:, 1]) ** 2), amp)
     (value, found), grads = jax.jit(jax.value_and_grad(lambda p: loss(scales, p), has_aux=True),
-                                    compiler_options=options)(params)  # fmt: skip
+                                    compiler_options=options)(params)
     return value, grads, found
 
 

@@ -56,7 +56,8 @@ def test_values_and_flags_equal_reverse_engine_op_by_op(net, mode):
     names = [n for n in engine.names if "__" in n]
     values, found = jaxamp.scaled(engine)(scales, params, points())
     ours, our_found = jaxamp.scaled(batched(u_net, names), amp)(scales, params, points())
-    assert sorted(jaxamp._src.core.profile.scaler_keys(batched(u_net, names), amp)(params, points())) == sorted(engine.scaler_keys)
+    assert (sorted(jaxamp._src.core.profile.scaler_keys(batched(u_net, names), amp)(params, points()))
+            == sorted(engine.scaler_keys))
     if mode == "per_term_scaler":
         assert set(engine.scaler_keys) == {"u", "u__t", "u__x", "u__x__x"}
     for n in names:
@@ -172,10 +173,10 @@ def test_control_flow_carries_flags_out(net, name):
         "checkpoint": lambda p: jax.checkpoint(u_xx)(p, pts["t"], pts["x"]).reshape(3, 2),
         "custom_jvp": lambda p: jnp.stack([wrapped(p, t[i], x[i]) for i in range(3)]),
         "cond": lambda p: jnp.stack([jax.lax.cond(t[i, 0] > -1, lambda i=i: u_xx(p, t[i], x[i]), lambda i=i: t[i])
-                                     for i in range(3)]),  # fmt: skip
+                                     for i in range(3)]),
         "while": lambda p: jax.lax.while_loop(
             lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1].at[c[0]].set(u_xx(p, t[c[0]], x[c[0]]))),
-            (0, jnp.zeros((3, 2))))[1],  # fmt: skip
+            (0, jnp.zeros((3, 2))))[1],
     }
     scales = {"1": 1.0, "2": 2.0**-4}
     expected, found = jaxamp.scaled(programs["flat"], amp)(scales, params)

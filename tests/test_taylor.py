@@ -113,7 +113,7 @@ def test_series_of_order_2_is_second_order(placement):
         s1, s2 = jnp.float32(s1), jnp.float32(s2)
         y, (d1, d2) = jax.jit(jax.vmap(lambda x: taylor.series(f, x, e, 2, (s1, s2))), compiler_options=STRICT_FP16)(xs)
         ref = jax.jit(jax.vmap(lambda x: taylor.second_order(f, x, e * s1, (s2 / s1, 1.0 / s1))),
-                      compiler_options=STRICT_FP16)(xs)  # fmt: skip
+                      compiler_options=STRICT_FP16)(xs)
         for g, r in zip((y, d1, d2), ref):
             np.testing.assert_array_equal(g, r)
 

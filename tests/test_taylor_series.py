@@ -133,7 +133,7 @@ def test_engine_fourth_order_equals_nested_jvp_in_fewer_flops():
     kw = dict(inputs=("x", "y"), outputs=("u",), derivatives=names, amp=amp)
     engine = jaxamp.Derivatives(lambda p, x: net.apply(p, x), **kw)
     nested = jaxamp.Derivatives(lambda p, x: net.apply(p, x), **kw,
-                                method=functools.partial(forward.point_values, series_min_order=99))  # fmt: skip
+                                method=functools.partial(forward.point_values, series_min_order=99))
     pts = jax.random.uniform(jax.random.PRNGKey(1), (64, 2))
     scales = {k: jnp.float32(2.0 ** -(i + 1)) for i, k in enumerate(engine.scaler_keys)}
     series = _compiled_step(engine, params, pts, scales, names)
@@ -166,7 +166,7 @@ def test_float64_keeps_float64_precision(scaled):
 
 def _count(jaxpr, name: str) -> int:
     return sum((e.primitive.name == name) + sum(_count(s, name) for s in jax.extend.core.jaxprs_in_params(e.params))
-               for e in jaxpr.eqns)  # fmt: skip
+               for e in jaxpr.eqns)
 
 
 def test_a_point_built_with_stack_carries_no_higher_coefficients_into_the_first_layer():
@@ -192,7 +192,8 @@ def test_nested_grad_of_a_stacked_point_multiplies_the_first_layer_as_the_engine
     top = jaxamp.grad(jaxamp.grad(jaxamp.grad(jaxamp.grad(u, 2), 2), 2), 2)
     scaled, scales = jaxamp.scaled(top, jaxamp.AmpConfig()), {k: jnp.float32(1.0) for k in "1234"}
     jaxpr = jax.make_jaxpr(lambda w: scaled(scales, w, 0.3, 0.5))(w).jaxpr
-    first_layer = [e for e in _all_eqns(jaxpr) if e.primitive.name == "dot_general" and e.invars[1].aval.shape == (2, 8)]
+    first_layer = [e for e in _all_eqns(jaxpr)
+                   if e.primitive.name == "dot_general" and e.invars[1].aval.shape == (2, 8)]
     assert len(first_layer) == 2
     want = jax.grad(jax.grad(jax.grad(jax.grad(u, 2), 2), 2), 2)(w, 0.3, 0.5)
     np.testing.assert_allclose(scaled(scales, w, 0.3, 0.5)[0], want, rtol=1e-4)

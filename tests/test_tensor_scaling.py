@@ -225,7 +225,8 @@ def test_the_fp8_recipe_puts_the_backward_passes_in_e4m3():
 
 @pytest.mark.parametrize("keys, match", [
     ({"float8_formats": {"tangent": "float16"}}, r"amp.float8_formats=.* expected \{\} with dtype 'float16'"),
-    ({"dtype": "float8", "float8_formats": {"grad": "float16"}}, r"amp.float8_formats.grad='float16' .*\(unknown role\)"),
+    ({"dtype": "float8", "float8_formats": {"grad": "float16"}},
+     r"amp.float8_formats.grad='float16' .*\(unknown role\)"),
     ({"dtype": "float8", "float8_formats": {"tangent": "int8"}}, r"amp.float8_formats.tangent='int8' .* one of"),
     ({"dtype": "float8", "float8_formats": ["float16"]}, r"amp.float8_formats=\['float16'\] .* a mapping"),
     ({"dtype": "bfloat16", "tensor_scaling": True}, r"amp.tensor_scaling=True .* dtype \"bfloat16\""),
@@ -264,9 +265,10 @@ def test_out_dtype_sets_the_product_and_its_cotangents_arrive_in_it():
     a, b = operands(5)
     out = scaled_dot(a.astype(jnp.float16), b, MM, out_dtype=jnp.float16)
     assert out.dtype == jnp.float16
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(scaled_dot(a.astype(jnp.float16), b, MM).astype(jnp.float16)))
+    np.testing.assert_array_equal(np.asarray(out),
+                                  np.asarray(scaled_dot(a.astype(jnp.float16), b, MM).astype(jnp.float16)))
     jaxpr = jax.make_jaxpr(jax.grad(lambda b: scaled_dot(a.astype(jnp.float16), b, MM, out_dtype=jnp.float16)
-                                    .astype(jnp.float32).sum()))(b)  # fmt: skip
+                                    .astype(jnp.float32).sum()))(b)
     dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "jaxamp_scaled_dot"]
     cot = [e for e in dots if e.params["role"] == "cotangent"]
     assert len(cot) == 1 and cot[0].invars[0].aval.dtype == jnp.float16

@@ -29,7 +29,7 @@ def test_tables_and_summary_from_rows():
         {"problem": "p", "steps": 5, "seed": s, "variant": v, "error": e, "over_fp32": e / 0.1,
          "skipped_steps": 0, "final_scale_log2": {"1": 0.0, "loss": 16.0}}
         for s in (0, 1) for v, e in (("fp32", 0.1), ("fp8_recipe", 0.3), ("fp8_plain", math.inf))
-    ]  # fmt: skip
+    ]
     summ = TS.summary(rows)
     assert summ["fp8_recipe"]["median_over_fp32"] == pytest.approx(3.0)
     assert summ["fp8_plain"]["median_over_fp32"] == math.inf
@@ -41,9 +41,10 @@ def test_tables_and_summary_from_rows():
 def test_every_problem_runs_and_reports(tmp_path, capsys):
     out = tmp_path / "ts.json"
     TS.main(["--problem", *TS.PROBLEMS, "--steps", "3", "--seeds", "0", "--variants", "fp32", "fp8_tangent_e5m2",
-             "--out", str(out)])  # fmt: skip
+             "--out", str(out)])
     runs = json.loads(out.read_text())["runs"]
-    assert [(r["problem"], r["variant"]) for r in runs] == [(p, v) for p in TS.PROBLEMS for v in ("fp32", "fp8_tangent_e5m2")]
+    assert [(r["problem"], r["variant"]) for r in runs] == [(p, v) for p in TS.PROBLEMS
+                                                            for v in ("fp32", "fp8_tangent_e5m2")]
     for r in runs:
         assert math.isfinite(r["error"]) and 0 <= r["skipped_steps"] <= 3 and r["over_fp32"] > 0
         if r["variant"] != "fp32":

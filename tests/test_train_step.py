@@ -86,10 +86,12 @@ def test_derivative_overflow_skips_and_backs_off_only_its_own_scaler():
     state, m = step(before, batch(overflow=True))
     assert bool(m["skipped"]) and int(m["skip_reason"]) == jaxamp.SkipReason.DERIVATIVE_OVERFLOW
     assert bool(m["found_inf/2"]) and not bool(m["found_inf/1"]) and not bool(m["found_nonfinite_values"])
-    assert tree_equal((state.params, state.opt_state.inner, state.amp_state.loss), (before.params, before.opt_state.inner, before.amp_state.loss))
+    assert tree_equal((state.params, state.opt_state.inner, state.amp_state.loss),
+                      (before.params, before.opt_state.inner, before.amp_state.loss))
     assert float(state.amp_state.derivative["2"].scale) == 0.5 * float(before.amp_state.derivative["2"].scale)
     assert int(state.amp_state.derivative["2"].growth_tracker) == 0
-    assert int(state.amp_state.derivative["1"].growth_tracker) == int(before.amp_state.derivative["1"].growth_tracker) + 1
+    assert (int(state.amp_state.derivative["1"].growth_tracker)
+            == int(before.amp_state.derivative["1"].growth_tracker) + 1)
     assert int(state.step) == int(before.step) + 1
     state, m = step(state, batch())
     assert not bool(m["skipped"]) and not tree_equal(state.params, before.params)
@@ -117,7 +119,8 @@ def test_bad_values_skip_and_change_no_scaler_whatever_else_is_flagged(overflow)
 
 def test_nonfinite_weight_gradients_back_off_the_loss_scaler_and_skip():
     before, step = warm()
-    state = before.replace_amp(before.amp_state.replace(loss=jaxamp._src.scaling.scaler.ScaleState(jnp.float32(2.0**30), jnp.int32(7))))
+    state = before.replace_amp(before.amp_state.replace(
+        loss=jaxamp._src.scaling.scaler.ScaleState(jnp.float32(2.0**30), jnp.int32(7))))
     new, m = step(state, batch(nan_grad=True))
     assert int(m["skip_reason"]) == jaxamp.SkipReason.NONFINITE_GRADS and bool(m["skipped"])
     assert float(new.amp_state.loss.scale) == 2.0**29 and int(new.amp_state.loss.growth_tracker) == 0
@@ -126,7 +129,8 @@ def test_nonfinite_weight_gradients_back_off_the_loss_scaler_and_skip():
                for k in ("1", "2"))  # a clean step for them
     # with a derivative overflow too, the overflow is the reason and the loss scaler stays
     new, m = step(state, batch(overflow=True, nan_grad=True))
-    assert int(m["skip_reason"]) == jaxamp.SkipReason.DERIVATIVE_OVERFLOW and tree_equal(new.amp_state.loss, state.amp_state.loss)
+    assert (int(m["skip_reason"]) == jaxamp.SkipReason.DERIVATIVE_OVERFLOW
+            and tree_equal(new.amp_state.loss, state.amp_state.loss))
 
 
 def test_thousand_steps_with_injected_faults_never_produce_nonfinite_params():
@@ -154,7 +158,8 @@ def test_thousand_steps_with_injected_faults_never_produce_nonfinite_params():
 
 
 def tree_equal_traced(a, b):
-    return jnp.stack([jnp.all(x == y) for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))]).all()
+    return jnp.stack([jnp.all(x == y) for x, y in zip(jax.tree_util.tree_leaves(a),
+                                                      jax.tree_util.tree_leaves(b))]).all()
 
 
 def jmp_finite(tree):
@@ -168,7 +173,8 @@ def test_clean_steps_count_for_the_loss_scaler():
     s1, m1 = step(state, batch())
     assert float(state.amp_state.loss.scale) == 16
     s2, m2 = step(s1, batch())
-    assert not bool(m1["skipped"]) and int(s1.amp_state.loss.growth_tracker) == 1 and float(s1.amp_state.loss.scale) == 16
+    assert (not bool(m1["skipped"]) and int(s1.amp_state.loss.growth_tracker) == 1
+            and float(s1.amp_state.loss.scale) == 16)
     assert float(s2.amp_state.loss.scale) == 32 and int(s2.amp_state.loss.growth_tracker) == 0
     assert float(m1["scale_log2/loss"]) == 4.0 and float(m2["scale_log2/loss"]) == 5.0
 
@@ -221,7 +227,8 @@ def test_real_network_nan_point_is_bad_values_and_the_step_compiles_once_with_no
         outcomes.append((bool(m["skipped"]), int(m["skip_reason"]), bool(m["found_nonfinite_values"])))
         if i == 2:
             assert tree_equal(counters_as(state, before), before)
-    assert outcomes == [(False, 0, False), (False, 0, False), (True, jaxamp.SkipReason.NONFINITE_VALUES, True), (False, 0, False)]
+    assert outcomes == [(False, 0, False), (False, 0, False),
+                        (True, jaxamp.SkipReason.NONFINITE_VALUES, True), (False, 0, False)]
     assert len(traces) == 1
     text = jitted.lower(state, batch()).as_text()
     assert "outfeed" not in text.lower()
@@ -343,7 +350,8 @@ def test_a_non_scalar_loss_gets_an_error_that_names_it():
     with pytest.raises(TypeError) as e:
         jaxamp.make_train_step(loss_fn, optax.adam(1e-3), amp=FP16)(state, batch())
     assert "jaxamp.value_and_grad: `fun`=" in str(e.value)
-    assert f"must return a float scalar loss (or (loss, aux) with has_aux=True), got an array of shape ({N},)" in str(e.value)
+    assert (f"must return a float scalar loss (or (loss, aux) with has_aux=True), got an array of shape ({N},)"
+            in str(e.value))
     with pytest.raises(TypeError, match="make_train_step: `loss_fn`=3 must be callable as loss_fn\\(params, batch\\)"):
         jaxamp.make_train_step(3, optax.adam(1e-3), amp=FP16)
 
@@ -372,7 +380,8 @@ def test_pieces_in_a_users_own_step_with_extra_state_match_make_train_step():
         prev_extra = carry[4]
         carry = user_step(*carry, batch(**flags))
         state, _ = step(state, batch(**flags))
-        assert tree_equal(carry[:4], (state.params, state.opt_state.inner, state.amp_state.derivative, state.amp_state.loss))
+        assert tree_equal(carry[:4], (state.params, state.opt_state.inner,
+                                      state.amp_state.derivative, state.amp_state.loss))
         assert tree_equal(carry[4], prev_extra) == bool(flags)
 
 
@@ -392,11 +401,12 @@ def test_pieces_inside_a_named_axis_step_decide_alike_on_every_replica():
         return params, opt_state, scalers, loss_scale, check.skip_reason
 
     run = jax.jit(jax.vmap(replica, in_axes=(None, None, None, None, 0), axis_name="devices"))
-    for overflow, expected in [([False, False], jaxamp.SkipReason.APPLIED), ([False, True], jaxamp.SkipReason.DERIVATIVE_OVERFLOW)]:
+    for overflow, expected in [([False, False], jaxamp.SkipReason.APPLIED),
+                               ([False, True], jaxamp.SkipReason.DERIVATIVE_OVERFLOW)]:
         b = jax.tree_util.tree_map(lambda v: jnp.stack([v, v]), batch())
         b = dict(b, x=b["x"] * jnp.asarray([[1.0], [2.0]]), overflow=jnp.asarray(overflow))
-        params, opt_state, scalers, loss_scale, reason = run(state.params, state.opt_state.inner, state.amp_state.derivative,
-                                                             state.amp_state.loss, b)
+        params, opt_state, scalers, loss_scale, reason = run(state.params, state.opt_state.inner,
+                                                             state.amp_state.derivative, state.amp_state.loss, b)
         assert reason.tolist() == [expected, expected]
         for tree in (params, opt_state, scalers, loss_scale):
             for leaf in jax.tree_util.tree_leaves(tree):
@@ -408,6 +418,7 @@ def test_a_state_of_another_amp_is_refused_by_the_step():
     state, _, step, *_ = problem()
     other = jaxamp.AmpConfig(dtype="float16", mode="per_term_scaler")
     foreign = state.replace_amp(jaxamp.init(None, other, keys=list(state.scales))())
-    with pytest.raises(ValueError, match="make_train_step: the state's `amp_state` .* was not created with the step's `amp`"):
+    with pytest.raises(ValueError,
+                       match="make_train_step: the state's `amp_state` .* was not created with the step's `amp`"):
         step(foreign, batch())
     assert NONFINITE_VALUES not in state.amp_state.derivative

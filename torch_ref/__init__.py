@@ -26,5 +26,6 @@ from torch_ref.train import (APPLIED, SKIP_DERIVATIVE_OVERFLOW, SKIP_NONFINITE_G
 __all__ = [
     "AmpSettings", "as_settings", "DynamicScaler", "ScaleState", "loss_scaler",
     "Derivatives", "merge_found_inf", "Boundary", "Scaling", "TrainState", "make_train_step", "APPLIED",
-    "SKIP_DERIVATIVE_OVERFLOW", "SKIP_NONFINITE_GRADS", "SKIP_NONFINITE_VALUES", "NONFINITE_VALUES", "flax_to_torch", "torch_to_flax", "scale_states_from_jax", "scale_states_to_jax", "models", "tensor_scale",
+    "SKIP_DERIVATIVE_OVERFLOW", "SKIP_NONFINITE_GRADS", "SKIP_NONFINITE_VALUES", "NONFINITE_VALUES", "flax_to_torch",
+    "torch_to_flax", "scale_states_from_jax", "scale_states_to_jax", "models", "tensor_scale",
 ]

@@ -43,8 +43,8 @@ class AmpSettings:
             raise ValueError(f"amp.tensor_scaling={self.tensor_scaling!r} is not supported by torch_ref's training "
                              "(its per-tensor rule is torch_ref.tensor_scale): expected false.")
         if dict(self.float8_formats):
-            raise ValueError(f"amp.float8_formats={dict(self.float8_formats)!r} is not supported by torch_ref's training "
-                             "(it trains without FP8): expected {}.")
+            raise ValueError(f"amp.float8_formats={dict(self.float8_formats)!r} is not supported by torch_ref's "
+                             "training (it trains without FP8): expected {}.")
         for key in ("enabled", "autocast_activation", "autocast_firstlayer", "derivative_scaling", "recompute_float32"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"amp.{key}={getattr(self, key)!r} is not allowed: expected true or false.")

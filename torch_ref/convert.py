@@ -78,7 +78,8 @@ def _scale_fields(key: str, state: Any) -> Mapping[str, Any]:
         return {"scale": state.scale, "growth_tracker": state.growth_tracker}
     if isinstance(state, Mapping):
         return state
-    if hasattr(state, "scale") and hasattr(state, "growth_tracker"):  # jaxamp._src.scaling.scaler.ScaleState (a NamedTuple)
+    # jaxamp._src.scaling.scaler.ScaleState (a NamedTuple)
+    if hasattr(state, "scale") and hasattr(state, "growth_tracker"):
         return {"scale": state.scale, "growth_tracker": state.growth_tracker}
     raise TypeError(
         f"scaler state {key!r}={state!r} must be a ScaleState (jaxamp or torch_ref) or a mapping "
@@ -89,7 +90,8 @@ def _scale_fields(key: str, state: Any) -> Mapping[str, Any]:
 def scale_states_from_jax(
     states: Mapping[str, Any], device: Union[str, torch.device, None] = None
 ) -> Dict[str, ScaleState]:
-    """``{key: jaxamp._src.scaling.scaler.ScaleState or {"scale", "growth_tracker"}}`` -> ``{key: torch_ref.ScaleState}``.
+    """``{key: jaxamp._src.scaling.scaler.ScaleState or {"scale", "growth_tracker"}}`` ->
+    ``{key: torch_ref.ScaleState}``.
 
     Accepts jax, numpy or torch scalars (e.g. ``TrainState.deriv_scales`` restored by
     ``jaxamp.Checkpointer``); float32 scale and int32 tracker are kept exactly.

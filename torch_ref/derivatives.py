@@ -78,7 +78,8 @@ class Derivatives:
         self.inputs = _check_names("inputs", inputs)
         self.outputs = _check_names("outputs", outputs)
         if set(self.inputs) & set(self.outputs):
-            raise ValueError(f"Derivatives: names {sorted(set(self.inputs) & set(self.outputs))} are both inputs and outputs.")
+            raise ValueError(f"Derivatives: names {sorted(set(self.inputs) & set(self.outputs))} are both inputs "
+                             "and outputs.")
         if isinstance(derivatives, str):
             raise TypeError(f"Derivatives: `derivatives`={derivatives!r} must be a list of names, not a string.")
         self.amp = as_settings(amp)
@@ -124,7 +125,8 @@ class Derivatives:
                 raise KeyError(f"Derivatives: `points` lacks input(s) {missing}; it has {sorted(points)}.")
             cols = [torch.as_tensor(points[n]) for n in self.inputs]
             if any(c.ndim != 1 or c.shape != cols[0].shape for c in cols):
-                raise ValueError(f"Derivatives: every input must be 1-D of one length N; got {[tuple(c.shape) for c in cols]}.")
+                raise ValueError("Derivatives: every input must be 1-D of one length N; "
+                                 f"got {[tuple(c.shape) for c in cols]}.")
             x = torch.stack(cols, dim=-1)
         else:
             x = torch.as_tensor(points)
@@ -150,7 +152,8 @@ class Derivatives:
                 )
         y = self.fn(x)
         if y.ndim != 2 or y.shape != (x.shape[0], len(self.outputs)):
-            raise ValueError(f"Derivatives: fn(x) returned shape {tuple(y.shape)}; expected [{x.shape[0]}, {len(self.outputs)}].")
+            raise ValueError(f"Derivatives: fn(x) returned shape {tuple(y.shape)}; "
+                             f"expected [{x.shape[0]}, {len(self.outputs)}].")
         y = y.to(torch.float32)
         values: Dict[str, torch.Tensor] = {n: y[:, i] for i, n in enumerate(self.outputs)}
         flags: Dict[str, torch.Tensor] = {}

@@ -2,12 +2,13 @@
 torch.optim and clip_grad_norm_.
 
 Mirrors ``jaxamp.make_train_step``: (1) loss and derivatives with per-key overflow flags and
-the bad-values flag (also set by a non-finite loss that no derivative flag explains); (2) gradients of ``loss * loss_scale``; (3) bad values skip the update
-and change no scaler at all; (4) any derivative overflow skips the update -- parameters,
-optimizer state and loss scaler stay as they were; (5) otherwise the unscaled gradients, if
-finite, are clipped when asked (``torch.nn.utils.clip_grad_norm_``) and applied and the loss
-scaler counts a clean step; if not, the update is skipped and the loss scaler backs off;
-(6) except on bad values, every derivative scaler updates with its own flag.
+the bad-values flag (also set by a non-finite loss that no derivative flag explains);
+(2) gradients of ``loss * loss_scale``; (3) bad values skip the update and change no scaler at
+all; (4) any derivative overflow skips the update -- parameters, optimizer state and loss scaler
+stay as they were; (5) otherwise the unscaled gradients, if finite, are clipped when asked
+(``torch.nn.utils.clip_grad_norm_``) and applied and the loss scaler counts a clean step; if
+not, the update is skipped and the loss scaler backs off; (6) except on bad values, every
+derivative scaler updates with its own flag.
 
 Schedules count *applied* updates, as optax does: ``optimizer.step()`` (and with it Adam's
 step count) runs only on applied steps, and ``lr_schedule(n)`` is given the number of updates

@@ -133,14 +133,16 @@ def _load_chain(name: str, seen: Tuple[str, ...] = ()) -> Tuple[DictConfig, Dict
 def _parse_overrides(overrides: Sequence[str]) -> DictConfig:
     bad = [o for o in overrides if "=" not in o or o.startswith("=")]
     if bad:
-        raise ConfigError(f"command-line override(s) {bad} are not allowed: expected key=value, e.g. training.max_steps=200.")
+        raise ConfigError(f"command-line override(s) {bad} are not allowed: expected key=value, "
+                          "e.g. training.max_steps=200.")
     try:
         return OmegaConf.from_dotlist(list(overrides))
     except Exception as e:  # omegaconf raises several types for bad dotlists
         raise ConfigError(f"command-line overrides {list(overrides)} could not be parsed: {e}") from None
 
 
-def load_config(name: str, overrides: Sequence[str] = (), checks: Optional[Mapping[str, Check]] = None) -> Dict[str, Any]:
+def load_config(name: str, overrides: Sequence[str] = (),
+                checks: Optional[Mapping[str, Check]] = None) -> Dict[str, Any]:
     """Load, merge (file chain, mode preset, overrides) and validate a config; a plain dict."""
     root, cfg = _load_chain(name)
     cli = _parse_overrides(overrides)
@@ -175,9 +177,8 @@ def _type_ok(value: Any, default: Any) -> bool:
 
 
 def _type_name(default: Any) -> str:
-    return {bool: "true or false", int: "an integer", float: "a number", str: "a string", list: "a list", dict: "a mapping"}.get(
-        type(default), "any value"
-    )
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string", list: "a list",
+            dict: "a mapping"}.get(type(default), "any value")
 
 
 def validate(cfg: Mapping[str, Any], schema: Mapping[str, Any], checks: Mapping[str, Check], prefix: str = "") -> None:

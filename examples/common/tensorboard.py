@@ -4,10 +4,10 @@ Every numeric field of a step's metric record becomes a scalar under its own tag
 and ``terms/<term>``, ``scale_log2/<key>`` for every scaler (``loss``, ``1``, ``2``, term
 names), ``found_inf/<key>``, ``headroom_log2/<key>`` (powers of two between each key's
 largest scaled derivative and 65504, ``make_train_step(headroom=True)``), ``grad_norm``,
-``skipped``, ``skip_reason`` and any other field the train step reports. Skip reasons are also counted by name, ``skips/<reason>`` (the
-running number of steps skipped for that reason). At the end of a run with plots, the
-derivative ranges of :func:`jaxamp.profile` are added under ``profile/``, and a
-histogram of each derivative's log2 magnitudes under ``log2_abs/``. View with
+``skipped``, ``skip_reason`` and any other field the train step reports. Skip reasons are also
+counted by name, ``skips/<reason>`` (the running number of steps skipped for that reason). At the
+end of a run with plots, the derivative ranges of :func:`jaxamp.profile` are added under
+``profile/``, and a histogram of each derivative's log2 magnitudes under ``log2_abs/``. View with
 ``tensorboard --logdir <workdir>/tensorboard``.
 """
 

@@ -63,8 +63,8 @@ class Setup:
                                                 derivatives=p.derivatives, amp=amp)
         self.engines = [engine(self.amp)]
         self.sample_key = jax.random.fold_in(jax.random.PRNGKey(cfg["seed"]), 1)
-        # amp.init_scales_from_profile: every scaler starts at the scale the
-        # profile of the initial parameters on the first batch recommends (custom_init_scales_log2; max scales unchanged).
+        # amp.init_scales_from_profile: every scaler starts at the scale the profile of the initial
+        # parameters on the first batch recommends (custom_init_scales_log2; max scales unchanged).
         self.start_scales = None
         if cfg["amp"].get("init_scales_from_profile") and self.amp.scaler_enabled:
             rec = self._recommend_from_profile()
@@ -340,7 +340,7 @@ def _postfix(recs: List[Dict[str, Any]], skipped_total: int) -> Dict[str, Any]:
 
 def evaluate(setup: Setup, state: jaxamp.TrainState, workdir: str, *, train_s: float, plots: bool,
              earlier_s: float = 0.0, stalled: Optional[str] = None,
-             stalled_at_end: Optional[str] = None) -> Dict[str, Any]:  # fmt: skip
+             stalled_at_end: Optional[str] = None) -> Dict[str, Any]:
     """Relative L2 errors against the reference, failure steps, plots; writes summary.json.
     ``train_seconds`` adds this session's training time to ``earlier_s`` (the training time
     up to the checkpoint a resumed run started from); ``stalled`` is the stall line of a run

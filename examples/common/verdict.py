@@ -2,10 +2,10 @@
 
 ``verdict: trained ...`` or ``verdict: stalled: <reason>``. A run is *stalled* when the stall
 monitor stopped it or diagnoses a stall at its end (e.g. the loss scale at its floor: the
-gradients underflow, the "applied" steps change nothing), when no step ran, when every step was skipped (the parameters never
-changed), when its last applied step's loss is not finite, or when its loss did not fall;
-otherwise it *trained*. The exit status is the command's own business (a plain fp16 run that
-skips every step may exit 0): the verdict is what says it did not train.
+gradients underflow, the "applied" steps change nothing), when no step ran, when every step was
+skipped (the parameters never changed), when its last applied step's loss is not finite, or when
+its loss did not fall; otherwise it *trained*. The exit status is the command's own business (a
+plain fp16 run that skips every step may exit 0): the verdict is what says it did not train.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def _finite(v: Number) -> bool:
 
 
 def verdict(steps: int, skipped: int, losses: Sequence[Number], stalled: Optional[str] = None,
-            skipped_flags: Optional[Sequence[bool]] = None) -> str:  # fmt: skip
+            skipped_flags: Optional[Sequence[bool]] = None) -> str:
     """The one-line verdict of a run of ``steps`` steps, ``skipped`` of them skipped.
 
     ``losses``: the loss of every step (or of the logged ones), in order; ``skipped_flags``:
@@ -39,7 +39,7 @@ def verdict(steps: int, skipped: int, losses: Sequence[Number], stalled: Optiona
         return "verdict: stalled: no training step ran"
     if skipped >= steps:
         return (f"verdict: stalled: all {steps} steps skipped (every update overflowed or was non-finite): "
-                "the parameters never changed")  # fmt: skip
+                "the parameters never changed")
     losses = list(losses)
     flags = [False] * len(losses) if skipped_flags is None else list(skipped_flags)
     applied = [v for v, s in zip(losses, flags) if not s]
@@ -48,7 +48,8 @@ def verdict(steps: int, skipped: int, losses: Sequence[Number], stalled: Optiona
     if not applied:
         return f"verdict: stalled: no loss recorded in {steps} steps{where}"
     if not _finite(applied[-1]):
-        return f"verdict: stalled: non-finite loss ({_float(applied[-1])}) at the end, {bad} of {len(losses)} losses non-finite"
+        return (f"verdict: stalled: non-finite loss ({_float(applied[-1])}) at the end, "
+                f"{bad} of {len(losses)} losses non-finite")
     finite = [_float(v) for v in losses if _finite(v)]
     first, last = finite[0], _float(applied[-1])
     if len(finite) > 1 and not last < first:
@@ -64,7 +65,7 @@ def run_verdict(workdir: str, summary: Mapping[str, Any]) -> str:
     recs = read_metrics(os.path.join(workdir, "metrics.jsonl"))
     return verdict(int(summary.get("steps", len(recs))), int(summary.get("skipped_steps", 0)),
                    [r["loss"] for r in recs], stalled=summary.get("stalled") or summary.get("stalled_at_end"),
-                   skipped_flags=[bool(r["skipped"]) for r in recs])  # fmt: skip
+                   skipped_flags=[bool(r["skipped"]) for r in recs])
 
 
 def outputs_line(workdir: str, names: Optional[Iterable[str]] = None) -> str:
@@ -83,7 +84,7 @@ def port_verdict(params_before: Any, params_after: Any, losses: Sequence[float],
     import numpy as np
 
     same = all(np.array_equal(np.asarray(a), np.asarray(b))
-               for a, b in zip(jax.tree.leaves(params_before), jax.tree.leaves(params_after)))  # fmt: skip
+               for a, b in zip(jax.tree.leaves(params_before), jax.tree.leaves(params_after)))
     return verdict(steps, steps if same and steps > 0 else 0, losses)
 
 

@@ -31,14 +31,16 @@ def _run(tmp_path, name, *extra):
 def test_the_option_is_off_by_default_and_checked():
     cfg = load_config("burgers", PHYSICAL, checks=Burgers.checks)
     assert cfg["amp"]["init_scales_from_profile"] is False
-    with pytest.raises(jaxamp.ConfigError, match=r"amp.init_scales_from_profile=3 has the wrong type: expected true or false"):
+    with pytest.raises(jaxamp.ConfigError,
+                       match=r"amp.init_scales_from_profile=3 has the wrong type: expected true or false"):
         load_config("burgers", ["amp.init_scales_from_profile=3"], checks=Burgers.checks)
 
 
 @pytest.mark.slow  # profiles the network (its own compilation)
 def test_the_option_only_changes_the_scalers():
     on = Setup(Burgers, load_config("burgers", [*PHYSICAL, "amp.init_scales_from_profile=true"], checks=Burgers.checks))
-    assert on.start_scales["2"] < 0 and on.amp.max_scale_log2("2") == 0 and on.amp.custom_init_scales_log2["2"] == on.start_scales["2"]
+    assert (on.start_scales["2"] < 0 and on.amp.max_scale_log2("2") == 0
+            and on.amp.custom_init_scales_log2["2"] == on.start_scales["2"])
     assert float(on.init_state().amp_state.derivative["2"].scale) == 2.0 ** on.start_scales["2"]
 
 

@@ -14,12 +14,14 @@ TINY = {
     Burgers: ["batch.initial=8", "batch.boundary=8", "batch.interior=16"],
     Helmholtz: ["batch.boundary=8", "batch.interior=16", "model.frequencies=[axis,[0,1,2]]"],
 }
-COMMON = ["model.layer_size=8", "model.nr_layers=2", "eval.grid=9", "training.chunk_steps=2", "training.checkpoint_every=2"]
+COMMON = ["model.layer_size=8", "model.nr_layers=2", "eval.grid=9", "training.chunk_steps=2",
+          "training.checkpoint_every=2"]
 
 
 def tiny(cls, mode, steps):
     """The config of problem ``cls`` in ``mode`` for ``steps`` steps, at the tiny sizes above."""
-    return load_config(cls.name, [*COMMON, *TINY[cls], f"mode={mode}", f"training.max_steps={steps}"], checks=cls.checks)
+    return load_config(cls.name, [*COMMON, *TINY[cls], f"mode={mode}", f"training.max_steps={steps}"],
+                       checks=cls.checks)
 
 
 def read(path):

@@ -18,11 +18,11 @@ INPUTS = ("t", "x")
 
 
 def make_net(amp: AmpConfig, *, layer_size: int = 16, nr_layers: int = 2, seed: int = 0,
-             weight_scale: float = 1.0) -> Tuple[Callable, Callable, dict]:  # fmt: skip
+             weight_scale: float = 1.0) -> Tuple[Callable, Callable, dict]:
     """``(engine_fn, u_net, params)`` for a tanh FullyConnected placed as ``amp`` asks;
     ``weight_scale`` multiplies the first layer's kernel (large derivatives)."""
     model = FullyConnected.from_amp(amp, out_features=1, layer_size=layer_size, nr_layers=nr_layers,
-                                    activation="tanh")  # fmt: skip
+                                    activation="tanh")
     params = model.init(jax.random.PRNGKey(seed), jnp.zeros(len(INPUTS)))
     first = params["params"]["layers_0"]
     params["params"]["layers_0"] = dict(first, kernel=first["kernel"] * weight_scale)

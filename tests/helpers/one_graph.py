@@ -88,7 +88,7 @@ def engine_cases(method: str, placements=tuple(PLACEMENTS), problems=tuple(PROBL
                     "n_grads": sum(int(v.size) for v in jax.tree_util.tree_leaves(ref_g)),
                     "flagged": sorted(key for key, v in found.items() if bool(v)),
                     "finite": all(bool(jnp.all(jnp.isfinite(v))) for v in vals.values()),
-                }  # fmt: skip
+                }
     return out
 
 
@@ -103,7 +103,7 @@ def train_case(placement: str, steps: int = 3) -> dict:
             d = engine(p, batch)
             terms = {"mom": jnp.mean((d["u"] * d["u__x"] + d["v"] * d["u__y"] + d["p__x"]
                                       - 0.01 * (d["u__x__x"] + d["u__y__y"])) ** 2),
-                     "cont": jnp.mean((d["u__x"] + d["v__y"]) ** 2)}  # fmt: skip
+                     "cont": jnp.mean((d["u__x"] + d["v__y"]) ** 2)}
             return sum(terms.values()), terms
 
         state = jaxamp.TrainState.create(params=params, optimizer=opt, amp=engine.amp, engines=[engine])
@@ -115,7 +115,7 @@ def train_case(placement: str, steps: int = 3) -> dict:
         results.append((state.params, state.opt_state.inner, losses))
     (p1, o1, l1), (p2, o2, l2) = results
     return {"params_diff": _n_diff(p1, p2), "opt_state_diff": _n_diff(o1, o2), "loss_diff": _n_diff(l1, l2),
-            "losses": [float(v) for v in l1]}  # fmt: skip
+            "losses": [float(v) for v in l1]}
 
 
 def main() -> None:

@@ -24,9 +24,9 @@ FUNCTIONS: Dict[str, Callable[[jax.Array], jax.Array]] = {
     "tanh_mlp": mlp("tanh"),
     "product_of_series": lambda x: jnp.stack([jnp.sin(2 * x[0]) * jnp.exp(x[1]), x[0] * x[1] / (1 + x[0] ** 2)]),
     "custom_jvp_and_where": lambda x: jnp.stack([jax.nn.softplus(3 * x[0]) + jax.nn.relu(x[1]),
-                                                 jnp.where(x[0] > 0, x[0] ** 3, jnp.cos(x[1]))]),  # fmt: skip
+                                                 jnp.where(x[0] > 0, x[0] ** 3, jnp.cos(x[1]))]),
     "multiple_results_and_constant_row": lambda x: jnp.concatenate([jnp.split(jnp.tanh(x) * x[::-1], 2)[1],
-                                                                    jnp.ones(1)]),  # fmt: skip
+                                                                    jnp.ones(1)]),
 }
 
 

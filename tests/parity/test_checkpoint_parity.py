@@ -45,7 +45,8 @@ def _uncommitted(tree):
 
 def _rules(framework):
     if framework == "jax":
-        return {"1": AMP.derivative_scaler_for("1"), "2": AMP.derivative_scaler_for("2"), "loss": AMP.make_loss_scaler()}
+        return {"1": AMP.derivative_scaler_for("1"), "2": AMP.derivative_scaler_for("2"),
+                "loss": AMP.make_loss_scaler()}
     amp = torch_ref.AmpSettings.from_dict(AMP.to_dict())
     return {"1": amp.derivative_scaler_for("1"), "2": amp.derivative_scaler_for("2"), "loss": amp.make_loss_scaler()}
 
@@ -111,7 +112,8 @@ def test_jaxamp_checkpoint_continues_identically_in_torch_ref(tmp_path):
     with jaxamp.Checkpointer(tmp_path / "ckpt") as ckpt:
         ckpt.save(saved, step=K)
         restored = _uncommitted(ckpt.restore(init))
-    assert all(jnp.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(restored), jax.tree_util.tree_leaves(saved)))
+    assert all(jnp.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(restored),
+                                                     jax.tree_util.tree_leaves(saved)))
 
     _, jt = _jax_run(restored, flags[K:])
     _, tt = _torch_run(torch_ref.scale_states_from_jax(restored), flags[K:])
@@ -133,7 +135,8 @@ def test_torch_ref_checkpoint_continues_identically_in_jaxamp(tmp_path):
     torch.save({k: s.state_dict() for k, s in saved.items()}, tmp_path / "scalers.pt")
     loaded = torch.load(tmp_path / "scalers.pt")
 
-    jax_states = {k: jaxamp._src.scaling.scaler.ScaleState(**v) for k, v in torch_ref.scale_states_to_jax(loaded).items()}
+    jax_states = {k: jaxamp._src.scaling.scaler.ScaleState(**v)
+                  for k, v in torch_ref.scale_states_to_jax(loaded).items()}
     _, jt = _jax_run(jax_states, flags[K:])
     _, tt = _torch_run({k: torch_ref.ScaleState.from_state_dict(v) for k, v in loaded.items()}, flags[K:])
     _assert_same(jt, tt)
@@ -186,9 +189,11 @@ def torch_checkpoint_to_jax(ckpt: dict, like: jaxamp.TrainState) -> jaxamp.Train
                                  nu=jax.tree_util.tree_map(jnp.asarray, moment("exp_avg_sq"))),
                    sched._replace(count=count)),
             amp=like.amp_state.replace(
-                loss=jaxamp._src.scaling.scaler.ScaleState(**torch_ref.scale_states_to_jax({"l": sc["loss_scale"]})["l"]),
+                loss=jaxamp._src.scaling.scaler.ScaleState(
+                    **torch_ref.scale_states_to_jax({"l": sc["loss_scale"]})["l"]),
                 derivative=Scalers(like.amp_state.derivative.rules, {
-                    k: jaxamp._src.scaling.scaler.ScaleState(**v) for k, v in torch_ref.scale_states_to_jax(sc["deriv_scales"]).items()})),
+                    k: jaxamp._src.scaling.scaler.ScaleState(**v)
+                    for k, v in torch_ref.scale_states_to_jax(sc["deriv_scales"]).items()})),
             skip_reason=jnp.int32(0), consecutive_skips=jnp.int32(0)),
     )
 

@@ -35,7 +35,8 @@ def test_scale_trajectories_and_products_agree(jdtype, tdtype):
 def test_zero_and_nonfinite_operands_keep_scale_one():
     for v in (0.0, float("inf"), float("nan")):
         x = np.full((3,), v, np.float32)
-        assert float(scale_for(jnp.asarray(x), jnp.float16)) == float(ref.scale_for(torch.from_numpy(x), torch.float16)) == 1.0
+        assert (float(scale_for(jnp.asarray(x), jnp.float16))
+                == float(ref.scale_for(torch.from_numpy(x), torch.float16)) == 1.0)
 
 
 @pytest.mark.parametrize("jdtype,tdtype", FORMATS)

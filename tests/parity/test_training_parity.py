@@ -43,7 +43,8 @@ def _fp32_agree(steps: int):
     assert (np.array([m["skip_reason"] for m in tm])[injected] == jaxamp.SkipReason.NONFINITE_GRADS).all()
     ok = ~skipped  # on injected steps both losses are NaN
     rel = np.abs(jl[ok] - tl[ok]) / np.abs(jl[ok])
-    print(f"fp32: max loss rel diff {rel.max():.2e} at step {np.flatnonzero(ok)[rel.argmax()]}; loss {jl[0]:.4g} -> {jl[-1]:.4g}")
+    print(f"fp32: max loss rel diff {rel.max():.2e} at step {np.flatnonzero(ok)[rel.argmax()]}; "
+          f"loss {jl[0]:.4g} -> {jl[-1]:.4g}")
     assert rel.max() < 1e-4
     return jl
 

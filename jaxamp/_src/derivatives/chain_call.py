@@ -674,7 +674,8 @@ class _Expanding:
 
 def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx, infos):
     reads = _reads(jaxpr)
-    scheduled = {} if ctx.off else _groups(jaxpr, reads=reads)
+    planned = jaxpr if ctx.off else _entries_held(jaxpr, reads)
+    scheduled = {} if ctx.off else _groups(planned, reads=reads)
     flags = frozenset() if ctx.off else flags_only(jaxpr)  # links read as flags only: any value of their order
     env = dict(zip([*jaxpr.constvars, *jaxpr.invars], [*consts, *args]))
 
@@ -683,7 +684,7 @@ def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ct
 
     def run(at: int) -> None:  # the groups planned before equation `at`: their values written
         for members in scheduled.get(at, ()):
-            values = _run_group([jaxpr.eqns[j] for j in members], read, reads, flags)
+            values = _run_group([planned.eqns[j] for j in members], read, reads, flags)
             for j, outs in _split(members, jaxpr.eqns, values).items():
                 _write(env, jaxpr.eqns[j].outvars, outs)
 
@@ -706,6 +707,91 @@ def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ct
         _write(env, eqn.outvars, outs)
     run(len(jaxpr.eqns))
     return [read(v) for v in jaxpr.outvars], {}
+
+
+def _entries_held(jaxpr: jcore.Jaxpr, reads: Dict[Any, Any]) -> jcore.Jaxpr:
+    """``jaxpr`` with each chain equation that closes over a vector whose entries another chain
+    equation takes as its point's arguments (``jvp(lambda t: u(p, t, xyz), ...)`` beside
+    ``grad(u, 1)(p, t, xyz)``, whose body takes ``xyz`` entry by entry) taking those entries as
+    arguments too, so that both are at one point and one plan serves them (a pass along ``t``
+    shared); ``reads`` gets the new arguments' keys (the entries' reads). Only for a planning:
+    the rewritten equations are computed from the same operands, their outputs the same."""
+    entries: Dict[Any, Dict[int, Tuple[Any, Tuple[Any, ...]]]] = {}  # vector -> {entry: (read, its level axes)}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is chain_p:
+            p = eqn.params
+            for j, v in enumerate(_parts(p, eqn.invars)[1]):
+                hit = _entry_read(reads.get(v) if isinstance(v, jcore.Var) else None)
+                if hit is not None:
+                    entries.setdefault(hit[0], {})[hit[1]] = (reads[v], tuple(_parts(p, lv)[1][j] for lv in p["levels"]))
+    if not entries:
+        return jaxpr
+    keys = {_group_key(e, reads, False) for e in jaxpr.eqns if e.primitive is chain_p}
+    eqns = list(jaxpr.eqns)
+    for i, eqn in enumerate(eqns):
+        held = _held(eqn, entries, reads) if eqn.primitive is chain_p else None
+        if held is not None and _group_key(held, reads, False) in keys:
+            eqns[i] = held
+    return jaxpr.replace(eqns=eqns)
+
+
+def _entry_read(key: Any) -> Optional[Tuple[Any, int]]:
+    """``(vector, entry)`` when ``key`` (of :func:`_reads`) reads one entry of a vector's last axis
+    (a one-entry ``slice`` of it, relabelled), else None."""
+    if not (isinstance(key, tuple) and len(key) == 3 and key[0] == "relabel"):
+        return None
+    inner = key[2]
+    if not (isinstance(inner, tuple) and len(inner) == 3 and inner[0] is jp.slice_p and isinstance(inner[2], jcore.Var)):
+        return None
+    params, vector = dict(inner[1]), inner[2]
+    start, limit, shape = params["start_indices"], params["limit_indices"], vector.aval.shape
+    if params.get("strides") or not shape or limit[-1] - start[-1] != 1:
+        return None
+    if any(start[d] != 0 or limit[d] != shape[d] for d in range(len(shape) - 1)):
+        return None
+    return vector, start[-1]
+
+
+def _held(eqn, entries: Dict[Any, Dict[int, Tuple[Any, Tuple[Any, ...]]]], reads: Dict[Any, Any]):
+    """``eqn`` (a chain equation) with its closure constants of ``entries`` (float32 vectors,
+    batched at every level along other axes than the last, every entry read: the per-point
+    vectors another equation takes entry by entry) taken as arguments entry by entry, new
+    variables keyed (in ``reads``) as those entries' reads; None when it holds none."""
+    p = eqn.params
+    consts, args, dirs = _parts(p, eqn.invars)
+    body = p["body"]
+    held = [k for k, v in enumerate(consts) if isinstance(v, jcore.Var) and v in entries
+            and body.constvars[k].aval.dtype == jnp.float32 and body.constvars[k].aval.ndim == 1
+            and set(entries[v]) == set(range(body.constvars[k].aval.shape[0]))
+            and all(lv[k] is not None and lv[k] != v.aval.ndim - 1 for lv in p["levels"])]
+    if not held or not p["levels"]:
+        return None
+    new_args, new_levels, stacks = [], [[] for _ in p["levels"]], []
+    for k in held:
+        parts = []
+        for e in range(body.constvars[k].aval.shape[0]):
+            read, axes = entries[consts[k]][e]
+            outer = jcore.Var(jax.core.ShapedArray(tuple(d for d in consts[k].aval.shape[:-1]), jnp.float32))
+            reads[outer] = read
+            new_args.append(outer)
+            for level, axis in zip(new_levels, axes):
+                level.append(axis)
+            parts.append(jcore.Var(jax.core.ShapedArray((), jnp.float32)))
+        stacks.append(jcore.new_jaxpr_eqn(parts, [body.constvars[k]], jax.lax.stack_p, {"axis": 0}, jcore.no_effects))
+    keep = [k for k in range(len(consts)) if k not in held]
+    entry_vars = [v for e in stacks for v in e.invars]
+    info = body.debug_info
+    names = None if info.arg_names is None else tuple(info.arg_names) + ("",) * len(entry_vars)
+    new_body = body.replace(constvars=[body.constvars[k] for k in keep], invars=[*body.invars, *entry_vars],
+                            eqns=[*stacks, *body.eqns], debug_info=info._replace(arg_names=names))
+
+    def laid(ops, extra):
+        c, a, d = _parts(p, ops)
+        return (*[c[k] for k in keep], *a, *extra, *d)
+
+    levels = tuple(tuple(laid(level, new)) for level, new in zip(p["levels"], new_levels))
+    params = dict(p, body=new_body, n_consts=len(keep), levels=levels)
+    return eqn.replace(invars=list(laid(eqn.invars, new_args)), params=params)
 
 
 def _write(env: Dict[Any, Any], outvars, outs) -> None:
@@ -798,7 +884,8 @@ def _run_group(eqns, read, reads: Dict[Any, Any], flags: frozenset = frozenset()
     first = eqns[0]
     values = [_reread(v, read, reads) for _, v in dirs.values()]
     levels = [[axes[k] for _, axes in dirs] for k in range(len(first.params["levels"]))]
-    return _run(members, base_of, consts, [read(v) for v in _parts(first.params, first.invars)[1]], values, levels,
+    point = [_reread(v, read, reads) for v in _parts(first.params, first.invars)[1]]  # (entries: :func:`_held`)
+    return _run(members, base_of, consts, point, values, levels,
                 scaled=True)
 
 

@@ -723,7 +723,8 @@ def _entries_held(jaxpr: jcore.Jaxpr, reads: Dict[Any, Any]) -> jcore.Jaxpr:
             for j, v in enumerate(_parts(p, eqn.invars)[1]):
                 hit = _entry_read(reads.get(v) if isinstance(v, jcore.Var) else None)
                 if hit is not None:
-                    entries.setdefault(hit[0], {})[hit[1]] = (reads[v], tuple(_parts(p, lv)[1][j] for lv in p["levels"]))
+                    axes = tuple(_parts(p, lv)[1][j] for lv in p["levels"])
+                    entries.setdefault(hit[0], {})[hit[1]] = (reads[v], axes)
     if not entries:
         return jaxpr
     keys = {_group_key(e, reads, False) for e in jaxpr.eqns if e.primitive is chain_p}
@@ -741,7 +742,8 @@ def _entry_read(key: Any) -> Optional[Tuple[Any, int]]:
     if not (isinstance(key, tuple) and len(key) == 3 and key[0] == "relabel"):
         return None
     inner = key[2]
-    if not (isinstance(inner, tuple) and len(inner) == 3 and inner[0] is jp.slice_p and isinstance(inner[2], jcore.Var)):
+    if not (isinstance(inner, tuple) and len(inner) == 3 and inner[0] is jp.slice_p
+            and isinstance(inner[2], jcore.Var)):
         return None
     params, vector = dict(inner[1]), inner[2]
     start, limit, shape = params["start_indices"], params["limit_indices"], vector.aval.shape

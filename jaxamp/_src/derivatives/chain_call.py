@@ -716,7 +716,8 @@ def _entries_held(jaxpr: jcore.Jaxpr, reads: Dict[Any, Any]) -> jcore.Jaxpr:
     arguments too, so that both are at one point and one plan serves them (a pass along ``t``
     shared); ``reads`` gets the new arguments' keys (the entries' reads). Only for a planning:
     the rewritten equations are computed from the same operands, their outputs the same."""
-    entries: Dict[Any, Dict[int, Tuple[Any, Tuple[Any, ...]]]] = {}  # vector -> {entry: (read, its level axes)}
+    # the key of a vector (its read, or itself) -> {entry: (its read, its shape, its level axes)}
+    entries: Dict[Any, Dict[int, Tuple[Any, Tuple[int, ...], Tuple[Any, ...]]]] = {}
     for eqn in jaxpr.eqns:
         if eqn.primitive is chain_p:
             p = eqn.params
@@ -724,7 +725,7 @@ def _entries_held(jaxpr: jcore.Jaxpr, reads: Dict[Any, Any]) -> jcore.Jaxpr:
                 hit = _entry_read(reads.get(v) if isinstance(v, jcore.Var) else None)
                 if hit is not None:
                     axes = tuple(_parts(p, lv)[1][j] for lv in p["levels"])
-                    entries.setdefault(hit[0], {})[hit[1]] = (reads[v], axes)
+                    entries.setdefault(hit[0], {})[hit[1]] = (reads[v], tuple(v.aval.shape), axes)
     if not entries:
         return jaxpr
     keys = {_group_key(e, reads, False) for e in jaxpr.eqns if e.primitive is chain_p}
@@ -737,24 +738,22 @@ def _entries_held(jaxpr: jcore.Jaxpr, reads: Dict[Any, Any]) -> jcore.Jaxpr:
 
 
 def _entry_read(key: Any) -> Optional[Tuple[Any, int]]:
-    """``(vector, entry)`` when ``key`` (of :func:`_reads`) reads one entry of a vector's last axis
-    (a one-entry ``slice`` of it, relabelled), else None."""
+    """``(the vector's key, entry)`` when ``key`` (of :func:`_reads`) reads one entry of a vector's
+    last axis (a one-entry ``slice`` of it from the start of every other axis, relabelled; the
+    vector a variable or a read of one), else None."""
     if not (isinstance(key, tuple) and len(key) == 3 and key[0] == "relabel"):
         return None
     inner = key[2]
-    if not (isinstance(inner, tuple) and len(inner) == 3 and inner[0] is jp.slice_p
-            and isinstance(inner[2], jcore.Var)):
+    if not (isinstance(inner, tuple) and len(inner) == 3 and inner[0] is jp.slice_p):
         return None
-    params, vector = dict(inner[1]), inner[2]
-    start, limit, shape = params["start_indices"], params["limit_indices"], vector.aval.shape
-    if params.get("strides") or not shape or limit[-1] - start[-1] != 1:
+    params = dict(inner[1])
+    start, limit = params["start_indices"], params["limit_indices"]
+    if params.get("strides") or not start or limit[-1] - start[-1] != 1 or any(start[:-1]):
         return None
-    if any(start[d] != 0 or limit[d] != shape[d] for d in range(len(shape) - 1)):
-        return None
-    return vector, start[-1]
+    return inner[2], start[-1]
 
 
-def _held(eqn, entries: Dict[Any, Dict[int, Tuple[Any, Tuple[Any, ...]]]], reads: Dict[Any, Any]):
+def _held(eqn, entries: Dict[Any, Dict[int, Tuple[Any, Tuple[int, ...], Tuple[Any, ...]]]], reads: Dict[Any, Any]):
     """``eqn`` (a chain equation) with its closure constants of ``entries`` (float32 vectors,
     batched at every level along other axes than the last, every entry read: the per-point
     vectors another equation takes entry by entry) taken as arguments entry by entry, new
@@ -762,17 +761,25 @@ def _held(eqn, entries: Dict[Any, Dict[int, Tuple[Any, Tuple[Any, ...]]]], reads
     p = eqn.params
     consts, args, dirs = _parts(p, eqn.invars)
     body = p["body"]
-    held = [k for k, v in enumerate(consts) if isinstance(v, jcore.Var) and v in entries
-            and body.constvars[k].aval.dtype == jnp.float32 and body.constvars[k].aval.ndim == 1
-            and set(entries[v]) == set(range(body.constvars[k].aval.shape[0]))
-            and all(lv[k] is not None and lv[k] != v.aval.ndim - 1 for lv in p["levels"])]
-    if not held or not p["levels"]:
+    n = len(p["levels"])
+
+    def whole(v, k) -> bool:  # every entry of v's last axis read, whole along the others, batched elsewhere
+        found = entries.get(reads.get(v, v))
+        shape, m = tuple(v.aval.shape), body.constvars[k].aval.shape
+        # level i (the innermost first) maps an axis of an array of i + 2 axes: not its last
+        return (found is not None and body.constvars[k].aval.dtype == jnp.float32 and len(m) == 1
+                and len(shape) == n + 1 and shape[-1] == m[0] and set(found) == set(range(m[0]))
+                and all(entry_shape == shape[:-1] for _, entry_shape, _ in found.values())
+                and all(lv[k] is not None and lv[k] != i + 1 for i, lv in enumerate(p["levels"])))
+
+    held = [k for k, v in enumerate(consts) if isinstance(v, jcore.Var) and whole(v, k)] if n else []
+    if not held:
         return None
     new_args, new_levels, stacks = [], [[] for _ in p["levels"]], []
     for k in held:
         parts = []
         for e in range(body.constvars[k].aval.shape[0]):
-            read, axes = entries[consts[k]][e]
+            read, _, axes = entries[reads.get(consts[k], consts[k])][e]
             outer = jcore.Var(jax.core.ShapedArray(tuple(d for d in consts[k].aval.shape[:-1]), jnp.float32))
             reads[outer] = read
             new_args.append(outer)

@@ -12,9 +12,11 @@ cd "$(dirname "$0")/.."
 source scripts/setup_env.sh
 # The fast suite's time is mostly XLA compiling small programs: the LLVM backend at optimization
 # level 0 and the CPU's older elementwise emitters (not its MLIR fusion emitters) compile them in
-# about two thirds of the time. The HLO passes, which decide where float16 values round, are
-# XLA's own either way (the slow suite, run by .ci/run, compiles with XLA's defaults). XLA stops
-# on a flag it does not know: the emitters' flag is passed only where the installed jaxlib has it.
+# about two thirds of the time. The two together move where a few float16 values round inside
+# a fusion (the one-graph worker's strict cavity: 5 of 2403 weight-gradient entries), so the
+# bit-exactness oracles run in workers of their own under XLA's defaults, and the slow suite, run
+# by .ci/run, compiles with XLA's defaults. XLA stops on a flag it does not know: the emitters'
+# flag is passed only where the installed jaxlib has it.
 fast="--xla_backend_optimization_level=0"
 if XLA_FLAGS="$fast --xla_cpu_use_fusion_emitters=false" python -c "import jax; jax.jit(abs)(1.0)" 2>/dev/null; then
   fast="$fast --xla_cpu_use_fusion_emitters=false"

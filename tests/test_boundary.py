@@ -160,6 +160,7 @@ def test_equinox_module_and_plain_function_are_scaled_too():
         assert bool(jnp.isfinite(value)) and not bool(found["2"])
 
 
+@pytest.mark.slow  # trains both ports: the scaled derivatives they rest on are tested fast here
 def test_jax_grad_loss_trains_as_the_jaxamp_grad_port():
     """The README's Poisson with its jax.grad kept: same keys, scales and skips as jaxamp.grad."""
     model = nn.Sequential([nn.Dense(16), jnp.tanh, nn.Dense(16), jnp.tanh, nn.Dense(1)])

@@ -42,6 +42,7 @@ def test_the_port_changes_at_most_10_lines_no_lambda_no_partition_autocast_once(
     assert 1 <= len(added) <= 10 and all(len(line) <= 100 for line in added), "\n".join(added)
 
 
+@pytest.mark.slow  # trains the port end to end: the behaviour it rests on is tested fast below
 def test_the_port_trains():
     from examples.equinox_user import fp16
 

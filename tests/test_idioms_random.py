@@ -34,7 +34,7 @@ HEAVY = ("biharmonic_hessian",)
 
 def test_random_programs_give_jaxs_values():
     seed = _seed()
-    indices = [i for i in range(40) if ir.generate(seed, i).template not in HEAVY][:4]
+    indices = [i for i in range(40) if ir.generate(seed, i).template not in HEAVY][:3]
     for index in indices:
         _check(seed, index)
 
@@ -43,7 +43,7 @@ def test_random_programs_give_jaxs_values_through_a_scaled_entry_point():
     """The same through ``jaxamp.scaled`` (scale 1, float32 network): the entry point's program
     passes (pruned entries, the chains at one point one plan, bases shared) keep JAX's values."""
     seed = _seed()
-    indices = [i for i in range(40) if ir.generate(seed, i).template not in HEAVY][4:7]
+    indices = [i for i in range(40) if ir.generate(seed, i).template not in HEAVY][3:5]
     for index in indices:
         _check(seed, index, entry=True)
 

@@ -46,6 +46,7 @@ def test_the_port_changes_at_most_9_lines_no_lambda_autocast_once():
     assert 1 <= len(added) <= 9 and all(len(line) <= 100 for line in added), "\n".join(added)
 
 
+@pytest.mark.slow  # trains the port end to end: the behaviour it rests on is tested fast here
 def test_the_port_trains():
     from examples.nnx_user import fp16
 

@@ -136,6 +136,7 @@ def test_multisteps_inside_accumulates_applied_micro_steps_only():
     assert int(seen[-1][1].inner.gradient_step) == 3
 
 
+@pytest.mark.slow  # trains: the recipes' skips are checked fast above
 def test_gradient_norm_loss_weights_stay_finite_and_train():
     """jaxpi-style weights ``w_i = sum_j |g_j| / |g_i|`` from :func:`jaxamp.grad_norms` each step:
     never NaN or inf (kept on a flagged step, ``ok`` False), equal to float32's formula within
@@ -205,6 +206,7 @@ def test_lbfgs_in_float16_trains_and_skips():
     assert loss_at(seen[-1][0]) < 0.75 * loss_at(params), (loss_at(seen[-1][0]), loss_at(params))
 
 
+@pytest.mark.slow  # trains: the skip it rests on is checked fast above
 def test_gauss_newton_trains_and_skips():
     """A damped Gauss-Newton step (tests/helpers/gauss_newton.py) on the residuals' Jacobian: the
     Jacobian under the derivative scales, its backward passes loss-scaled; the flags of

@@ -32,10 +32,10 @@ def grad_profile(amp, weight=1.0):
     return jaxamp.profile(jax.grad(loss), amp)(None, params, X)
 
 
-# float8 with its default formats and per-tensor scaling are the slowest profiles to compile: with -m slow
-# (float8 with e5m2 tangents runs fast)
-@pytest.mark.parametrize("amp", [pytest.param(jaxamp.AmpConfig(dtype="float8"), marks=pytest.mark.slow),
-                                 pytest.param(jaxamp.AmpConfig(tensor_scaling=True), marks=pytest.mark.slow),
+# each profile compiles a float8 or per-tensor train step's profile: with -m slow (the tests below, which
+# read their operands' windows, run fast)
+@pytest.mark.slow
+@pytest.mark.parametrize("amp", [jaxamp.AmpConfig(dtype="float8"), jaxamp.AmpConfig(tensor_scaling=True),
                                  jaxamp.AmpConfig(dtype="float8", float8_formats={"tangent": "float8_e5m2"})])
 def test_scaled_operands_sit_just_under_their_formats_largest_power_of_two(amp):
     prof = grad_profile(amp)

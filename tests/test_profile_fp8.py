@@ -32,8 +32,8 @@ def grad_profile(amp, weight=1.0):
     return jaxamp.profile(jax.grad(loss), amp)(None, params, X)
 
 
-# each profile compiles a float8 or per-tensor train step's profile: with -m slow (the tests below, which
-# read their operands' windows, run fast)
+# each compiles a float8 or per-tensor train step's profile: with -m slow (the table's rows and the formats'
+# windows run fast below)
 @pytest.mark.slow
 @pytest.mark.parametrize("amp", [jaxamp.AmpConfig(dtype="float8"), jaxamp.AmpConfig(tensor_scaling=True),
                                  jaxamp.AmpConfig(dtype="float8", float8_formats={"tangent": "float8_e5m2"})])
@@ -50,6 +50,7 @@ def test_scaled_operands_sit_just_under_their_formats_largest_power_of_two(amp):
     assert sorted(prof.derivatives) == ["1", "2"]  # the derivative rows are still there
 
 
+@pytest.mark.slow  # two float8 profiles compiled
 def test_plain_fp8_cotangents_fall_out_of_e4m3s_window_where_the_recipes_do_not():
     plain = grad_profile(jaxamp.AmpConfig(dtype="float8", tensor_scaling=False, derivative_scaling=False))
     recipe = grad_profile(jaxamp.AmpConfig(dtype="float8"))

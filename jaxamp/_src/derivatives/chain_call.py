@@ -305,28 +305,24 @@ def _inner_chain(stacks: Dict[Any, List[Any]], names: Tuple[Optional[str], ...],
     if not held:
         return chain_p.bind(*vals, **p)
     consts, args, dirs = _parts(p, vals)
-    keep = [k for k in range(len(consts)) if k not in held]
-    sizes = [len(stacks[eqn.invars[k]]) for k in held]
+    kept = [c for k, c in enumerate(consts) if k not in held]
     entries = [e for k in held for e in stacks[eqn.invars[k]]]
-    body = p["body"]
+    body = _entries_as_arguments(p["body"], held)
+    return chain_p.bind(*kept, *args, *entries, *dirs, **{**p, "body": body, "n_consts": len(kept)})
 
-    def body_fn(kept, point, flat):
-        full, at = [None] * len(consts), 0
-        for k, c in zip(keep, kept):
-            full[k] = c
-        for k, m in zip(held, sizes):
-            full[k], at = jnp.stack(flat[at:at + m]), at + m
-        return eval_jaxpr(body, full, point, bind)
 
-    kept = [consts[k] for k in keep]
-    closed = jax.make_jaxpr(lambda *a: body_fn(a[:len(kept)], a[len(kept):len(kept) + len(args)],
-                                               a[len(kept) + len(args):]))(*kept, *args, *entries)
-    n = len(closed.consts) + len(kept)
-    jaxpr = closed.jaxpr
-    new_body = jaxpr.replace(constvars=[*jaxpr.constvars, *jaxpr.invars[:len(kept)]],
-                             invars=jaxpr.invars[len(kept):],
-                             debug_info=jaxpr.debug_info._replace(arg_names=None))
-    return chain_p.bind(*closed.consts, *kept, *args, *entries, *dirs, **{**p, "body": new_body, "n_consts": n})
+def _entries_as_arguments(body: jcore.Jaxpr, held: Sequence[int]) -> jcore.Jaxpr:
+    """``body`` (a chain's) with its closure constants at ``held`` (float32 vectors) taken as
+    arguments entry by entry, after its own, each vector stacked from its entries first."""
+    stacks = [jcore.new_jaxpr_eqn([jcore.Var(jax.core.ShapedArray((), jnp.float32))
+                                   for _ in range(body.constvars[k].aval.shape[0])],
+                                  [body.constvars[k]], jax.lax.stack_p, {"axis": 0}, jcore.no_effects) for k in held]
+    entries = [v for e in stacks for v in e.invars]
+    info = body.debug_info
+    names = None if info.arg_names is None else tuple(info.arg_names) + ("",) * len(entries)
+    return body.replace(constvars=[v for k, v in enumerate(body.constvars) if k not in held],
+                        invars=[*body.invars, *entries], eqns=[*stacks, *body.eqns],
+                        debug_info=info._replace(arg_names=names))
 
 
 def _step(g, i: Any, marks: Dict[str, Any], dirs: Sequence[Any] = ()):
@@ -775,24 +771,17 @@ def _held(eqn, entries: Dict[Any, Dict[int, Tuple[Any, Tuple[int, ...], Tuple[An
     held = [k for k, v in enumerate(consts) if isinstance(v, jcore.Var) and whole(v, k)] if n else []
     if not held:
         return None
-    new_args, new_levels, stacks = [], [[] for _ in p["levels"]], []
+    new_args, new_levels = [], [[] for _ in p["levels"]]
     for k in held:
-        parts = []
         for e in range(body.constvars[k].aval.shape[0]):
             read, _, axes = entries[reads.get(consts[k], consts[k])][e]
-            outer = jcore.Var(jax.core.ShapedArray(tuple(d for d in consts[k].aval.shape[:-1]), jnp.float32))
+            outer = jcore.Var(jax.core.ShapedArray(tuple(consts[k].aval.shape[:-1]), jnp.float32))
             reads[outer] = read
             new_args.append(outer)
             for level, axis in zip(new_levels, axes):
                 level.append(axis)
-            parts.append(jcore.Var(jax.core.ShapedArray((), jnp.float32)))
-        stacks.append(jcore.new_jaxpr_eqn(parts, [body.constvars[k]], jax.lax.stack_p, {"axis": 0}, jcore.no_effects))
     keep = [k for k in range(len(consts)) if k not in held]
-    entry_vars = [v for e in stacks for v in e.invars]
-    info = body.debug_info
-    names = None if info.arg_names is None else tuple(info.arg_names) + ("",) * len(entry_vars)
-    new_body = body.replace(constvars=[body.constvars[k] for k in keep], invars=[*body.invars, *entry_vars],
-                            eqns=[*stacks, *body.eqns], debug_info=info._replace(arg_names=names))
+    new_body = _entries_as_arguments(body, held)
 
     def laid(ops, extra):
         c, a, d = _parts(p, ops)
